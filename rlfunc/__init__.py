@@ -1,0 +1,12 @@
+"""rlfunc: the pure functional core of RL post-training for language models.
+
+Every public function is exported here, e.g. ``rlfunc.gae``, ``rlfunc.ppo_policy_loss``,
+``rlfunc.masked_whiten``. Nothing in this package touches ``torch.distributed``, ``nn.Module``, files or
+global state.
+"""
+
+from rlfunc.tree import *  # noqa: F401,F403
+from rlfunc.checks import *  # noqa: F401,F403
+from rlfunc.batch import *  # noqa: F401,F403
+from rlfunc.masked import *  # noqa: F401,F403
+from rlfunc.aggregation import *  # noqa: F401,F403

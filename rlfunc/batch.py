@@ -1,0 +1,176 @@
+"""Immutable batch pytrees and the row operations on them (select, split, concatenate, validate).
+
+A batch is a frozen ``attrs`` class registered as a torch pytree (see :func:`rlfunc.tree.pytree_dataclass`).
+Every tensor field has its row (sequence) dimension first, so the row operations below work on any
+such class, not only :class:`RolloutBatch`. Field shapes are declared in einops notation with
+``shape_field("b t")`` and checked by :func:`validate`, which names the field, the expected and the
+actual shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, TypeVar
+
+import attrs
+import torch
+from torch import Tensor
+
+from rlfunc.checks import check_shape
+from rlfunc.tree import pytree_dataclass, tree_leaves, tree_map, tree_structure
+
+__all__ = [
+    "RolloutBatch",
+    "shape_field",
+    "validate",
+    "batch_size",
+    "select",
+    "split",
+    "split_by_token_budget",
+    "token_budget_partitions",
+    "concat",
+]
+
+B = TypeVar("B")
+
+
+def shape_field(dims: str, *, dtype: str | None = None, optional: bool = True) -> Any:
+    """An attrs field whose tensor has the einops-style shape ``dims`` (``"b t"``, ``"b"``)."""
+    meta = {"shape": dims, "dtype": dtype}
+    if optional:
+        return attrs.field(default=None, metadata=meta)
+    return attrs.field(metadata=meta)
+
+
+@pytree_dataclass
+class RolloutBatch:
+    """Prompts, sampled responses and everything computed about them during one RL step.
+
+    ``b`` counts sequences (``n`` samples per prompt are ``n`` rows sharing a ``group_id``), ``p`` is the
+    left-padded prompt length and ``t`` the right-padded response length. Masks are ``torch.bool``.
+    Per-token fields are aligned with ``response_ids``: ``old_logprobs[i, j]`` is the log-probability of
+    ``response_ids[i, j]`` given everything before it.
+    """
+
+    prompt_ids: Tensor = shape_field("b p", dtype="int", optional=False)
+    prompt_mask: Tensor = shape_field("b p", dtype="bool", optional=False)
+    response_ids: Tensor = shape_field("b t", dtype="int", optional=False)
+    response_mask: Tensor = shape_field("b t", dtype="bool", optional=False)
+    group_ids: Tensor = shape_field("b", dtype="int", optional=False)
+    rollout_logprobs: Tensor | None = shape_field("b t", dtype="float")  # from the rollout engine
+    old_logprobs: Tensor | None = shape_field("b t", dtype="float")  # recomputed by the trainer
+    ref_logprobs: Tensor | None = shape_field("b t", dtype="float")
+    values: Tensor | None = shape_field("b t", dtype="float")
+    old_values: Tensor | None = shape_field("b t", dtype="float")
+    token_rewards: Tensor | None = shape_field("b t", dtype="float")
+    scores: Tensor | None = shape_field("b", dtype="float")  # one verifiable score per sequence
+    advantages: Tensor | None = shape_field("b t", dtype="float")
+    returns: Tensor | None = shape_field("b t", dtype="float")
+
+    @property
+    def input_ids(self) -> Tensor:
+        """``(b, p + t)`` prompt followed by response, as the model reads it."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+
+_DTYPE_OK = {
+    "int": lambda d: not d.is_floating_point and d != torch.bool and not d.is_complex,
+    "bool": lambda d: d == torch.bool,
+    "float": lambda d: d.is_floating_point,
+}
+
+
+def validate(batch: B) -> B:
+    """Check every present field against its declared shape and dtype; return the batch unchanged."""
+    bound: dict[str, int] = {}
+    cls_name = type(batch).__name__
+    for f in attrs.fields(type(batch)):
+        value = getattr(batch, f.name)
+        dims = f.metadata.get("shape")
+        if value is None or dims is None:
+            continue
+        check_shape(f"{cls_name}.{f.name}", value, dims, bound)
+        kind = f.metadata.get("dtype")
+        if kind is not None and not _DTYPE_OK[kind](value.dtype):
+            raise TypeError(f"{cls_name}.{f.name} must have a {kind} dtype, got {value.dtype}")
+    return batch
+
+
+def batch_size(batch: Any) -> int:
+    """Number of rows: the leading dim shared by every tensor leaf."""
+    sizes = {leaf.shape[0] for leaf in tree_leaves(batch) if isinstance(leaf, Tensor)}
+    if len(sizes) != 1:
+        raise ValueError(f"batch leaves disagree on the row dimension: sizes {sorted(sizes)}")
+    return sizes.pop()
+
+
+def select(batch: B, index: Tensor | slice | Sequence[int]) -> B:
+    """Rows ``index`` of every tensor leaf (an index tensor, a list of ints or a slice)."""
+    if isinstance(index, Sequence) and not isinstance(index, Tensor):
+        index = torch.as_tensor(index, dtype=torch.long)
+    return tree_map(lambda x: x[index] if isinstance(x, Tensor) else x, batch)
+
+
+def split(batch: B, num_chunks: int | None = None, *, chunk_size: int | None = None) -> list[B]:
+    """Split rows into ``num_chunks`` near-equal micro-batches, or chunks of ``chunk_size`` rows."""
+    n = batch_size(batch)
+    if (num_chunks is None) == (chunk_size is None):
+        raise ValueError("give exactly one of num_chunks and chunk_size")
+    if num_chunks is not None:
+        if not 1 <= num_chunks <= n:
+            raise ValueError(f"num_chunks must be in [1, {n}] for a batch of {n} rows, got {num_chunks}")
+        base, extra = divmod(n, num_chunks)
+        sizes = [base + (i < extra) for i in range(num_chunks)]
+    else:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        sizes = [min(chunk_size, n - s) for s in range(0, n, chunk_size)]
+    out, start = [], 0
+    for size in sizes:
+        out.append(select(batch, slice(start, start + size)))
+        start += size
+    return out
+
+
+def token_budget_partitions(tokens_per_row: Tensor, max_tokens: int) -> list[list[int]]:
+    """Group consecutive rows so each group's token total stays within ``max_tokens`` (order kept).
+
+    A row longer than the budget cannot be placed and raises.
+    """
+    counts = tokens_per_row.tolist()
+    groups: list[list[int]] = []
+    current: list[int] = []
+    total = 0
+    for i, c in enumerate(counts):
+        if c > max_tokens:
+            raise ValueError(f"row {i} has {int(c)} tokens, more than the micro-batch budget max_tokens={max_tokens}")
+        if current and total + c > max_tokens:
+            groups.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += c
+    if current:
+        groups.append(current)
+    return groups
+
+
+def split_by_token_budget(batch: B, tokens_per_row: Tensor, max_tokens: int) -> list[B]:
+    """Micro-batches of consecutive rows with at most ``max_tokens`` tokens each."""
+    return [select(batch, g) for g in token_budget_partitions(tokens_per_row, max_tokens)]
+
+
+def concat(batches: Sequence[B]) -> B:
+    """Concatenate batches of one type along rows. Tensors of different time length are not padded."""
+    if not batches:
+        raise ValueError("concat needs at least one batch")
+    first = batches[0]
+    structure = tree_structure(first)
+    for b in batches[1:]:
+        if type(b) is not type(first):
+            raise TypeError(f"cannot concatenate {type(first).__name__} with {type(b).__name__}")
+        if tree_structure(b) != structure:
+            raise ValueError(f"cannot concatenate batches with different fields set: {structure} vs {tree_structure(b)}")
+    return tree_map(lambda *xs: torch.cat(xs, dim=0), *batches)

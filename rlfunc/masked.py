@@ -1,0 +1,78 @@
+"""Masked reductions over token tensors.
+
+Positions outside the mask never reach a result, even when they hold NaN or inf: every op selects with
+``torch.where`` before reducing, rather than multiplying by the mask (``0 * nan`` is ``nan``).
+An empty mask gives 0 for sums and means, and 0 variance, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rlfunc.checks import check_mask, check_same_shape
+
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_fill_zero"]
+
+Dim = int | tuple[int, ...] | None
+
+
+def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
+    """``x`` where ``mask`` is true, 0 elsewhere (NaN outside the mask is dropped)."""
+    check_mask("mask", mask)
+    return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+    """Sum of ``x`` over the positions where ``mask`` is true."""
+    check_same_shape("x", x, mask=mask)
+    return masked_fill_zero(x, mask).sum(dim=dim)
+
+
+def _count(mask: Tensor, dim: Dim, dtype: torch.dtype) -> Tensor:
+    return mask.sum(dim=dim).to(dtype)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+    """Mean over the masked positions; 0 where the mask is empty."""
+    total = masked_sum(x, mask, dim)
+    count = _count(mask, dim, total.dtype)
+    return total / count.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, dim: Dim = None, *, unbiased: bool = True) -> Tensor:
+    """Variance over the masked positions (Bessel-corrected when ``unbiased``; 0 with < 2 elements).
+
+    verl's ``masked_var`` divides by ``count - 1`` and raises on an empty mask; here an empty or
+    single-element mask gives 0, so a one-token batch cannot produce NaN.
+    """
+    mean = masked_mean(x, mask, dim)
+    mean = mean if dim is None else mean.unsqueeze(dim) if isinstance(dim, int) else _unsqueeze_all(mean, dim)
+    centered_sq = masked_fill_zero((x - mean) ** 2, mask)
+    total = centered_sq.sum(dim=dim)
+    count = _count(mask, dim, total.dtype)
+    denom = (count - 1) if unbiased else count
+    return torch.where(count > int(unbiased), total / denom.clamp(min=1), torch.zeros_like(total))
+
+
+def _unsqueeze_all(x: Tensor, dims: tuple[int, ...]) -> Tensor:
+    for d in sorted(d % (x.dim() + len(dims)) for d in dims):
+        x = x.unsqueeze(d)
+    return x
+
+
+def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    r"""Normalise ``x`` to zero mean and unit variance over the masked positions.
+
+    .. math:: \hat x = (x - \mu) / \sqrt{\sigma^2 + \epsilon}
+
+    with :math:`\mu, \sigma^2` the masked mean and unbiased variance (as verl's ``masked_whiten``).
+    With ``shift_mean=False`` the mean is added back (only the scale changes). Positions outside the
+    mask come out as 0.
+    """
+    mean = masked_mean(x, mask)
+    var = masked_var(x, mask, unbiased=True)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return masked_fill_zero(whitened, mask)
