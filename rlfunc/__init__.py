@@ -10,3 +10,4 @@ from rlfunc.checks import *  # noqa: F401,F403
 from rlfunc.batch import *  # noqa: F401,F403
 from rlfunc.masked import *  # noqa: F401,F403
 from rlfunc.aggregation import *  # noqa: F401,F403
+from rlfunc.logits import *  # noqa: F401,F403
