@@ -46,6 +46,7 @@ def masked_var(x: Tensor, mask: Tensor, dim: Dim = None, *, unbiased: bool = Tru
     verl's ``masked_var`` divides by ``count - 1`` and raises on an empty mask; here an empty or
     single-element mask gives 0, so a one-token batch cannot produce NaN.
     """
+    x = masked_fill_zero(x, mask)  # NaN outside the mask would otherwise poison the gradient of the mean
     mean = masked_mean(x, mask, dim)
     mean = mean if dim is None else mean.unsqueeze(dim) if isinstance(dim, int) else _unsqueeze_all(mean, dim)
     centered_sq = masked_fill_zero((x - mean) ** 2, mask)
@@ -70,6 +71,7 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     With ``shift_mean=False`` the mean is added back (only the scale changes). Positions outside the
     mask come out as 0.
     """
+    x = masked_fill_zero(x, mask)
     mean = masked_mean(x, mask)
     var = masked_var(x, mask, unbiased=True)
     whitened = (x - mean) * torch.rsqrt(var + eps)

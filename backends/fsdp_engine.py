@@ -1,0 +1,588 @@
+"""FSDP2 training engine for a Hugging Face causal LM: actor (trainable) and reference (forward-only) roles.
+
+State is an explicit value. ``build_actor`` returns a :class:`TrainState`; ``update(state, batch,
+loss_fn)`` returns ``(new_state, metrics)``. The module and the optimizer inside the state are
+updated in place (they are FSDP-sharded and cannot be copied cheaply), so the old state object must
+not be reused after an update; only ``step`` is a plain value that the new state carries forward.
+
+Sharding: ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm, lm_head,
+tied or not), over a 1-D data-parallel ``DeviceMesh``. Parameters become ``DTensor``s sharded on dim 0;
+gloo on CPU, NCCL on GPU, the same code.
+
+One update (torchtitan-style, explicit):
+
+1. split the rank's batch into micro-batches (``micro_batch_size`` rows, or a token budget);
+2. count the loss tokens / sequences of the rank's batch and all-reduce them: the **global**
+   :class:`rlfunc.Normalizers`; every rank also learns the largest micro-batch count, and ranks with
+   fewer micro-batches run zero-weight dummy ones so the FSDP collectives line up;
+3. per micro-batch: forward, ``loss_fn(outputs, micro_batch, norms)``, backward; gradients are reduced
+   across ranks only on the last micro-batch. Because each micro-batch loss is divided by the global
+   counts, the sum of all micro-batch losses over all ranks *is* the global-batch loss; FSDP's
+   reduce-scatter averages over ranks, so each loss is multiplied by the data-parallel size before
+   backward, and the reduced gradient is exactly the gradient of the global-batch loss;
+4. global grad norm, clip, AdamW step at ``lr_at(optim_cfg, step)``.
+
+Host syncs per update: one at the start (the global counts, needed to pick the number of micro-batches
+and to detect an empty batch) and one at the end (all metrics in a single ``tolist()``).
+
+Defined behaviour on bad input (each tested):
+
+- **Empty batch** (``response_mask`` false everywhere on every rank): no forward, no backward, no
+  optimizer step; parameters and optimizer state are untouched. ``state.step`` still advances (the LR
+  schedule follows the recipe's step count, as in verl) and the metrics say ``update_skipped = 1``.
+- **Non-finite loss or gradient norm** (NaN / inf anywhere): the optimizer step is skipped and the
+  gradients are dropped, like verl's ``optimizer_step``; ``grad_norm`` / ``loss`` report the
+  non-finite value and ``update_skipped = 1``; ``state.step`` advances.
+- A row with an empty prompt raises (the first response token would have no context).
+
+Log-probabilities are those of the model's raw distribution (temperature 1), the same convention as
+the rollout engines' ``rollout_logprobs``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Iterator, Literal, Mapping
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from backends.optim import OptimConfig, build_optimizer, lr_at, set_lr
+from rlfunc.aggregation import Normalizers, local_normalizers
+from rlfunc.batch import RolloutBatch, batch_size, select, split, split_by_token_budget, validate
+from rlfunc.logits import entropy_from_logits, logprobs_from_logits
+from rlfunc.tree import pytree_dataclass, tree_map
+
+__all__ = [
+    "FSDPConfig",
+    "TrainState",
+    "ModelOutputs",
+    "LossFn",
+    "build_actor",
+    "build_reference",
+    "compute_logprobs",
+    "update",
+    "full_state_dict",
+    "micro_batches",
+    "global_normalizers",
+]
+
+
+# --------------------------------------------------------------------------------------------- configs
+
+
+@attrs.frozen
+class FSDPConfig:
+    """How the model is sharded, cast and fed (one per role)."""
+
+    #: dtype of the forward/backward compute; "auto" = bfloat16 on GPU, float32 on CPU. Master weights
+    #: and optimizer state stay fp32 for the actor; the reference stores its weights in this dtype.
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    #: dtype of the cross-rank gradient reduction
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    #: rows per micro-batch (used when max_tokens_per_micro_batch is not set)
+    micro_batch_size: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    #: token budget per micro-batch (prompt + response tokens), overrides micro_batch_size when set
+    max_tokens_per_micro_batch: int | None = None
+    #: recompute decoder-layer activations in backward (HF gradient checkpointing, use_reentrant=False)
+    gradient_checkpointing: bool = False
+    #: free the gathered parameters after forward (saves memory, all-gathers again in backward)
+    reshard_after_forward: bool = True
+    #: drop, per micro-batch, prompt columns that are padding in every row and response columns after
+    #: the last loss token. Results are unchanged, except for losses that depend on the padded length
+    #: (seq-mean-token-sum-norm without an explicit ``horizon``): pass the horizon, or turn this off.
+    trim_padding: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            raise ValueError(f"FSDPConfig.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+
+
+def _compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
+    if cfg.param_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.param_dtype)
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+@pytree_dataclass
+class ModelOutputs:
+    """Per-token quantities of the response tokens under the current model (fp32)."""
+
+    logprobs: Tensor  # (b t): log p(response_ids[i, j] | everything before it)
+    entropy: Tensor | None = None  # (b t): entropy of the next-token distribution at that position
+
+
+#: ``loss_fn(outputs, micro_batch, norms) -> (loss, metrics)``; ``loss`` must be a scalar normalised by
+#: the *global* ``norms`` (see rlfunc.aggregate), metrics a dict of scalar tensors.
+LossFn = Callable[[ModelOutputs, RolloutBatch, Normalizers], "tuple[Tensor, Mapping[str, Tensor]]"]
+
+
+@attrs.frozen
+class _Env:
+    """What the engine needs of ``backends.distributed.DistEnv`` (used when none is passed)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+@attrs.frozen(kw_only=True)
+class TrainState:
+    """One role's model (+ optimizer for the actor) and its step count.
+
+    ``module`` and ``optimizer`` are mutated in place by :func:`update`; ``step`` is the number of
+    updates done so far (the LR schedule's step).
+    """
+
+    module: nn.Module  # FSDP2-wrapped HF causal LM
+    optimizer: torch.optim.Optimizer | None  # None for the reference role
+    mesh: Any  # the data-parallel DeviceMesh
+    env: Any  # backends.distributed.DistEnv (or a structurally equal object)
+    fsdp_cfg: FSDPConfig
+    optim_cfg: OptimConfig | None = None
+    step: int = 0
+    role: Literal["actor", "reference"] = "actor"
+    log_prob_micro_batch_size: int | None = None  # default micro-batch size of compute_logprobs
+
+    def replace(self, **changes: Any) -> "TrainState":
+        return attrs.evolve(self, **changes)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    @property
+    def dp_size(self) -> int:
+        return self.mesh.size()
+
+
+# ------------------------------------------------------------------------------------------- building
+
+
+def _default_env() -> Any:
+    try:
+        from backends.distributed import init_distributed
+    except ImportError:  # pragma: no cover - backends.distributed is part of the package
+        init_distributed = None
+    if init_distributed is not None:
+        return init_distributed()
+    if not dist.is_initialized():
+        raise RuntimeError("no process group: call backends.distributed.init_distributed() first")
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    return _Env(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
+
+
+def _make_mesh(env: Any) -> Any:
+    try:
+        from backends.distributed import device_mesh
+    except ImportError:
+        device_mesh = None
+    if device_mesh is not None:
+        return device_mesh(env)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
+
+
+def _load_model(model: str | os.PathLike | nn.Module, dtype: torch.dtype) -> nn.Module:
+    if isinstance(model, nn.Module):
+        return model.to(dtype)
+    from backends.models import load_causal_lm
+
+    module, _tokenizer = load_causal_lm(model, dtype=dtype, device="cpu")
+    return module
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (HF's ``_no_split_modules`` classes, e.g. Qwen2DecoderLayer)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        inner = getattr(getattr(model, "model", None), "layers", None)
+        layers = list(inner) if inner is not None else []
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+def _shard(model: nn.Module, mesh: Any, cfg: FSDPConfig, param_dtype: torch.dtype | None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype))
+    for layer in _decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    # The root keeps its parameters (embeddings, final norm, lm_head) gathered after forward: backward
+    # starts with the lm_head, so resharding it would only gather it again right away.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+def build_actor(
+    model_path: str | os.PathLike | nn.Module,
+    env: Any = None,
+    optim_cfg: OptimConfig = OptimConfig(),
+    fsdp_cfg: FSDPConfig = FSDPConfig(),
+) -> TrainState:
+    """Load a local HF checkpoint (or take an unsharded HF module), shard it with FSDP2, add AdamW.
+
+    Every rank loads the full fp32 weights on CPU before sharding (fine for the models this runs on a
+    CPU; a large model would be built on the meta device and loaded shard by shard).
+    ``env`` defaults to ``backends.distributed.init_distributed()``.
+    """
+    env = _default_env() if env is None else env
+    model = _load_model(model_path, torch.float32)
+    if fsdp_cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+    mesh = _make_mesh(env)
+    model = _shard(model, mesh, fsdp_cfg, _compute_dtype(fsdp_cfg, env.device))
+    model.train()
+    optimizer = build_optimizer(model.parameters(), optim_cfg)
+    return TrainState(module=model, optimizer=optimizer, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, optim_cfg=optim_cfg)
+
+
+def build_reference(
+    model_path: str | os.PathLike | nn.Module,
+    env: Any = None,
+    fsdp_cfg: FSDPConfig = FSDPConfig(),
+    log_prob_micro_batch_size: int | None = None,
+) -> TrainState:
+    """A forward-only copy of a model (verl's ``ref`` role): no optimizer, no gradients, eval mode.
+
+    Its weights are stored in the compute dtype (no fp32 master copy), sharded like the actor's.
+    ``log_prob_micro_batch_size`` (rows) is the default micro-batch size of :func:`compute_logprobs`.
+    """
+    env = _default_env() if env is None else env
+    if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
+        raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
+    dtype = _compute_dtype(fsdp_cfg, env.device)
+    model = _load_model(model_path, dtype)
+    model.requires_grad_(False)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
+    mesh = _make_mesh(env)
+    model = _shard(model, mesh, fsdp_cfg, None)
+    model.eval()
+    return TrainState(
+        module=model, optimizer=None, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, role="reference",
+        log_prob_micro_batch_size=log_prob_micro_batch_size,
+    )
+
+
+# ------------------------------------------------------------------------------------- micro-batching
+
+
+def _check_batch(batch: RolloutBatch) -> None:
+    validate(batch)
+    if batch_size(batch) == 0:
+        raise ValueError("the batch has no rows")
+    has_prompt = batch.prompt_mask.any(dim=-1)
+    if not bool(has_prompt.all()):
+        row = int((~has_prompt).nonzero()[0])
+        raise ValueError(f"row {row} has an empty prompt (prompt_mask all false): the model needs at least one prompt token")
+
+
+def micro_batches(
+    batch: RolloutBatch, *, micro_batch_size: int | None = None, max_tokens: int | None = None
+) -> list[RolloutBatch]:
+    """Split rows into micro-batches: by a token budget (prompt + response tokens) if given, else by rows."""
+    if max_tokens is not None:
+        tokens = batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
+        return split_by_token_budget(batch, tokens.cpu(), max_tokens)
+    if micro_batch_size is None or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return split(batch, chunk_size=micro_batch_size)
+
+
+def _slice_dims(batch: RolloutBatch, dim_name: str, index: slice) -> RolloutBatch:
+    """Slice the ``dim_name`` axis ("p" or "t") of every field declared with it."""
+    changes = {}
+    for f in attrs.fields(type(batch)):
+        value = getattr(batch, f.name)
+        dims = (f.metadata.get("shape") or "").split()
+        if value is None or dim_name not in dims:
+            continue
+        axis = dims.index(dim_name)
+        changes[f.name] = value[(slice(None),) * axis + (index,)]
+    return batch.replace(**changes)
+
+
+def _trim(mb: RolloutBatch) -> RolloutBatch:
+    """Drop all-padding prompt columns on the left and response columns after the last loss token."""
+    first_prompt = int(mb.prompt_mask.any(0).int().argmax())
+    has_loss = mb.response_mask.any(0)
+    last_resp = int(has_loss.numel() - 1 - has_loss.flip(0).int().argmax()) if bool(has_loss.any()) else 0
+    return _slice_dims(_slice_dims(mb, "p", slice(first_prompt, None)), "t", slice(0, last_resp + 1))
+
+
+def _dummy(mb: RolloutBatch) -> RolloutBatch:
+    """One row with no loss tokens: run by a rank with fewer micro-batches than the others so that
+    every rank issues the same FSDP all-gathers and reduce-scatters. Its loss is also weighted by 0."""
+    row = select(mb, slice(0, 1))
+    return row.replace(response_mask=torch.zeros_like(row.response_mask))
+
+
+def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, batch)
+
+
+def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool) -> ModelOutputs:
+    """Log-probs (and entropies) of the response tokens; prompts are left-padded.
+
+    The response block is fully visible to attention: under the causal mask a real response token
+    only sees tokens before it, so padding after it changes nothing, and this keeps the result
+    independent of loss-masking edits to ``response_mask``.
+    """
+    t = mb.response_ids.shape[1]
+    input_ids = torch.cat([mb.prompt_ids, mb.response_ids], dim=1)
+    attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask)], dim=1)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = module(
+        input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
+        use_cache=False, logits_to_keep=t + 1,
+    )
+    logits = out.logits[:, :-1]  # position p-1+j predicts response token j
+    logprobs = logprobs_from_logits(logits, mb.response_ids)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return ModelOutputs(logprobs=logprobs, entropy=entropy)
+
+
+# ---------------------------------------------------------------------------------------- log-probs
+
+
+def compute_logprobs(
+    state: TrainState,
+    batch: RolloutBatch,
+    *,
+    with_entropy: bool = False,
+    micro_batch_size: int | None = None,
+) -> ModelOutputs:
+    """Log-probs (``b t``, fp32, on the batch's device) of the response tokens, without gradients.
+
+    Positions outside ``response_mask`` hold 0 when padding is trimmed. Runs in eval mode under
+    ``torch.no_grad`` (the module returns to train mode afterwards for the actor). Micro-batch size:
+    the argument, else the reference's ``log_prob_micro_batch_size``, else the FSDP config's budget or
+    rows. Every rank must call this the same number of times with the same number of micro-batches:
+    the count is agreed on with one small all-reduce.
+    """
+    _check_batch(batch)
+    cfg = state.fsdp_cfg
+    if micro_batch_size is not None:
+        mbs = micro_batches(batch, micro_batch_size=micro_batch_size)
+    elif state.log_prob_micro_batch_size is not None:
+        mbs = micro_batches(batch, micro_batch_size=state.log_prob_micro_batch_size)
+    else:
+        mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
+    n_max = _all_reduce_max(len(mbs), state)
+    out_device = batch.response_ids.device
+    module = state.module
+    was_training = module.training
+    module.eval()
+    b, t = batch.response_ids.shape
+    logprobs = torch.zeros(b, t, dtype=torch.float32, device=out_device)
+    entropy = torch.zeros(b, t, dtype=torch.float32, device=out_device) if with_entropy else None
+    try:
+        with torch.no_grad():
+            row = 0
+            for i in range(n_max):
+                real = i < len(mbs)
+                mb = mbs[i] if real else _dummy(mbs[0])
+                if cfg.trim_padding:
+                    mb = _trim(mb)
+                outputs = _forward(module, _to_device(mb, state.env.device), with_entropy=with_entropy)
+                if not real:
+                    continue
+                n, tt = mb.response_ids.shape
+                logprobs[row:row + n, :tt] = outputs.logprobs.to(out_device)
+                if with_entropy:
+                    entropy[row:row + n, :tt] = outputs.entropy.to(out_device)
+                row += n
+    finally:
+        module.train(was_training)
+    mask = batch.response_mask.to(out_device)
+    logprobs = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=out_device))
+    return ModelOutputs(logprobs=logprobs, entropy=entropy)
+
+
+# ------------------------------------------------------------------------------------------- update
+
+
+def _all_reduce_max(n: int, state: TrainState) -> int:
+    t = torch.tensor([n], dtype=torch.int64, device=state.env.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=state.dp_group)
+    return int(t.item())
+
+
+def global_normalizers(mbs: list[RolloutBatch], group: dist.ProcessGroup | None = None) -> Normalizers:
+    """Sum of ``local_normalizers(mb.response_mask)`` over micro-batches, all-reduced (SUM) over ``group``."""
+    norms = [local_normalizers(mb.response_mask) for mb in mbs]
+    total = norms[0]
+    for n in norms[1:]:
+        total = total + n
+    packed = torch.stack([total.num_tokens, total.num_seqs])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    return Normalizers(num_tokens=packed[0], num_seqs=packed[1])
+
+
+def _gather_counts(mbs: list[RolloutBatch], state: TrainState) -> tuple[Normalizers, int]:
+    """Global normalisers and the largest micro-batch count over ranks, in one collective."""
+    local = [local_normalizers(mb.response_mask) for mb in mbs]
+    mine = torch.stack(
+        [sum(n.num_tokens for n in local), sum(n.num_seqs for n in local), torch.tensor(float(len(mbs)))]
+    ).to(torch.float64).to(state.env.device)
+    everyone = [torch.empty_like(mine) for _ in range(state.dp_size)]
+    dist.all_gather(everyone, mine, group=state.dp_group)
+    table = torch.stack(everyone).cpu()
+    norms = Normalizers(
+        num_tokens=table[:, 0].sum().to(torch.float32).to(state.env.device),
+        num_seqs=table[:, 1].sum().to(torch.float32).to(state.env.device),
+    )
+    return norms, int(table[:, 2].max())
+
+
+def _scalar_metric(name: str, value: Any) -> Tensor:
+    value = torch.as_tensor(value)
+    if value.numel() != 1:
+        raise ValueError(f"loss_fn metric {name!r} must be a scalar, got shape {tuple(value.shape)}")
+    return value.detach().reshape(()).to(torch.float32)
+
+
+_ENGINE_METRICS = ("loss", "grad_norm", "lr", "update_skipped", "num_tokens", "num_seqs", "num_micro_batches")
+
+
+def update(
+    state: TrainState,
+    batch: RolloutBatch,
+    loss_fn: LossFn,
+    *,
+    with_entropy: bool = False,
+) -> tuple[TrainState, dict[str, float]]:
+    """One optimizer step on this rank's share of the global batch; returns ``(new_state, metrics)``.
+
+    ``loss_fn(outputs, micro_batch, norms) -> (loss, metrics)`` gets the model outputs of one
+    micro-batch (``entropy`` is filled when ``with_entropy``), the micro-batch itself and the global
+    normalisers, and must return a scalar loss normalised by them (``rlfunc.aggregate(..., norms)``).
+
+    Metrics (plain floats, equal on every rank): ``loss`` = the global-batch loss (sum of micro-batch
+    losses over micro-batches and ranks), ``grad_norm`` (global, before clipping), ``lr`` (used by this
+    step), ``update_skipped`` (1 for an empty batch or a non-finite loss / grad norm), ``num_tokens``,
+    ``num_seqs`` (the global normalisers), ``num_micro_batches``, and every ``loss_fn`` metric averaged
+    over this rank's micro-batches, then over ranks.
+    """
+    if state.optimizer is None or state.optim_cfg is None:
+        raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
+    _check_batch(batch)
+    cfg = state.fsdp_cfg
+    module, optimizer = state.module, state.optimizer
+    mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
+    norms, n_max = _gather_counts(mbs, state)
+    lr = lr_at(state.optim_cfg, state.step)
+    base = {
+        "lr": lr,
+        "num_tokens": float(norms.num_tokens),
+        "num_seqs": float(norms.num_seqs),
+        "num_micro_batches": float(n_max),
+    }
+    new_state = state.replace(step=state.step + 1)
+    if float(norms.num_tokens) == 0:
+        # Nothing to learn from. Stepping AdamW on zero gradients would still move the parameters
+        # (momentum, weight decay), so the step is skipped outright.
+        return new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}
+
+    module.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=state.env.device)
+    metric_sums: dict[str, Tensor] = {}
+    n_real = 0
+    for i in range(n_max):
+        real = i < len(mbs)
+        mb = mbs[i] if real else _dummy(mbs[0])
+        if cfg.trim_padding:
+            mb = _trim(mb)
+        mb = _to_device(mb, state.env.device)
+        module.set_requires_gradient_sync(i == n_max - 1)
+        outputs = _forward(module, mb, with_entropy=with_entropy)
+        loss, metrics = loss_fn(outputs, mb, norms)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise ValueError(f"loss_fn must return a scalar tensor loss, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
+        loss = loss.reshape(())
+        # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.
+        (loss * (state.dp_size if real else 0.0)).backward()
+        if not real:
+            continue
+        n_real += 1
+        loss_sum = loss_sum + loss.detach().float()
+        for name, value in dict(metrics).items():
+            if name in _ENGINE_METRICS:
+                raise ValueError(f"loss_fn metric name {name!r} clashes with an engine metric ({', '.join(_ENGINE_METRICS)})")
+            metric_sums[name] = metric_sums.get(name, 0.0) + _scalar_metric(name, value).to(loss_sum.device)
+
+    names = sorted(metric_sums)
+    packed = torch.stack([loss_sum] + [metric_sums[k] / max(n_real, 1) / state.dp_size for k in names])
+    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=state.dp_group)
+
+    params = [p for p in module.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+    if isinstance(grad_norm, DTensor):  # a Partial (per-shard) norm: reduce it to the global one
+        grad_norm = grad_norm.full_tensor()
+    host = torch.cat([packed, grad_norm.reshape(1).float()]).tolist()  # the one metrics sync
+    loss_value, metric_values, norm_value = host[0], host[1:-1], host[-1]
+
+    skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
+    if not skipped:
+        if state.optim_cfg.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in params], state.optim_cfg.clip_grad, grad_norm)
+        set_lr(optimizer, lr)
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    out = {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **base}
+    out.update(zip(names, metric_values))
+    return new_state, out
+
+
+# -------------------------------------------------------------------------------------- full weights
+
+
+def full_state_dict(
+    state: TrainState, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None
+) -> Iterator[tuple[str, Tensor]]:
+    """Stream ``(hf_name, full_tensor)`` one at a time, in ``module.state_dict()`` order.
+
+    Each sharded tensor is gathered with ``DTensor.full_tensor()`` (a collective: every rank must
+    consume the whole iterator, in step). Tied weights appear under every name the HF model has
+    (``model.embed_tokens.weight`` and ``lm_head.weight``), gathered once. ``dtype`` / ``device``
+    convert each tensor (e.g. ``torch.bfloat16`` for a bf16 rollout engine); default: as stored.
+    """
+    sd = state.module.state_dict()
+    counts: dict[int, int] = {}
+    for value in sd.values():
+        counts[id(value)] = counts.get(id(value), 0) + 1
+    cache: dict[int, Tensor] = {}
+    for name, value in sd.items():
+        key = id(value)
+        if key in cache:
+            full = cache[key]
+        else:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            full = full.detach()
+            if dtype is not None or device is not None:
+                full = full.to(dtype=dtype or full.dtype, device=device or full.device)
+            if counts[key] > 1:
+                cache[key] = full
+        yield name, full

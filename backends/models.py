@@ -1,0 +1,222 @@
+"""Local Hugging Face causal LMs: an offline char-level tokenizer, tiny random models, and loading.
+
+Nothing here touches the network: the tokenizer is built with ``tokenizers``, tiny models are random
+initialised and written with ``save_pretrained`` (safetensors), and :func:`load_causal_lm` reads a local
+directory with ``local_files_only=True``, so a tiny test model and a real Llama / Qwen2 checkpoint go
+through the same loading code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SPECIAL_TOKENS",
+    "build_char_tokenizer",
+    "TinyModelConfig",
+    "write_tiny_model",
+    "load_causal_lm",
+    "load_tokenizer",
+]
+
+#: ``config.model_type`` values :func:`load_causal_lm` accepts (the Llama and Qwen2 families).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+#: Special tokens of the char tokenizer, in id order (``<pad>`` is id 0).
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+_DEFAULT_CHARS = string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/"
+
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, model_max_length: int = 256) -> Any:
+    """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character.
+
+    Ids: ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``, then ``chars`` in order (digits, ``+-*=``, space,
+    letters, punctuation by default: 79 symbols). Encoding adds no special tokens; decoding joins the
+    characters back exactly (``decode(encode("12+34=46")) == "12+34=46"``). Padding is on the left,
+    which is what batched generation needs.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"chars contains duplicates: {chars!r}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in chars:
+        if ch in vocab:
+            raise ValueError(f"character {ch!r} collides with a special token")
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _validate_arch(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"TinyModelConfig.arch must be one of {SUPPORTED_MODEL_TYPES}, got {value!r}")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"TinyModelConfig.{attribute.name} must be >= 1, got {value}")
+
+
+@attrs.frozen
+class TinyModelConfig:
+    """A small random-init Llama / Qwen2 decoder (defaults: PLATFORM.md's config B, about 2.9M params).
+
+    ``head_dim = hidden_size // num_heads`` must be at least 32 (vLLM's CPU attention needs it).
+    """
+
+    arch: str = attrs.field(default="qwen2", validator=_validate_arch)  #: "qwen2" or "llama"
+    hidden_size: int = attrs.field(default=256, validator=_positive)
+    num_layers: int = attrs.field(default=4, validator=_positive)
+    num_heads: int = attrs.field(default=4, validator=_positive)  #: query heads
+    num_kv_heads: int = attrs.field(default=2, validator=_positive)  #: key/value heads (GQA)
+    intermediate_size: int = attrs.field(default=688, validator=_positive)  #: SwiGLU MLP width
+    tie_word_embeddings: bool = True  #: lm_head shares the input embedding
+    max_position_embeddings: int = attrs.field(default=256, validator=_positive)  #: context length
+    rope_theta: float = 10000.0
+    seed: int = 0  #: weight init seed (the global RNG is left untouched)
+
+    def __attrs_post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if self.head_dim < 32:
+            raise ValueError(
+                f"head_dim = hidden_size / num_heads = {self.hidden_size}/{self.num_heads} = {self.head_dim}"
+                " must be >= 32 (vLLM's CPU attention needs it)"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+def _hf_config(config: TinyModelConfig, tokenizer: Any) -> Any:
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        rope_theta=config.rope_theta,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        rms_norm_eps=1e-6,
+    )
+    if config.arch == "qwen2":
+        return Qwen2Config(**common)
+    return LlamaConfig(**common)
+
+
+def write_tiny_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None) -> Path:
+    """Random-init a tiny model and write a real HF checkpoint dir (config, safetensors, tokenizer).
+
+    The weights depend only on ``config`` (seeded by ``config.seed`` inside ``torch.random.fork_rng``,
+    so the caller's global RNG is not touched). Returns the directory.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    hf_config = _hf_config(config, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _check_model_dir(path: Path) -> dict:
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise NotADirectoryError(f"model path {str(path)!r} is not a directory (expected a Hugging Face checkpoint dir)")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
+    hf_config = json.loads(config_file.read_text())
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} in {str(config_file)!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    has_weights = any((path / f).is_file() for f in _WEIGHT_FILES) or any(path.glob("*.safetensors"))
+    if not has_weights:
+        raise FileNotFoundError(
+            f"{str(path)!r} has a config.json but no weights (looked for {', '.join(_WEIGHT_FILES)} or *.safetensors)"
+        )
+    return hf_config
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """The tokenizer saved in a local HF dir (offline); a clear error if there is none."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{str(path)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_causal_lm(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` from a local HF dir of the Llama or Qwen2 family, offline.
+
+    Errors name the problem: a missing dir, no ``config.json``, an unsupported ``model_type`` (listing
+    the supported ones), no weight files. The model comes back in eval mode on ``device`` in ``dtype``.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    _check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    model.to(device)
+    model.eval()
+    return model, load_tokenizer(path)

@@ -1,0 +1,124 @@
+"""The actor's optimizer (torch AdamW) and its learning-rate schedule, configured like verl's ``optim/fsdp.yaml``.
+
+The schedule is a pure function of the training step: :func:`lr_at` returns the learning rate to use
+for update number ``step`` (0-based). The engine writes it into the optimizer's param groups right
+before each ``optimizer.step()``, so there is no ``LambdaLR`` object to checkpoint or keep in sync:
+resuming at step ``k`` gives the learning rate of step ``k``. verl's ``LambdaLR`` gives the same
+sequence (it sets ``lr * lambda(0)`` at construction and advances once after every update).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Literal
+
+import attrs
+import torch
+
+__all__ = ["OptimConfig", "warmup_steps", "lr_multiplier", "lr_at", "build_optimizer", "set_lr"]
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if value < 0:
+        raise ValueError(f"OptimConfig.{attribute.name} must be >= 0, got {value}")
+
+
+def _ratio(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"OptimConfig.{attribute.name} must be in [0, 1], got {value}")
+
+
+@attrs.frozen
+class OptimConfig:
+    """AdamW and its LR schedule (field names and meaning follow verl's ``optim/fsdp.yaml``)."""
+
+    #: peak learning rate
+    lr: float = attrs.field(default=1e-6, validator=_non_negative)
+    #: Adam (beta1, beta2)
+    betas: tuple[float, float] = (0.9, 0.999)
+    #: decoupled weight decay (AdamW), applied to every parameter
+    weight_decay: float = attrs.field(default=0.01, validator=_non_negative)
+    #: Adam epsilon
+    eps: float = attrs.field(default=1e-8, validator=_non_negative)
+    #: max global L2 norm of the gradient; <= 0 turns clipping off (the norm is still reported)
+    clip_grad: float = 1.0
+    #: warm-up steps; <= 0 means "use lr_warmup_steps_ratio * total_training_steps"
+    lr_warmup_steps: int = -1
+    #: warm-up length as a fraction of total_training_steps (used when lr_warmup_steps <= 0)
+    lr_warmup_steps_ratio: float = attrs.field(default=0.0, validator=_ratio)
+    #: "constant" (after warm-up) or "cosine" (decay to min_lr_ratio * lr at total_training_steps)
+    lr_scheduler_type: Literal["constant", "cosine"] = attrs.field(
+        default="constant", validator=attrs.validators.in_(("constant", "cosine"))
+    )
+    #: floor of the cosine schedule, as a fraction of lr
+    min_lr_ratio: float = attrs.field(default=0.0, validator=_ratio)
+    #: number of cosine waves over the decay phase (0.5: one half-cosine from lr down to the floor)
+    num_cycles: float = 0.5
+    #: total number of updates; the recipe sets it (needed by "cosine" and by lr_warmup_steps_ratio)
+    total_training_steps: int = -1
+    #: verl's flag: True counts steps from 0 (the first update is step 0); False from 1 (torchtitan)
+    zero_indexed_step: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"OptimConfig.betas must be two numbers in [0, 1), got {self.betas}")
+
+
+def warmup_steps(cfg: OptimConfig) -> int:
+    """Number of warm-up steps: ``lr_warmup_steps`` if positive, else ``int(ratio * total_training_steps)``."""
+    if cfg.lr_warmup_steps > 0:
+        return cfg.lr_warmup_steps
+    if cfg.lr_warmup_steps_ratio > 0 and cfg.total_training_steps <= 0:
+        raise ValueError(
+            "OptimConfig.lr_warmup_steps_ratio > 0 needs total_training_steps > 0 "
+            f"(got total_training_steps={cfg.total_training_steps}); set it or use lr_warmup_steps"
+        )
+    return int(cfg.lr_warmup_steps_ratio * max(cfg.total_training_steps, 0))
+
+
+def lr_multiplier(cfg: OptimConfig, step: int) -> float:
+    r"""Factor applied to ``cfg.lr`` at update ``step`` (0-based), as verl's LR schedulers compute it.
+
+    With :math:`W` warm-up steps and :math:`T` total steps (``s`` shifted by one when
+    ``zero_indexed_step`` is false, for cosine only, as in verl):
+
+    - warm-up (:math:`s < W`): :math:`s / W` (linear from 0);
+    - ``constant``: 1 after warm-up;
+    - ``cosine``: :math:`\max(r, c\cos(2\pi k \cdot p) + i)` with :math:`p = (s - W)/(T - W)`,
+      :math:`c = (1 - r)/2`, :math:`i = (1 + r)/2`, :math:`r` = ``min_lr_ratio``, :math:`k` = ``num_cycles``.
+    """
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    n_warm = warmup_steps(cfg)
+    if cfg.lr_scheduler_type == "constant":
+        return step / max(1, n_warm) if step < n_warm else 1.0
+    if cfg.total_training_steps <= 0:
+        raise ValueError(
+            f"lr_scheduler_type='cosine' needs OptimConfig.total_training_steps > 0, got {cfg.total_training_steps}"
+        )
+    s = step if cfg.zero_indexed_step else step + 1
+    if s < n_warm:
+        return s / max(1, n_warm)
+    progress = (s - n_warm) / max(1, cfg.total_training_steps - n_warm)
+    coef, intercept = (1 - cfg.min_lr_ratio) * 0.5, (1 + cfg.min_lr_ratio) * 0.5
+    return max(cfg.min_lr_ratio, math.cos(math.pi * cfg.num_cycles * 2.0 * progress) * coef + intercept)
+
+
+def lr_at(cfg: OptimConfig, step: int) -> float:
+    """Learning rate of update ``step`` (0-based): ``cfg.lr * lr_multiplier(cfg, step)``."""
+    return cfg.lr * lr_multiplier(cfg, step)
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``params`` (plain tensors or FSDP2's sharded DTensors) at ``lr_at(cfg, 0)``."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("build_optimizer got no trainable parameters (all have requires_grad=False)")
+    lr_at(cfg, 0)  # validate the schedule settings now rather than at the first update
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Write ``lr`` into every param group (the schedule lives outside the optimizer)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,106 @@
+"""Native rollout engine vs ``transformers`` ``model.generate``: generated tokens per second.
+
+Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of
+``"a+b="`` prompts on the same random-init model (PLATFORM.md config B by default: Qwen2, hidden 256,
+4 layers, about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a
+response, i.e. up to and including the first EOS. Runs alternate between the two engines (so a noisy
+neighbour hits both alike); the medians and their ratio are printed.
+
+    python benchmarks/bench_rollout.py                 # 128 prompts x 1 sample, 32 new tokens
+    python benchmarks/bench_rollout.py --prompts 16 --n 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
+from backends.rollout_native import SamplingConfig, build_native_rollout, generate  # noqa: E402
+
+
+def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int, seed: int) -> int:
+    """Sample with ``model.generate``; return the number of response tokens (up to and incl. EOS)."""
+    enc = tokenizer(texts, return_tensors="pt", padding=True)
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(
+            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
+            max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        )
+    response = out[:, enc.input_ids.shape[1]:]
+    is_eos = response == tokenizer.eos_token_id
+    steps = response.shape[1]
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(response[:, 0], steps))
+    return int((first + 1).clamp(max=steps).sum())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
+    ap.add_argument("--model-dir", default=None, help="an existing HF dir instead of a fresh config-B model")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    tmp = None
+    if args.model_dir is None:
+        tmp = tempfile.TemporaryDirectory()
+        model_dir = write_tiny_model(tmp.name, TinyModelConfig(arch=args.arch))
+    else:
+        model_dir = Path(args.model_dir)
+    model, tokenizer = load_causal_lm(model_dir)
+    rollout = build_native_rollout(model_dir, tokenizer)
+    params = sum(p.numel() for p in model.parameters())
+
+    rng = random.Random(0)
+    texts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(args.prompts)]
+    prompts = [tokenizer.encode(t) for t in texts]
+    sampling = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
+
+    def run_native(seed: int) -> int:
+        return int(generate(rollout, prompts, sampling, seed=seed).response_mask.sum())
+
+    def run_hf(seed: int) -> int:
+        return hf_generate(model, tokenizer, texts, args.n, args.max_new_tokens, seed)
+
+    rates: dict[str, list[float]] = {"native": [], "hf": []}
+    run_native(-1), run_hf(-1)  # warm-up
+    for r in range(args.runs):
+        for name, fn in (("native", run_native), ("hf", run_hf)):
+            t0 = time.perf_counter()
+            tokens = fn(r)
+            dt = time.perf_counter() - t0
+            rates[name].append(tokens / dt)
+            print(f"run {r} {name:6s}: {tokens:5d} tokens in {dt:.3f} s = {tokens / dt:8.0f} tokens/s", flush=True)
+
+    native, hf = statistics.median(rates["native"]), statistics.median(rates["hf"])
+    print(
+        f"\nmodel {args.arch} {params / 1e6:.2f}M params, {args.prompts} prompts x {args.n}, "
+        f"max_new_tokens {args.max_new_tokens}, {torch.get_num_threads()} thread(s), median of {args.runs}"
+    )
+    print(f"native rollout          : {native:8.0f} tokens/s")
+    print(f"transformers generate   : {hf:8.0f} tokens/s")
+    print(f"ratio native / generate : {native / hf:.2f}x (target >= 2x)")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
