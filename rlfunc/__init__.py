@@ -11,3 +11,5 @@ from rlfunc.batch import *  # noqa: F401,F403
 from rlfunc.masked import *  # noqa: F401,F403
 from rlfunc.aggregation import *  # noqa: F401,F403
 from rlfunc.logits import *  # noqa: F401,F403
+from rlfunc.policy_losses import *  # noqa: F401,F403
+from rlfunc.value_loss import *  # noqa: F401,F403

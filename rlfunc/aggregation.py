@@ -79,14 +79,13 @@ def aggregate(
         raise ValueError(f"loss_mat must have shape (b, t), got {tuple(loss_mat.shape)}")
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation mode {mode!r}; known modes: {', '.join(AGG_MODES)}")
-    if norms is None:
-        norms = local_normalizers(mask)
     masked = masked_fill_zero(loss_mat, mask)
     if mode == "token-sum":
         return masked.sum()
     if mode == "token-mean":
-        return masked.sum() / norms.num_tokens.clamp(min=1)
-    num_seqs = norms.num_seqs.clamp(min=1)
+        num_tokens = mask.sum().to(masked.dtype) if norms is None else norms.num_tokens
+        return masked.sum() / num_tokens.clamp(min=1)
+    num_seqs = (mask.any(dim=-1).sum().to(masked.dtype) if norms is None else norms.num_seqs).clamp(min=1)
     if mode == "seq-mean-token-mean":
         per_seq = masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1).to(masked.dtype)
         return per_seq.sum() / num_seqs

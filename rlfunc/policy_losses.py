@@ -166,8 +166,9 @@ def ppo_policy_loss(
     :math:`\tilde r = \exp(\mathrm{clamp}(\log r, l, u))`, where :math:`(l, u)` is
     :math:`(-20, \log(1+\epsilon_{high}))` for :math:`A \ge 0` and
     :math:`(\log(1-\epsilon_{low}), \log c)` for :math:`A < 0` (:math:`\log c` is 20 without dual
-    clip). That is the same value and gradient as the min/max form and verl's +-20 clamp of
-    :math:`\log r`, with one ``exp`` and no unused branch.
+    clip). That is the value (up to float rounding of :math:`\exp\log(1\pm\epsilon)`) and the gradient
+    of the min/max form with verl's +-20 clamp of :math:`\log r`, with one ``exp``, no unused branch
+    and no boolean ``torch.where`` on the advantage signs.
 
     Metrics (verl's ``compute_policy_loss_vanilla`` key in brackets):
 
@@ -187,12 +188,18 @@ def ppo_policy_loss(
         raise ValueError(f"dual_clip must be > 1 (it bounds the ratio for negative advantages), got {dual_clip}")
 
     log_ratio = _log_ratio(logprobs, old_logprobs, response_mask)
-    negative = advantages < 0
-    # Per-token clamp bounds in log space: the upper one acts on A >= 0, the lower one on A < 0.
-    pos_upper = min(math.log1p(high), _MAX_LOG_RATIO)
+    # Per-token clamp bounds on log r: (-20, log(1+eps_high)) where A >= 0, (log(1-eps_low), log c)
+    # where A < 0. Selected with 0/1 float weights (each term is exactly 0 or the bound, so the sum is
+    # exact): torch.where on a bool of unpredictable signs is several times slower on CPU than a few
+    # vectorised multiply-adds.
+    pos_lower, pos_upper = -_MAX_LOG_RATIO, min(math.log1p(high), _MAX_LOG_RATIO)
+    neg_lower = math.log1p(-low)
     neg_upper = _MAX_LOG_RATIO if dual_clip is None else min(math.log(dual_clip), _MAX_LOG_RATIO)
-    lower = torch.where(negative, _scalar(math.log1p(-low), log_ratio), _scalar(-_MAX_LOG_RATIO, log_ratio))
-    upper = torch.where(negative, _scalar(neg_upper, log_ratio), _scalar(pos_upper, log_ratio))
+    with torch.no_grad():
+        negative = (advantages < 0).to(log_ratio.dtype)
+        non_negative = 1.0 - negative
+        lower = negative * neg_lower + non_negative * pos_lower
+        upper = negative * neg_upper + non_negative * pos_upper
     clipped_log_ratio = torch.clamp(log_ratio, lower, upper)
     surrogate = _apply_is_weights(torch.exp(clipped_log_ratio) * advantages, is_weights)
     loss = -aggregate(surrogate, response_mask, agg, norms, horizon=horizon)
@@ -204,7 +211,7 @@ def ppo_policy_loss(
         excess = advantages * (log_ratio - clipped_log_ratio)
         metrics = {
             "clip_frac": (excess > 0).sum() / count,
-            "dual_clip_frac": ((excess < 0) & negative).sum() / count if dual_clip is not None else _zero(loss),
+            "dual_clip_frac": ((excess < 0) & (advantages < 0)).sum() / count if dual_clip is not None else _zero(loss),
             "ppo_kl": -log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).sum() / count,
         }
     return loss, metrics
@@ -581,9 +588,10 @@ def gmpo_policy_loss(
     an empty mask. Here the default ``"seq-mean-token-mean"`` gives that same mean over non-empty
     rows, divided by the global sequence count from ``norms``, so it accumulates over micro-batches.
 
-    Metrics: ``clip_frac`` [``actor/pg_clipfrac``]: tokens with :math:`A > 0` whose log-ratio left the
-    clip range; ``clip_frac_lower`` [``actor/pg_clipfrac_lower``]: the same for :math:`A < 0`;
-    ``ppo_kl`` [``actor/ppo_kl``].
+    Metrics: ``clip_frac`` [``actor/pg_clipfrac``]: tokens with :math:`A > 0` whose log-ratio is
+    outside :math:`[-\epsilon_{low}, \epsilon_{high}]`; ``clip_frac_lower`` [``actor/pg_clipfrac_lower``]:
+    the same for :math:`A < 0`. As in verl, either side counts, though only one side changes the
+    loss for a given sign. ``ppo_kl`` [``actor/ppo_kl``].
     """
     _check_inputs(logprobs, old_logprobs, advantages, response_mask, is_weights)
     low, high = _clip_bounds(clip_low, clip_high)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-
 from verl.trainer.ppo import core_algos
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
@@ -62,6 +61,24 @@ def actor_config(verl: dict, global_info: dict) -> ActorConfig:
     return cfg
 
 
+def run_verl_policy_loss(case: dict, inp: dict[str, torch.Tensor], *, seed: int):
+    """verl's loss, its gradient with respect to ``log_prob``, and its metrics for one case."""
+    torch.manual_seed(seed)  # clip_cov draws from the global RNG
+    log_prob = inp["log_prob"].clone().requires_grad_(True)
+    cfg = actor_config(dict(case["verl"], loss_agg_mode=case["agg"]), case["global_info"])
+    loss, metrics = core_algos.get_policy_loss_fn(case["loss"])(
+        old_log_prob=inp["old_log_prob"],
+        log_prob=log_prob,
+        advantages=inp["advantages"],
+        response_mask=inp["response_mask"],
+        loss_agg_mode=case["agg"],
+        config=cfg,
+        rollout_is_weights=inp["is_weights"] if case["is_weights"] else None,
+    )
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    return loss, grad, metrics
+
+
 def main() -> None:
     tensors: dict[str, torch.Tensor] = {}
     inputs = {"with_empty": make_inputs(0, 8, 16, empty_row=True), "no_empty": make_inputs(1, 5, 9, empty_row=False)}
@@ -73,41 +90,79 @@ def main() -> None:
 
     def policy_case(loss: str, inputs_name: str, agg: str, verl: dict, ours: dict, *, global_info=None, weights=False):
         cases.append(
-            dict(kind="policy", loss=loss, inputs=inputs_name, agg=agg, verl=verl, ours=ours,
-                 global_info=global_info or {}, is_weights=weights)
+            dict(
+                kind="policy",
+                loss=loss,
+                inputs=inputs_name,
+                agg=agg,
+                verl=verl,
+                ours=ours,
+                global_info=global_info or {},
+                is_weights=weights,
+            )
         )
 
     sym = dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2)
     dapo = dict(clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28)
     for agg in AGG_MODES:
         policy_case("vanilla", "with_empty", agg, dict(sym, clip_ratio_c=3.0), dict(clip_low=0.2, dual_clip=3.0))
-        policy_case("vanilla", "with_empty", agg, dict(dapo, clip_ratio_c=NO_DUAL_CLIP),
-                    dict(clip_low=0.2, clip_high=0.28))
+        policy_case(
+            "vanilla", "with_empty", agg, dict(dapo, clip_ratio_c=NO_DUAL_CLIP), dict(clip_low=0.2, clip_high=0.28)
+        )
     # tight clip and a low dual clip so both clips bite on many tokens; rollout IS weights; global normalisers
-    policy_case("vanilla", "with_empty", "token-mean", dict(clip_ratio=0.05, clip_ratio_low=0.05,
-                clip_ratio_high=0.1, clip_ratio_c=1.2), dict(clip_low=0.05, clip_high=0.1, dual_clip=1.2))
-    policy_case("vanilla", "with_empty", "token-mean", dict(dapo, clip_ratio_c=3.0),
-                dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0), weights=True)
+    policy_case(
+        "vanilla",
+        "with_empty",
+        "token-mean",
+        dict(clip_ratio=0.05, clip_ratio_low=0.05, clip_ratio_high=0.1, clip_ratio_c=1.2),
+        dict(clip_low=0.05, clip_high=0.1, dual_clip=1.2),
+    )
+    policy_case(
+        "vanilla",
+        "with_empty",
+        "token-mean",
+        dict(dapo, clip_ratio_c=3.0),
+        dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0),
+        weights=True,
+    )
     for agg, info in [
         ("token-mean", {"batch_num_tokens": 100}),
         ("seq-mean-token-mean", {"global_batch_size": 11}),
         ("seq-mean-token-sum", {"global_batch_size": 11}),
         ("seq-mean-token-sum-norm", {"global_batch_size": 11, "loss_scale_factor": 16}),
     ]:
-        policy_case("vanilla", "with_empty", agg, dict(sym, clip_ratio_c=3.0), dict(clip_low=0.2, dual_clip=3.0),
-                    global_info=info)
+        policy_case(
+            "vanilla",
+            "with_empty",
+            agg,
+            dict(sym, clip_ratio_c=3.0),
+            dict(clip_low=0.2, dual_clip=3.0),
+            global_info=info,
+        )
 
     for agg in ["token-mean", "seq-mean-token-mean"]:
         for clip in [(0.2, 0.2), (0.003, 0.004)]:
-            policy_case("gspo", "with_empty", agg, dict(clip_ratio=clip[0], clip_ratio_low=clip[0],
-                        clip_ratio_high=clip[1]), dict(clip_low=clip[0], clip_high=clip[1]))
+            policy_case(
+                "gspo",
+                "with_empty",
+                agg,
+                dict(clip_ratio=clip[0], clip_ratio_low=clip[0], clip_ratio_high=clip[1]),
+                dict(clip_low=clip[0], clip_high=clip[1]),
+            )
     policy_case("gspo", "with_empty", "seq-mean-token-mean", dict(sym), dict(clip_low=0.2), weights=True)
 
     # verl's sapo always aggregates with seq-mean-token-mean
-    policy_case("sapo", "with_empty", "seq-mean-token-mean", dict(tau_pos=1.0, tau_neg=1.05),
-                dict(tau_pos=1.0, tau_neg=1.05))
-    policy_case("sapo", "with_empty", "seq-mean-token-mean", dict(tau_pos=2.0, tau_neg=4.0),
-                dict(tau_pos=2.0, tau_neg=4.0), weights=True)
+    policy_case(
+        "sapo", "with_empty", "seq-mean-token-mean", dict(tau_pos=1.0, tau_neg=1.05), dict(tau_pos=1.0, tau_neg=1.05)
+    )
+    policy_case(
+        "sapo",
+        "with_empty",
+        "seq-mean-token-mean",
+        dict(tau_pos=2.0, tau_neg=4.0),
+        dict(tau_pos=2.0, tau_neg=4.0),
+        weights=True,
+    )
 
     for agg in ["token-mean", "seq-mean-token-sum"]:
         policy_case("cispo", "with_empty", agg, dict(dapo), dict(clip_low=0.2, clip_high=0.28))
@@ -119,44 +174,40 @@ def main() -> None:
 
     # clip_cov: settings where every candidate is picked (the pick is random otherwise), and none
     for lb, ub, ratio in [(0.0, 5.0, 0.9), (0.2, 1.0, 0.5), (100.0, 200.0, 0.0002)]:
-        policy_case("clip_cov", "with_empty", "token-mean",
-                    dict(sym, policy_loss=dict(clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub)),
-                    dict(clip_low=0.2, clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub))
+        policy_case(
+            "clip_cov",
+            "with_empty",
+            "token-mean",
+            dict(sym, policy_loss=dict(clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub)),
+            dict(clip_low=0.2, clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub),
+        )
 
     for ratio, coef in [(0.0002, 0.1), (0.2, 1.0)]:
         for agg in ["token-mean", "seq-mean-token-sum"]:
-            policy_case("kl_cov", "with_empty", agg, dict(policy_loss=dict(kl_cov_ratio=ratio, ppo_kl_coef=coef)),
-                        dict(kl_cov_ratio=ratio, ppo_kl_coef=coef))
+            policy_case(
+                "kl_cov",
+                "with_empty",
+                agg,
+                dict(policy_loss=dict(kl_cov_ratio=ratio, ppo_kl_coef=coef)),
+                dict(kl_cov_ratio=ratio, ppo_kl_coef=coef),
+            )
 
     # verl's geo_mean ignores loss_agg_mode (plain mean over rows): compare with rows all non-empty
     for clip in [(0.2, 0.2), (0.1, 0.4)]:
-        policy_case("geo_mean", "no_empty", "seq-mean-token-mean",
-                    dict(clip_ratio=clip[0], clip_ratio_low=clip[0], clip_ratio_high=clip[1]),
-                    dict(clip_low=clip[0], clip_high=clip[1]))
+        policy_case(
+            "geo_mean",
+            "no_empty",
+            "seq-mean-token-mean",
+            dict(clip_ratio=clip[0], clip_ratio_low=clip[0], clip_ratio_high=clip[1]),
+            dict(clip_low=clip[0], clip_high=clip[1]),
+        )
     policy_case("geo_mean", "no_empty", "seq-mean-token-mean", dict(sym), dict(clip_low=0.2), weights=True)
 
     for i, case in enumerate(cases):
         inp = inputs[case["inputs"]]
-        log_prob = inp["log_prob"].clone().requires_grad_(True)
-        cfg = actor_config(dict(case["verl"], loss_agg_mode=case["agg"]), case["global_info"])
-
-        def run(seed: int):
-            torch.manual_seed(seed)  # clip_cov draws from the global RNG
-            loss, metrics = core_algos.get_policy_loss_fn(case["loss"])(
-                old_log_prob=inp["old_log_prob"],
-                log_prob=log_prob,
-                advantages=inp["advantages"],
-                response_mask=inp["response_mask"],
-                loss_agg_mode=case["agg"],
-                config=cfg,
-                rollout_is_weights=inp["is_weights"] if case["is_weights"] else None,
-            )
-            (grad,) = torch.autograd.grad(loss, log_prob)
-            return loss, grad, metrics
-
-        loss, grad, metrics = run(0)
+        loss, grad, metrics = run_verl_policy_loss(case, inp, seed=0)
         for seed in (1, 2, 3):  # the stored result must not depend on verl's random draws
-            loss2, grad2, _ = run(seed)
+            loss2, grad2, _ = run_verl_policy_loss(case, inp, seed=seed)
             assert torch.equal(loss, loss2) and torch.equal(grad, grad2), f"case {i} depends on the RNG"
         tensors[f"case{i}/loss"] = loss.detach().reshape(())
         tensors[f"case{i}/grad"] = grad.contiguous()
@@ -165,7 +216,10 @@ def main() -> None:
             tensors[f"case{i}/metric/{name}"] = torch.tensor(float(value), dtype=torch.float32)
 
     # value loss: verl has no "unclipped" switch; a huge clip range never bites
-    value_cases = [(agg, c) for agg in AGG_MODES for c in (0.2, 0.5)] + [("token-mean", None), ("seq-mean-token-sum", None)]
+    value_cases = [(agg, c) for agg in AGG_MODES for c in (0.2, 0.5)] + [
+        ("token-mean", None),
+        ("seq-mean-token-sum", None),
+    ]
     value_globals = [{}, {"batch_num_tokens": 80, "global_batch_size": 9, "loss_scale_factor": 20}]
     for agg, clip in value_cases:
         for info in value_globals:
