@@ -13,3 +13,6 @@ from rlfunc.aggregation import *  # noqa: F401,F403
 from rlfunc.logits import *  # noqa: F401,F403
 from rlfunc.policy_losses import *  # noqa: F401,F403
 from rlfunc.value_loss import *  # noqa: F401,F403
+from rlfunc.kl import *  # noqa: F401,F403
+from rlfunc.schedules import *  # noqa: F401,F403
+from rlfunc.rewards import *  # noqa: F401,F403
