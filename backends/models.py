@@ -22,6 +22,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "build_char_tokenizer",
     "TinyModelConfig",
+    "build_tiny_model",
     "write_tiny_model",
     "load_causal_lm",
     "load_tokenizer",
@@ -102,6 +103,7 @@ class TinyModelConfig:
     tie_word_embeddings: bool = True  #: lm_head shares the input embedding
     max_position_embeddings: int = attrs.field(default=256, validator=_positive)  #: context length
     rope_theta: float = 10000.0
+    initializer_range: float = 0.02  #: std of the random init (HF's default 0.02)
     seed: int = 0  #: weight init seed (the global RNG is left untouched)
 
     def __attrs_post_init__(self) -> None:
@@ -137,21 +139,22 @@ def _hf_config(config: TinyModelConfig, tokenizer: Any) -> Any:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         rms_norm_eps=1e-6,
+        initializer_range=config.initializer_range,
     )
     if config.arch == "qwen2":
         return Qwen2Config(**common)
     return LlamaConfig(**common)
 
 
-def write_tiny_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None) -> Path:
-    """Random-init a tiny model and write a real HF checkpoint dir (config, safetensors, tokenizer).
+def build_tiny_model(config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None) -> Any:
+    """The in-memory random-init HF model (``Qwen2ForCausalLM`` / ``LlamaForCausalLM``, fp32, eval mode).
 
     The weights depend only on ``config`` (seeded by ``config.seed`` inside ``torch.random.fork_rng``,
-    so the caller's global RNG is not touched). Returns the directory.
+    so the caller's global RNG is not touched). The vocabulary is the tokenizer's (default: the char
+    tokenizer of :func:`build_char_tokenizer`).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    out = Path(out_dir)
     tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
     hf_config = _hf_config(config, tokenizer)
     with torch.random.fork_rng(devices=[]):
@@ -160,6 +163,17 @@ def write_tiny_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyM
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
+    return model.eval()
+
+
+def write_tiny_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None) -> Path:
+    """Write :func:`build_tiny_model`'s model as a real HF checkpoint dir (config, safetensors, tokenizer).
+
+    Returns the directory (created if needed).
+    """
+    out = Path(out_dir)
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    model = build_tiny_model(config, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

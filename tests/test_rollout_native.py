@@ -1,0 +1,388 @@
+"""backends.rollout_native: batched sampling with a KV cache, against HF generate and a trainer forward.
+
+Every model here is a tiny random-init Qwen2 / Llama written by ``write_tiny_model`` and loaded back
+through ``load_causal_lm``, the path a real checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import pytest
+import torch
+
+from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
+from backends.rollout_native import (
+    NativeRollout,
+    SamplingConfig,
+    build_native_rollout,
+    decode_responses,
+    generate,
+    sample_tokens,
+    sync_weights,
+)
+from rlfunc.batch import RolloutBatch, validate
+from rlfunc.logits import logprobs_from_logits
+
+TINY = dict(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
+    initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
+)
+QWEN2_ONLY = pytest.mark.parametrize("setup", ["qwen2"], indirect=True)  # architecture-independent checks
+TEXTS = ["1+2=", "12+34=", "7+80=", "99+99="]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def setup(request, tmp_path_factory):
+    """(config, model dir, HF model, tokenizer, rollout) for one architecture."""
+    config = TinyModelConfig(arch=request.param, **TINY)
+    path = write_tiny_model(tmp_path_factory.mktemp(request.param), config)
+    model, tok = load_causal_lm(path)
+    return config, path, model, tok, build_native_rollout(path)
+
+
+@pytest.fixture(scope="module")
+def many_eos(setup):
+    """A rollout whose EOS set is every digit and letter a-j, so rows end at many different steps."""
+    _, path, _, tok, _ = setup
+    eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in "0123456789abcdefghij"]
+    return build_native_rollout(path, tok, eos_token_ids=eos)
+
+
+def _prompts(tok, texts=TEXTS):
+    return [tok.encode(t) for t in texts]
+
+
+def trainer_logprobs(model, batch: RolloutBatch) -> torch.Tensor:
+    """What a trainer recomputes: one plain forward over prompt + response (mask, position ids)."""
+    mask = batch.attention_mask
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=position_ids).logits
+    p = batch.prompt_ids.shape[1]
+    return logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids)
+
+
+def hf_greedy(model, tok, texts, max_new_tokens):
+    enc = tok(texts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id)
+    return enc.input_ids, out[:, enc.input_ids.shape[1] :]
+
+
+def first_eos_lengths(ids: torch.Tensor, eos_ids) -> torch.Tensor:
+    is_eos = torch.isin(ids, torch.tensor(eos_ids))
+    steps = ids.shape[1]
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full((ids.shape[0],), steps))
+    return (first + 1).clamp(max=steps)
+
+
+# --------------------------------------------------------------------------------------------------
+# The batch
+
+
+def test_generate_returns_a_valid_batch(setup, many_eos):
+    _, _, _, tok, _ = setup
+    prompts = _prompts(tok)
+    sampling = SamplingConfig(n=3, max_new_tokens=12, seed=3)
+    batch = generate(many_eos, prompts, sampling)
+    validate(batch)
+    b = len(prompts) * 3
+    assert batch.prompt_ids.shape == (b, max(map(len, prompts)))
+    assert batch.response_ids.shape[0] == b and 1 <= batch.response_ids.shape[1] <= 12
+    assert batch.prompt_mask.dtype == torch.bool and batch.response_mask.dtype == torch.bool
+    assert batch.rollout_logprobs.dtype == torch.float32
+    assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    for row in range(b):
+        prompt = prompts[row // 3]
+        p = batch.prompt_ids.shape[1]
+        assert batch.prompt_ids[row, p - len(prompt) :].tolist() == prompt  # left padded
+        assert batch.prompt_ids[row, : p - len(prompt)].eq(tok.pad_token_id).all()
+        assert batch.prompt_mask[row].tolist() == [False] * (p - len(prompt)) + [True] * len(prompt)
+    # response_mask: true up to and including the first EOS, false after; pad and log-prob 0 after
+    lengths = first_eos_lengths(batch.response_ids, many_eos.eos_token_ids)
+    t = batch.response_ids.shape[1]
+    expected = torch.arange(t)[None] < lengths[:, None]
+    assert torch.equal(batch.response_mask, expected)
+    assert batch.response_ids[~expected].eq(tok.pad_token_id).all()
+    assert batch.rollout_logprobs[~expected].eq(0).all()
+    assert (batch.rollout_logprobs[expected] < 0).all()
+    assert t == int(lengths.max())
+    ended = torch.isin(batch.response_ids, torch.tensor(many_eos.eos_token_ids)).any(-1)
+    assert ended.any() and lengths.unique().numel() > 2  # rows end at different steps
+    assert (lengths[~ended] == t).all() if (~ended).any() else True
+    # plain tensors (not inference tensors): usable in autograd by the trainer
+    assert not batch.rollout_logprobs.is_inference() and not batch.response_ids.is_inference()
+
+
+@QWEN2_ONLY
+def test_rows_without_eos_run_to_max_new_tokens(setup):
+    _, path, _, tok, _ = setup
+    never = build_native_rollout(path, tok, eos_token_ids=[tok.vocab_size + 5])  # an id that is never sampled
+    batch = generate(never, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=7))
+    assert batch.response_ids.shape == (4, 7) and batch.response_mask.all()
+
+
+@QWEN2_ONLY
+def test_group_ids(setup):
+    _, _, _, tok, rollout = setup
+    batch = generate(rollout, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=3), group_ids=torch.tensor([10, 42]))
+    assert batch.group_ids.tolist() == [10, 10, 42, 42]
+    with pytest.raises(ValueError, match=r"group_ids must be an integer tensor of shape \(2,\)"):
+        generate(rollout, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=3), group_ids=torch.tensor([1, 2, 3]))
+
+
+@QWEN2_ONLY
+def test_decode_responses(setup, many_eos):
+    _, _, _, tok, _ = setup
+    batch = generate(many_eos, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=6))
+    texts = decode_responses(tok, batch)
+    for row, text in enumerate(texts):
+        ids = batch.response_ids[row][batch.response_mask[row]].tolist()
+        assert text == tok.decode(ids, skip_special_tokens=True)
+        assert "<eos>" not in text and "<pad>" not in text
+
+
+# --------------------------------------------------------------------------------------------------
+# Agreement with transformers
+
+
+def test_greedy_equals_hf_generate(setup):
+    _, _, model, tok, rollout = setup
+    batch = generate(rollout, _prompts(tok), SamplingConfig(n=2, temperature=0.0, max_new_tokens=16))
+    hf_prompt, hf_response = hf_greedy(model, tok, TEXTS, 16)
+    assert torch.equal(batch.prompt_ids[::2], hf_prompt)
+    assert torch.equal(batch.response_ids[::2], hf_response)
+    assert torch.equal(batch.response_ids[1::2], hf_response)  # both samples of a prompt agree
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(n=4, max_new_tokens=16, seed=7),
+        SamplingConfig(n=4, max_new_tokens=16, seed=8, temperature=0.6, top_k=5, top_p=0.9),
+    ],
+    ids=["t1", "t0.6-k5-p0.9"],
+)
+def test_rollout_logprobs_match_a_trainer_forward(setup, many_eos, sampling):
+    """The log-probs the engine returns equal a full forward's (raw distribution, temperature 1)."""
+    _, _, model, tok, _ = setup
+    batch = generate(many_eos, _prompts(tok), sampling)
+    assert (~batch.response_mask).any()  # padding inside the response block is exercised
+    recomputed = trainer_logprobs(model, batch)
+    mask = batch.response_mask
+    diff = (recomputed - batch.rollout_logprobs)[mask].abs().max().item()
+    print(f"\n{model.config.model_type} {sampling}: max |rollout - trainer| log-prob = {diff:.2e}")
+    assert diff < 1e-5
+
+
+@QWEN2_ONLY
+def test_compaction_does_not_change_results(setup, many_eos):
+    """Dropping finished rows from the working batch (at once, or never) gives the same tokens."""
+    _, _, _, tok, _ = setup
+    sampling = SamplingConfig(n=2, temperature=0.0, max_new_tokens=12)
+    outs = [generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling) for f in (0.0, 0.5, 1.0)]
+    for other in outs[1:]:
+        assert torch.equal(outs[0].response_ids, other.response_ids)
+        assert torch.equal(outs[0].response_mask, other.response_mask)
+        torch.testing.assert_close(outs[0].rollout_logprobs, other.rollout_logprobs, rtol=0, atol=1e-5)
+
+
+@QWEN2_ONLY
+def test_without_prepacked_weights_same_tokens(setup):
+    _, _, _, tok, rollout = setup
+    sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=10)
+    a = generate(rollout, _prompts(tok), sampling)
+    b = generate(attrs.evolve(rollout, prepack_cpu_weights=False), _prompts(tok), sampling)
+    assert torch.equal(a.response_ids, b.response_ids)
+    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling options and seeds
+
+
+@QWEN2_ONLY
+def test_same_seed_same_samples_different_seed_different(setup):
+    _, _, _, tok, rollout = setup
+    sampling = SamplingConfig(n=4, max_new_tokens=10, seed=11)
+    rng_state = torch.random.get_rng_state()
+    a, b = generate(rollout, _prompts(tok), sampling), generate(rollout, _prompts(tok), sampling)
+    assert torch.equal(torch.random.get_rng_state(), rng_state)  # the global RNG is never used
+    for x, y in zip(a.__attrs_attrs__, b.__attrs_attrs__):
+        va, vb = getattr(a, x.name), getattr(b, y.name)
+        assert (va is None and vb is None) or torch.equal(va, vb)
+    c = generate(rollout, _prompts(tok), sampling, seed=12)
+    assert not torch.equal(a.response_ids, c.response_ids)
+    d = generate(rollout, _prompts(tok), sampling, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(a.response_ids, d.response_ids)
+    # samples within a group differ (they are independent draws)
+    assert not torch.equal(a.response_ids[0], a.response_ids[1])
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy(setup):
+    _, _, _, tok, rollout = setup
+    greedy = generate(rollout, _prompts(tok), SamplingConfig(n=2, temperature=0.0, max_new_tokens=12))
+    top_k1 = generate(rollout, _prompts(tok), SamplingConfig(n=2, temperature=1.3, top_k=1, max_new_tokens=12))
+    top_p0 = generate(rollout, _prompts(tok), SamplingConfig(n=2, temperature=0.8, top_p=1e-6, max_new_tokens=12))
+    assert torch.equal(greedy.response_ids, top_k1.response_ids)
+    assert torch.equal(greedy.response_ids, top_p0.response_ids)
+
+
+@QWEN2_ONLY
+def test_top_k_samples_only_among_the_k_best(setup):
+    _, _, model, tok, rollout = setup
+    batch = generate(rollout, _prompts(tok), SamplingConfig(n=4, top_k=3, max_new_tokens=8, seed=5))
+    mask = batch.attention_mask
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=position_ids).logits
+    p = batch.prompt_ids.shape[1]
+    top3 = logits[:, p - 1 : -1].topk(3, dim=-1).indices
+    hit = (top3 == batch.response_ids[..., None]).any(-1)
+    assert hit[batch.response_mask].all()
+
+
+def _empirical(logits, sampling, draws=40000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = sample_tokens(logits.expand(draws, -1), sampling, gen)
+    return torch.bincount(tokens, minlength=logits.shape[-1]).float() / draws
+
+
+def test_sample_tokens_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    for temperature in (1.0, 0.5, 2.0):
+        freq = _empirical(logits, SamplingConfig(temperature=temperature))
+        torch.testing.assert_close(freq, torch.softmax(logits[0] / temperature, -1), rtol=0, atol=0.01)
+    freq = _empirical(logits, SamplingConfig(top_k=2))
+    torch.testing.assert_close(freq, torch.softmax(torch.tensor([2.0, 1.0, *[-float("inf")] * 4]), -1), rtol=0, atol=0.01)
+    # top-p: probs ~ [.561,.206,.125,.076,.028,.004]; mass before the 3rd token .767 < .8, before the 4th .892
+    probs = torch.softmax(logits[0], -1)
+    freq = _empirical(logits, SamplingConfig(top_p=0.8))
+    kept = torch.cat([probs[:3], torch.zeros(3)])
+    torch.testing.assert_close(freq, kept / kept.sum(), rtol=0, atol=0.01)
+    assert sample_tokens(logits, SamplingConfig(temperature=0.0), None).tolist() == [0]
+
+
+def test_sampling_config_validation():
+    with pytest.raises(TypeError, match="tempreature"):
+        SamplingConfig(tempreature=0.5)
+    with pytest.raises(ValueError, match="top_p must be in"):
+        SamplingConfig(top_p=0.0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingConfig(temperature=-1.0)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        SamplingConfig(n=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        SamplingConfig(max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        SamplingConfig(top_k=-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight sync
+
+
+def test_sync_weights_makes_the_engine_the_other_model(setup):
+    config, path, _, tok, _ = setup
+    rollout = build_native_rollout(path)  # a private engine: this test changes its weights
+    other = build_tiny_model(attrs.evolve(config, seed=123))
+    prompts = _prompts(tok)
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=12)
+    before = generate(rollout, prompts, greedy)
+    streamed = ((name, tensor.clone()) for name, tensor in other.state_dict().items())  # one at a time
+    synced = sync_weights(rollout, streamed)
+    assert isinstance(synced, NativeRollout) and synced.weights_version == rollout.weights_version + 1
+    after = generate(synced, prompts, greedy)
+    assert not torch.equal(before.response_ids, after.response_ids)
+    _, hf_response = hf_greedy(other, tok, TEXTS, 12)
+    assert torch.equal(after.response_ids, hf_response)
+    ids = torch.tensor([tok.encode("12+34=46")])
+    with torch.no_grad():
+        torch.testing.assert_close(synced.model(input_ids=ids).logits, other(input_ids=ids).logits, rtol=0, atol=0)
+    sampled = generate(synced, prompts, SamplingConfig(n=2, max_new_tokens=12))
+    diff = (trainer_logprobs(other, sampled) - sampled.rollout_logprobs)[sampled.response_mask].abs().max()
+    assert diff < 1e-5
+
+
+@QWEN2_ONLY
+def test_sync_weights_errors(setup):
+    _, path, model, _, _ = setup
+    rollout = build_native_rollout(path)
+    w = model.state_dict()["model.norm.weight"]
+    with pytest.raises(KeyError, match=r"no parameter 'model.norm.weights'.*did you mean \['model.norm.weight'"):
+        sync_weights(rollout, [("model.norm.weights", w)])
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\), the rollout model expects \(64,\)"):
+        sync_weights(rollout, [("model.norm.weight", torch.ones(3))])
+    with pytest.raises(ValueError, match="parameters were not received"):
+        sync_weights(rollout, [("model.norm.weight", w)])
+    assert sync_weights(rollout, [("model.norm.weight", w)], strict=False).weights_version == 1
+
+
+@QWEN2_ONLY
+def test_build_from_a_module_copies_it(setup):
+    _, _, model, tok, _ = setup
+    rollout = build_native_rollout(model, tok)
+    assert rollout.model is not model
+    assert rollout.model.model.norm.weight.data_ptr() != model.model.norm.weight.data_ptr()
+    assert not any(p.requires_grad for p in rollout.model.parameters())
+    assert rollout.max_context == 64 and rollout.pad_token_id == tok.pad_token_id
+    assert rollout.eos_token_ids == (tok.eos_token_id,)
+
+
+@QWEN2_ONLY
+def test_bfloat16_engine_runs(setup):
+    _, path, model, tok, _ = setup
+    rollout = build_native_rollout(path, tok, dtype=torch.bfloat16)
+    batch = generate(rollout, _prompts(tok), SamplingConfig(n=2, max_new_tokens=8))
+    assert batch.rollout_logprobs.dtype == torch.float32
+    diff = (trainer_logprobs(model, batch) - batch.rollout_logprobs)[batch.response_mask].abs().max().item()
+    print(f"\nbf16 engine vs fp32 trainer: max |log-prob diff| = {diff:.2e}")
+    assert diff < 0.5
+
+
+# --------------------------------------------------------------------------------------------------
+# Bad input
+
+
+@QWEN2_ONLY
+def test_prompt_longer_than_the_context(setup):
+    _, _, _, tok, rollout = setup
+    long_prompt = tok.encode("1+" * 30 + "=")  # 61 tokens; 61 + 8 > 64
+    message = r"prompt 1 has 61 tokens; with max_new_tokens=8 it needs 69 positions, more than the context of 64"
+    with pytest.raises(ValueError, match=message):
+        generate(rollout, [tok.encode("1+1="), long_prompt], SamplingConfig(n=1, max_new_tokens=8))
+    truncating = SamplingConfig(n=1, max_new_tokens=8, truncate_prompts=True)
+    batch = generate(rollout, [tok.encode("1+1="), long_prompt], truncating)
+    assert batch.prompt_ids.shape[1] == 56
+    assert batch.prompt_ids[1].tolist() == long_prompt[-56:]
+    assert batch.prompt_mask[0].sum() == 4
+    with pytest.raises(ValueError, match="leaves no room for a prompt"):
+        generate(rollout, [tok.encode("1+1=")], SamplingConfig(n=1, max_new_tokens=64))
+
+
+@QWEN2_ONLY
+def test_empty_prompts(setup):
+    _, _, _, tok, rollout = setup
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(rollout, [tok.encode("1+1="), []], SamplingConfig(n=1, max_new_tokens=4))
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate(rollout, [], SamplingConfig(n=1, max_new_tokens=4))
+    with pytest.raises(TypeError, match="list of token-id lists"):
+        generate(rollout, torch.ones(2, 3, dtype=torch.long), SamplingConfig(n=1, max_new_tokens=4))
+
+
+@QWEN2_ONLY
+def test_token_ids_out_of_range(setup):
+    _, _, _, tok, rollout = setup
+    with pytest.raises(ValueError, match=r"prompt 0 has token ids outside \[0, \d+\)"):
+        generate(rollout, [[1, 2, 10_000]], SamplingConfig(n=1, max_new_tokens=4))
+
+
+@QWEN2_ONLY
+def test_unsupported_model_is_refused(setup):
+    _, _, model, tok, _ = setup
+    gelu = copy.deepcopy(model)
+    gelu.config.hidden_act = "gelu"
+    with pytest.raises(NotImplementedError, match="hidden_act='gelu'"):
+        build_native_rollout(gelu, tok)
