@@ -51,7 +51,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from backends.optim import OptimConfig, build_optimizer, lr_at, set_lr
+from backends.distributed import DistEnv, device_mesh, init_distributed
+from backends.models import load_causal_lm
+from backends.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
+from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
 from rlfunc.batch import RolloutBatch, batch_size, select, split, split_by_token_budget, validate
 from rlfunc.logits import entropy_from_logits, logprobs_from_logits
@@ -99,7 +102,9 @@ class FSDPConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            raise ValueError(f"FSDPConfig.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}")
+            raise ValueError(
+                f"FSDPConfig.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}"
+            )
 
 
 def _compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
@@ -124,21 +129,6 @@ class ModelOutputs:
 LossFn = Callable[[ModelOutputs, RolloutBatch, Normalizers], "tuple[Tensor, Mapping[str, Tensor]]"]
 
 
-@attrs.frozen
-class _Env:
-    """What the engine needs of ``backends.distributed.DistEnv`` (used when none is passed)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
 @attrs.frozen(kw_only=True)
 class TrainState:
     """One role's model (+ optimizer for the actor) and its step count.
@@ -149,10 +139,11 @@ class TrainState:
 
     module: nn.Module  # FSDP2-wrapped HF causal LM
     optimizer: torch.optim.Optimizer | None  # None for the reference role
-    mesh: Any  # the data-parallel DeviceMesh
-    env: Any  # backends.distributed.DistEnv (or a structurally equal object)
+    mesh: Any  # the 1-D data-parallel DeviceMesh ("dp")
+    env: DistEnv
     fsdp_cfg: FSDPConfig
     optim_cfg: OptimConfig | None = None
+    lr_schedule: schedules.LRSchedule | None = None  # from optim_cfg; evaluated at ``step``
     step: int = 0
     role: Literal["actor", "reference"] = "actor"
     log_prob_micro_batch_size: int | None = None  # default micro-batch size of compute_logprobs
@@ -172,40 +163,20 @@ class TrainState:
 # ------------------------------------------------------------------------------------------- building
 
 
-def _default_env() -> Any:
-    try:
-        from backends.distributed import init_distributed
-    except ImportError:  # pragma: no cover - backends.distributed is part of the package
-        init_distributed = None
-    if init_distributed is not None:
-        return init_distributed()
-    if not dist.is_initialized():
-        raise RuntimeError("no process group: call backends.distributed.init_distributed() first")
-    use_cuda = torch.cuda.is_available()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    return _Env(dist.get_rank(), dist.get_world_size(), local_rank, device, dist.get_backend())
-
-
-def _make_mesh(env: Any) -> Any:
-    try:
-        from backends.distributed import device_mesh
-    except ImportError:
-        device_mesh = None
-    if device_mesh is not None:
-        return device_mesh(env)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh(env.device.type, (env.world_size,), mesh_dim_names=("dp",))
-
-
 def _load_model(model: str | os.PathLike | nn.Module, dtype: torch.dtype) -> nn.Module:
     if isinstance(model, nn.Module):
         return model.to(dtype)
-    from backends.models import load_causal_lm
-
     module, _tokenizer = load_causal_lm(model, dtype=dtype, device="cpu")
     return module
+
+
+def _enable_checkpointing(model: nn.Module) -> None:
+    """HF activation checkpointing of every decoder layer, non-reentrant (needed under FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -234,7 +205,7 @@ def _shard(model: nn.Module, mesh: Any, cfg: FSDPConfig, param_dtype: torch.dtyp
 
 def build_actor(
     model_path: str | os.PathLike | nn.Module,
-    env: Any = None,
+    env: DistEnv | None = None,
     optim_cfg: OptimConfig = OptimConfig(),
     fsdp_cfg: FSDPConfig = FSDPConfig(),
 ) -> TrainState:
@@ -242,24 +213,29 @@ def build_actor(
 
     Every rank loads the full fp32 weights on CPU before sharding (fine for the models this runs on a
     CPU; a large model would be built on the meta device and loaded shard by shard).
-    ``env`` defaults to ``backends.distributed.init_distributed()``.
+    ``env`` defaults to ``backends.distributed.init_distributed()``; the mesh is
+    ``backends.distributed.device_mesh(env)`` (all ranks data-parallel).
     """
-    env = _default_env() if env is None else env
+    env = init_distributed() if env is None else env
+    schedule = lr_schedule(optim_cfg)  # fail on a bad schedule before loading anything
     model = _load_model(model_path, torch.float32)
     if fsdp_cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    mesh = _make_mesh(env)
+    mesh = device_mesh(env)
     model = _shard(model, mesh, fsdp_cfg, _compute_dtype(fsdp_cfg, env.device))
     model.train()
     optimizer = build_optimizer(model.parameters(), optim_cfg)
-    return TrainState(module=model, optimizer=optimizer, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, optim_cfg=optim_cfg)
+    return TrainState(
+        module=model, optimizer=optimizer, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, optim_cfg=optim_cfg,
+        lr_schedule=schedule,
+    )
 
 
 def build_reference(
     model_path: str | os.PathLike | nn.Module,
-    env: Any = None,
+    env: DistEnv | None = None,
     fsdp_cfg: FSDPConfig = FSDPConfig(),
     log_prob_micro_batch_size: int | None = None,
 ) -> TrainState:
@@ -268,7 +244,7 @@ def build_reference(
     Its weights are stored in the compute dtype (no fp32 master copy), sharded like the actor's.
     ``log_prob_micro_batch_size`` (rows) is the default micro-batch size of :func:`compute_logprobs`.
     """
-    env = _default_env() if env is None else env
+    env = init_distributed() if env is None else env
     if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
         raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
     dtype = _compute_dtype(fsdp_cfg, env.device)
@@ -276,7 +252,7 @@ def build_reference(
     model.requires_grad_(False)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    mesh = _make_mesh(env)
+    mesh = device_mesh(env)
     model = _shard(model, mesh, fsdp_cfg, None)
     model.eval()
     return TrainState(
@@ -295,7 +271,9 @@ def _check_batch(batch: RolloutBatch) -> None:
     has_prompt = batch.prompt_mask.any(dim=-1)
     if not bool(has_prompt.all()):
         row = int((~has_prompt).nonzero()[0])
-        raise ValueError(f"row {row} has an empty prompt (prompt_mask all false): the model needs at least one prompt token")
+        raise ValueError(
+            f"row {row} has an empty prompt (prompt_mask all false): the model needs at least one prompt token"
+        )
 
 
 def micro_batches(
@@ -329,6 +307,15 @@ def _trim(mb: RolloutBatch) -> RolloutBatch:
     has_loss = mb.response_mask.any(0)
     last_resp = int(has_loss.numel() - 1 - has_loss.flip(0).int().argmax()) if bool(has_loss.any()) else 0
     return _slice_dims(_slice_dims(mb, "p", slice(first_prompt, None)), "t", slice(0, last_resp + 1))
+
+
+def _reshard(module: nn.Module) -> None:
+    """Free gathered parameters after forward-only passes (no backward reshards them for us)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _dummy(mb: RolloutBatch) -> RolloutBatch:
@@ -375,11 +362,13 @@ def compute_logprobs(
 ) -> ModelOutputs:
     """Log-probs (``b t``, fp32, on the batch's device) of the response tokens, without gradients.
 
-    Positions outside ``response_mask`` hold 0 when padding is trimmed. Runs in eval mode under
-    ``torch.no_grad`` (the module returns to train mode afterwards for the actor). Micro-batch size:
-    the argument, else the reference's ``log_prob_micro_batch_size``, else the FSDP config's budget or
-    rows. Every rank must call this the same number of times with the same number of micro-batches:
-    the count is agreed on with one small all-reduce.
+    Positions outside ``response_mask`` hold 0. Runs in eval mode (the actor returns to train mode
+    afterwards), under ``torch.inference_mode`` for the reference and ``torch.no_grad`` for the actor:
+    FSDP all-gathers into buffers it reuses, and buffers created in inference mode cannot be written
+    by the actor's next training forward. The returned tensors are ordinary tensors either way (safe
+    to use in a loss). Micro-batch size: the argument, else the reference's
+    ``log_prob_micro_batch_size``, else the FSDP config's token budget or rows. Every rank must make
+    the same calls; the micro-batch count is agreed on with one small all-reduce.
     """
     _check_batch(batch)
     cfg = state.fsdp_cfg
@@ -398,7 +387,7 @@ def compute_logprobs(
     logprobs = torch.zeros(b, t, dtype=torch.float32, device=out_device)
     entropy = torch.zeros(b, t, dtype=torch.float32, device=out_device) if with_entropy else None
     try:
-        with torch.no_grad():
+        with torch.inference_mode() if state.role == "reference" else torch.no_grad():
             row = 0
             for i in range(n_max):
                 real = i < len(mbs)
@@ -409,12 +398,14 @@ def compute_logprobs(
                 if not real:
                     continue
                 n, tt = mb.response_ids.shape
+                # written into tensors made outside the context: they stay ordinary tensors
                 logprobs[row:row + n, :tt] = outputs.logprobs.to(out_device)
                 if with_entropy:
                     entropy[row:row + n, :tt] = outputs.entropy.to(out_device)
                 row += n
     finally:
         module.train(was_training)
+        _reshard(module)
     mask = batch.response_mask.to(out_device)
     logprobs = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=out_device))
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
@@ -440,30 +431,44 @@ def global_normalizers(mbs: list[RolloutBatch], group: dist.ProcessGroup | None 
     return Normalizers(num_tokens=packed[0], num_seqs=packed[1])
 
 
-def _gather_counts(mbs: list[RolloutBatch], state: TrainState) -> tuple[Normalizers, int]:
-    """Global normalisers and the largest micro-batch count over ranks, in one collective."""
+def _gather_counts(mbs: list[RolloutBatch], state: TrainState) -> tuple[Normalizers, tuple[float, float, int]]:
+    """Global normalisers (on the device) and, on the host, (num_tokens, num_seqs, largest micro-batch
+    count over ranks): one all-gather and one host sync."""
+    dev = state.env.device
     local = [local_normalizers(mb.response_mask) for mb in mbs]
-    mine = torch.stack(
-        [sum(n.num_tokens for n in local), sum(n.num_seqs for n in local), torch.tensor(float(len(mbs)))]
-    ).to(torch.float64).to(state.env.device)
+    mine = torch.stack([
+        sum(n.num_tokens for n in local).to(dev, torch.float64),
+        sum(n.num_seqs for n in local).to(dev, torch.float64),
+        torch.tensor(float(len(mbs)), dtype=torch.float64, device=dev),
+    ])
     everyone = [torch.empty_like(mine) for _ in range(state.dp_size)]
     dist.all_gather(everyone, mine, group=state.dp_group)
     table = torch.stack(everyone).cpu()
     norms = Normalizers(
-        num_tokens=table[:, 0].sum().to(torch.float32).to(state.env.device),
-        num_seqs=table[:, 1].sum().to(torch.float32).to(state.env.device),
+        num_tokens=table[:, 0].sum().to(dev, torch.float32), num_seqs=table[:, 1].sum().to(dev, torch.float32)
     )
-    return norms, int(table[:, 2].max())
-
-
-def _scalar_metric(name: str, value: Any) -> Tensor:
-    value = torch.as_tensor(value)
-    if value.numel() != 1:
-        raise ValueError(f"loss_fn metric {name!r} must be a scalar, got shape {tuple(value.shape)}")
-    return value.detach().reshape(()).to(torch.float32)
+    return norms, (float(table[:, 0].sum()), float(table[:, 1].sum()), int(table[:, 2].max()))
 
 
 _ENGINE_METRICS = ("loss", "grad_norm", "lr", "update_skipped", "num_tokens", "num_seqs", "num_micro_batches")
+
+
+def _check_loss_output(loss: Any, metrics: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    """A scalar tensor loss and a dict of scalar metrics whose names do not clash with the engine's."""
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor loss, got {shape}")
+    checked = {}
+    for name, value in dict(metrics).items():
+        if name in _ENGINE_METRICS:
+            raise ValueError(
+                f"loss_fn metric name {name!r} clashes with an engine metric ({', '.join(_ENGINE_METRICS)})"
+            )
+        value = torch.as_tensor(value)
+        if value.numel() != 1:
+            raise ValueError(f"loss_fn metric {name!r} must be a scalar, got shape {tuple(value.shape)}")
+        checked[name] = value.detach().reshape(()).to(torch.float32)
+    return loss.reshape(()), checked
 
 
 def update(
@@ -485,22 +490,17 @@ def update(
     ``num_seqs`` (the global normalisers), ``num_micro_batches``, and every ``loss_fn`` metric averaged
     over this rank's micro-batches, then over ranks.
     """
-    if state.optimizer is None or state.optim_cfg is None:
+    if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
     _check_batch(batch)
     cfg = state.fsdp_cfg
     module, optimizer = state.module, state.optimizer
     mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
-    norms, n_max = _gather_counts(mbs, state)
-    lr = lr_at(state.optim_cfg, state.step)
-    base = {
-        "lr": lr,
-        "num_tokens": float(norms.num_tokens),
-        "num_seqs": float(norms.num_seqs),
-        "num_micro_batches": float(n_max),
-    }
+    norms, (num_tokens, num_seqs, n_max) = _gather_counts(mbs, state)
+    lr = schedules.lr_at(state.lr_schedule, state.step)
+    base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
     new_state = state.replace(step=state.step + 1)
-    if float(norms.num_tokens) == 0:
+    if num_tokens == 0:
         # Nothing to learn from. Stepping AdamW on zero gradients would still move the parameters
         # (momentum, weight decay), so the step is skipped outright.
         return new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}
@@ -519,19 +519,15 @@ def update(
         module.set_requires_gradient_sync(i == n_max - 1)
         outputs = _forward(module, mb, with_entropy=with_entropy)
         loss, metrics = loss_fn(outputs, mb, norms)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor loss, got {type(loss).__name__} {getattr(loss, 'shape', '')}")
-        loss = loss.reshape(())
+        loss, metrics = _check_loss_output(loss, metrics)
         # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.
         (loss * (state.dp_size if real else 0.0)).backward()
         if not real:
             continue
         n_real += 1
         loss_sum = loss_sum + loss.detach().float()
-        for name, value in dict(metrics).items():
-            if name in _ENGINE_METRICS:
-                raise ValueError(f"loss_fn metric name {name!r} clashes with an engine metric ({', '.join(_ENGINE_METRICS)})")
-            metric_sums[name] = metric_sums.get(name, 0.0) + _scalar_metric(name, value).to(loss_sum.device)
+        for name, value in metrics.items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + value.to(loss_sum.device)
 
     names = sorted(metric_sums)
     packed = torch.stack([loss_sum] + [metric_sums[k] / max(n_real, 1) / state.dp_size for k in names])
@@ -547,7 +543,7 @@ def update(
     skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
     if not skipped:
         if state.optim_cfg.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_([p for p in params], state.optim_cfg.clip_grad, grad_norm)
+            torch.nn.utils.clip_grads_with_norm_(params, state.optim_cfg.clip_grad, grad_norm)
         set_lr(optimizer, lr)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)

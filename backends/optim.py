@@ -1,21 +1,29 @@
 """The actor's optimizer (torch AdamW) and its learning-rate schedule, configured like verl's ``optim/fsdp.yaml``.
 
-The schedule is a pure function of the training step: :func:`lr_at` returns the learning rate to use
-for update number ``step`` (0-based). The engine writes it into the optimizer's param groups right
-before each ``optimizer.step()``, so there is no ``LambdaLR`` object to checkpoint or keep in sync:
+The schedule is a pure function of the training step (:mod:`rlfunc.schedules`): :func:`lr_at` returns
+the learning rate to use for update number ``step`` (0-based). The engine writes it into the
+optimizer's param groups right before each ``optimizer.step()``, so there is no ``LambdaLR`` object to
+checkpoint or keep in sync:
 resuming at step ``k`` gives the learning rate of step ``k``. verl's ``LambdaLR`` gives the same
 sequence (it sets ``lr * lambda(0)`` at construction and advances once after every update).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Literal
 
 import attrs
 import torch
 
-__all__ = ["OptimConfig", "warmup_steps", "lr_multiplier", "lr_at", "build_optimizer", "set_lr"]
+from rlfunc import schedules
+from rlfunc.schedules import LRSchedule
+
+__all__ = ["OptimConfig", "warmup_steps", "lr_schedule", "lr_multiplier", "lr_at", "build_optimizer", "set_lr"]
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
+    if not value > 0:
+        raise ValueError(f"OptimConfig.{attribute.name} must be > 0, got {value}")
 
 
 def _non_negative(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -33,7 +41,7 @@ class OptimConfig:
     """AdamW and its LR schedule (field names and meaning follow verl's ``optim/fsdp.yaml``)."""
 
     #: peak learning rate
-    lr: float = attrs.field(default=1e-6, validator=_non_negative)
+    lr: float = attrs.field(default=1e-6, validator=_positive)
     #: Adam (beta1, beta2)
     betas: tuple[float, float] = (0.9, 0.999)
     #: decoupled weight decay (AdamW), applied to every parameter
@@ -76,45 +84,43 @@ def warmup_steps(cfg: OptimConfig) -> int:
     return int(cfg.lr_warmup_steps_ratio * max(cfg.total_training_steps, 0))
 
 
-def lr_multiplier(cfg: OptimConfig, step: int) -> float:
-    r"""Factor applied to ``cfg.lr`` at update ``step`` (0-based), as verl's LR schedulers compute it.
+def lr_schedule(cfg: OptimConfig) -> LRSchedule:
+    """The :class:`rlfunc.LRSchedule` these settings describe (verl's FSDP engine semantics).
 
-    With :math:`W` warm-up steps and :math:`T` total steps (``s`` shifted by one when
-    ``zero_indexed_step`` is false, for cosine only, as in verl):
-
-    - warm-up (:math:`s < W`): :math:`s / W` (linear from 0);
-    - ``constant``: 1 after warm-up;
-    - ``cosine``: :math:`\max(r, c\cos(2\pi k \cdot p) + i)` with :math:`p = (s - W)/(T - W)`,
-      :math:`c = (1 - r)/2`, :math:`i = (1 + r)/2`, :math:`r` = ``min_lr_ratio``, :math:`k` = ``num_cycles``.
+    Raises if the schedule needs ``total_training_steps`` (cosine, or a warm-up ratio) and it is unset.
     """
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    n_warm = warmup_steps(cfg)
-    if cfg.lr_scheduler_type == "constant":
-        return step / max(1, n_warm) if step < n_warm else 1.0
-    if cfg.total_training_steps <= 0:
+    if cfg.lr_scheduler_type == "cosine" and cfg.total_training_steps <= 0:
         raise ValueError(
             f"lr_scheduler_type='cosine' needs OptimConfig.total_training_steps > 0, got {cfg.total_training_steps}"
         )
-    s = step if cfg.zero_indexed_step else step + 1
-    if s < n_warm:
-        return s / max(1, n_warm)
-    progress = (s - n_warm) / max(1, cfg.total_training_steps - n_warm)
-    coef, intercept = (1 - cfg.min_lr_ratio) * 0.5, (1 + cfg.min_lr_ratio) * 0.5
-    return max(cfg.min_lr_ratio, math.cos(math.pi * cfg.num_cycles * 2.0 * progress) * coef + intercept)
+    warmup_steps(cfg)  # validates the ratio / total combination
+    return LRSchedule.from_verl_fsdp(attrs.asdict(cfg))
+
+
+def lr_multiplier(cfg: OptimConfig, step: int) -> float:
+    r"""Factor applied to ``cfg.lr`` at update ``step`` (0-based); see :func:`rlfunc.schedules.lr_multiplier`.
+
+    Warm-up linear from 0 over :func:`warmup_steps`; then 1 (``constant``) or
+    :math:`\max(r, \tfrac{1-r}{2}\cos(2\pi k p) + \tfrac{1+r}{2})` (``cosine``) with
+    :math:`p = (s - W)/(T - W)`, :math:`r` = ``min_lr_ratio``, :math:`k` = ``num_cycles``.
+    """
+    return schedules.lr_multiplier(lr_schedule(cfg), step)
 
 
 def lr_at(cfg: OptimConfig, step: int) -> float:
     """Learning rate of update ``step`` (0-based): ``cfg.lr * lr_multiplier(cfg, step)``."""
-    return cfg.lr * lr_multiplier(cfg, step)
+    return schedules.lr_at(lr_schedule(cfg), step)
 
 
 def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
-    """``torch.optim.AdamW`` over ``params`` (plain tensors or FSDP2's sharded DTensors) at ``lr_at(cfg, 0)``."""
+    """``torch.optim.AdamW`` over ``params`` (plain tensors or FSDP2's sharded DTensors).
+
+    Its lr starts at ``cfg.lr``; whoever steps it sets each step's scheduled lr first (:func:`set_lr`).
+    """
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("build_optimizer got no trainable parameters (all have requires_grad=False)")
-    lr_at(cfg, 0)  # validate the schedule settings now rather than at the first update
+    lr_schedule(cfg)  # validate the schedule settings now rather than at the first update
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
 
 

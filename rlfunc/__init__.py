@@ -16,3 +16,4 @@ from rlfunc.value_loss import *  # noqa: F401,F403
 from rlfunc.kl import *  # noqa: F401,F403
 from rlfunc.schedules import *  # noqa: F401,F403
 from rlfunc.rewards import *  # noqa: F401,F403
+from rlfunc.advantages import *  # noqa: F401,F403

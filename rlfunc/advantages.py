@@ -6,8 +6,9 @@ Two families share one contract:
 - outcome estimators (:func:`grpo`, :func:`grpo_passk`, :func:`rloo`, :func:`reinforce_pp_baseline`,
   :func:`opo`, :func:`gpg`, :func:`remax`) take one score per sequence ``(b,)`` and, except ReMax, integer
   ``group_ids`` ``(b,)`` naming the prompt each response answers. Ids are arbitrary integers (not
-  necessarily contiguous, sorted or small); groups are found with a sort and segment sums, with no host
-  sync, no numpy and no Python loop over sequences.
+  necessarily contiguous, sorted, small or non-negative; verl's vectorised estimators allocate
+  ``max(id) + 1`` slots and fail on negative ids); groups are found with a sort and segment sums, with
+  no numpy, no Python loop over sequences and no host sync beyond the input checks.
 
 Every estimator returns two distinct tensors ``(advantages, returns)`` of shape ``(b, t)``, 0 outside
 ``response_mask``. None of them whitens: whitening is :func:`rlfunc.masked.masked_whiten`, applied by
@@ -24,7 +25,13 @@ Differences, all deliberate:
   0 advantage instead (verl's ``rloo_vectorized``) and ``"error"`` raises;
 - outputs are computed and returned in at least float32 (bf16 scores are promoted);
 - ``returns`` of outcome estimators equal the advantages (verl's convention: no critic reads them),
-  but are a separate tensor, so writing into one never changes the other.
+  but are a separate tensor, so writing into one never changes the other (verl returns one tensor
+  twice); ReMax's returns are the scores;
+- token-level estimators are differentiable and work under ``torch.func`` (verl runs under no_grad).
+
+The input checks synchronise with the host (finite-ness, and for GAE / REINFORCE++ whether the mask has
+holes, which picks the fast path); under ``torch.func`` transforms they are skipped and the general path
+is taken.
 
 Bad inputs raise with the argument named: shapes (via :mod:`rlfunc.checks`), a non-bool mask, float
 group ids, NaN/inf rewards or scores (skipped under ``torch.func`` transforms), discounts outside
@@ -34,7 +41,7 @@ group ids, NaN/inf rewards or scores (skipped under ``torch.func`` transforms), 
 from __future__ import annotations
 
 import types
-from typing import Callable, Literal
+from typing import Callable, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -103,21 +110,26 @@ def _discount_matrix(n: int, discount: float, dtype: torch.dtype, device: torch.
     return torch.where(keep, powers, torch.zeros((), dtype=torch.float64, device=device)).to(dtype)
 
 
-def _scan(x: Tensor, discount: float) -> Tensor:
+def _scan(x: Tensor, discount: float, *, owned: bool = False) -> Tensor:
+    """The blocked scan. ``owned=True`` lets it write into ``x`` (a temporary of the caller's)."""
     b, t = x.shape
     if t <= _BLOCK:
         return x @ _discount_matrix(t, discount, x.dtype, x.device)
     nb = -(-t // _BLOCK)
-    # Zeros appended at the end contribute nothing to a reverse sum.
-    blocks = F.pad(x, (0, nb * _BLOCK - t)).reshape(b, nb, _BLOCK)
-    local = blocks @ _discount_matrix(_BLOCK, discount, x.dtype, x.device)  # sums within each block
-    # y at the start of block k: Y_k = local_k[0] + c^B Y_{k+1}, the same scan over block heads.
-    heads = _scan(local[..., 0], discount**_BLOCK)
-    carry_in = F.pad(heads[:, 1:], (0, 1))  # Y_{k+1}, 0 after the last block
-    i = torch.arange(_BLOCK, dtype=torch.float64, device=x.device)
-    tail_powers = (torch.tensor(discount, dtype=torch.float64, device=x.device) ** (_BLOCK - i)).to(x.dtype)
-    y = local + carry_in.unsqueeze(-1) * tail_powers
-    return y.reshape(b, nb * _BLOCK)[:, :t]
+    if nb * _BLOCK != t:
+        x = F.pad(x, (0, nb * _BLOCK - t))  # zeros at the end add nothing to a reverse sum; a new tensor
+    elif not owned:
+        x = x.clone()
+    blocks = x.reshape(b, nb, _BLOCK)
+    matrix = _discount_matrix(_BLOCK, discount, x.dtype, x.device)
+    # y at the start of block k: Y_k = h_k + c^B Y_{k+1}, with h_k = sum_i c^i x_{k,i} the block's own
+    # part: the same scan one level up, over t / B block heads.
+    heads = _scan(blocks @ matrix[:, 0], discount**_BLOCK, owned=True)
+    # Adding c * Y_{k+1} to the last entry of block k makes the within-block matmul produce the full
+    # y_{k,i} = local_{k,i} + c^(B-i) Y_{k+1}: one matmul, no separate carry pass.
+    blocks[:, :-1, -1] += discount * heads[:, 1:]
+    y = (blocks @ matrix).reshape(b, nb * _BLOCK)
+    return y if nb * _BLOCK == t else y[:, :t]
 
 
 def discounted_reverse_cumsum(x: Tensor, discount: float) -> Tensor:
@@ -167,6 +179,44 @@ def _expand(y: Tensor, mask: Tensor, position: Tensor) -> Tensor:
     return torch.where(mask, gathered, torch.zeros((), dtype=y.dtype, device=y.device))
 
 
+def _check_finite_fast(name: str, x: Tensor, where: Tensor | None = None) -> bool:
+    """:func:`rlfunc.checks.check_finite`, after a one-pass screen: a finite sum proves every entry finite.
+
+    Only when the sum is not finite (a NaN/inf somewhere, possibly outside ``where``, or an overflow)
+    does the exact, masked check run. Skipped under ``torch.func`` transforms, as ``check_finite``.
+    Returns whether every entry of ``x`` (inside the mask or not) is known to be finite, in which case
+    masking may multiply by 0 instead of selecting.
+    """
+    if is_transformed(x) or (where is not None and is_transformed(where)):
+        return False
+    if bool(torch.isfinite(x.sum())):
+        return True
+    check_finite(name, x, where=where)
+    return False
+
+
+def _keep(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bool mask as 0/1 of ``dtype``. Through a uint8 view: bool kernels are several times slower on CPU."""
+    return mask.view(torch.uint8).to(dtype)
+
+
+def _has_holes(mask: Tensor) -> bool:
+    """Whether some row's valid positions are not one contiguous run (multi-turn observation tokens).
+
+    Rows with one run (right and/or left padding) need no compression: masked positions after the run
+    contribute nothing to a reverse scan and those before it are zeroed on output. Always True under
+    ``torch.func`` transforms, where a data-dependent branch is not allowed (the general path is exact
+    for every mask).
+    """
+    if is_transformed(mask):
+        return True
+    if mask.shape[1] < 2:
+        return False
+    # int32 sums: summing a bool tensor would first copy it to int64.
+    run_starts = (mask[:, 1:] > mask[:, :-1]).sum(dim=1, dtype=torch.int32) + mask[:, 0]
+    return bool((run_starts > 1).any())
+
+
 def _check_discount(name: str, value: float) -> float:
     value = float(value)
     if not 0.0 <= value <= 1.0:
@@ -174,17 +224,20 @@ def _check_discount(name: str, value: float) -> float:
     return value
 
 
-def _check_token_inputs(token_rewards: Tensor, response_mask: Tensor, values: Tensor | None = None) -> None:
+def _check_token_inputs(token_rewards: Tensor, response_mask: Tensor, values: Tensor | None = None) -> bool:
+    """Shapes, dtypes and finite-ness; returns whether all entries are finite (see _check_finite_fast)."""
     specs = {"token_rewards": (token_rewards, "b t"), "response_mask": (response_mask, "b t")}
     if values is not None:
         specs["values"] = (values, "b t")
     bind(specs)
     check_mask("response_mask", response_mask)
     check_floating("token_rewards", token_rewards)
-    check_finite("token_rewards", token_rewards, where=response_mask)
     if values is not None:
         check_floating("values", values)
-        check_finite("values", values, where=response_mask)
+    finite = _check_finite_fast("token_rewards", token_rewards, where=response_mask)
+    if values is not None:
+        finite = _check_finite_fast("values", values, where=response_mask) and finite
+    return finite
 
 
 def gae(
@@ -210,7 +263,10 @@ def gae(
     even NaN.
 
     Computed with :func:`discounted_reverse_cumsum` (blocked matmul scan), no Python loop over time:
-    about 20-30x faster than verl's loop on CPU at (1024, 2048), same numbers to fp32 rounding.
+    about 15-25x faster than verl's loop on one CPU thread at (256, 512) and (1024, 2048)
+    (``benchmarks/bench_core_vs_verl.py``), same numbers to fp32 rounding. Masks whose valid positions
+    form one run per row (left and/or right padding) take a fast path; masks with holes are compressed
+    first (valid positions moved to the front of each row, scanned, moved back).
 
     Differences from verl: no whitening (verl returns ``masked_whiten(A)``; apply
     :func:`rlfunc.masked.masked_whiten` for that), advantages and returns are 0 outside the mask (verl
@@ -227,21 +283,40 @@ def gae(
     Returns:
         ``(advantages, returns)``, each ``(b, t)``, 0 outside the mask.
     """
-    _check_token_inputs(token_rewards, response_mask, values)
+    all_finite = _check_token_inputs(token_rewards, response_mask, values)
     gamma = _check_discount("gamma", gamma)
     lam = _check_discount("lam", lam)
     work = _scan_dtype(torch.promote_types(token_rewards.dtype, values.dtype), token_rewards.device)
     out_dtype = torch.promote_types(torch.promote_types(token_rewards.dtype, values.dtype), torch.float32)
 
-    position = torch.cumsum(response_mask, dim=1) - 1
-    rewards_c = _compress(token_rewards.to(work), response_mask, position)
-    values_c = _compress(values.to(work), response_mask, position)
-    next_values_c = F.pad(values_c[:, 1:], (0, 1))  # 0 after the last valid position
-    deltas_c = rewards_c + gamma * next_values_c - values_c  # 0 beyond the row's valid count
-    advantages_c = _scan(deltas_c, gamma * lam)
+    zero = torch.zeros((), dtype=work, device=token_rewards.device)
+    rewards, values = token_rewards.to(work), values.to(work)
+    discount = gamma * lam
 
-    advantages = _expand(advantages_c, response_mask, position)
-    returns = _expand(advantages_c + values_c, response_mask, position)
+    if _has_holes(response_mask):
+        position = torch.cumsum(response_mask, dim=1) - 1
+        rewards_c = _compress(rewards, response_mask, position)
+        values_c = _compress(values, response_mask, position)
+        next_values_c = F.pad(values_c[:, 1:], (0, 1))  # 0 after the last valid position
+        deltas_c = rewards_c + gamma * next_values_c - values_c  # 0 beyond the row's valid count
+        advantages_c = _scan(deltas_c, discount, owned=True)
+        advantages = _expand(advantages_c, response_mask, position)
+        returns = _expand(advantages_c + values_c, response_mask, position)
+    else:
+        # One run of valid positions per row: zero everything outside it and scan in place. The value
+        # after the run's last token reads as 0; positions before the run are zeroed on output.
+        # In-place ops only touch temporaries made here.
+        if all_finite:  # multiplying by 0/1 is safe (and faster than selecting)
+            keep = _keep(response_mask, work)
+            values_z = values * keep
+            deltas = (rewards - values).mul_(keep)
+        else:  # NaN/inf outside the mask: select
+            values_z = torch.where(response_mask, values, zero)
+            deltas = torch.where(response_mask, rewards - values_z, zero)
+        deltas[:, :-1].add_(values_z[:, 1:], alpha=gamma)  # + gamma * V_{t+1}, no copy for the shift
+        scanned = _scan(deltas, discount, owned=True)
+        advantages = scanned.mul_(keep) if all_finite else torch.where(response_mask, scanned, zero)
+        returns = advantages + values_z
     return advantages.to(out_dtype), returns.to(out_dtype)
 
 
@@ -263,13 +338,23 @@ def reinforce_pp(token_rewards: Tensor, response_mask: Tensor, *, gamma: float) 
         response_mask: ``(b, t)`` bool.
         gamma: discount in [0, 1].
     """
-    _check_token_inputs(token_rewards, response_mask)
+    all_finite = _check_token_inputs(token_rewards, response_mask)
     gamma = _check_discount("gamma", gamma)
     work = _scan_dtype(token_rewards.dtype, token_rewards.device)
     out_dtype = torch.promote_types(token_rewards.dtype, torch.float32)
-    position = torch.cumsum(response_mask, dim=1) - 1
-    returns_c = _scan(_compress(token_rewards.to(work), response_mask, position), gamma)
-    returns = _expand(returns_c, response_mask, position).to(out_dtype)
+    rewards = token_rewards.to(work)
+    zero = torch.zeros((), dtype=work, device=rewards.device)
+    if _has_holes(response_mask):
+        position = torch.cumsum(response_mask, dim=1) - 1
+        compressed = _compress(rewards, response_mask, position)
+        returns = _expand(_scan(compressed, gamma, owned=True), response_mask, position)
+    elif all_finite:
+        keep = _keep(response_mask, work)
+        returns = _scan(rewards * keep, gamma, owned=True).mul_(keep)
+    else:
+        masked = torch.where(response_mask, rewards, zero)
+        returns = torch.where(response_mask, _scan(masked, gamma, owned=True), zero)
+    returns = returns.to(out_dtype)
     return returns.clone(), returns
 
 
@@ -299,22 +384,28 @@ def _per_sample(stat: Tensor, group: Tensor) -> Tensor:
     return torch.gather(stat, 0, group)
 
 
-class _Groups:
-    """Per-sample group statistics: count, mean, unbiased variance (two-pass, as ``torch.std``)."""
+class _Groups(NamedTuple):
+    """Per-response statistics of its group: count, sum, mean, unbiased variance (two-pass, as ``torch.std``)."""
 
-    def __init__(self, scores: Tensor, group_ids: Tensor) -> None:
-        self.index = _dense_group_index(group_ids)
-        count = _segment_sum(torch.ones_like(scores), self.index)
-        total = _segment_sum(scores, self.index)
-        mean = total / count.clamp(min=1)
-        centered = scores - _per_sample(mean, self.index)
-        sq = _segment_sum(centered * centered, self.index)
-        var = sq / (count - 1).clamp(min=1)
-        self.count = _per_sample(count, self.index)
-        self.total = _per_sample(total, self.index)
-        self.mean = _per_sample(mean, self.index)
-        self.var = _per_sample(var, self.index)
-        self.singleton = self.count < 2
+    index: Tensor  # (b,) dense group id
+    count: Tensor
+    total: Tensor
+    mean: Tensor
+    var: Tensor
+
+    @property
+    def singleton(self) -> Tensor:
+        return self.count < 2
+
+
+def _group_stats(scores: Tensor, group_ids: Tensor) -> _Groups:
+    index = _dense_group_index(group_ids)
+    count = _segment_sum(torch.ones_like(scores), index)
+    total = _segment_sum(scores, index)
+    mean = total / count.clamp(min=1)
+    centered = scores - _per_sample(mean, index)
+    var = _segment_sum(centered * centered, index) / (count - 1).clamp(min=1)
+    return _Groups(index, *(_per_sample(stat, index) for stat in (count, total, mean, var)))
 
 
 def _check_outcome_inputs(scores: Tensor, group_ids: Tensor | None, response_mask: Tensor) -> None:
@@ -324,8 +415,10 @@ def _check_outcome_inputs(scores: Tensor, group_ids: Tensor | None, response_mas
     bind(specs)
     check_mask("response_mask", response_mask)
     check_floating("scores", scores)
-    check_finite("scores", scores)
-    if group_ids is not None and (group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool):
+    _check_finite_fast("scores", scores)
+    if group_ids is not None and (
+        group_ids.is_floating_point() or group_ids.is_complex() or group_ids.dtype == torch.bool
+    ):
         raise TypeError(
             f"group_ids must be an integer tensor (one id per prompt), got {group_ids.dtype}; "
             "map string uids to integers once, outside the hot path"
@@ -356,8 +449,12 @@ def _baseline_for(groups: _Groups, baseline: Tensor) -> Tensor:
 def _finish(per_seq: Tensor, groups: _Groups | None, mode: str, response_mask: Tensor) -> tuple[Tensor, Tensor]:
     if groups is not None and mode == "zero":
         per_seq = torch.where(groups.singleton, torch.zeros_like(per_seq), per_seq)
-    advantages = torch.where(response_mask, per_seq.unsqueeze(-1), torch.zeros((), dtype=per_seq.dtype, device=per_seq.device))
-    return advantages, advantages.clone()
+    # Scores are finite (checked), so a 0/1 multiply masks exactly and is faster than selecting.
+    keep = _keep(response_mask, per_seq.dtype)
+    advantages = keep * per_seq.unsqueeze(-1)
+    if is_transformed(per_seq) or is_transformed(keep) or (per_seq.requires_grad and torch.is_grad_enabled()):
+        return advantages, keep * per_seq.unsqueeze(-1)
+    return advantages, keep.mul_(per_seq.unsqueeze(-1))  # reuse our own temporary for the second output
 
 
 def _work(scores: Tensor) -> Tensor:
@@ -399,7 +496,7 @@ def grpo(
     """
     _check_outcome_inputs(scores, group_ids, response_mask)
     s = _work(scores)
-    groups = _Groups(s, group_ids)
+    groups = _group_stats(s, group_ids)
     _check_singletons(singletons, groups, group_ids, "grpo")
     centered = s - _baseline_for(groups, groups.mean)
     if norm_by_std:
@@ -432,7 +529,7 @@ def grpo_passk(
     """
     _check_outcome_inputs(scores, group_ids, response_mask)
     s = _work(scores)
-    groups = _Groups(s, group_ids)
+    groups = _group_stats(s, group_ids)
     if not is_transformed(groups.count) and bool(groups.singleton.any()):
         raise ValueError(
             "grpo_passk needs at least 2 responses per group; group_ids has a group of one "
@@ -446,7 +543,8 @@ def grpo_passk(
     first_max = torch.full_like(positions, b).scatter_reduce(0, groups.index, candidates, "amin", include_self=True)
     is_best = positions == torch.gather(first_max, 0, groups.index)
     others = torch.where(is_best, neg_inf, s)
-    runner_up = torch.gather(neg_inf.scatter_reduce(0, groups.index, others, "amax", include_self=True), 0, groups.index)
+    runner_up_g = neg_inf.scatter_reduce(0, groups.index, others, "amax", include_self=True)
+    runner_up = torch.gather(runner_up_g, 0, groups.index)
     margin = torch.where(groups.singleton, torch.zeros_like(s), group_max - runner_up)
     if norm_by_std:
         margin = margin / (groups.var.sqrt() + eps)
@@ -473,7 +571,7 @@ def rloo(
     """
     _check_outcome_inputs(scores, group_ids, response_mask)
     s = _work(scores)
-    groups = _Groups(s, group_ids)
+    groups = _group_stats(s, group_ids)
     _check_singletons(singletons, groups, group_ids, "rloo")
     loo = (groups.count * s - groups.total) / (groups.count - 1).clamp(min=1)
     per_seq = torch.where(groups.singleton, s, loo)
@@ -499,7 +597,7 @@ def reinforce_pp_baseline(
     """
     _check_outcome_inputs(scores, group_ids, response_mask)
     s = _work(scores)
-    groups = _Groups(s, group_ids)
+    groups = _group_stats(s, group_ids)
     _check_singletons(singletons, groups, group_ids, "reinforce_pp_baseline")
     return _finish(s - _baseline_for(groups, groups.mean), groups, singletons, response_mask)
 
@@ -524,7 +622,7 @@ def opo(
     """
     _check_outcome_inputs(scores, group_ids, response_mask)
     s = _work(scores)
-    groups = _Groups(s, group_ids)
+    groups = _group_stats(s, group_ids)
     _check_singletons(singletons, groups, group_ids, "opo")
     lengths = response_mask.sum(dim=-1).to(s.dtype)
     weighted = _per_sample(_segment_sum(lengths * s, groups.index), groups.index)
@@ -543,7 +641,9 @@ def gpg(
 ) -> tuple[Tensor, Tensor]:
     r"""Group Policy Gradient advantage (Chu et al. 2025, https://arxiv.org/abs/2504.02546).
 
-    .. math:: A_i = \alpha\,\frac{s_i - \mathrm{mean}_g(s)}{F_{norm}}, \qquad \alpha = \frac{B}{\max(1, \#\{j : s_j \ne 0\})}
+    .. math::
+        A_i = \alpha\,\frac{s_i - \mathrm{mean}_g(s)}{F_{norm}}, \qquad
+        \alpha = \frac{B}{\max(1, \#\{j : s_j \ne 0\})}
 
     where :math:`B` is the batch size and :math:`\alpha` corrects for the share of responses with a
     non-zero score (GPG's gradient-estimation bias correction; counted over this call's batch).
@@ -552,7 +652,7 @@ def gpg(
     """
     _check_outcome_inputs(scores, group_ids, response_mask)
     s = _work(scores)
-    groups = _Groups(s, group_ids)
+    groups = _group_stats(s, group_ids)
     _check_singletons(singletons, groups, group_ids, "gpg")
     alpha = s.shape[0] / (s != 0).sum().clamp(min=1).to(s.dtype)
     per_seq = alpha * (s - _baseline_for(groups, groups.mean)) / f_norm
@@ -576,11 +676,11 @@ def remax(scores: Tensor, baseline_scores: Tensor, response_mask: Tensor) -> tup
     _check_outcome_inputs(scores, None, response_mask)
     bind({"scores": (scores, "b"), "baseline_scores": (baseline_scores, "b")})
     check_floating("baseline_scores", baseline_scores)
-    check_finite("baseline_scores", baseline_scores)
+    _check_finite_fast("baseline_scores", baseline_scores)
     s = _work(scores)
-    zero = torch.zeros((), dtype=s.dtype, device=s.device)
-    returns = torch.where(response_mask, s.unsqueeze(-1), zero)
-    advantages = torch.where(response_mask, (s - baseline_scores.to(s.dtype)).unsqueeze(-1), zero)
+    keep = response_mask.view(torch.uint8)  # finite scores: a 0/1 multiply masks exactly
+    returns = s.unsqueeze(-1) * keep
+    advantages = (s - baseline_scores.to(s.dtype)).unsqueeze(-1) * keep
     return advantages, returns
 
 
@@ -618,9 +718,8 @@ vectorised RLOO gives a group of one 0, which is ``rloo(..., singletons="zero")`
 
 def get_advantage_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
     """The estimator called ``name`` (ours or verl's spelling); ValueError listing the known names."""
-    canonical = ADVANTAGE_ESTIMATOR_ALIASES.get(name, name)
     try:
-        return ADVANTAGE_ESTIMATORS[canonical]
+        return ADVANTAGE_ESTIMATORS[ADVANTAGE_ESTIMATOR_ALIASES.get(name, name)]
     except (KeyError, TypeError):
         known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
         aliases = ", ".join(f"{a} -> {c}" for a, c in sorted(ADVANTAGE_ESTIMATOR_ALIASES.items()))

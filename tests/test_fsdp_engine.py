@@ -28,7 +28,11 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1
 PROMPT_LENS = [6, 3, 5, 2, 4, 6, 1, 5, 3, 6, 2, 4]
 RESPONSE_LENS = [7, 1, 4, 0, 7, 2, 3, 6, 5, 1, 7, 2]
 NUM_TOKENS, NUM_SEQS = float(sum(RESPONSE_LENS)), float(sum(r > 0 for r in RESPONSE_LENS))
-OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0)
+# eps=1e-5 rather than AdamW's 1e-8: at this random init some gradient entries are ~1e-9, where Adam's
+# step g / (|g| + eps) turns fp32 summation noise (any change of micro-batching, even on one rank) into
+# a visible change of that entry's step. Measured max |param diff| after 2 steps at lr 1e-3: 1.1e-5 with
+# eps=1e-8, 7.5e-7 with 1e-6, 1.4e-7 with 1e-5; the gradients themselves are compared separately.
+OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-5)
 
 
 def make_batch(seed: int = 0, prompt_lens=PROMPT_LENS, response_lens=RESPONSE_LENS, vocab: int = 80) -> RolloutBatch:
@@ -77,18 +81,20 @@ def reference_updates(model_dir, batches, mode: str, optim_cfg: OptimConfig = OP
     model, _ = load_causal_lm(model_dir)
     model.train()
     optimizer = build_optimizer(model.parameters(), optim_cfg)
-    losses, norms = [], []
+    losses, norms, grads = [], [], []
     for step, batch in enumerate(batches):
         logprobs = hf_logprobs(model, batch)
         loss = aggregate(-batch.advantages * logprobs, batch.response_mask, mode)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad)))
+        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         for group in optimizer.param_groups:
             group["lr"] = lr_at(optim_cfg, step)
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
+        losses.append(float(loss.detach()))
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return params, losses, norms, grads
 
 
 def _numpy(tree):
@@ -115,12 +121,12 @@ def model_dir(tmp_path_factory):
 
 
 def _env():
-    from backends.fsdp_engine import _default_env
+    from backends.distributed import init_distributed
 
-    return _default_env()
+    return init_distributed()  # reuses the harness's gloo group
 
 
-def _parity_worker(rank, world_size, model_dir):
+def _parity_worker(rank, world_size, model_dir, optim=OPTIM):
     """Two updates per configuration on this rank's half of the global batch."""
     from backends.fsdp_engine import build_actor, full_state_dict, global_normalizers, update
 
@@ -134,27 +140,33 @@ def _parity_worker(rank, world_size, model_dir):
     }
     out = {}
     for name, (mode, fsdp_cfg) in configs.items():
-        state = build_actor(model_dir, env, OPTIM, fsdp_cfg)
+        state = build_actor(model_dir, env, optim, fsdp_cfg)
         seen = []
 
         def loss_fn(outputs, mb, norms, mode=mode, seen=seen):
-            seen.append((float(norms.num_tokens), float(norms.num_seqs), float(local_normalizers(mb.response_mask).num_tokens)))
+            local_tokens = float(local_normalizers(mb.response_mask).num_tokens)
+            seen.append((float(norms.num_tokens), float(norms.num_seqs), local_tokens))
             return pg_loss(outputs, mb, norms, mode)
 
+        grads = []
+        names = {id(p): n for n, p in state.module.named_parameters()}
+
+        def record_grads(optimizer, args, kwargs, grads=grads, names=names):  # after clipping, before the step
+            grads.append({names[id(p)]: p.grad.full_tensor() for g in optimizer.param_groups for p in g["params"]})
+
+        state.optimizer.register_step_pre_hook(record_grads)
         metrics = []
         for batch in batches:
             state, m = update(state, rank_rows(batch, rank, world_size), loss_fn)
             metrics.append(m)
-        out[name] = {"params": _numpy(dict(full_state_dict(state))), "metrics": metrics, "seen": seen, "step": state.step}
+        out[name] = {"params": _numpy(dict(full_state_dict(state))), "metrics": metrics, "seen": seen,
+                     "step": state.step, "grads": _numpy(grads)}
     local = rank_rows(make_batch(0), rank, world_size)
     norms = global_normalizers(micro_batches(local, micro_batch_size=4))
     out["global_normalizers"] = (float(norms.num_tokens), float(norms.num_seqs))
     return out
 
 
-@pytest.fixture(scope="module")
-def parity(model_dir):
-    return run_distributed(_parity_worker, 2, model_dir)
 
 
 def _weights_worker(rank, world_size, model_dir, untied_dir):
@@ -175,7 +187,9 @@ def _weights_worker(rank, world_size, model_dir, untied_dir):
 
     ref = build_reference(model_dir, env, FSDPConfig(micro_batch_size=4), log_prob_micro_batch_size=2)
     rows_seen = []
-    ref.module.register_forward_pre_hook(lambda m, args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    ref.module.register_forward_pre_hook(
+        lambda m, args, kwargs: rows_seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True
+    )
     before = [p.to_local().clone() for p in ref.module.parameters()]
     ref_lp = compute_logprobs(ref, local)
     out["ref_rows_seen"] = list(rows_seen)
@@ -184,6 +198,9 @@ def _weights_worker(rank, world_size, model_dir, untied_dir):
     out["ref_rows_seen_override"] = list(rows_seen)
     out["ref_logprobs"] = _numpy(ref_lp.logprobs)
     out["ref_logprobs_requires_grad"] = ref_lp.logprobs.requires_grad
+    out["ref_logprobs_is_inference"] = ref_lp.logprobs.is_inference()
+    weight = torch.ones_like(ref_lp.logprobs, requires_grad=True)
+    (weight * ref_lp.logprobs).sum().backward()  # usable in a loss (an inference tensor would raise)
     out["ref_unchanged"] = all(torch.equal(a, p.to_local()) for a, p in zip(before, ref.module.parameters()))
     out["ref_no_grads"] = all(p.grad is None and not p.requires_grad for p in ref.module.parameters())
     out["ref_optimizer"] = ref.optimizer
@@ -196,12 +213,6 @@ def _weights_worker(rank, world_size, model_dir, untied_dir):
     return out
 
 
-@pytest.fixture(scope="module")
-def weights(model_dir, tmp_path_factory):
-    untied = write_tiny_model(tmp_path_factory.mktemp("untied") / "model", TinyModelConfig(
-        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-        max_position_embeddings=64, tie_word_embeddings=False, seed=2))
-    return run_distributed(_weights_worker, 2, model_dir, str(untied)), str(untied)
 
 
 def _nan_loss(outputs, mb, norms):
@@ -218,6 +229,13 @@ def _vector_loss(outputs, mb, norms):
     return outputs.logprobs.sum(-1), {}
 
 
+def _ppo_loss(outputs, mb, norms):
+    from rlfunc.policy_losses import ppo_policy_loss
+
+    return ppo_policy_loss(outputs.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+                           clip_low=0.2, clip_high=0.28, agg="token-mean", norms=norms)
+
+
 def _local_params(state):
     return [p.to_local().detach().clone() for p in state.module.parameters()]
 
@@ -228,14 +246,16 @@ def _same(a, b):
 
 def _behaviour_worker(rank, world_size, model_dir):
     """LR schedule per step, bad input, gradient checkpointing."""
-    from backends.fsdp_engine import build_actor, full_state_dict, update
+    from backends.fsdp_engine import build_actor, compute_logprobs, full_state_dict, update
 
     env = _env()
     local = rank_rows(make_batch(0), rank, world_size)
     out = {}
 
     # LR schedule: 2 warm-up steps then cosine to step 5.
-    sched = OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_scheduler_type="cosine", total_training_steps=5, min_lr_ratio=0.1)
+    sched = OptimConfig(
+        lr=1e-3, lr_warmup_steps=2, lr_scheduler_type="cosine", total_training_steps=5, min_lr_ratio=0.1
+    )
     state = build_actor(model_dir, env, sched, FSDPConfig(micro_batch_size=4))
     p0 = _local_params(state)
     lrs, unchanged_after_first = [], None
@@ -281,13 +301,25 @@ def _behaviour_worker(rank, world_size, model_dir):
     out["errors"] = errors
 
     # Gradient checkpointing gives the same update (two steps).
-    results = {}
+    results, mlp_calls = {}, {}
     for gc in (False, True):
         state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4, gradient_checkpointing=gc))
+        calls, mlp = [], state.module.model.layers[0].mlp
+        # count forward runs by wrapping forward (module hooks do not fire during checkpoint recompute)
+        mlp.forward = lambda *a, calls=calls, f=mlp.forward, **k: (calls.append(1), f(*a, **k))[1]
         for seed in (0, 1):
             state, m = update(state, rank_rows(make_batch(seed), rank, world_size), pg_loss)
         results[gc] = (_numpy(dict(full_state_dict(state))), m)
-    out["gc"] = results
+        mlp_calls[gc] = len(calls)
+    out["gc"], out["gc_mlp_calls"] = results, mlp_calls
+
+    # PPO with old log-probs from compute_logprobs: on-policy at the first update (ratio exactly 1).
+    state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4))
+    ppo_batch = local.replace(old_logprobs=compute_logprobs(state, local).logprobs)
+    out["ppo_metrics"] = []
+    for _ in range(3):
+        state, m = update(state, ppo_batch, _ppo_loss)
+        out["ppo_metrics"].append(m)
 
     # bf16 compute (fp32 master weights) runs and stays close to fp32.
     state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4, param_dtype="bfloat16"))
@@ -297,9 +329,40 @@ def _behaviour_worker(rank, world_size, model_dir):
     return out
 
 
+def _all_checks_worker(rank, world_size, model_dir, untied_dir):
+    return {
+        "parity": _parity_worker(rank, world_size, model_dir),
+        "weights": _weights_worker(rank, world_size, model_dir, untied_dir),
+        "behaviour": _behaviour_worker(rank, world_size, model_dir),
+    }
+
+
 @pytest.fixture(scope="module")
-def behaviour(model_dir):
-    return run_distributed(_behaviour_worker, 2, model_dir)
+def untied_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("untied") / "model", TinyModelConfig(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+        max_position_embeddings=64, tie_word_embeddings=False, seed=2)))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir, untied_dir):
+    """One spawn of 2 gloo ranks runs every distributed check (spawning and importing cost ~10 s)."""
+    return run_distributed(_all_checks_worker, 2, model_dir, untied_dir)
+
+
+@pytest.fixture
+def parity(two_ranks):
+    return [r["parity"] for r in two_ranks]
+
+
+@pytest.fixture
+def weights(two_ranks, untied_dir):
+    return [r["weights"] for r in two_ranks], untied_dir
+
+
+@pytest.fixture
+def behaviour(two_ranks):
+    return [r["behaviour"] for r in two_ranks]
 
 
 # ---------------------------------------------------------------------- update parity (2 ranks)
@@ -309,12 +372,16 @@ def behaviour(model_dir):
 @pytest.mark.parametrize("name,mode", [("token-mean", "token-mean"), ("seq-mean-token-mean", "seq-mean-token-mean"),
                                        ("token-budget", "seq-mean-token-mean")])
 def test_two_rank_accumulated_update_equals_single_process(parity, model_dir, name, mode):
-    ref_params, ref_losses, ref_norms = reference_updates(model_dir, [make_batch(0), make_batch(1)], mode)
-    ref_params = _numpy(ref_params)
+    ref_params, ref_losses, ref_norms, ref_grads = reference_updates(model_dir, [make_batch(0), make_batch(1)], mode)
+    ref_params, ref_grads = _numpy(ref_params), _numpy(ref_grads)
     for rank in range(2):
         got = parity[rank][name]
         diff = _max_diff(got["params"], ref_params)
         assert diff < 1e-6, f"{name} rank {rank}: max |param diff| = {diff:.3g}"
+        for step in range(2):  # the clipped gradient handed to AdamW, relative to its largest entry
+            scale = max(float(np.abs(g).max()) for g in ref_grads[step].values())
+            grad_diff = _max_diff(got["grads"][step], ref_grads[step]) / scale
+            assert grad_diff < 1e-5, f"{name} rank {rank} step {step}: max relative |grad diff| = {grad_diff:.3g}"
         for step in range(2):
             m = got["metrics"][step]
             assert m["loss"] == pytest.approx(ref_losses[step], rel=1e-5, abs=1e-6)
@@ -399,7 +466,7 @@ def test_reference_role(weights):
         assert r["ref_optimizer"] is None
         assert r["ref_training"] is False
         assert r["ref_no_grads"] and r["ref_unchanged"]
-        assert r["ref_logprobs_requires_grad"] is False
+        assert r["ref_logprobs_requires_grad"] is False and r["ref_logprobs_is_inference"] is False
         assert r["ref_rows_seen"] == [2, 2, 2]  # log_prob_micro_batch_size=2 over 6 rows
         assert r["ref_rows_seen_override"] == [5, 1]
         assert "reference" in r["ref_update_error"]
@@ -443,7 +510,7 @@ def test_nan_loss_skips_the_step(behaviour):
 def test_bad_input_errors(behaviour):
     errors = behaviour[0]["errors"]
     assert "empty prompt" in errors["empty_prompt"]
-    assert "torch.bool" in errors["bool_mask"]
+    assert "bool" in errors["bool_mask"]
     assert "clashes" in errors["metric_clash"]
     assert "scalar" in errors["vector_loss"]
 
@@ -453,7 +520,19 @@ def test_gradient_checkpointing_gives_the_same_update(behaviour):
     for r in behaviour:
         (off, m_off), (on, m_on) = r["gc"][False], r["gc"][True]
         assert _max_diff(off, on) < 1e-6
+        # 2 updates x 2 micro-batches; checkpointing recomputes each layer's forward in backward
+        assert r["gc_mlp_calls"] == {False: 4, True: 8}
         assert m_on["loss"] == pytest.approx(m_off["loss"], rel=1e-6)
+
+
+@pytest.mark.distributed
+def test_ppo_loss_on_policy_ratio_is_one(behaviour):
+    # compute_logprobs (eval, no grad) and the update's training forward agree: PPO starts on-policy
+    for r in behaviour:
+        first, _, third = r["ppo_metrics"]
+        assert abs(first["ppo_kl"]) < 1e-6 and first["clip_frac"] == 0.0
+        assert first["update_skipped"] == 0.0 and math.isfinite(first["loss"])
+        assert third["ppo_kl"] != 0.0  # the policy moved away from the old log-probs
 
 
 @pytest.mark.distributed
@@ -478,7 +557,8 @@ def test_lr_multiplier_matches_verl_formulas():
     floor = OptimConfig(lr_scheduler_type="cosine", total_training_steps=10, min_lr_ratio=0.2)
     assert lr_multiplier(floor, 10) == pytest.approx(0.2)
     one_indexed = OptimConfig(lr_scheduler_type="cosine", total_training_steps=10, zero_indexed_step=False)
-    assert lr_multiplier(one_indexed, 4) == pytest.approx(lr_multiplier(OptimConfig(lr_scheduler_type="cosine", total_training_steps=10), 5))
+    zero_indexed = OptimConfig(lr_scheduler_type="cosine", total_training_steps=10)
+    assert lr_multiplier(one_indexed, 4) == pytest.approx(lr_multiplier(zero_indexed, 5))
 
 
 def test_optim_config_errors():
@@ -488,6 +568,8 @@ def test_optim_config_errors():
         warmup_steps(OptimConfig(lr_warmup_steps_ratio=0.1))
     with pytest.raises(ValueError, match="lr_scheduler_type"):
         OptimConfig(lr_scheduler_type="linear")
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        OptimConfig(lr=0.0)
     with pytest.raises(ValueError, match="betas"):
         OptimConfig(betas=(0.9, 1.5))
     with pytest.raises(ValueError, match="no trainable"):
