@@ -25,12 +25,13 @@ from tqdm import tqdm
 import rlfunc as rf
 from backends.arithmetic_task import ArithmeticTask, Problem
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import get_logger, init_distributed, seed_everything, shutdown
-from backends.fsdp_engine import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
+from backends.distributed import barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
+from backends.hf_export import export_hf
+from backends.fsdp_engine import FSDPConfig, TrainState, build_actor, build_reference, compute_logprobs, full_state_dict, update
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
-from backends.models import TinyModelConfig, write_tiny_model, build_char_tokenizer, load_causal_lm
-from backends.optim import OptimConfig
-from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
+from backends.optim import OptimConfig, build_optimizer, lr_schedule
+from backends.rollout_native import SamplingConfig, build_native_rollout, decode_responses, generate, sync_weights
 
 
 @attrs.frozen
@@ -39,7 +40,7 @@ class WarmStartConfig:
 
     steps: int = 300
     batch_size: int = 64  # global rows per step
-    optim: OptimConfig = OptimConfig(lr=2e-3, weight_decay=0.0, lr_warmup_steps=20, warmup_style="cosine")
+    optim: OptimConfig = OptimConfig(lr=2e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
 
 
 @attrs.frozen
@@ -93,35 +94,35 @@ def main(argv: list[str]) -> dict:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by world size {env.world_size}")
 
     # Run directory and base model: rank 0 creates them, everyone waits.
-    run_dir = Path(cfg.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(_broadcast_str(str(run_dir), env))
+    run_dir = Path(broadcast_object(str(Path(cfg.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")))
     model_path = Path(cfg.model_path) if cfg.model_path else run_dir / "base_model"
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         if not cfg.model_path:
             write_tiny_model(model_path, cfg.tiny, build_char_tokenizer())
-    dist.barrier()
+    barrier()
+    tokenizer = load_tokenizer(model_path)
     metrics_log = MetricsLog(run_dir, enabled=env.is_main)
     t_start = time.time()
 
-    # Supervised warm start through the same engine and the same pure-loss interface as RL.
-    actor = build_actor(model_path, env, cfg.warm_start.optim.replace_total(cfg.warm_start.steps), cfg.actor.fsdp)
-    tokenizer = actor.tokenizer
+    # Supervised warm start, through the same engine and the same pure-loss interface as RL.
+    actor = build_actor(model_path, env, _with_total(cfg.warm_start.optim, cfg.warm_start.steps), cfg.actor.fsdp)
     stream = cfg.task.train_stream(seed=cfg.seed)
     for step in tqdm(range(cfg.warm_start.steps), desc="warm start", disable=not env.is_main):
         problems = _shard(stream.take(cfg.warm_start.batch_size), env)
         actor, m = update(actor, _sft_batch(problems, tokenizer), _nll_loss)
-        if step % 50 == 0 or step == cfg.warm_start.steps - 1:
-            metrics_log.log(-cfg.warm_start.steps + step, {"sft/loss": m["loss"]})
-    actor = actor.with_optim(cfg.actor.optim.replace_total(cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches))
+        if step % 20 == 0 or step == cfg.warm_start.steps - 1:
+            metrics_log.log(step - cfg.warm_start.steps, {"sft_loss": m["loss"]})
+    rl_updates = cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches
+    actor = _fresh_optimizer(actor, _with_total(cfg.actor.optim, rl_updates))
 
-    rollout = build_native_rollout(model_path, tokenizer)
-    rollout = sync_weights(rollout, full_state_dict(actor))
+    # The warm-started policy is an HF checkpoint: the RL phase's starting point and its frozen reference.
+    warm_path = export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer) if cfg.warm_start.steps else model_path
+    rollout = build_native_rollout(warm_path, tokenizer)
     reference = None
-    if cfg.algo.kl_coef > 0:  # the reference is the warm-started policy, frozen
-        reference = build_reference(model_path, env, cfg.actor.fsdp, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
-        reference = reference.load_from(full_state_dict(actor))
+    if cfg.algo.kl_coef > 0:
+        reference = build_reference(warm_path, env, cfg.actor.fsdp, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
 
     heldout = cfg.task.heldout()
     eval_before = evaluate(rollout, tokenizer, heldout, cfg, env)
@@ -137,11 +138,11 @@ def main(argv: list[str]) -> dict:
         # 1. rollout: n samples per prompt, on this rank's share of the prompts
         problems = _shard(stream.take(cfg.prompts_per_step), env)
         prompts = [tokenizer.encode(p.prompt) for p in problems]
-        batch = generate(rollout, prompts, attrs.evolve(cfg.rollout, seed=cfg.seed * 100_003 + step * env.world_size + env.rank))
+        batch = generate(rollout, prompts, cfg.rollout, seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
         t_rollout = time.time() - t0
         # 2. verifiable reward, one score per sequence
         answers = [problems[g].answer for g in batch.group_ids.tolist()]
-        texts = tokenizer.batch_decode(batch.response_ids.masked_fill(~batch.response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
+        texts = decode_responses(tokenizer, batch)
         scores = torch.tensor([rf.arithmetic_reward(t, a) for t, a in zip(texts, answers)])
         batch = batch.replace(scores=scores)
         # 3. log-probs of the sampled tokens under the current policy (and the reference)
@@ -248,9 +249,20 @@ def evaluate(rollout, tokenizer, problems: list[Problem], cfg: Config, env) -> f
     mine = problems[env.rank :: env.world_size]
     greedy = attrs.evolve(cfg.rollout, n=1, temperature=0.0)
     batch = generate(rollout, [tokenizer.encode(p.prompt) for p in mine], greedy)
-    texts = tokenizer.batch_decode(batch.response_ids.masked_fill(~batch.response_mask, tokenizer.pad_token_id), skip_special_tokens=True)
+    texts = decode_responses(tokenizer, batch)
     correct = torch.tensor(float(sum(rf.arithmetic_reward(t, p.answer) for t, p in zip(texts, mine))))
     return _all_sum(correct, env) / len(problems)
+
+
+def _with_total(optim: OptimConfig, total_steps: int) -> OptimConfig:
+    return attrs.evolve(optim, total_training_steps=total_steps)
+
+
+def _fresh_optimizer(state: TrainState, optim: OptimConfig) -> TrainState:
+    """Same weights, a new AdamW and LR schedule (the RL phase does not inherit the warm start's moments)."""
+    return state.replace(
+        optimizer=build_optimizer(state.module.parameters(), optim), optim_cfg=optim, lr_schedule=lr_schedule(optim), step=0
+    )
 
 
 def _shard(items: list, env) -> list:
@@ -266,13 +278,6 @@ def _all_sum(x: torch.Tensor, env) -> float:
 
 def _all_mean(x: torch.Tensor, env) -> float:
     return _all_sum(x, env) / env.world_size
-
-
-def _broadcast_str(s: str, env) -> str:
-    obj = [s]
-    if env.world_size > 1:
-        dist.broadcast_object_list(obj, src=0)
-    return obj[0]
 
 
 if __name__ == "__main__":

@@ -71,10 +71,15 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     With ``shift_mean=False`` the mean is added back (only the scale changes). Positions outside the
     mask come out as 0.
     """
-    x = masked_fill_zero(x, mask)
-    mean = masked_mean(x, mask)
-    var = masked_var(x, mask, unbiased=True)
-    whitened = (x - mean) * torch.rsqrt(var + eps)
+    check_same_shape("x", x, mask=mask)
+    check_mask("mask", mask)
+    # Three passes over the data (select, centre, scale); NaN outside the mask is selected away first.
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    count = mask.sum().to(x.dtype)
+    mean = torch.where(mask, x, zero).sum() / count.clamp(min=1)
+    centered = torch.where(mask, x - mean, zero)
+    var = torch.where(count > 1, centered.square().sum() / (count - 1).clamp(min=1), zero)
+    whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
-        whitened = whitened + mean
-    return masked_fill_zero(whitened, mask)
+        whitened = torch.where(mask, whitened + mean, zero)
+    return whitened
