@@ -8,10 +8,18 @@ yields, so "held-out success" measures generalisation, not memorisation. Rewards
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor
 
-__all__ = ["ArithmeticTask", "Problem"]
+from backends.rollout_native import SamplingConfig, decode_responses, generate
+from rlfunc.batch import RolloutBatch
+from rlfunc.rewards import arithmetic_reward
+
+__all__ = ["ArithmeticTask", "Problem", "TrainStream", "evaluate", "score_responses", "sft_batch"]
 
 
 @attrs.frozen
@@ -72,3 +80,45 @@ class TrainStream:
 
     def take(self, n: int) -> list[Problem]:
         return [self._next() for _ in range(n)]
+
+
+# --------------------------------------------------------------------------------------------------
+# The task as the recipes use it: supervised batches, rewards of sampled responses, held-out evaluation.
+
+
+def sft_batch(problems: list[Problem], tokenizer: Any) -> RolloutBatch:
+    """(prompt, answer + EOS) pairs as a RolloutBatch with the answer in the response slot."""
+    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    answers = [tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id] for p in problems]
+    p_len, r_len = max(map(len, prompts)), max(map(len, answers))
+    pad = tokenizer.pad_token_id
+    prompt_ids = torch.tensor([[pad] * (p_len - len(x)) + x for x in prompts])
+    prompt_mask = torch.tensor([[False] * (p_len - len(x)) + [True] * len(x) for x in prompts])
+    response_ids = torch.tensor([x + [pad] * (r_len - len(x)) for x in answers])
+    response_mask = torch.tensor([[True] * len(x) + [False] * (r_len - len(x)) for x in answers])
+    return RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+        response_mask=response_mask, group_ids=torch.arange(len(problems)),
+    )
+
+
+def score_responses(batch: RolloutBatch, problems: list[Problem], tokenizer: Any) -> Tensor:
+    """Rule-based reward per row: 1.0 for the exact sum, else 0.0 (row i answers ``problems[group_ids[i]]``)."""
+    texts = decode_responses(tokenizer, batch)
+    answers = [problems[g].answer for g in batch.group_ids.tolist()]
+    return torch.tensor([arithmetic_reward(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
+
+
+@torch.no_grad()
+def evaluate(rollout: Any, tokenizer: Any, problems: list[Problem], sampling: SamplingConfig, env: Any, *, seed: int = 10_007) -> float:
+    """Success rate on ``problems`` (each rank scores its share; counts are all-reduced over ranks).
+
+    With ``sampling.temperature == 0`` this is greedy accuracy; otherwise the mean over ``sampling.n``
+    samples per problem.
+    """
+    mine = problems[env.rank :: env.world_size]
+    batch = generate(rollout, [tokenizer.encode(p.prompt) for p in mine], sampling, seed=seed + env.rank)
+    correct = score_responses(batch, mine, tokenizer).sum()
+    if env.world_size > 1:
+        dist.all_reduce(correct)
+    return float(correct) / (len(problems) * sampling.n)
