@@ -1,4 +1,11 @@
-"""FSDP2 training engine for a Hugging Face causal LM: actor (trainable) and reference (forward-only) roles.
+"""FSDP2 training engine for Hugging Face models: actor and critic (trainable), reference (forward-only).
+
+Roles: the **actor** is a causal LM (log-probs of the response tokens); the **reference** is a
+forward-only causal LM; the **critic** is the same backbone with a scalar value head
+(``*ForTokenClassification``, ``num_labels=1``, as verl's critic) and its own optimizer. A critic
+update's ``loss_fn`` sees ``outputs.values`` (``outputs.logprobs`` is None): the value at the position
+that predicts each response token, i.e. ``values[:, p-1 : p+t-1]`` of the full sequence, verl's
+``values[:, -response_length-1 : -1]``.
 
 State is an explicit value. ``build_actor`` returns a :class:`TrainState`; ``update(state, batch,
 loss_fn)`` returns ``(new_state, metrics)``. The module and the optimizer inside the state are
@@ -52,7 +59,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from backends.distributed import DistEnv, device_mesh, init_distributed
-from backends.models import load_causal_lm
+from backends.models import load_causal_lm, load_value_model
 from backends.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
@@ -67,7 +74,10 @@ __all__ = [
     "LossFn",
     "build_actor",
     "build_reference",
+    "build_critic",
     "compute_logprobs",
+    "compute_values",
+    "value_loss_fn",
     "update",
     "full_state_dict",
     "micro_batches",
@@ -118,10 +128,15 @@ def _compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
 
 @pytree_dataclass
 class ModelOutputs:
-    """Per-token quantities of the response tokens under the current model (fp32)."""
+    """Per-token quantities of the response tokens under the current model (fp32).
 
-    logprobs: Tensor  # (b t): log p(response_ids[i, j] | everything before it)
+    An actor / reference fills ``logprobs`` (and ``entropy`` on request); a critic fills ``values``
+    only (``logprobs`` is None).
+    """
+
+    logprobs: Tensor | None = None  # (b t): log p(response_ids[i, j] | everything before it)
     entropy: Tensor | None = None  # (b t): entropy of the next-token distribution at that position
+    values: Tensor | None = None  # (b t): critic's V at the position that predicts response_ids[i, j]
 
 
 #: ``loss_fn(outputs, micro_batch, norms) -> (loss, metrics)``; ``loss`` must be a scalar normalised by
@@ -131,13 +146,13 @@ LossFn = Callable[[ModelOutputs, RolloutBatch, Normalizers], "tuple[Tensor, Mapp
 
 @attrs.frozen(kw_only=True)
 class TrainState:
-    """One role's model (+ optimizer for the actor) and its step count.
+    """One role's model (+ optimizer for the actor and the critic) and its step count.
 
     ``module`` and ``optimizer`` are mutated in place by :func:`update`; ``step`` is the number of
     updates done so far (the LR schedule's step).
     """
 
-    module: nn.Module  # FSDP2-wrapped HF causal LM
+    module: nn.Module  # FSDP2-wrapped HF causal LM (a *ForTokenClassification value model for the critic)
     optimizer: torch.optim.Optimizer | None  # None for the reference role
     mesh: Any  # the 1-D data-parallel DeviceMesh ("dp")
     env: DistEnv
@@ -145,7 +160,7 @@ class TrainState:
     optim_cfg: OptimConfig | None = None
     lr_schedule: schedules.LRSchedule | None = None  # from optim_cfg; evaluated at ``step``
     step: int = 0
-    role: Literal["actor", "reference"] = "actor"
+    role: Literal["actor", "reference", "critic"] = "actor"
     log_prob_micro_batch_size: int | None = None  # default micro-batch size of compute_logprobs
 
     def replace(self, **changes: Any) -> "TrainState":
@@ -219,6 +234,13 @@ def build_actor(
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)  # fail on a bad schedule before loading anything
     model = _load_model(model_path, torch.float32)
+    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="actor")
+
+
+def _trainable_state(
+    model: nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig, schedule: Any, role: str
+) -> TrainState:
+    """Shard an unsharded fp32 model (master weights) and give it AdamW: the actor and the critic."""
     if fsdp_cfg.gradient_checkpointing:
         _enable_checkpointing(model)
     if getattr(model, "config", None) is not None:
@@ -229,8 +251,54 @@ def build_actor(
     optimizer = build_optimizer(model.parameters(), optim_cfg)
     return TrainState(
         module=model, optimizer=optimizer, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, optim_cfg=optim_cfg,
-        lr_schedule=schedule,
+        lr_schedule=schedule, role=role,
     )
+
+
+def _check_value_module(model: nn.Module) -> nn.Module:
+    """A given module must be a one-label token classifier; its head dropout is turned off (as verl)."""
+    config = getattr(model, "config", None)
+    name = type(model).__name__
+    if not name.endswith("ForTokenClassification") or getattr(config, "num_labels", None) != 1:
+        labels = getattr(config, "num_labels", None)
+        raise ValueError(
+            f"a critic module must be a *ForTokenClassification with num_labels=1 (a value model), got {name}"
+            f" with num_labels={labels}; pass a HF dir to build one from a causal LM"
+        )
+    dropout = getattr(model, "dropout", None)
+    if isinstance(dropout, nn.Dropout) and dropout.p != 0.0:
+        model.dropout = nn.Dropout(0.0)
+        config.classifier_dropout = 0.0
+    return model
+
+
+def build_critic(
+    model_path: str | os.PathLike | nn.Module,
+    env: DistEnv | None = None,
+    optim_cfg: OptimConfig = OptimConfig(),
+    fsdp_cfg: FSDPConfig = FSDPConfig(),
+    *,
+    value_head_init: Literal["normal", "zero"] = "normal",
+    seed: int = 0,
+) -> TrainState:
+    """The critic (verl's ``critic`` role): a value model sharded like the actor, with its own AdamW.
+
+    ``model_path``: a local HF dir holding a value model (``*ForTokenClassification``, one label) or a
+    causal LM, whose backbone is loaded under a new value head (``value_head_init`` / ``seed``: see
+    :func:`backends.models.load_value_model`; the default draws it from HF's init distribution,
+    N(0, initializer_range), with a seeded generator); or an unsharded one-label
+    ``*ForTokenClassification`` module. Dropout before the head is 0. Train it with :func:`update` and a
+    loss on ``outputs.values`` (:func:`value_loss_fn`); read values with :func:`compute_values`.
+    """
+    env = init_distributed() if env is None else env
+    schedule = lr_schedule(optim_cfg)
+    if isinstance(model_path, nn.Module):
+        model = _check_value_module(model_path.to(torch.float32))
+    else:
+        model, _tokenizer = load_value_model(
+            model_path, dtype=torch.float32, device="cpu", value_head_init=value_head_init, seed=seed
+        )
+    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="critic")
 
 
 def build_reference(
@@ -329,7 +397,7 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, batch)
 
 
-def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool) -> ModelOutputs:
+def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str = "actor") -> ModelOutputs:
     """Log-probs (and entropies) of the response tokens; prompts are left-padded.
 
     The response block is fully visible to attention: under the causal mask a real response token
@@ -340,6 +408,8 @@ def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool) -> Mode
     input_ids = torch.cat([mb.prompt_ids, mb.response_ids], dim=1)
     attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask)], dim=1)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    if role == "critic":
+        return _forward_values(module, input_ids, attention_mask, position_ids, t)
     out = module(
         input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
         use_cache=False, logits_to_keep=t + 1,
@@ -348,6 +418,21 @@ def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool) -> Mode
     logprobs = logprobs_from_logits(logits, mb.response_ids)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
+
+
+def _forward_values(
+    module: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, t: int
+) -> ModelOutputs:
+    """Values of the response tokens: the head's output at positions p-1 .. p+t-2 (those that predict
+    the response tokens), as verl's critic (``values[:, -t-1:-1]``). Same inputs as the log-prob pass."""
+    out = module(
+        input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids, use_cache=False
+    )
+    logits = out.logits
+    if logits.dim() != 3 or logits.shape[-1] != 1:
+        raise ValueError(f"a critic's model must output one value per token (b, s, 1), got {tuple(logits.shape)}")
+    p = input_ids.shape[1] - t
+    return ModelOutputs(values=logits[:, p - 1:p + t - 1, 0].float())
 
 
 # ---------------------------------------------------------------------------------------- log-probs
@@ -370,6 +455,35 @@ def compute_logprobs(
     ``log_prob_micro_batch_size``, else the FSDP config's token budget or rows. Every rank must make
     the same calls; the micro-batch count is agreed on with one small all-reduce.
     """
+    if state.role == "critic":
+        raise ValueError("compute_logprobs() needs an actor or reference state; for a critic use compute_values()")
+    names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+    out = _forward_only(state, batch, names, micro_batch_size=micro_batch_size, with_entropy=with_entropy)
+    return ModelOutputs(logprobs=out["logprobs"], entropy=out.get("entropy"))
+
+
+def compute_values(state: TrainState, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
+    """The critic's values (``b t``, fp32, on the batch's device) of the response tokens, without gradients.
+
+    ``values[i, j]`` is the value head's output at the position that predicts ``response_ids[i, j]``
+    (verl's critic convention); 0 outside ``response_mask``. Eval mode and ``torch.no_grad``, the
+    critic returns to train mode afterwards. Micro-batch size: the argument, else the FSDP config's
+    token budget or rows. A collective: every rank must call it (see :func:`compute_logprobs`).
+    """
+    if state.role != "critic":
+        raise ValueError(f"compute_values() needs a critic state (build_critic); this is a {state.role!r} state")
+    return _forward_only(state, batch, ("values",), micro_batch_size=micro_batch_size)["values"]
+
+
+def _forward_only(
+    state: TrainState,
+    batch: RolloutBatch,
+    names: tuple[str, ...],
+    *,
+    micro_batch_size: int | None,
+    with_entropy: bool = False,
+) -> dict[str, Tensor]:
+    """Micro-batched forward without gradients; the ``names`` fields of ModelOutputs, ``(b t)`` each."""
     _check_batch(batch)
     cfg = state.fsdp_cfg
     if micro_batch_size is not None:
@@ -384,8 +498,7 @@ def compute_logprobs(
     was_training = module.training
     module.eval()
     b, t = batch.response_ids.shape
-    logprobs = torch.zeros(b, t, dtype=torch.float32, device=out_device)
-    entropy = torch.zeros(b, t, dtype=torch.float32, device=out_device) if with_entropy else None
+    results = {name: torch.zeros(b, t, dtype=torch.float32, device=out_device) for name in names}
     try:
         with torch.inference_mode() if state.role == "reference" else torch.no_grad():
             row = 0
@@ -394,21 +507,21 @@ def compute_logprobs(
                 mb = mbs[i] if real else _dummy(mbs[0])
                 if cfg.trim_padding:
                     mb = _trim(mb)
-                outputs = _forward(module, _to_device(mb, state.env.device), with_entropy=with_entropy)
+                outputs = _forward(module, _to_device(mb, state.env.device), with_entropy=with_entropy, role=state.role)
                 if not real:
                     continue
                 n, tt = mb.response_ids.shape
-                # written into tensors made outside the context: they stay ordinary tensors
-                logprobs[row:row + n, :tt] = outputs.logprobs.to(out_device)
-                if with_entropy:
-                    entropy[row:row + n, :tt] = outputs.entropy.to(out_device)
+                for name in names:
+                    # written into tensors made outside the context: they stay ordinary tensors
+                    results[name][row:row + n, :tt] = getattr(outputs, name).to(out_device)
                 row += n
     finally:
         module.train(was_training)
         _reshard(module)
     mask = batch.response_mask.to(out_device)
-    logprobs = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype, device=out_device))
-    return ModelOutputs(logprobs=logprobs, entropy=entropy)
+    zero = torch.zeros((), dtype=torch.float32, device=out_device)
+    # entropy is left as computed outside the mask (as before); log-probs and values are zeroed there
+    return {name: (x if name == "entropy" else torch.where(mask, x, zero)) for name, x in results.items()}
 
 
 # ------------------------------------------------------------------------------------------- update
@@ -471,6 +584,42 @@ def _check_loss_output(loss: Any, metrics: Any) -> tuple[Tensor, dict[str, Tenso
     return loss.reshape(()), checked
 
 
+def _check_critic_batch(batch: RolloutBatch, with_entropy: bool) -> None:
+    if with_entropy:
+        raise ValueError("with_entropy=True is for an actor: a critic's outputs have values only")
+    if batch.returns is None:
+        raise ValueError(
+            "a critic update needs batch.returns (b t), the value targets (e.g. the returns of rlfunc.gae); it is None"
+        )
+    if batch.old_values is None:
+        raise ValueError(
+            "a critic update needs batch.old_values (b t), the critic's values when the batch was collected "
+            "(compute_values(critic, batch)), for the clipped value loss; it is None"
+        )
+
+
+def value_loss_fn(
+    *, clip_range: float | None = 0.5, agg: str = "token-mean", horizon: int | None = None
+) -> LossFn:
+    """The critic's ``loss_fn``: :func:`rlfunc.value_loss.value_loss` of ``outputs.values`` against
+    ``mb.returns``, clipped around ``mb.old_values``, with the engine's global ``norms``.
+
+    ``clip_range`` defaults to 0.5, verl's ``critic.cliprange_value``; ``agg`` is verl's
+    ``critic.loss_agg_mode`` (default ``token-mean``). Metrics: ``vf_clipfrac``, ``vpred_mean``.
+    """
+    from rlfunc.value_loss import value_loss
+
+    def loss_fn(outputs: ModelOutputs, mb: RolloutBatch, norms: Normalizers) -> tuple[Tensor, dict[str, Tensor]]:
+        if outputs.values is None:
+            raise ValueError("value_loss_fn needs a critic's outputs (outputs.values is None: is this an actor?)")
+        return value_loss(
+            outputs.values, mb.old_values, mb.returns, mb.response_mask,
+            clip_range=clip_range, agg=agg, norms=norms, horizon=horizon,
+        )
+
+    return loss_fn
+
+
 def update(
     state: TrainState,
     batch: RolloutBatch,
@@ -489,10 +638,17 @@ def update(
     step), ``update_skipped`` (1 for an empty batch or a non-finite loss / grad norm), ``num_tokens``,
     ``num_seqs`` (the global normalisers), ``num_micro_batches``, and every ``loss_fn`` metric averaged
     over this rank's micro-batches, then over ranks.
+
+    A **critic** state (:func:`build_critic`) gives ``loss_fn`` ``outputs.values`` (``logprobs`` is
+    None; ``with_entropy`` is an error) and needs ``batch.returns`` (the targets) and
+    ``batch.old_values`` (the values when the batch was collected, from :func:`compute_values`): a
+    missing one is an error before any forward. :func:`value_loss_fn` is the PPO loss for it.
     """
     if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
     _check_batch(batch)
+    if state.role == "critic":
+        _check_critic_batch(batch, with_entropy)
     cfg = state.fsdp_cfg
     module, optimizer = state.module, state.optimizer
     mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
@@ -517,7 +673,7 @@ def update(
             mb = _trim(mb)
         mb = _to_device(mb, state.env.device)
         module.set_requires_gradient_sync(i == n_max - 1)
-        outputs = _forward(module, mb, with_entropy=with_entropy)
+        outputs = _forward(module, mb, with_entropy=with_entropy, role=state.role)
         loss, metrics = loss_fn(outputs, mb, norms)
         loss, metrics = _check_loss_output(loss, metrics)
         # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.

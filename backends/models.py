@@ -8,11 +8,12 @@ through the same loading code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import string
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import attrs
 import torch
@@ -26,6 +27,11 @@ __all__ = [
     "write_tiny_model",
     "load_causal_lm",
     "load_tokenizer",
+    "VALUE_HEAD_INITS",
+    "build_tiny_classifier",
+    "write_tiny_value_model",
+    "write_tiny_reward_model",
+    "load_value_model",
 ]
 
 #: ``config.model_type`` values :func:`load_causal_lm` accepts (the Llama and Qwen2 families).
@@ -234,3 +240,148 @@ def load_causal_lm(
     model.to(device)
     model.eval()
     return model, load_tokenizer(path)
+
+
+# ------------------------------------------------------------------ value models and reward models
+#
+# Both are the causal LM's backbone (``model.*``) with a 1-output linear head ``score`` on the last
+# hidden state instead of ``lm_head``: ``*ForTokenClassification`` (a value per token: the critic) and
+# ``*ForSequenceClassification`` (one score per sequence, no bias: the reward model), ``num_labels=1``.
+
+#: How :func:`load_value_model` initialises a value head that the checkpoint does not have.
+VALUE_HEAD_INITS = ("normal", "zero")
+
+
+def build_tiny_classifier(
+    config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None, *, kind: str = "token"
+) -> Any:
+    """A random-init tiny ``*ForTokenClassification`` (``kind="token"``, a value model) or
+    ``*ForSequenceClassification`` (``kind="sequence"``, a reward model) with one label, fp32, eval mode.
+
+    Seeded by ``config.seed`` like :func:`build_tiny_model` (the global RNG is left untouched). Dropout
+    before the value head is 0 (``classifier_dropout=0.0``, as verl sets for its critic).
+    """
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    classes = {"token": AutoModelForTokenClassification, "sequence": AutoModelForSequenceClassification}
+    if kind not in classes:
+        raise ValueError(f"kind must be one of {tuple(classes)}, got {kind!r}")
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    hf_config = _hf_config(config, tokenizer)
+    hf_config.num_labels = 1
+    hf_config.classifier_dropout = 0.0
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = classes[kind].from_config(hf_config, dtype=torch.float32)
+    return model.eval()
+
+
+def _write_classifier(out_dir: str | os.PathLike, config: TinyModelConfig, tokenizer: Any, kind: str) -> Path:
+    out = Path(out_dir)
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    model = build_tiny_classifier(config, tokenizer, kind=kind)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_tiny_value_model(
+    out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None
+) -> Path:
+    """Write a random-init tiny value model (``*ForTokenClassification``, one label) as a HF dir."""
+    return _write_classifier(out_dir, config, tokenizer, "token")
+
+
+def write_tiny_reward_model(
+    out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None
+) -> Path:
+    """Write a random-init tiny reward model (``*ForSequenceClassification``, one label) as a HF dir."""
+    return _write_classifier(out_dir, config, tokenizer, "sequence")
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load report for the duration (the caller checks the missing keys itself)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_value_model(
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    value_head_init: str = "normal",
+    seed: int = 0,
+    attn_implementation: str = "sdpa",
+) -> tuple[Any, Any]:
+    """Load ``(value_model, tokenizer)``: a ``*ForTokenClassification`` with ``num_labels=1`` (verl's critic).
+
+    ``path`` is a local HF dir of the Llama / Qwen2 family holding either
+
+    - a **value model** (``architectures`` ``*ForTokenClassification``, one label): loaded as is;
+    - a **causal LM** (``*ForCausalLM``): its backbone weights (``model.*``) are loaded and the value
+      head ``score`` (``hidden -> 1``, with bias) is new. ``value_head_init="normal"`` draws its weight
+      from N(0, ``initializer_range``) and zeroes the bias, the distribution HF's (and so verl's) fresh
+      head has, but from a ``torch.Generator`` seeded by ``seed``: every rank builds the same head and a
+      run is reproducible. ``"zero"`` zeroes the head (values start at 0; the backbone then gets no
+      gradient until the head has moved, one step).
+
+    The tokenizer is None when the dir has none (an exported critic). Dropout before the head is 0
+    (``classifier_dropout=0.0``, as verl forces). Any other architecture,
+    or a value model with ``num_labels != 1``, is an error naming it; so is a checkpoint missing
+    backbone weights.
+    """
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    if value_head_init not in VALUE_HEAD_INITS:
+        raise ValueError(f"value_head_init must be one of {VALUE_HEAD_INITS}, got {value_head_init!r}")
+    path = Path(path)
+    raw = _check_model_dir(path)
+    archs = raw.get("architectures") or []
+    is_value_model = any(a.endswith("ForTokenClassification") for a in archs)
+    is_causal_lm = any(a.endswith("ForCausalLM") for a in archs)
+    if not (is_value_model or is_causal_lm):
+        raise ValueError(
+            f"{str(path)!r} has architectures {archs}: a critic loads a value model (*ForTokenClassification, "
+            "num_labels=1) or initialises one from a causal LM (*ForCausalLM)"
+        )
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if is_value_model and hf_config.num_labels != 1:
+        raise ValueError(f"{str(path)!r} is a token classifier with {hf_config.num_labels} labels; a value model has 1")
+    hf_config.num_labels = 1
+    hf_config.classifier_dropout = 0.0
+    with _quiet_transformers():
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, config=hf_config, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+            output_loading_info=True,
+        )
+    missing = set(info["missing_keys"])
+    head = {n for n, _ in model.score.named_parameters(prefix="score")}
+    if missing - head or (is_value_model and missing):
+        raise ValueError(f"{str(path)!r} is missing weights {sorted(missing)}; cannot build a value model from it")
+    if missing:  # a fresh head on a causal LM backbone
+        with torch.no_grad():
+            weight = model.score.weight
+            if value_head_init == "normal":
+                g = torch.Generator().manual_seed(seed)
+                std = getattr(hf_config, "initializer_range", 0.02)
+                weight.copy_(torch.randn(weight.shape, generator=g, dtype=torch.float32).mul_(std))
+            else:
+                weight.zero_()
+            if model.score.bias is not None:
+                model.score.bias.zero_()
+    model.to(device)
+    model.eval()
+    try:
+        tokenizer = load_tokenizer(path)
+    except FileNotFoundError:  # a value model reads the actor's token ids; its own tokenizer is optional
+        tokenizer = None
+    return model, tokenizer
