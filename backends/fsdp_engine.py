@@ -448,7 +448,7 @@ def compute_logprobs(
     """Log-probs (``b t``, fp32, on the batch's device) of the response tokens, without gradients.
 
     Positions outside ``response_mask`` hold 0. Runs in eval mode (the actor returns to train mode
-    afterwards), under ``torch.inference_mode`` for the reference and ``torch.no_grad`` for the actor:
+    afterwards), under ``torch.no_grad`` (``inference_mode`` breaks FSDP2 unsharding):
     FSDP all-gathers into buffers it reuses, and buffers created in inference mode cannot be written
     by the actor's next training forward. The returned tensors are ordinary tensors either way (safe
     to use in a loss). Micro-batch size: the argument, else the reference's
@@ -500,7 +500,8 @@ def _forward_only(
     b, t = batch.response_ids.shape
     results = {name: torch.zeros(b, t, dtype=torch.float32, device=out_device) for name in names}
     try:
-        with torch.inference_mode() if state.role == "reference" else torch.no_grad():
+        # no_grad, not inference_mode: FSDP2's unshard bookkeeping needs version counters on its tensors
+        with torch.no_grad():
             row = 0
             for i in range(n_max):
                 real = i < len(mbs)

@@ -4,7 +4,7 @@ from backends.arithmetic_task import ArithmeticTask
 
 
 def test_heldout_never_in_training_stream_and_stream_is_seeded():
-    task = ArithmeticTask(max_operand=9, num_heldout=20)
+    task = ArithmeticTask(max_operand=9, max_second_operand=9, num_heldout=20)
     held = {p.prompt for p in task.heldout()}
     assert len(held) == 20
     drawn = task.train_stream(seed=1).take(2000)
@@ -24,4 +24,4 @@ def test_stream_resumes_from_its_position():
 
 def test_bad_heldout_size():
     with pytest.raises(ValueError, match="num_heldout"):
-        ArithmeticTask(max_operand=2, num_heldout=9)
+        ArithmeticTask(max_operand=2, max_second_operand=2, num_heldout=9)

@@ -1,0 +1,338 @@
+"""Our GRPO step (experiments/grpo_arithmetic.py) vs TRL 1.16 ``GRPOTrainer``: wall time per step, 1 thread.
+
+Same model dir, tokenizer, prompts and sizes on both sides (PLATFORM.md "Reference benchmark
+configurations"): Qwen2, random init, fp32, tied embeddings, our char tokenizer; prompts ``a+b=``
+with reward 1 for the exact sum; 16 prompts x 8 samples = 128 completions and one optimizer step
+per GRPO step, temperature 1.0.
+
+- Config A: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 256 (head_dim 16, written directly
+  with ``Qwen2Config`` because ``TinyModelConfig`` refuses head_dim < 32); at most 16 new tokens.
+- Config B: ``TinyModelConfig()`` (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 688);
+  at most 32 new tokens.
+
+Run (with our venv; TRL runs in its own venv as a subprocess):
+
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py                    # A and B, 10 steps, 1 round
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --configs B --steps 8 --rounds 2
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --beta 0.04        # with a reference model / KL term
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --ours-override actor.fsdp.micro_batch_size=128
+
+Each side is its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``, world size 1), run
+one after the other, never in parallel; with ``--rounds > 1`` the order alternates between rounds.
+
+- **Ours**: this file re-invoked as ``--child-ours`` imports the recipe and calls its ``main`` with
+  ``model_path=<dir> warm_start.steps=0 eval_samples=1 task.num_heldout=8 steps=N ...``; the step time
+  is the recipe's own ``step_time_s`` (rollout -> reward -> log-probs -> advantages -> update -> weight
+  sync) and the rollout time its ``rollout_time_s`` from ``metrics.jsonl``; the warm start and the
+  evaluations before / after are outside them.
+- **TRL**: benchmarks/trl_grpo_step.py with ``/work/peer-trl/bin/python``; step time from a
+  ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``), rollout time from ``_generate_single_turn``.
+
+Both child processes time a fixed 512x512 fp32 matmul before and after their steps (``calib``, ms): the
+``norm. ratio`` column divides each side's step time by its own calibration (median over the runs'
+calibrations) before comparing, which corrects for the machine (2 shared cores) being slower during one
+side's run. ``CPU ratio`` compares process CPU time per step (from one step's end to the next: ours at
+the recipe's metrics-log call, TRL's at ``on_step_end``), which other jobs on the machine disturb less
+than wall time. Reported step times are medians over steps 2..N (step 1 pays one-off warm-up costs),
+pooled over rounds; the rollout share is median rollout time / median step time. A side that fails is
+reported as failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
+
+Known (torch 2.13, at the time of writing): ``--beta 0.04`` fails on our side at world size 1 (the
+FSDP2 reference's ``compute_logprobs`` under ``torch.inference_mode`` raises "Inference tensors do not
+track version counter"); TRL's side runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CONFIGS = {
+    "A": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "max_new_tokens": 16},
+    "B": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 688, "max_new_tokens": 32},
+}
+PROMPTS_PER_STEP = 16
+SAMPLES = 8
+NUM_HELDOUT = 8
+DEFAULT_TRL_PYTHON = "/work/peer-trl/bin/python"
+
+
+def calibrate(reps: int = 60, size: int = 512) -> float:
+    """Median ms of one ``size x size`` fp32 matmul (same routine as trl_grpo_step.calibrate)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=g)
+    b = torch.randn(size, size, generator=g)
+    for _ in range(5):
+        torch.mm(a, b)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs: model dirs and prompts, written once by the parent.
+
+
+def write_model(name: str, out_dir: Path) -> Path:
+    """The config's random-init Qwen2 HF dir (fp32, tied embeddings, our char tokenizer), seed 0."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from backends.models import build_char_tokenizer
+
+    if (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file():
+        return out_dir
+    c = CONFIGS[name]
+    tok = build_char_tokenizer(model_max_length=256)
+    # the fields backends.models.write_tiny_model sets, without TinyModelConfig's head_dim >= 32 check
+    hf_config = Qwen2Config(
+        vocab_size=len(tok), hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"],
+        max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
+        initializer_range=0.02, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(hf_config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def write_prompts(path: Path, steps: int, seed: int) -> Path:
+    """The first ``16 * steps`` problems of the recipe's training stream (same task settings, same seed)."""
+    from backends.arithmetic_task import ArithmeticTask
+
+    problems = ArithmeticTask(num_heldout=NUM_HELDOUT).train_stream(seed=seed).take(PROMPTS_PER_STEP * steps)
+    path.write_text(json.dumps([{"prompt": p.prompt, "answer": p.answer} for p in problems]))
+    return path
+
+
+def param_count(model_dir: Path) -> int:
+    """Parameters in the checkpoint (tied embeddings counted once)."""
+    from safetensors.torch import load_file
+
+    return sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+
+
+# --------------------------------------------------------------------------------------------------
+# Our side, in a child process.
+
+
+def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run_root: Path, name: str,
+              extra: list[str]) -> list[str]:
+    return [
+        f"name={name}", f"run_root={run_root}", f"model_path={model_dir}", f"seed={seed}", f"steps={steps}",
+        f"prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
+        f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "warm_start.steps=0",
+        "eval_samples=1",
+        f"task.num_heldout={NUM_HELDOUT}", "eval_every=0", "actor.optim.lr=1e-3",
+        "actor.optim.lr_scheduler_type=constant", f"algo.kl_coef={beta}", "algo.agg=token-mean", *extra,
+    ]
+
+
+def child_ours(recipe_argv: list[str], out: Path) -> None:
+    import importlib.util
+
+    import torch
+
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is also set in our environment by the parent
+    calib_before = calibrate()
+    spec = importlib.util.spec_from_file_location("grpo_arithmetic", REPO / "experiments" / "grpo_arithmetic.py")
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe  # attrs resolves the config classes' annotations through sys.modules
+    spec.loader.exec_module(recipe)
+    # process CPU time at each RL step's metrics log call: per-step CPU cost for steps 2..N (the recipe's
+    # step_time_s is wall time; CPU time is less disturbed by other jobs on the machine)
+    cpu_marks: list[float] = []
+
+    class CPUMarkedLog(recipe.MetricsLog):
+        def log(self, step, stats, *a, **kw):
+            if step >= 1 and "step_time_s" in stats:
+                cpu_marks.append(time.process_time())
+            return super().log(step, stats, *a, **kw)
+
+    recipe.MetricsLog = CPUMarkedLog
+    t0 = time.perf_counter()
+    summary = recipe.main(recipe_argv)
+    wall = time.perf_counter() - t0
+    calib_after = calibrate()
+    rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    rows = [r for r in rows if r.get("step", 0) > 0 and "step_time_s" in r]
+    out.write_text(json.dumps({
+        "side": "ours",
+        "threads": torch.get_num_threads(),
+        "calib_ms_before": calib_before,
+        "calib_ms_after": calib_after,
+        "step_ms": [r["step_time_s"] * 1e3 for r in rows],
+        "rollout_ms": [r["rollout_time_s"] * 1e3 for r in rows],
+        "cycle_cpu_ms": [(b - a) * 1e3 for a, b in zip(cpu_marks, cpu_marks[1:])],
+        "completion_length": [r.get("response_length") for r in rows],
+        "reward": [r.get("reward_mean") for r in rows],
+        "recipe_wall_s": wall,
+        "run_dir": summary["run_dir"],
+    }, indent=1))
+
+
+# --------------------------------------------------------------------------------------------------
+# The parent: run, collect, print.
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    env.pop("WORLD_SIZE", None), env.pop("RANK", None), env.pop("LOCAL_RANK", None)
+    return env
+
+
+def run_child(cmd: list[str], log: Path, out: Path) -> dict:
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
+    if proc.returncode != 0 or not out.is_file():
+        lines = log.read_text(errors="replace").splitlines()
+        error = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output")
+        tail = "\n".join(lines[-15:])
+        print(f"    FAILED (rc {proc.returncode}), see {log}:\n{tail}", flush=True)
+        return {"failed": error.strip()}
+    res = json.loads(out.read_text())
+    res["process_wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def summarize(runs: list[dict], skip: int) -> dict:
+    steps = [t for r in runs for t in r["step_ms"][skip:]]
+    rollouts = [t for r in runs for t in r["rollout_ms"][skip:]]
+    calib = statistics.median(c for r in runs for c in (r["calib_ms_before"], r["calib_ms_after"]))  # robust to one spike
+    lengths = [x for r in runs for x in r["completion_length"][skip:] if x is not None]
+    cpu = [t for r in runs for t in r.get("cycle_cpu_ms", [])]  # already steps 2..N
+    step = statistics.median(steps)
+    return {
+        "cpu_ms": statistics.median(cpu) if cpu else float("nan"),
+        "step_ms": step,
+        "step_ms_min": min(steps),
+        "step_ms_max": max(steps),
+        "rollout_ms": statistics.median(rollouts),
+        "rollout_share": statistics.median(rollouts) / step,
+        "calib_ms": calib,
+        "normalised_step": step / calib,
+        "completion_length": statistics.mean(lengths) if lengths else float("nan"),
+        "n_steps": len(steps),
+        "threads": sorted({r.get("threads") for r in runs}),
+    }
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--child-ours"]:
+        out = Path(argv[1])
+        return child_ours(argv[2:], out)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", default="A,B", help="comma-separated: A, B")
+    ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run (medians over steps 2..N)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs per side and config; order alternates")
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL beta, our algo.kl_coef)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work-dir", default=str(REPO / "runs" / "bench_grpo_vs_trl"))
+    ap.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON)
+    ap.add_argument("--sides", default="ours,trl", help="comma-separated: ours, trl")
+    ap.add_argument("--ours-override", action="append", default=[], help="extra key=value for our recipe")
+    ap.add_argument("--target", type=float, default=0.5, help="target ours/TRL ratio")
+    args = ap.parse_args(argv)
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    for c in configs:
+        if c not in CONFIGS:
+            raise SystemExit(f"unknown config {c!r}; known: {', '.join(CONFIGS)}")
+    if args.steps < 2:
+        raise SystemExit("--steps must be >= 2 (step 1 is excluded from the medians)")
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    model_dirs = {c: write_model(c, work / f"config_{c}") for c in configs}
+    prompts = write_prompts(work / f"prompts_{args.steps}.json", args.steps, args.seed)
+    results: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in sides} for c in configs}
+    failures: dict[str, dict[str, str]] = {}
+
+    for r in range(args.rounds):
+        for c in configs:
+            order = sides if r % 2 == 0 else sides[::-1]
+            for side in order:
+                tag = f"{side}_{c}_r{r}_{stamp}"
+                out, log = work / f"{tag}.json", work / f"{tag}.log"
+                if side == "ours":
+                    recipe = ours_argv(model_dirs[c], c, args.steps, args.beta, args.seed, work / "runs", tag,
+                                       args.ours_override)
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-ours", str(out), *recipe]
+                else:
+                    cmd = [args.trl_python, str(REPO / "benchmarks" / "trl_grpo_step.py"), "--model-dir", str(model_dirs[c]),
+                           "--prompts", str(prompts), "--steps", str(args.steps),
+                           "--prompts-per-step", str(PROMPTS_PER_STEP), "--num-generations", str(SAMPLES),
+                           "--max-completion-length", str(CONFIGS[c]["max_new_tokens"]), "--beta", str(args.beta),
+                           "--lr", "1e-3", "--seed", str(args.seed), "--out", str(out)]
+                print(f"[round {r}] config {c}: {side} ...", flush=True)
+                res = run_child(cmd, log, out)
+                if "failed" in res:
+                    failures.setdefault(c, {})[side] = res["failed"]
+                    continue
+                med = statistics.median(res["step_ms"][1:])
+                cpu = statistics.median(res["cycle_cpu_ms"]) if res.get("cycle_cpu_ms") else float("nan")
+                print(f"    median step {med:.1f} ms wall, {cpu:.1f} ms CPU (steps 2..{len(res['step_ms'])}), calib "
+                      f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, process {res['process_wall_s']:.0f} s",
+                      flush=True)
+                results[c][side].append(res)
+
+    summary = {c: {s: summarize(results[c][s], skip=1) for s in sides if results[c][s]} for c in configs}
+    print()
+    print(f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, 1 torch thread, beta={args.beta}, "
+          f"median of steps 2..{args.steps} x {args.rounds} round(s)")
+    head = (f"{'config':<7}{'params':>9}{'new tok':>8}{'ours ms':>10}{'TRL ms':>10}{'ratio':>8}{'norm. ratio':>12}"
+            f"{'CPU ratio':>10}{'ours rollout':>13}{'TRL rollout':>12}{'ours len':>9}{'TRL len':>8}{'calib ours/TRL ms':>19}")
+    print(head)
+    print("-" * len(head))
+    for c in configs:
+        s = summary[c]
+        o, t = s.get("ours"), s.get("trl")
+        ratio = o["step_ms"] / t["step_ms"] if o and t else float("nan")
+        norm = o["normalised_step"] / t["normalised_step"] if o and t else float("nan")
+        cpu_ratio = o["cpu_ms"] / t["cpu_ms"] if o and t else float("nan")
+        s["ratio"], s["normalised_ratio"], s["cpu_ratio"] = ratio, norm, cpu_ratio
+        fmt = lambda d, k, f: format(d[k], f) if d else "-"  # noqa: E731
+        print(f"{c:<7}{param_count(model_dirs[c]):>9,}{CONFIGS[c]['max_new_tokens']:>8}{fmt(o, 'step_ms', '.1f'):>10}"
+              f"{fmt(t, 'step_ms', '.1f'):>10}{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
+              f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
+              f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
+              f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}")
+    for c, by_side in failures.items():
+        for side, error in by_side.items():
+            print(f"config {c}: {side} FAILED: {error}")
+    print(f"\nratio = ours / TRL wall ms per step (target <= {args.target}); norm. ratio divides each side by its own "
+          "512x512 matmul calibration first; CPU ratio compares process CPU ms per step (step end to step end); "
+          "rollout = share of the step spent generating; len = mean completion tokens.")
+    (work / "results.json").write_text(json.dumps({"args": vars(args), "summary": summary, "failures": failures, "runs": results}, indent=1))
+    print(f"raw results: {work / 'results.json'}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
