@@ -38,7 +38,7 @@ from backends.rollout_native import SamplingConfig, build_native_rollout, genera
 class WarmStartConfig:
     """Supervised fine-tuning on (prompt, answer) pairs so that RL starts from an imperfect policy."""
 
-    steps: int = 600
+    steps: int = 300
     batch_size: int = 64  # global rows per step
     optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
 
@@ -59,7 +59,7 @@ class AlgoConfig:
 
 @attrs.frozen
 class ActorConfig:
-    optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+    optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=10)
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
 
 
@@ -67,14 +67,14 @@ class ActorConfig:
 class Config:
     name: str = "grpo_arithmetic"
     seed: int = 0
-    steps: int = 150  # RL steps
-    prompts_per_step: int = 16  # global, split over ranks
-    eval_every: int = 0  # 0: only before and after
+    steps: int = 600  # RL steps
+    prompts_per_step: int = 32  # global, split over ranks
+    eval_every: int = 100  # 0: only before and after
     eval_samples: int = 4  # samples per held-out prompt for the sampled success rate
     run_root: str = "runs"
     model_path: str = ""  # a local HF dir (Llama / Qwen2); empty: write a tiny random model into the run dir
     tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
-    task: ArithmeticTask = ArithmeticTask()
+    task: ArithmeticTask = ArithmeticTask(max_operand=999, max_second_operand=9, num_heldout=200)
     warm_start: WarmStartConfig = WarmStartConfig()
     actor: ActorConfig = ActorConfig()
     ref_log_prob_micro_batch_size: int = 64
@@ -107,14 +107,17 @@ def main(argv: list[str]) -> dict:
     t_start = time.time()
 
     # Supervised warm start, through the same engine and the same pure-loss interface as RL.
-    actor = build_actor(model_path, env, _total(cfg.warm_start.optim, cfg.warm_start.steps), cfg.actor.fsdp)
+    rl_optim = _total(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
+    ws_optim = _total(cfg.warm_start.optim, cfg.warm_start.steps) if cfg.warm_start.steps else rl_optim
+    actor = build_actor(model_path, env, ws_optim, cfg.actor.fsdp)
     stream = cfg.task.train_stream(seed=cfg.seed)
     for step in tqdm(range(cfg.warm_start.steps), desc="warm start", disable=not env.is_main):
         problems = stream.take(cfg.warm_start.batch_size)[env.rank :: env.world_size]
         actor, m = update(actor, sft_batch(problems, tokenizer), nll_loss)
         if step % 20 == 0 or step == cfg.warm_start.steps - 1:
             metrics_log.log(step - cfg.warm_start.steps, {"sft_loss": m["loss"]})
-    actor = fresh_optimizer(actor, _total(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches))
+    if cfg.warm_start.steps:
+        actor = fresh_optimizer(actor, rl_optim)
 
     # The warm-started policy, saved as an HF checkpoint, is the rollout's start and the frozen reference.
     warm_path = export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer) if cfg.warm_start.steps else model_path
@@ -145,8 +148,11 @@ def main(argv: list[str]) -> dict:
         t_rollout = time.time() - t0
         # 2. verifiable reward: one score per sequence, parsed from the text
         batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
-        # 3. log-probs of the sampled tokens under the current policy (and the reference)
-        batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
+        # 3. log-probs of the sampled tokens under the current policy (and the reference). With a single
+        #    update per batch the rollout's own log-probs are the current policy's (same weights; the
+        #    rollout/trainer gap is tested to be ~1e-6), so the extra forward pass is skipped.
+        on_policy = cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1
+        batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else compute_logprobs(actor, batch).logprobs)
         if reference is not None:
             batch = batch.replace(ref_logprobs=compute_logprobs(reference, batch).logprobs)
         # 4. group-relative advantages (pure rlfunc; all n samples of a prompt live on one rank)

@@ -1,0 +1,483 @@
+"""PPO (verl's default algorithm: actor + critic + GAE) on the synthetic integer-addition task.
+
+Run:  python experiments/ppo_arithmetic.py                                         (one process)
+      torchrun --standalone --nproc_per_node 2 experiments/ppo_arithmetic.py      (FSDP2 over 2 ranks)
+      ... key=value overrides, e.g. steps=100 algo.kl_ctrl=adaptive algo.use_kl_loss=true
+      --help lists every key.
+
+Checkpoints and exact resume:
+      ... checkpoint.every=10 checkpoint.dir=/ckpt/ppo run_dir=runs/ppo-1     (save every 10 steps)
+      ... resume=auto checkpoint.dir=/ckpt/ppo                  (after a crash: continue from the newest
+                                                                 complete checkpoint, in the same run dir)
+      ... resume=/ckpt/ppo/step_20                              (from that checkpoint)
+A checkpoint holds the actor and the critic (weights + AdamW, sharded), the step, every rank's RNG, the
+data-stream position and the KL-controller state; a resumed run on the same world size logs the same
+per-step metrics as an uninterrupted one. Resuming with a config that changes the run (another model,
+task, algorithm or optimizer setting) fails before any work, naming the differing keys.
+
+Reads top to bottom: config -> [resume point] -> model -> supervised warm start -> held-out eval -> RL loop
+[rollout -> reward -> log-probs (actor, reference) -> values -> token rewards (score - beta * KL) -> GAE
+-> critic update -> actor update -> weight sync -> checkpoint] -> held-out eval -> HF / orbax export -> summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import rlfunc as rf
+from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses, sft_batch
+from backends.checkpoint import (
+    CheckpointMismatchError, checkpoint_info, flatten_config, load_checkpoint, resolve_resume, save_checkpoint,
+)
+from backends.config import apply_overrides, config_keys, config_to_dict
+from backends.distributed import barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
+from backends.fsdp_engine import (
+    FSDPConfig, TrainState, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
+    full_state_dict, update, value_loss_fn,
+)
+from backends.hf_export import export_hf
+from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
+from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
+from backends.optim import OptimConfig, build_optimizer, lr_schedule
+from backends.orbax_io import save_orbax
+from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
+
+
+@attrs.frozen
+class WarmStartConfig:
+    """Supervised fine-tuning on (prompt, answer) pairs so that RL starts from an imperfect policy."""
+
+    steps: int = 600
+    batch_size: int = 64  # global rows per step
+    optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+
+
+@attrs.frozen
+class AlgoConfig:
+    """verl's ``algorithm.*`` (adv_estimator=gae) and ``actor/critic`` PPO settings."""
+
+    gamma: float = 1.0
+    lam: float = 0.95
+    clip_ratio: float = 0.2  # actor.clip_ratio_low / high
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (verl's default)
+    agg: str = "token-mean"  # actor.loss_agg_mode
+    cliprange_value: float = 0.5  # critic.cliprange_value
+    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 0  # prompts per optimizer step (global, x rollout.n rows); 0: the whole step's batch
+    critic_warmup: int = 10  # steps that train only the critic (its value head starts random)
+    # KL to the frozen warm-started reference: in the reward (InstructGPT) and/or as a loss term (GRPO-style)
+    kl_in_reward: bool = True
+    kl_penalty: str = "kl"  # estimator in the reward (k1 = "kl", abs, mse, low_var_kl, ...)
+    kl_ctrl: str = "fixed"  # fixed | adaptive
+    kl_coef: float = 0.001  # (initial) beta of the controller
+    target_kl: float = 0.1  # adaptive only
+    horizon: int = 10000  # adaptive only
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1..k3 / low_var_kl, "+" for straight-through gradients
+
+
+@attrs.frozen
+class ActorConfig:
+    optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0)
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
+
+
+@attrs.frozen
+class CriticConfig:
+    optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
+
+
+@attrs.frozen
+class CheckpointConfig:
+    every: int = 0  # save every N RL steps (and at the last step); 0: never
+    dir: str = ""  # where step_<N> dirs go; empty: <run_dir>/checkpoints. Keep it stable across restarts.
+    keep_last: int = 3
+
+
+@attrs.frozen
+class ExportConfig:
+    hf: bool = True  # actor and critic as HF dirs (transformers / vLLM load them)
+    orbax: bool = False  # the gathered actor train state as an orbax PyTree (JAX interop)
+
+
+@attrs.frozen
+class Config:
+    name: str = "ppo_arithmetic"
+    seed: int = 0
+    steps: int = 150  # RL steps
+    prompts_per_step: int = 16  # global, split over ranks
+    eval_every: int = 0  # 0: only before and after
+    eval_samples: int = 4  # samples per held-out prompt for the sampled success rate
+    run_root: str = "runs"
+    run_dir: str = ""  # empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
+    resume: str = "never"  # never | auto | <a step_N checkpoint dir>
+    model_path: str = ""  # a local HF dir (Llama / Qwen2); empty: write a tiny random model into the run dir
+    tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
+    task: ArithmeticTask = ArithmeticTask()
+    warm_start: WarmStartConfig = WarmStartConfig()
+    actor: ActorConfig = ActorConfig()
+    critic: CriticConfig = CriticConfig()
+    ref_log_prob_micro_batch_size: int = 64
+    rollout: SamplingConfig = SamplingConfig(n=8, temperature=1.0, max_new_tokens=6)
+    algo: AlgoConfig = AlgoConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    export: ExportConfig = ExportConfig()
+
+
+#: keys that may differ between a run and its resumption (where things go, not what is computed)
+_RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "export", "eval_every")
+
+
+def main(argv: list[str]) -> dict:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
+        return {}
+    cfg = apply_overrides(Config(), argv)  # an unknown key fails here, before any work
+    if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
+        raise ValueError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
+    env = init_distributed()
+    log = get_logger("ppo", env)
+    seed_everything(cfg.seed)
+    num_mini = _num_mini_batches(cfg, env.world_size)
+
+    # Where to resume from, checked against this config before anything is built.
+    must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE_KEYS}
+    resume_from, run_dir = _resume_point(cfg, must_match)
+    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    warm_path = run_dir / "warm_start_model" if cfg.warm_start.steps else (Path(cfg.model_path) if cfg.model_path else run_dir / "base_model")
+    rl_optim = _total(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
+    critic_optim = _total(cfg.critic.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
+    t_start = time.time()
+
+    if env.is_main:  # a fresh run starts a new log; a resumed one drops what was logged after its checkpoint
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
+    barrier()
+    metrics_log = MetricsLog(run_dir, enabled=env.is_main)
+    if resume_from is None:
+        actor, stream, tokenizer = _fresh_start(cfg, env, run_dir, warm_path, rl_optim, metrics_log)
+    else:
+        log.info(f"resuming from {resume_from} (run dir {run_dir})")
+        tokenizer = load_tokenizer(warm_path)
+        actor = build_actor(warm_path, env, rl_optim, cfg.actor.fsdp)
+
+    # The critic starts from the warm-started backbone with a fresh (seeded) value head; the frozen
+    # reference is the warm-started policy; the rollout engine holds an unsharded copy of the actor.
+    critic = build_critic(warm_path, env, critic_optim, cfg.critic.fsdp, seed=cfg.seed)
+    reference = None
+    if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
+        reference = build_reference(warm_path, env, cfg.actor.fsdp, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+    rollout = build_native_rollout(warm_path, tokenizer)
+    kl_ctrl = (
+        rf.adaptive_kl_controller(cfg.algo.kl_coef, cfg.algo.target_kl, cfg.algo.horizon)
+        if cfg.algo.kl_ctrl == "adaptive" else rf.fixed_kl_controller(cfg.algo.kl_coef)
+    )
+    heldout = cfg.task.heldout()
+    sampled_eval = attrs.evolve(cfg.rollout, n=cfg.eval_samples)
+    greedy_eval = attrs.evolve(cfg.rollout, n=1, temperature=0.0)
+
+    if resume_from is None:
+        first_step, wall_before = 1, 0.0
+        eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
+        greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
+    else:
+        states, extra = load_checkpoint(resume_from, {"actor": actor, "critic": critic}, config=must_match)
+        actor, critic = states["actor"], states["critic"]
+        stream = cfg.task.train_stream(seed=cfg.seed, drawn=extra["drawn"])
+        kl_ctrl = rf.KLControllerState(**extra["kl_ctrl"])
+        eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
+        first_step = extra["step"] + 1
+        rollout = sync_weights(rollout, full_state_dict(actor))
+    log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
+
+    horizon = cfg.rollout.max_new_tokens
+    actor_loss = functools.partial(ppo_loss, algo=cfg.algo, horizon=horizon)
+    critic_loss = value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=horizon)
+    for step in tqdm(range(first_step, cfg.steps + 1), desc="PPO", disable=not env.is_main, initial=first_step - 1, total=cfg.steps):
+        t0, times = time.time(), {}
+        # 1. rollout: n samples per prompt, for this rank's share of the prompts (explicit per-step seed)
+        with _timed(times, "rollout"):
+            problems = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
+            prompts = [tokenizer.encode(p.prompt) for p in problems]
+            batch = generate(rollout, prompts, cfg.rollout, seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
+            # 2. verifiable reward: one score per sequence, parsed from the text
+            batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
+        # 3. log-probs of the sampled tokens under the current policy and the reference; critic values
+        with _timed(times, "old_logprob"):
+            batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
+        if reference is not None:
+            with _timed(times, "reference"):
+                batch = batch.replace(ref_logprobs=compute_logprobs(reference, batch).logprobs)
+        with _timed(times, "values"):
+            values = compute_values(critic, batch)
+            batch = batch.replace(values=values, old_values=values)
+        # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
+        with _timed(times, "advantages"):
+            token_rewards = outcome_token_rewards(batch.scores, batch.response_mask)
+            kl_stats = {}
+            if cfg.algo.kl_in_reward:
+                token_rewards, observed_kl = rf.apply_kl_penalty_to_rewards(
+                    token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
+                    beta=kl_ctrl.beta, kind=cfg.algo.kl_penalty,
+                )
+                observed_kl = _all_reduce_mean(observed_kl.reshape(1), env)[0]  # the same beta on every rank
+                kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
+                kl_ctrl = rf.update_kl_controller(kl_ctrl, observed_kl, n_steps=cfg.prompts_per_step * cfg.rollout.n)
+            adv, ret = rf.gae(token_rewards, batch.values, batch.response_mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam)
+            adv = rf.masked_whiten(adv, batch.response_mask)  # per rank (verl: over the whole batch)
+            batch = batch.replace(token_rewards=token_rewards, advantages=adv, returns=ret)
+        # 5. critic update, then (after the critic warm-up) actor update: ppo_epochs x mini-batches each
+        critic_metrics, actor_metrics = [], []
+        with _timed(times, "critic_update"):
+            for _ in range(cfg.algo.ppo_epochs):
+                for mini_batch in rf.split(batch, num_mini):
+                    critic, m = update(critic, mini_batch, critic_loss)
+                    critic_metrics.append(m)
+        if step > cfg.algo.critic_warmup:
+            with _timed(times, "actor_update"):
+                for _ in range(cfg.algo.ppo_epochs):
+                    for mini_batch in rf.split(batch, num_mini):
+                        actor, m = update(actor, mini_batch, actor_loss, with_entropy=True)
+                        actor_metrics.append(m)
+            # 6. weight sync: stream full tensors from the FSDP shards into the rollout engine
+            with _timed(times, "weight_sync"):
+                rollout = sync_weights(rollout, full_state_dict(actor))
+
+        dt = time.time() - t0
+        local = torch.stack([
+            batch.scores.mean(), (batch.scores > 0.5).float().mean(), batch.response_mask.sum(-1).float().mean(),
+            rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(ret, batch.response_mask),
+            (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
+        ])
+        reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = _all_reduce_mean(local, env).tolist()
+        stats = {
+            "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
+            "values_mean": values_mean, "returns_mean": returns_mean, **kl_stats,
+            **_mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in _mean_metrics(critic_metrics).items()},
+            "tokens_per_s": num_tokens * env.world_size / dt, "step_time_s": dt,
+            **{f"time/{k}_s": v for k, v in times.items()},
+        }
+        if cfg.eval_every and step % cfg.eval_every == 0:
+            stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
+        metrics_log.log(step, stats)
+        if env.is_main and (step % 10 == 0 or step == cfg.steps):
+            keys = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm", "step_time_s")
+            tqdm.write(f"step {step:4d} " + " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats))
+
+        # 7. checkpoint: actor + critic (sharded, with AdamW), RNG, and what the loop carries
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
+            extra = {
+                "step": step, "drawn": stream.drawn, "run_dir": str(run_dir),
+                "kl_ctrl": {"beta": kl_ctrl.beta, "target_kl": kl_ctrl.target_kl, "horizon": kl_ctrl.horizon},
+                "eval_before": eval_before, "greedy_before": greedy_before,
+                "wall_seconds": wall_before + time.time() - t_start,
+            }
+            save_checkpoint(ckpt_dir, step, {"actor": actor, "critic": critic}, extra,
+                            keep_last=cfg.checkpoint.keep_last, config=must_match)
+
+    eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
+    greedy_after = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
+    # Export: HF dirs of the actor (a causal LM) and the critic (a value model), orbax of the actor state.
+    if cfg.export.hf:
+        export_hf(actor, run_dir / "actor_hf", tokenizer=tokenizer, overwrite=True)
+        export_hf(critic, run_dir / "critic_hf", tokenizer=tokenizer, overwrite=True)
+    if cfg.export.orbax:
+        save_orbax(actor, run_dir / "actor_orbax", overwrite=True)
+    wall = wall_before + time.time() - t_start
+    summary = {
+        "eval_before": eval_before,
+        "eval_after": eval_after,
+        "eval_metric": f"held-out success: mean over {cfg.eval_samples} samples per prompt at temperature {cfg.rollout.temperature}",
+        "eval_greedy_before": greedy_before,
+        "eval_greedy_after": greedy_after,
+        "num_heldout": len(heldout),
+        "steps": cfg.steps,
+        "resumed_from": str(resume_from) if resume_from is not None else None,
+        "wall_seconds": round(wall, 1),
+        "world_size": env.world_size,
+        "run_dir": str(run_dir),
+    }
+    if env.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0]
+        plot_curves(rows, ["reward_mean", "eval_success", "kl_reward", "values_mean", "critic/loss"], run_dir / "reward_curve.png", title=cfg.name)
+        verdict = "rose" if eval_after > eval_before else "did NOT rise"
+        print(
+            f"\nheld-out success {eval_before:.1%} -> {eval_after:.1%} (greedy {greedy_before:.1%} -> {greedy_after:.1%}): "
+            f"the reward {verdict} ({cfg.steps} PPO steps, {wall:.0f} s, {env.world_size} rank(s)); see {run_dir}",
+            flush=True,
+        )
+    metrics_log.close()
+    shutdown(env)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------
+# Losses and rewards: compositions of pure rlfunc functions. The engine passes the global normalisers.
+
+
+def ppo_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig, horizon: int):
+    """Clipped (dual-clip) PPO surrogate, plus ``kl_loss_coef`` times a KL estimate to the reference."""
+    loss, metrics = rf.ppo_policy_loss(
+        out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, clip_low=algo.clip_ratio,
+        clip_high=algo.clip_ratio, dual_clip=algo.clip_ratio_c, agg=algo.agg, norms=norms, horizon=horizon,
+    )
+    if algo.use_kl_loss:
+        kl, _ = rf.kl_loss(out.logprobs, mb.ref_logprobs, mb.response_mask, kind=algo.kl_loss_type, agg=algo.agg, norms=norms, horizon=horizon)
+        loss = loss + algo.kl_loss_coef * kl
+        metrics = {**metrics, "kl_loss": kl.detach()}
+    if out.entropy is not None:
+        metrics = {**metrics, "entropy": rf.aggregate(out.entropy.detach(), mb.response_mask, "token-mean", norms)}
+    return loss, metrics
+
+
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(b,), (b t) -> (b t)``: each sequence's score on its last response token, 0 elsewhere (verl's
+    ``token_level_scores`` of a rule-based reward)."""
+    last = (response_mask.long().cumsum(-1) == response_mask.sum(-1, keepdim=True)) & response_mask
+    return torch.where(last, scores[:, None].to(torch.float32), torch.zeros((), dtype=torch.float32))
+
+
+def nll_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers):
+    """Supervised warm start: token-mean negative log-likelihood of the answer tokens."""
+    return rf.aggregate(-out.logprobs, mb.response_mask, "token-mean", norms), {}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plumbing.
+
+
+def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: OptimConfig, metrics_log: MetricsLog):
+    """Base model and supervised warm start; returns (actor with a fresh RL optimizer, stream, tokenizer)."""
+    model_path = Path(cfg.model_path) if cfg.model_path else run_dir / "base_model"
+    if env.is_main:
+        (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        if not cfg.model_path:
+            write_tiny_model(model_path, cfg.tiny, build_char_tokenizer())
+    barrier()
+    tokenizer = load_tokenizer(model_path)
+    ws_optim = _total(cfg.warm_start.optim, cfg.warm_start.steps) if cfg.warm_start.steps else rl_optim
+    actor = build_actor(model_path, env, ws_optim, cfg.actor.fsdp)
+    stream = cfg.task.train_stream(seed=cfg.seed)
+    for step in tqdm(range(cfg.warm_start.steps), desc="warm start", disable=not env.is_main):
+        problems = stream.take(cfg.warm_start.batch_size)[env.rank :: env.world_size]
+        actor, m = update(actor, sft_batch(problems, tokenizer), nll_loss)
+        if step % 20 == 0 or step == cfg.warm_start.steps - 1:
+            metrics_log.log(step - cfg.warm_start.steps, {"sft_loss": m["loss"]})
+    if cfg.warm_start.steps:
+        actor = fresh_optimizer(actor, rl_optim)
+        export_hf(actor, warm_path, tokenizer=tokenizer, overwrite=True)
+    return actor, stream, tokenizer
+
+
+def _resume_point(cfg: Config, must_match: dict) -> tuple[Path | None, Path]:
+    """(checkpoint to resume from or None, run dir), the same on every rank; a config mismatch raises here."""
+    resume_from, run_dir, error = None, cfg.run_dir, None
+    if dist.get_rank() == 0:
+        try:
+            ckpt_dir = cfg.checkpoint.dir or (str(Path(cfg.run_dir) / "checkpoints") if cfg.run_dir else None)
+            if cfg.resume == "auto" and ckpt_dir is None:
+                raise ValueError("resume=auto needs checkpoint.dir (or run_dir) to look for checkpoints in")
+            path = resolve_resume(cfg.resume, ckpt_dir)
+            if path is not None:
+                info = checkpoint_info(path)
+                diff = _config_diff(info.config, flatten_config(must_match))
+                if diff:
+                    raise CheckpointMismatchError(
+                        f"cannot resume from {str(path)!r}: it was written with a different config "
+                        f"({len(diff)} key(s) differ):\n  " + "\n  ".join(diff)
+                    )
+                resume_from, run_dir = str(path), cfg.run_dir or info.marker["extra"]["run_dir"]
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+        if not run_dir:
+            run_dir = str(Path(cfg.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    error, resume_from, run_dir = broadcast_object((error, resume_from, run_dir))
+    if error is not None:
+        raise SystemExit(f"error: {error}")
+    return (Path(resume_from) if resume_from else None), Path(run_dir)
+
+
+def _config_diff(saved: dict, current: dict) -> list[str]:
+    missing = "<not set>"
+    return [
+        f"{k}: checkpoint {json.dumps(saved.get(k, missing))}, now {json.dumps(current.get(k, missing))}"
+        for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)
+    ]
+
+
+def _truncate_metrics(path: Path, step: int | None) -> None:
+    """Drop rows logged after the checkpoint (the crashed run got further than its last save); all if None."""
+    if not path.exists():
+        return
+    if step is None:
+        path.unlink()
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the crash
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def _num_mini_batches(cfg: Config, world_size: int) -> int:
+    if cfg.prompts_per_step % world_size:
+        raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world_size}")
+    size = cfg.algo.ppo_mini_batch_size or cfg.prompts_per_step
+    if cfg.prompts_per_step % size or size % world_size:
+        raise ValueError(
+            f"algo.ppo_mini_batch_size={size} must divide prompts_per_step={cfg.prompts_per_step} and be divisible "
+            f"by the world size {world_size}"
+        )
+    return cfg.prompts_per_step // size
+
+
+@contextlib.contextmanager
+def _timed(times: dict, name: str):
+    t = time.perf_counter()
+    yield
+    times[name] = times.get(name, 0.0) + time.perf_counter() - t
+
+
+def _mean_metrics(rows: list[dict]) -> dict:
+    """Mean of each engine metric over this step's optimizer steps."""
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def _total(optim: OptimConfig, total_steps: int) -> OptimConfig:
+    return attrs.evolve(optim, total_training_steps=total_steps)
+
+
+def fresh_optimizer(state: TrainState, optim: OptimConfig) -> TrainState:
+    """Same weights, a new AdamW and LR schedule: the RL phase does not inherit the warm start's moments."""
+    return state.replace(
+        optimizer=build_optimizer(state.module.parameters(), optim), optim_cfg=optim, lr_schedule=lr_schedule(optim), step=0
+    )
+
+
+def _all_reduce_mean(x: torch.Tensor, env) -> torch.Tensor:
+    """Mean over ranks of a vector of per-rank statistics, in one collective."""
+    x = x.detach().float().clone()
+    if env.world_size > 1:
+        dist.all_reduce(x)
+    return x / env.world_size
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

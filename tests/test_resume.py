@@ -1,0 +1,163 @@
+"""Kill-and-resume exactness of experiments/ppo_arithmetic.py on 2 ranks (real torchrun processes).
+
+1. run the recipe uninterrupted (it also saves checkpoints: saving consumes no randomness);
+2. run it again, SIGKILL the whole torchrun process group as soon as step K's checkpoint is complete;
+3. rerun with resume=auto: the per-step metrics of every step equal the uninterrupted run's.
+Plus: an incompatible config and a missing checkpoint path fail clearly before any work.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "experiments" / "ppo_arithmetic.py"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+STEPS, KILL_AFTER = 6, 2
+TINY = [
+    f"steps={STEPS}", "warm_start.steps=30", "warm_start.batch_size=32", "warm_start.optim.lr=1e-2", "prompts_per_step=4",
+    "rollout.n=4", "eval_samples=1", "task.num_heldout=5", "task.max_operand=4", "task.max_second_operand=4", "tiny.num_heads=2", "tiny.num_kv_heads=1",
+    "tiny.hidden_size=64", "tiny.intermediate_size=96", "tiny.num_layers=1", "algo.ppo_mini_batch_size=2",
+    "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001", "algo.horizon=100", "algo.use_kl_loss=true",
+    "export.hf=false", "checkpoint.every=1", "checkpoint.keep_last=10",
+]
+#: metrics that depend on the clock, not on the computation
+TIMING = ("tokens_per_s", "step_time_s")
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.checkpoint]
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _torchrun(*args):
+    return [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(RECIPE), *TINY, *args]
+
+
+def _rows(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if r["step"] > 0]
+    assert steps == list(range(1, STEPS + 1)), steps  # no step missing, none logged twice
+    return {r["step"]: r for r in rows if r["step"] > 0}
+
+
+def _descendants(pid: int) -> list[int]:
+    """Child processes of ``pid``, recursively, from /proc (torchrun starts its workers in their own sessions)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_tree(pid: int) -> None:
+    for p in [pid, *_descendants(pid)]:  # SIGKILL cannot be handled: nothing gets to clean up
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _complete(ckpt_dir: Path, step: int) -> bool:
+    return (ckpt_dir / f"step_{step}" / "COMPLETE").is_file()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    out = subprocess.run(
+        _torchrun(f"run_dir={root / 'run'}", f"checkpoint.dir={root / 'ckpt'}"),
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return root
+
+
+def test_sigkill_and_resume_is_exact(uninterrupted, tmp_path):
+    run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        _torchrun(f"run_dir={run_dir}", f"checkpoint.dir={ckpt_dir}"),
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    deadline = time.time() + 300
+    try:
+        while not _complete(ckpt_dir, KILL_AFTER):
+            assert proc.poll() is None, f"the run ended before step {KILL_AFTER}'s checkpoint: {proc.stderr.read()[-4000:]}"
+            assert time.time() < deadline, "no checkpoint appeared in time"
+            time.sleep(0.02)
+    finally:
+        _kill_tree(proc.pid)  # torchrun and both ranks, mid-run, as a machine failure would
+        proc.wait()
+    newest = max(int(p.name.split("_")[1]) for p in ckpt_dir.glob("step_*") if _complete(ckpt_dir, int(p.name.split("_")[1])))
+    assert newest < STEPS and not (run_dir / "summary.json").exists(), "the run finished before it was killed"
+
+    # resume=auto: the run dir comes from the checkpoint, the metrics log is cut back to the checkpoint's step
+    out = subprocess.run(_torchrun("resume=auto", f"checkpoint.dir={ckpt_dir}"), env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith(f"step_{newest}")
+
+    expected, resumed = _rows(uninterrupted / "run"), _rows(run_dir)
+    worst, compared = 0.0, 0
+    for step in range(1, STEPS + 1):
+        a, b = expected[step], resumed[step]
+        keys = sorted(k for k in a if k not in TIMING and not k.startswith("time/"))
+        assert keys == sorted(k for k in b if k not in TIMING and not k.startswith("time/"))
+        for k in keys:
+            diff = abs(a[k] - b[k])
+            worst = max(worst, diff)
+            compared += 1
+            assert diff <= 1e-6, f"step {step} {k}: uninterrupted {a[k]}, resumed {b[k]}"
+    assert {"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"} <= set(expected[STEPS])
+    assert any(expected[s]["reward_mean"] > 0 for s in expected)  # the comparison covers non-trivial rewards
+    first = json.loads((uninterrupted / "run" / "summary.json").read_text())
+    for key in ("eval_before", "eval_after", "eval_greedy_before", "eval_greedy_after"):
+        assert summary[key] == first[key], key
+    print(f"\nresumed from step {newest}: {compared} metric values compared, max |diff| = {worst:g}")
+
+
+def test_resume_with_another_model_size_fails_before_any_work(uninterrupted, tmp_path):
+    ckpt = uninterrupted / "ckpt" / f"step_{KILL_AFTER}"
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), *TINY, "tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "CheckpointMismatchError" in out.stderr and "different config" in out.stderr
+    assert "tiny.hidden_size: checkpoint 64, now 128" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_from_missing_path_fails_clearly(tmp_path):
+    missing = tmp_path / "nowhere" / "step_3"
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), *TINY, f"resume={missing}", f"run_dir={tmp_path / 'run'}"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert f"checkpoint {str(missing)!r} does not exist" in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_resume_auto_without_a_checkpoint_dir_fails_clearly(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), "resume=auto", f"run_root={tmp_path}"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0 and "resume=auto needs checkpoint.dir" in out.stderr
+    assert not list(tmp_path.iterdir())
