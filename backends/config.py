@@ -106,24 +106,29 @@ def parse_value(text: str, tp: Any, key: str = "value") -> Any:
     raise ConfigError(f"{key}: cannot parse values of type {tp} from the command line")
 
 
-def _set(cfg: Any, path: list[str], text: str, full_key: str, root: Any) -> Any:
+def _apply(cfg: Any, tree: dict[str, Any], prefix: str, root: Any) -> Any:
+    """Apply a nested ``{name: text | subtree}`` of overrides with one ``evolve`` per config object, so
+    that fields validated together (e.g. hidden size and head count) can change together."""
     fields = _fields(type(cfg))
-    name = path[0]
-    if name not in fields:
-        raise ConfigError(_unknown_key_message(full_key, root))
-    f = fields[name]
-    current = getattr(cfg, name)
-    if len(path) > 1:
-        if not attrs.has(type(current)):
-            raise ConfigError(_unknown_key_message(full_key, root))
-        return attrs.evolve(cfg, **{name: _set(current, path[1:], text, full_key, root)})
-    if attrs.has(type(current)):
-        raise ConfigError(f"{full_key} is a config section; set one of its keys, e.g. {config_keys(current, full_key + '.')[0]}")
-    value = parse_value(text, f.type, full_key)
+    changes = {}
+    for name, sub in tree.items():
+        key = prefix + name
+        if name not in fields:
+            raise ConfigError(_unknown_key_message(key, root))
+        current = getattr(cfg, name)
+        if isinstance(sub, dict):
+            if not attrs.has(type(current)):
+                raise ConfigError(_unknown_key_message(key + "." + next(iter(sub)), root))
+            changes[name] = _apply(current, sub, key + ".", root)
+        elif attrs.has(type(current)):
+            raise ConfigError(f"{key} is a config section; set one of its keys, e.g. {config_keys(current, key + '.')[0]}")
+        else:
+            changes[name] = parse_value(sub, fields[name].type, key)
     try:
-        return attrs.evolve(cfg, **{name: value})
+        return attrs.evolve(cfg, **changes)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"{full_key}={text!r}: {e}") from e
+        given = ", ".join(f"{prefix}{n}" for n in tree)
+        raise ConfigError(f"{given}: {e}") from e
 
 
 def _unknown_key_message(key: str, root: Any) -> str:
@@ -140,6 +145,7 @@ def _unknown_key_message(key: str, root: Any) -> str:
 
 def apply_overrides(cfg: Any, overrides: Iterable[str]) -> Any:
     """Return ``cfg`` with each ``dotted.key=value`` override applied, in order."""
+    tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. actor.optim.lr=1e-5)")
@@ -147,5 +153,13 @@ def apply_overrides(cfg: Any, overrides: Iterable[str]) -> Any:
         key = key.strip().lstrip("-")
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
-        cfg = _set(cfg, key.split("."), text, key, cfg)
-    return cfg
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(_unknown_key_message(key, cfg))
+        if isinstance(node.get(leaf), dict):
+            raise ConfigError(f"{key} is a config section; set one of its keys")
+        node[leaf] = text  # a later override of the same key wins
+    return _apply(cfg, tree, "", cfg)

@@ -18,7 +18,7 @@ import torch
 from rlfunc import schedules
 from rlfunc.schedules import LRSchedule
 
-__all__ = ["OptimConfig", "warmup_steps", "lr_schedule", "lr_multiplier", "lr_at", "build_optimizer", "set_lr"]
+__all__ = ["OptimConfig", "warmup_steps", "lr_schedule", "lr_multiplier", "lr_at", "build_optimizer", "set_lr", "with_total_steps"]
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -128,3 +128,8 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Write ``lr`` into every param group (the schedule lives outside the optimizer)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def with_total_steps(cfg: OptimConfig, total_steps: int) -> OptimConfig:
+    """``cfg`` with ``total_training_steps`` set (the recipe knows the number of updates, the YAML does not)."""
+    return attrs.evolve(cfg, total_training_steps=total_steps)

@@ -19,19 +19,19 @@ import time
 from pathlib import Path
 
 import attrs
-import torch
 import torch.distributed as dist
 
 import rlfunc as rf
-from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses, sft_batch
+from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
 from backends.config import apply_overrides, config_keys, config_to_dict
 from backends.distributed import barrier, broadcast_object, init_distributed, seed_everything, shutdown
 from backends.fsdp_engine import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
 from backends.hf_export import export_hf
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.optim import OptimConfig, build_optimizer, lr_schedule
+from backends.optim import OptimConfig
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -47,8 +47,7 @@ class Config:
     seed: int = 0
     steps: int = 150
     prompts_per_step: int = 16
-    warm_start_steps: int = 600
-    warm_start_optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    warm_start: WarmStartConfig = WarmStartConfig(steps=600)
     optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0)
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
     run_root: str = "runs"
@@ -109,12 +108,10 @@ def main(argv: list[str]) -> dict:
     tokenizer, log, t_start = load_tokenizer(run_dir / "base_model"), MetricsLog(run_dir, enabled=env.is_main), time.time()
 
     # Supervised warm start (same as the GRPO recipe), then a fresh optimizer for RL.
-    actor = build_actor(run_dir / "base_model", env, attrs.evolve(cfg.warm_start_optim, total_training_steps=max(cfg.warm_start_steps, 1)), cfg.fsdp)
+    actor = build_actor(run_dir / "base_model", env, warm_start_optim(cfg.warm_start), cfg.fsdp)
     stream = cfg.task.train_stream(seed=cfg.seed)
-    for step in range(cfg.warm_start_steps):
-        actor, m = update(actor, sft_batch(stream.take(64)[env.rank :: env.world_size], tokenizer),
-                          lambda out, mb, norms: (rf.aggregate(-out.logprobs, mb.response_mask, "token-mean", norms), {}))
-    actor = actor.replace(optimizer=build_optimizer(actor.module.parameters(), cfg.optim), optim_cfg=cfg.optim, lr_schedule=lr_schedule(cfg.optim), step=0)
+    actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env)
+    actor = fresh_optimizer(actor, cfg.optim)
     warm_path = export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer)
     rollout = build_native_rollout(warm_path, tokenizer)
     reference = build_reference(warm_path, env, cfg.fsdp) if _uses_kl(cfg.algo) else None

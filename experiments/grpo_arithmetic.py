@@ -19,28 +19,19 @@ from pathlib import Path
 
 import attrs
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import rlfunc as rf
-from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses, sft_batch
+from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
-from backends.fsdp_engine import FSDPConfig, TrainState, build_actor, build_reference, compute_logprobs, full_state_dict, update
+from backends.distributed import all_reduce_sum, barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
+from backends.fsdp_engine import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
 from backends.hf_export import export_hf
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.optim import OptimConfig, build_optimizer, lr_schedule
+from backends.optim import OptimConfig, with_total_steps
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
-
-
-@attrs.frozen
-class WarmStartConfig:
-    """Supervised fine-tuning on (prompt, answer) pairs so that RL starts from an imperfect policy."""
-
-    steps: int = 300
-    batch_size: int = 64  # global rows per step
-    optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -107,16 +98,11 @@ def main(argv: list[str]) -> dict:
     t_start = time.time()
 
     # Supervised warm start, through the same engine and the same pure-loss interface as RL.
-    rl_optim = _total(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
-    ws_optim = _total(cfg.warm_start.optim, cfg.warm_start.steps) if cfg.warm_start.steps else rl_optim
-    actor = build_actor(model_path, env, ws_optim, cfg.actor.fsdp)
+    rl_optim = with_total_steps(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
+    actor = build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, cfg.actor.fsdp)
     stream = cfg.task.train_stream(seed=cfg.seed)
-    for step in tqdm(range(cfg.warm_start.steps), desc="warm start", disable=not env.is_main):
-        problems = stream.take(cfg.warm_start.batch_size)[env.rank :: env.world_size]
-        actor, m = update(actor, sft_batch(problems, tokenizer), nll_loss)
-        if step % 20 == 0 or step == cfg.warm_start.steps - 1:
-            metrics_log.log(step - cfg.warm_start.steps, {"sft_loss": m["loss"]})
     if cfg.warm_start.steps:
+        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log)
         actor = fresh_optimizer(actor, rl_optim)
 
     # The warm-started policy, saved as an HF checkpoint, is the rollout's start and the frozen reference.
@@ -170,7 +156,7 @@ def main(argv: list[str]) -> dict:
             batch.scores.mean(), (batch.scores > 0.5).float().mean(), batch.response_mask.sum(-1).float().mean(),
             (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
         ])
-        reward_mean, success_rate, response_length, num_tokens = _all_reduce_mean(local, env).tolist()
+        reward_mean, success_rate, response_length, num_tokens = (all_reduce_sum(local) / env.world_size).tolist()
         stats = {
             "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
             "tokens_per_s": num_tokens * env.world_size / dt, "step_time_s": dt, "rollout_time_s": t_rollout, **m,
@@ -213,7 +199,7 @@ def main(argv: list[str]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Losses: compositions of pure rlfunc functions. The engine passes the global normalisers.
+# The loss: a composition of pure rlfunc functions. The engine passes the global normalisers.
 
 
 def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, policy_loss, algo: AlgoConfig, horizon: int):
@@ -231,34 +217,6 @@ def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, poli
     if out.entropy is not None:
         metrics["entropy"] = rf.aggregate(out.entropy.detach(), mb.response_mask, "token-mean", norms)
     return loss, metrics
-
-
-def nll_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers):
-    """Supervised warm start: token-mean negative log-likelihood of the answer tokens."""
-    return rf.aggregate(-out.logprobs, mb.response_mask, "token-mean", norms), {}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Plumbing.
-
-
-def _total(optim: OptimConfig, total_steps: int) -> OptimConfig:
-    return attrs.evolve(optim, total_training_steps=total_steps)
-
-
-def fresh_optimizer(state: TrainState, optim: OptimConfig) -> TrainState:
-    """Same weights, a new AdamW and LR schedule: the RL phase does not inherit the warm start's moments."""
-    return state.replace(
-        optimizer=build_optimizer(state.module.parameters(), optim), optim_cfg=optim, lr_schedule=lr_schedule(optim), step=0
-    )
-
-
-def _all_reduce_mean(x: torch.Tensor, env) -> torch.Tensor:
-    """Mean over ranks of a vector of per-rank statistics, in one collective."""
-    x = x.detach().float().clone()
-    if env.world_size > 1:
-        dist.all_reduce(x)
-    return x / env.world_size
 
 
 if __name__ == "__main__":

@@ -35,31 +35,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import rlfunc as rf
-from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses, sft_batch
+from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
 from backends.checkpoint import (
     CheckpointMismatchError, checkpoint_info, flatten_config, load_checkpoint, resolve_resume, save_checkpoint,
 )
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
+from backends.distributed import all_reduce_sum, barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
 from backends.fsdp_engine import (
-    FSDPConfig, TrainState, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
+    FSDPConfig, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
     full_state_dict, update, value_loss_fn,
 )
 from backends.hf_export import export_hf
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.optim import OptimConfig, build_optimizer, lr_schedule
+from backends.optim import OptimConfig, with_total_steps
 from backends.orbax_io import save_orbax
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
-
-
-@attrs.frozen
-class WarmStartConfig:
-    """Supervised fine-tuning on (prompt, answer) pairs so that RL starts from an imperfect policy."""
-
-    steps: int = 600
-    batch_size: int = 64  # global rows per step
-    optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -126,7 +118,7 @@ class Config:
     model_path: str = ""  # a local HF dir (Llama / Qwen2); empty: write a tiny random model into the run dir
     tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
     task: ArithmeticTask = ArithmeticTask()
-    warm_start: WarmStartConfig = WarmStartConfig()
+    warm_start: WarmStartConfig = WarmStartConfig(steps=600)
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig = CriticConfig()
     ref_log_prob_micro_batch_size: int = 64
@@ -157,8 +149,8 @@ def main(argv: list[str]) -> dict:
     resume_from, run_dir = _resume_point(cfg, must_match)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     warm_path = run_dir / "warm_start_model" if cfg.warm_start.steps else (Path(cfg.model_path) if cfg.model_path else run_dir / "base_model")
-    rl_optim = _total(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
-    critic_optim = _total(cfg.critic.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
+    rl_optim = with_total_steps(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
+    critic_optim = with_total_steps(cfg.critic.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
     t_start = time.time()
 
     if env.is_main:  # a fresh run starts a new log; a resumed one drops what was logged after its checkpoint
@@ -232,7 +224,7 @@ def main(argv: list[str]) -> dict:
                     token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
                     beta=kl_ctrl.beta, kind=cfg.algo.kl_penalty,
                 )
-                observed_kl = _all_reduce_mean(observed_kl.reshape(1), env)[0]  # the same beta on every rank
+                observed_kl = (all_reduce_sum(observed_kl.reshape(1)) / env.world_size)[0]  # the same beta on every rank
                 kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
                 kl_ctrl = rf.update_kl_controller(kl_ctrl, observed_kl, n_steps=cfg.prompts_per_step * cfg.rollout.n)
             adv, ret = rf.gae(token_rewards, batch.values, batch.response_mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam)
@@ -261,7 +253,7 @@ def main(argv: list[str]) -> dict:
             rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(ret, batch.response_mask),
             (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
         ])
-        reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = _all_reduce_mean(local, env).tolist()
+        reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (all_reduce_sum(local) / env.world_size).tolist()
         stats = {
             "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
             "values_mean": values_mean, "returns_mean": returns_mean, **kl_stats,
@@ -350,11 +342,6 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
     return torch.where(last, scores[:, None].to(torch.float32), torch.zeros((), dtype=torch.float32))
 
 
-def nll_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers):
-    """Supervised warm start: token-mean negative log-likelihood of the answer tokens."""
-    return rf.aggregate(-out.logprobs, mb.response_mask, "token-mean", norms), {}
-
-
 # ---------------------------------------------------------------------------------------------------
 # Plumbing.
 
@@ -368,15 +355,10 @@ def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: Opt
             write_tiny_model(model_path, cfg.tiny, build_char_tokenizer())
     barrier()
     tokenizer = load_tokenizer(model_path)
-    ws_optim = _total(cfg.warm_start.optim, cfg.warm_start.steps) if cfg.warm_start.steps else rl_optim
-    actor = build_actor(model_path, env, ws_optim, cfg.actor.fsdp)
+    actor = build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, cfg.actor.fsdp)
     stream = cfg.task.train_stream(seed=cfg.seed)
-    for step in tqdm(range(cfg.warm_start.steps), desc="warm start", disable=not env.is_main):
-        problems = stream.take(cfg.warm_start.batch_size)[env.rank :: env.world_size]
-        actor, m = update(actor, sft_batch(problems, tokenizer), nll_loss)
-        if step % 20 == 0 or step == cfg.warm_start.steps - 1:
-            metrics_log.log(step - cfg.warm_start.steps, {"sft_loss": m["loss"]})
     if cfg.warm_start.steps:
+        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log)
         actor = fresh_optimizer(actor, rl_optim)
         export_hf(actor, warm_path, tokenizer=tokenizer, overwrite=True)
     return actor, stream, tokenizer
@@ -458,25 +440,6 @@ def _timed(times: dict, name: str):
 def _mean_metrics(rows: list[dict]) -> dict:
     """Mean of each engine metric over this step's optimizer steps."""
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
-
-
-def _total(optim: OptimConfig, total_steps: int) -> OptimConfig:
-    return attrs.evolve(optim, total_training_steps=total_steps)
-
-
-def fresh_optimizer(state: TrainState, optim: OptimConfig) -> TrainState:
-    """Same weights, a new AdamW and LR schedule: the RL phase does not inherit the warm start's moments."""
-    return state.replace(
-        optimizer=build_optimizer(state.module.parameters(), optim), optim_cfg=optim, lr_schedule=lr_schedule(optim), step=0
-    )
-
-
-def _all_reduce_mean(x: torch.Tensor, env) -> torch.Tensor:
-    """Mean over ranks of a vector of per-rank statistics, in one collective."""
-    x = x.detach().float().clone()
-    if env.world_size > 1:
-        dist.all_reduce(x)
-    return x / env.world_size
 
 
 if __name__ == "__main__":

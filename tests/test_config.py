@@ -63,3 +63,25 @@ def test_bad_values_are_clear_errors():
 
 def test_config_keys_lists_leaves():
     assert "actor.optim.betas" in config_keys(Root) and "actor" not in config_keys(Root)
+
+
+@attrs.frozen
+class Model:
+    hidden: int = 64
+    heads: int = 2
+
+    def __attrs_post_init__(self):
+        if self.hidden // self.heads < 32:
+            raise ValueError("head_dim must be >= 32")
+
+
+@attrs.frozen
+class WithModel:
+    model: Model = Model()
+
+
+def test_fields_validated_together_change_together():
+    cfg = apply_overrides(WithModel(), ["model.hidden=256", "model.heads=8"])
+    assert cfg.model == Model(hidden=256, heads=8)
+    with pytest.raises(ConfigError, match="model.hidden: head_dim must be >= 32"):
+        apply_overrides(WithModel(), ["model.hidden=32"])

@@ -11,7 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "experiments" / "custom_algorithm.py"
 TINY = [
-    "warm_start_steps=4", "steps=2", "prompts_per_step=4", "rollout.n=4", "task.num_heldout=8",
+    "warm_start.steps=4", "steps=2", "prompts_per_step=4", "rollout.n=4", "task.num_heldout=8",
     "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.hidden_size=64", "tiny.intermediate_size=96", "tiny.num_layers=1",
 ]
 
