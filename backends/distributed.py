@@ -136,8 +136,15 @@ def device_mesh(env: DistEnv, shape: Sequence[int] | None = None, names: Sequenc
 
 
 def shutdown(env: DistEnv | None = None) -> None:
-    """Destroy the default process group if one exists (safe to call twice)."""
+    """Destroy the default process group if one exists (safe to call twice).
+
+    Every rank first waits for the others: a rank that tears gloo down while a peer is still working
+    (rank 0 writing the summary, say) can abort the peer's process ("terminate called without an
+    active exception").
+    """
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
         dist.destroy_process_group()
 
 
