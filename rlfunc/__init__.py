@@ -1,7 +1,7 @@
 """rlfunc: the pure functional core of RL post-training for language models.
 
 Every public function is exported here, e.g. ``rlfunc.gae``, ``rlfunc.ppo_policy_loss``,
-``rlfunc.masked_whiten``. Nothing in this package touches ``torch.distributed``, ``nn.Module``, files or
+``rlfunc.masked_whiten``. Nothing in this package touches distributed process groups, modules, files or
 global state.
 """
 

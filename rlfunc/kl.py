@@ -198,7 +198,7 @@ class KLControllerState:
       fields are empty subtrees, so a fixed controller's only leaf is ``beta``).
 
     Why tensors, not Python floats: the observed KL comes out of the batch as a device tensor, so the
-    update ``beta *= 1 + err * n / horizon`` and the use of ``beta`` in the reward need no ``.item()``
+    update ``beta *= 1 + err * n / horizon`` and the use of ``beta`` in the reward need no ``Tensor.item`` call
     (the only host read is :func:`update_kl_controller`'s finiteness check of the observed KL, one per
     step); every leaf is a tensor, so ``tree_map`` (``.to(device)``, checkpoint state dicts) and
     ``torch.func`` apply. float64 so that a long run tracks verl's Python-float arithmetic (and a 0-d

@@ -13,7 +13,7 @@ Every loss has the same shape of signature::
   ranks) and summing the micro-batch losses gives the full-batch loss and gradient.
 - ``is_weights`` ``(b t)``: optional per-token importance weights (rollout / trainer mismatch
   correction); they are detached and multiply the per-token loss.
-- ``loss`` is a scalar tensor; ``metrics`` is a dict of detached scalar tensors (never ``.item()``: the
+- ``loss`` is a scalar tensor; ``metrics`` is a dict of detached scalar tensors (never ``Tensor.item``: the
   caller decides when to sync). Metrics are means over this call's masked tokens.
 - Positions outside ``response_mask`` may hold anything, NaN and inf included, in ``logprobs``,
   ``old_logprobs``, ``advantages`` and ``is_weights``: they never reach the loss, the metrics or the
@@ -26,7 +26,7 @@ the same settings (tests/golden/losses.safetensors). Differences that hold for e
 
 - verl reads its knobs from an ``ActorConfig`` (and its global batch info from a field the trainer
   mutates before each call); here they are explicit keyword arguments and a ``norms`` value.
-- verl returns Python floats (``.item()``) under keys like ``"actor/pg_clipfrac"``; here metrics are
+- verl returns Python floats (via ``Tensor.item``) under keys like ``"actor/pg_clipfrac"``; here metrics are
   tensors with short names. Each docstring maps them to verl's keys.
 - verl's ``agg_loss`` multiplies by ``dp_size``; :func:`~rlfunc.aggregation.aggregate` never does (the
   backend owns the gradient reduction).
