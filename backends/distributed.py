@@ -202,6 +202,23 @@ def all_reduce_sum(tensor: Tensor) -> Tensor:
     return out
 
 
+def global_masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """``rlfunc.masked_whiten`` with the mean and variance of the masked entries on *all* ranks.
+
+    verl whitens advantages over the whole batch; with the batch split over data-parallel ranks that
+    needs two small all-reduces (count and sum for the mean, then the centred sum of squares). Equal
+    to whitening the concatenated batch; equal to the local version at world size 1.
+    """
+    from rlfunc import masked_moments, masked_whiten
+
+    first = all_reduce_sum(masked_moments(x, mask))
+    count, total = first[0], first[1]
+    mean = total / count.clamp(min=1)
+    centred_sq = all_reduce_sum(masked_moments(x, mask, center=mean))[2]
+    var = torch.where(count > 1, centred_sq / (count - 1).clamp(min=1), torch.zeros_like(centred_sq))
+    return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, stats=(mean, var))
+
+
 def all_reduce_max(tensor: Tensor) -> Tensor:
     """Elementwise max of ``tensor`` over all ranks, as a new tensor."""
     out = tensor.clone()

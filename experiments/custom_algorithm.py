@@ -24,7 +24,7 @@ import torch.distributed as dist
 import rlfunc as rf
 from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import barrier, broadcast_object, init_distributed, seed_everything, shutdown
+from backends.distributed import barrier, broadcast_object, global_masked_whiten, init_distributed, seed_everything, shutdown
 from backends.fsdp_engine import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
 from backends.hf_export import export_hf
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
@@ -61,10 +61,11 @@ class Config:
 # The algorithm: advantages and a loss, each a pure function of tensors.
 
 
-def advantages(batch: rf.RolloutBatch, algo: AlgoConfig) -> rf.RolloutBatch:
+def advantages(batch: rf.RolloutBatch, algo: AlgoConfig, whiten=rf.masked_whiten) -> rf.RolloutBatch:
+    """``whiten``: the recipe passes backends.distributed.global_masked_whiten (the whole batch, all ranks)."""
     if algo.name == "reinforce_pp_baseline":
         adv, ret = rf.reinforce_pp_baseline(batch.scores, batch.group_ids, batch.response_mask)
-        adv = rf.masked_whiten(adv, batch.response_mask)
+        adv = whiten(adv, batch.response_mask)
     else:  # dr_grpo
         adv, ret = rf.grpo(batch.scores, batch.group_ids, batch.response_mask, norm_by_std=False)
     return batch.replace(advantages=adv, returns=ret)
@@ -126,7 +127,7 @@ def main(argv: list[str]) -> dict:
         batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
         if reference is not None:
             batch = batch.replace(ref_logprobs=compute_logprobs(reference, batch).logprobs)
-        batch = advantages(batch, cfg.algo)
+        batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
         actor, m = update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
         rollout = sync_weights(rollout, full_state_dict(actor))
         reward = batch.scores.mean().reshape(1)

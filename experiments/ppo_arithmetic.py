@@ -40,7 +40,9 @@ from backends.checkpoint import (
     CheckpointMismatchError, checkpoint_info, flatten_config, load_checkpoint, resolve_resume, save_checkpoint,
 )
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import all_reduce_sum, barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
+from backends.distributed import (
+    all_reduce_sum, barrier, broadcast_object, get_logger, global_masked_whiten, init_distributed, seed_everything, shutdown,
+)
 from backends.fsdp_engine import (
     FSDPConfig, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
     full_state_dict, update, value_loss_fn,
@@ -228,7 +230,7 @@ def main(argv: list[str]) -> dict:
                 kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
                 kl_ctrl = rf.update_kl_controller(kl_ctrl, observed_kl, n_steps=cfg.prompts_per_step * cfg.rollout.n)
             adv, ret = rf.gae(token_rewards, batch.values, batch.response_mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam)
-            adv = rf.masked_whiten(adv, batch.response_mask)  # per rank (verl: over the whole batch)
+            adv = global_masked_whiten(adv, batch.response_mask)  # over the whole batch, all ranks (as verl)
             batch = batch.replace(token_rewards=token_rewards, advantages=adv, returns=ret)
         # 5. critic update, then (after the critic warm-up) actor update: ppo_epochs x mini-batches each
         critic_metrics, actor_metrics = [], []

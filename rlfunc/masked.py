@@ -12,7 +12,7 @@ from torch import Tensor
 
 from rlfunc.checks import check_mask, check_same_shape
 
-__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_fill_zero"]
+__all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_moments", "masked_fill_zero"]
 
 Dim = int | tuple[int, ...] | None
 
@@ -62,7 +62,9 @@ def _unsqueeze_all(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     return x
 
 
-def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+def masked_whiten(
+    x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, stats: tuple[Tensor, Tensor] | None = None
+) -> Tensor:
     r"""Normalise ``x`` to zero mean and unit variance over the masked positions.
 
     .. math:: \hat x = (x - \mu) / \sqrt{\sigma^2 + \epsilon}
@@ -70,16 +72,42 @@ def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: floa
     with :math:`\mu, \sigma^2` the masked mean and unbiased variance (as verl's ``masked_whiten``).
     With ``shift_mean=False`` the mean is added back (only the scale changes). Positions outside the
     mask come out as 0.
+
+    ``stats = (mean, var)`` (0-d tensors) whitens with moments computed elsewhere, e.g. over the
+    whole data-parallel batch (verl whitens the global batch; a backend all-reduces
+    :func:`masked_moments` and passes the result here).
     """
     check_same_shape("x", x, mask=mask)
     check_mask("mask", mask)
     # Three passes over the data (select, centre, scale); NaN outside the mask is selected away first.
     zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    count = mask.sum().to(x.dtype)
-    mean = torch.where(mask, x, zero).sum() / count.clamp(min=1)
-    centered = torch.where(mask, x - mean, zero)
-    var = torch.where(count > 1, centered.square().sum() / (count - 1).clamp(min=1), zero)
+    if stats is None:
+        count = mask.sum().to(x.dtype)
+        mean = torch.where(mask, x, zero).sum() / count.clamp(min=1)
+        centered = torch.where(mask, x - mean, zero)
+        var = torch.where(count > 1, centered.square().sum() / (count - 1).clamp(min=1), zero)
+    else:
+        mean, var = (torch.as_tensor(s, dtype=x.dtype, device=x.device) for s in stats)
+        if mean.dim() != 0 or var.dim() != 0:
+            raise ValueError(f"stats must be two 0-d tensors (mean, var), got shapes {tuple(mean.shape)}, {tuple(var.shape)}")
+        centered = torch.where(mask, x - mean, zero)
     whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = torch.where(mask, whitened + mean, zero)
     return whitened
+
+
+def masked_moments(x: Tensor, mask: Tensor, center: Tensor | None = None) -> Tensor:
+    """``[count, sum, sum of squares about center]`` over the masked positions, as one ``(3,)`` tensor.
+
+    Summable across shards: all-reduce the first two with ``center=None`` to get the global mean, then
+    pass that mean as ``center`` and all-reduce again for the global centred sum of squares (two passes
+    keep the variance accurate where ``E[x^2] - E[x]^2`` would cancel).
+    """
+    check_same_shape("x", x, mask=mask)
+    check_mask("mask", mask)
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    selected = torch.where(mask, x, zero)
+    c = zero if center is None else center.to(x.dtype)
+    centered = torch.where(mask, x - c, zero)
+    return torch.stack([mask.sum().to(x.dtype), selected.sum(), centered.square().sum()])

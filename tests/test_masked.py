@@ -79,3 +79,26 @@ def test_func_transforms():
     torch.testing.assert_close(g, g2)
     v = torch.func.vmap(rf.masked_mean)(x, m)
     torch.testing.assert_close(v, torch.stack([rf.masked_mean(a, b) for a, b in zip(x, m)]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 6), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_whiten_from_combined_shard_moments_equals_whole_batch(rows, cols, shards, seed):
+    """Two-pass moments summed over row shards reproduce whitening of the concatenated batch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows * shards, cols, generator=g, dtype=torch.float64) * 3 + 1
+    m = torch.rand(rows * shards, cols, generator=g) < 0.7
+    m[0, 0] = m[1, 0] = True  # at least two entries: a defined variance
+    parts = list(zip(x.split(rows), m.split(rows)))
+    first = sum(rf.masked_moments(xs, ms) for xs, ms in parts)
+    mean = first[1] / first[0]
+    var = sum(rf.masked_moments(xs, ms, center=mean) for xs, ms in parts)[2] / (first[0] - 1)
+    whole = rf.masked_whiten(x, m)
+    sharded = torch.cat([rf.masked_whiten(xs, ms, stats=(mean, var)) for xs, ms in parts])
+    torch.testing.assert_close(sharded, whole, rtol=1e-10, atol=1e-10)
+
+
+def test_whiten_stats_must_be_scalars():
+    x, m = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="stats must be two 0-d tensors"):
+        rf.masked_whiten(x, m, stats=(torch.zeros(2), torch.ones(())))
