@@ -723,12 +723,20 @@ def full_state_dict(
     convert each tensor (e.g. ``torch.bfloat16`` for a bf16 rollout engine); default: as stored.
     """
     sd = state.module.state_dict()
-    counts: dict[int, int] = {}
-    for value in sd.values():
-        counts[id(value)] = counts.get(id(value), 0) + 1
-    cache: dict[int, Tensor] = {}
+    # Tied weights: one Parameter under several names. FSDP2's state_dict wraps each name in its own
+    # DTensor, so ties are found through the module's parameters, not the state dict's values.
+    canonical: dict[int, str] = {}
+    tied_to = {
+        name: canonical.setdefault(id(param), name)
+        for name, param in state.module.named_parameters(remove_duplicate=False)
+    }
+    counts: dict[str, int] = {}
+    for name in sd:
+        key = tied_to.get(name, name)
+        counts[key] = counts.get(key, 0) + 1
+    cache: dict[str, Tensor] = {}
     for name, value in sd.items():
-        key = id(value)
+        key = tied_to.get(name, name)
         if key in cache:
             full = cache[key]
         else:

@@ -177,7 +177,15 @@ def _weights_worker(rank, world_size, model_dir, untied_dir):
     local = rank_rows(make_batch(0), rank, world_size)
     out = {}
     actor = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4))
-    out["full"] = _numpy(dict(full_state_dict(actor)))
+    from torch.distributed.tensor import DTensor
+
+    gathers, full_tensor = [], DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **k: gathers.append(1) or full_tensor(self, *a, **k)
+    try:
+        out["full"] = _numpy(dict(full_state_dict(actor)))
+    finally:
+        DTensor.full_tensor = full_tensor
+    out["num_gathers"] = len(gathers)
     shard_types = {type(p).__name__ for p in actor.module.parameters()}
     out["shard_types"] = sorted(shard_types)
     lp = compute_logprobs(actor, local, with_entropy=True)
@@ -436,6 +444,7 @@ def test_full_state_dict_equals_unsharded_weights(weights, model_dir):
     tied = results[0]["full"]
     assert "lm_head.weight" in tied
     np.testing.assert_array_equal(tied["lm_head.weight"], tied["model.embed_tokens.weight"])
+    assert results[0]["num_gathers"] == len(tied) - 1  # the tied weight is gathered once, not per name
     untied = results[0]["untied_full"]
     assert not np.array_equal(untied["lm_head.weight"], untied["model.embed_tokens.weight"])
 
