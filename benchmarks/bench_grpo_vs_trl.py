@@ -37,6 +37,9 @@ than wall time. Reported step times are medians over steps 2..N (step 1 pays one
 pooled over rounds; the rollout share is median rollout time / median step time. A side that fails is
 reported as failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
 
+Last, the parent times the fp32 GEMMs alone of one step at the measured lengths (:func:`gemm_floor_ms`):
+a lower bound on any fp32 implementation's step on this machine, printed as a multiple of TRL's step.
+
 Known (torch 2.13, at the time of writing): ``--beta 0.04`` fails on our side at world size 1 (the
 FSDP2 reference's ``compute_logprobs`` under ``torch.inference_mode`` raises "Inference tensors do not
 track version counter"); TRL's side runs.
@@ -132,6 +135,46 @@ def param_count(model_dir: Path) -> int:
     from safetensors.torch import load_file
 
     return sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
+
+
+def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, rows: int = PROMPTS_PER_STEP * SAMPLES,
+                  vocab: int = 66, reps: int = 5) -> tuple[float, float]:
+    """fp32 matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms)``.
+
+    A lower bound for any implementation of the step in fp32: it times only the linear layers' GEMMs
+    (no attention, norms, activations, sampling or optimizer), for the mean real lengths (no padding):
+    decoding = ``completion_tokens`` steps of ``rows`` tokens through every linear + lm_head (the
+    prompt prefill is left out); update = forward + the two backward GEMMs over all
+    ``rows * (prompt + completion)`` tokens (lm_head over the completion tokens only).
+    """
+    import torch
+
+    c = CONFIGS[name]
+    hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_heads"]
+    layer = [(hidden, hidden + 2 * c["num_kv_heads"] * head_dim), (hidden, hidden), (hidden, c["intermediate_size"]),
+             (hidden, c["intermediate_size"]), (c["intermediate_size"], hidden)]
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    def linear_ms(m: int, k: int, n: int, backward: bool) -> float:
+        x, w, gy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+        ms = timed(lambda: x @ w.t())
+        if backward:
+            ms += timed(lambda: gy @ w) + timed(lambda: gy.t() @ x)
+        return ms
+
+    tokens = int(rows * (prompt_tokens + completion_tokens))
+    decode_step = c["num_layers"] * sum(linear_ms(rows, k, n, False) for k, n in layer) + linear_ms(rows, hidden, vocab, False)
+    update = c["num_layers"] * sum(linear_ms(tokens, k, n, True) for k, n in layer)
+    update += linear_ms(int(rows * completion_tokens), hidden, vocab, True)
+    return decode_step * completion_tokens, update
 
 
 # --------------------------------------------------------------------------------------------------
@@ -324,6 +367,24 @@ def main(argv: list[str]) -> None:
               f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
               f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
               f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}")
+    import torch
+
+    torch.set_num_threads(1)
+    from backends.models import load_tokenizer
+
+    prompts_list = json.loads(prompts.read_text())
+    for c in configs:
+        o = summary[c].get("ours")
+        if not o:
+            continue
+        tok = load_tokenizer(model_dirs[c])
+        prompt_tokens = statistics.mean(len(tok.encode(p["prompt"])) for p in prompts_list)
+        roll, upd = gemm_floor_ms(c, prompt_tokens, o["completion_length"])
+        trl = summary[c].get("trl")
+        vs_trl = f" = {(roll + upd) / trl['step_ms']:.2f}x TRL's step" if trl else ""
+        summary[c]["gemm_floor_ms"] = {"rollout": roll, "update": upd}
+        print(f"config {c}: fp32 GEMM floor of one step (linear layers only, no padding, 1 thread): rollout {roll:.0f} ms "
+              f"+ update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl}; ours spends {o['step_ms']:.0f} ms")
     for c, by_side in failures.items():
         for side, error in by_side.items():
             print(f"config {c}: {side} FAILED: {error}")
