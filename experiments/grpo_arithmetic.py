@@ -44,6 +44,7 @@ class AlgoConfig:
     agg: str = "token-mean"
     kl_coef: float = 0.0  # > 0 adds kl_coef * KL(policy || warm-started reference) to the loss
     kl_kind: str = "k3"
+    entropy_coef: float = 0.0  # > 0 subtracts entropy_coef * (aggregated token entropy) from the loss (verl's entropy_coeff)
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
 
@@ -203,7 +204,8 @@ def main(argv: list[str]) -> dict:
 
 
 def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, policy_loss, algo: AlgoConfig, horizon: int):
-    """Clipped policy loss, plus ``kl_coef`` times a k-estimator KL to the reference when one is given."""
+    """Clipped policy loss, plus ``kl_coef`` times a k-estimator KL to the reference when one is given, minus
+    ``entropy_coef`` times the entropy of the policy."""
     loss, metrics = policy_loss(
         out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
         clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.agg, norms=norms, horizon=horizon,
@@ -214,6 +216,8 @@ def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, poli
         kl, _ = rf.kl_loss(out.logprobs, mb.ref_logprobs, mb.response_mask, kind=algo.kl_kind, agg=algo.agg, norms=norms, horizon=horizon)
         loss = loss + algo.kl_coef * kl
         metrics["kl"] = kl.detach()
+    if algo.entropy_coef > 0:  # exploration bonus: the entropy is differentiable (rlfunc.entropy_from_logits)
+        loss = loss - algo.entropy_coef * rf.aggregate(out.entropy, mb.response_mask, algo.agg, norms, horizon=horizon)
     if out.entropy is not None:
         metrics["entropy"] = rf.aggregate(out.entropy.detach(), mb.response_mask, "token-mean", norms)
     return loss, metrics

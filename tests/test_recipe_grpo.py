@@ -74,3 +74,37 @@ def test_unknown_config_key_fails_before_any_work(tmp_path):
 def test_help_lists_keys():
     out = subprocess.run([sys.executable, str(RECIPE), "--help"], env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "actor.optim.lr" in out.stdout and "rollout.n" in out.stdout
+
+
+def test_entropy_bonus_is_subtracted_and_differentiable():
+    import importlib.util
+
+    import attrs
+    import torch
+
+    import rlfunc as rf
+
+    spec = importlib.util.spec_from_file_location("grpo_arithmetic", RECIPE)
+    recipe = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = recipe
+    spec.loader.exec_module(recipe)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 7, generator=g, requires_grad=True)
+    ids = torch.randint(0, 7, (3, 4), generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    from backends.fsdp_engine import ModelOutputs
+
+    out = ModelOutputs(logprobs=rf.logprobs_from_logits(logits, ids), entropy=rf.entropy_from_logits(logits))
+    mb = rf.RolloutBatch(
+        prompt_ids=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1, dtype=torch.bool),
+        response_ids=ids, response_mask=mask, old_logprobs=out.logprobs.detach(),
+        advantages=torch.randn(3, 4, generator=g) * mask, group_ids=torch.arange(3),
+    )
+    norms = rf.local_normalizers(mask)
+    kw = dict(policy_loss=rf.get_policy_loss("vanilla"), horizon=4)
+    base, _ = recipe.policy_loss_with_kl(out, mb, norms, algo=recipe.AlgoConfig(), **kw)
+    algo = attrs.evolve(recipe.AlgoConfig(), entropy_coef=0.1)
+    with_bonus, m = recipe.policy_loss_with_kl(out, mb, norms, algo=algo, **kw)
+    torch.testing.assert_close(with_bonus, base - 0.1 * m["entropy"])
+    (grad,) = torch.autograd.grad(with_bonus - base, logits)
+    assert grad[mask].abs().sum() > 0 and grad[~mask].abs().sum() == 0
