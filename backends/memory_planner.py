@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Per-device memory estimate of a training role, and settings that fit")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local Hugging Face checkpoint dir (config.json is read)")
-    src.add_argument("--tiny", action="store_true", help="PLATFORM.md's config B (hidden 256, 4 layers, vocab 66)")
+    src.add_argument("--tiny", action="store_true", help="PLATFORM.md config B (hidden 256, 4 layers) with the char tokenizer")
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "reference"])
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
