@@ -122,7 +122,8 @@ class FSDPConfig:
     #: SDPA elsewhere. Log-probs, values, losses and gradients equal the padded ones.
     use_remove_padding: bool = False
     #: before an update, redistribute the global batch across data-parallel ranks so that every rank
-    #: gets the same number of rows and near-equal token counts (Karmarkar-Karp, rlfunc/balancing.py)
+    #: gets the same number of rows and near-equal token counts (Karmarkar-Karp, rlfunc/balancing.py).
+    #: Updates only: forward-only passes (compute_logprobs / compute_values) keep each rank's rows.
     balance_dp: bool = False
     #: how rows are grouped under a token budget (max_tokens_per_micro_batch): "sequential" fills
     #: micro-batches in row order; "balanced" uses the fewest micro-batches that fit, the same count on

@@ -17,6 +17,7 @@ from backends.fsdp_engine import FSDPConfig, ModelOutputs, _forward, micro_batch
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from backends.packing import VARLEN_SDPA, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc.aggregation import aggregate
+from rlfunc.tree import tree_map
 from rlfunc.balancing import (
     balanced_partition,
     greedy_partition,
@@ -342,3 +343,21 @@ def test_two_rank_packed_forward_and_critic_equal_padded(two_ranks):
             assert diff < 2e-6, f"rank {rank} {key}: {diff:.3g}"
         assert _max_diff(packed["critic_params"], padded["critic_params"]) < 1e-6
         assert packed["critic_loss"] == pytest.approx(padded["critic_loss"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_packed_equals_padded_on_cuda(model_dir, attn):
+    """On a GPU: the packed row through flash-attention's varlen kernel (or the per-sequence SDPA)
+    gives the padded log-probs (bf16 compute, so a bf16 tolerance)."""
+    if attn == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    model, _ = load_causal_lm(model_dir, dtype=torch.bfloat16, device="cuda", attn_implementation=attn)
+    batch = make_batch(6)
+    batch = tree_map(lambda x: x.cuda(), batch)
+    with torch.no_grad():
+        padded = _forward(model, batch, with_entropy=False)
+        enable_packed_attention(model)
+        packed = _forward(model, batch, with_entropy=False, packed=True)
+    assert model.config._attn_implementation == (attn if attn != "sdpa" else VARLEN_SDPA)
+    assert _masked_max_diff(packed.logprobs, padded.logprobs, batch.response_mask) < 5e-2
