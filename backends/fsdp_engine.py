@@ -64,8 +64,8 @@ from torch.distributed.tensor import DTensor
 
 from backends.distributed import DistEnv, device_mesh, init_distributed
 from backends.models import load_causal_lm, load_value_model
-from backends.packing import PackedRows, enable_packed_attention, model_kwargs, pack_rows, unpack
 from backends.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
+from backends.packing import PackedRows, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
 from rlfunc.balancing import balanced_partition, token_budget_balanced_partition
@@ -414,9 +414,14 @@ def micro_batches(
     groups = micro_batch_groups(
         batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, grouping=grouping, min_parts=min_parts
     )
-    if max_tokens is None or grouping == "sequential":  # consecutive rows: slices, no copies
-        return [select(batch, slice(g[0], g[-1] + 1)) for g in groups]
-    return [select(batch, g) for g in groups]
+    return [_select_rows(batch, g) for g in groups]
+
+
+def _select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """Rows of a micro-batch: a slice (a view, no copy) when they are consecutive."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return select(batch, slice(rows[0], rows[0] + len(rows)))
+    return select(batch, rows)
 
 
 def _plan_micro_batches(
@@ -668,7 +673,7 @@ def _forward_only(
         with torch.no_grad():
             for i in range(n_max):
                 real = i < len(groups)
-                mb = select(batch, groups[i]) if real else _dummy(select(batch, groups[0]))
+                mb = _select_rows(batch, groups[i]) if real else _dummy(_select_rows(batch, groups[0]))
                 if cfg.trim_padding:
                     mb = _trim(mb)
                 outputs = _forward(module, _to_device(mb, state.env.device), with_entropy=with_entropy,
@@ -818,7 +823,7 @@ def update(
     module, optimizer = state.module, state.optimizer
     if cfg.balance_dp:
         batch = balance_across_ranks(batch, state)
-    mbs = [select(batch, g) for g in _plan_micro_batches(batch, state)]
+    mbs = [_select_rows(batch, g) for g in _plan_micro_batches(batch, state)]
     norms, (num_tokens, num_seqs, n_max) = _gather_counts(mbs, state)
     lr = schedules.lr_at(state.lr_schedule, state.step)
     base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
