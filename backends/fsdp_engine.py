@@ -18,7 +18,11 @@ gloo on CPU, NCCL on GPU, the same code.
 
 One update (torchtitan-style, explicit):
 
-1. split the rank's batch into micro-batches (``micro_batch_size`` rows, or a token budget);
+0. optionally (``balance_dp``) redistribute the global batch over the ranks: equal rows, near-equal
+   tokens (Karmarkar-Karp on the gathered sequence lengths);
+1. split the rank's batch into micro-batches (``micro_batch_size`` rows, or a token budget, filled in
+   row order or balanced: ``token_budget_grouping``); with ``use_remove_padding`` each micro-batch
+   runs as one packed row (backends/packing.py);
 2. count the loss tokens / sequences of the rank's batch and all-reduce them: the **global**
    :class:`rlfunc.Normalizers`; every rank also learns the largest micro-batch count, and ranks with
    fewer micro-batches run zero-weight dummy ones so the FSDP collectives line up;
@@ -61,9 +65,11 @@ from torch.distributed.tensor import DTensor
 from backends.distributed import DistEnv, device_mesh, init_distributed
 from backends.models import load_causal_lm, load_value_model
 from backends.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
+from backends.packing import PackedRows, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
-from rlfunc.batch import RolloutBatch, batch_size, select, split, split_by_token_budget, validate
+from rlfunc.balancing import balanced_partition, token_budget_balanced_partition
+from rlfunc.batch import RolloutBatch, batch_size, select, token_budget_partitions, validate
 from rlfunc.logits import entropy_from_logits, logprobs_from_logits
 from rlfunc.tree import pytree_dataclass, tree_map
 
@@ -81,6 +87,8 @@ __all__ = [
     "update",
     "full_state_dict",
     "micro_batches",
+    "micro_batch_groups",
+    "balance_across_ranks",
     "global_normalizers",
 ]
 
@@ -109,11 +117,27 @@ class FSDPConfig:
     #: the last loss token. Results are unchanged, except for losses that depend on the padded length
     #: (seq-mean-token-sum-norm without an explicit ``horizon``): pass the horizon, or turn this off.
     trim_padding: bool = True
+    #: packed sequences (verl's name): each micro-batch's rows, without padding, concatenated into one
+    #: row with restarting position ids (backends/packing.py); flash-attention varlen on GPU, per-sequence
+    #: SDPA elsewhere. Log-probs, values, losses and gradients equal the padded ones.
+    use_remove_padding: bool = False
+    #: before an update, redistribute the global batch across data-parallel ranks so that every rank
+    #: gets the same number of rows and near-equal token counts (Karmarkar-Karp, rlfunc/balancing.py).
+    #: Updates only: forward-only passes (compute_logprobs / compute_values) keep each rank's rows.
+    balance_dp: bool = False
+    #: how rows are grouped under a token budget (max_tokens_per_micro_batch): "sequential" fills
+    #: micro-batches in row order; "balanced" uses the fewest micro-batches that fit, the same count on
+    #: every rank, with near-equal token sums (Karmarkar-Karp; verl's use_dynamic_bsz)
+    token_budget_grouping: Literal["sequential", "balanced"] = "sequential"
 
     def __attrs_post_init__(self) -> None:
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise ValueError(
                 f"FSDPConfig.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}"
+            )
+        if self.token_budget_grouping not in ("sequential", "balanced"):
+            raise ValueError(
+                f"FSDPConfig.token_budget_grouping must be 'sequential' or 'balanced', got {self.token_budget_grouping!r}"
             )
 
 
@@ -241,6 +265,8 @@ def _trainable_state(
     model: nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig, schedule: Any, role: str
 ) -> TrainState:
     """Shard an unsharded fp32 model (master weights) and give it AdamW: the actor and the critic."""
+    if fsdp_cfg.use_remove_padding:
+        enable_packed_attention(model)
     if fsdp_cfg.gradient_checkpointing:
         _enable_checkpointing(model)
     if getattr(model, "config", None) is not None:
@@ -317,6 +343,8 @@ def build_reference(
         raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
     dtype = _compute_dtype(fsdp_cfg, env.device)
     model = _load_model(model_path, dtype)
+    if fsdp_cfg.use_remove_padding:
+        enable_packed_attention(model)
     model.requires_grad_(False)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
@@ -344,16 +372,134 @@ def _check_batch(batch: RolloutBatch) -> None:
         )
 
 
-def micro_batches(
-    batch: RolloutBatch, *, micro_batch_size: int | None = None, max_tokens: int | None = None
-) -> list[RolloutBatch]:
-    """Split rows into micro-batches: by a token budget (prompt + response tokens) if given, else by rows."""
+def _row_tokens(batch: RolloutBatch) -> list[int]:
+    """Tokens per row as the token budget counts them: real prompt tokens + loss tokens."""
+    return (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).cpu().tolist()
+
+
+def micro_batch_groups(
+    batch: RolloutBatch,
+    *,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+    grouping: str = "sequential",
+    min_parts: int = 1,
+) -> list[list[int]]:
+    """Row indices of each micro-batch: by a token budget (prompt + response tokens) if given, else by rows.
+
+    ``grouping="balanced"`` (token budget only): the fewest micro-batches (at least ``min_parts``) that
+    fit the budget, with near-equal token sums (rlfunc.balancing); ``"sequential"``: consecutive rows.
+    """
+    n = batch_size(batch)
     if max_tokens is not None:
-        tokens = batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)
-        return split_by_token_budget(batch, tokens.cpu(), max_tokens)
+        if grouping == "balanced":
+            return token_budget_balanced_partition(_row_tokens(batch), max_tokens, min_parts=min_parts)
+        if grouping != "sequential":
+            raise ValueError(f"grouping must be 'sequential' or 'balanced', got {grouping!r}")
+        return token_budget_partitions(torch.tensor(_row_tokens(batch)), max_tokens)
     if micro_batch_size is None or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return split(batch, chunk_size=micro_batch_size)
+    return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
+
+
+def micro_batches(
+    batch: RolloutBatch,
+    *,
+    micro_batch_size: int | None = None,
+    max_tokens: int | None = None,
+    grouping: str = "sequential",
+    min_parts: int = 1,
+) -> list[RolloutBatch]:
+    """Split rows into micro-batches (see :func:`micro_batch_groups`)."""
+    groups = micro_batch_groups(
+        batch, micro_batch_size=micro_batch_size, max_tokens=max_tokens, grouping=grouping, min_parts=min_parts
+    )
+    return [_select_rows(batch, g) for g in groups]
+
+
+def _select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """Rows of a micro-batch: a slice (a view, no copy) when they are consecutive."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return select(batch, slice(rows[0], rows[0] + len(rows)))
+    return select(batch, rows)
+
+
+def _plan_micro_batches(
+    batch: RolloutBatch, state: "TrainState", micro_batch_size: int | None = None
+) -> list[list[int]]:
+    """This rank's micro-batch row groups under the state's FSDP config. Balanced token-budget
+    grouping first agrees on a micro-batch count across ranks (one small all-reduce), so that no rank
+    runs dummy micro-batches unless its rows cannot be spread that far."""
+    cfg = state.fsdp_cfg
+    if micro_batch_size is not None:
+        return micro_batch_groups(batch, micro_batch_size=micro_batch_size)
+    if cfg.max_tokens_per_micro_batch is not None and cfg.token_budget_grouping == "balanced":
+        mine = micro_batch_groups(batch, max_tokens=cfg.max_tokens_per_micro_batch, grouping="balanced")
+        agreed = _all_reduce_max(len(mine), state)
+        return micro_batch_groups(
+            batch, max_tokens=cfg.max_tokens_per_micro_batch, grouping="balanced", min_parts=agreed
+        )
+    return micro_batch_groups(
+        batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch
+    )
+
+
+def _pad_dim(x: Tensor, axis: int, size: int, left: bool) -> Tensor:
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    shape = list(x.shape)
+    shape[axis] = extra
+    pad = x.new_zeros(shape)
+    return torch.cat([pad, x] if left else [x, pad], dim=axis)
+
+
+def balance_across_ranks(batch: RolloutBatch, state: "TrainState") -> RolloutBatch:
+    """Redistribute the global batch over the data-parallel ranks by token count (a collective).
+
+    Every rank all-gathers the whole global batch (each leaf padded to the largest row count, prompt
+    width (left) and response width (right) over ranks, then unpadded), splits its rows with
+    :func:`rlfunc.balancing.balanced_partition` into ``dp`` parts of equal row count (when the row count
+    divides, else of any count) and near-equal tokens, and keeps part ``rank``. The partition is a
+    deterministic function of the gathered lengths, so the ranks agree without talking. The union of
+    the rows over ranks is unchanged, so with global normalisers the update's gradient is unchanged.
+    Gathering everything costs ``dp`` times this rank's batch in memory for a moment; RL batches are
+    token ids and a few per-token floats, small next to the model.
+    """
+    world = state.dp_size
+    if world == 1:
+        return batch
+    group, dev, home = state.dp_group, state.env.device, batch.response_ids.device
+    n, p, t = batch.prompt_ids.shape[0], batch.prompt_ids.shape[1], batch.response_ids.shape[1]
+    sizes = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([n, p, t], dtype=torch.int64, device=dev), group=group)
+    table = torch.stack(sizes).cpu().tolist()
+    n_max, p_max, t_max = (max(row[j] for row in table) for j in range(3))
+
+    def gather(x: Tensor, dims: list[str]) -> Tensor:
+        x = x.to(dev)
+        is_bool = x.dtype == torch.bool
+        if is_bool:  # gloo has no bool collectives
+            x = x.to(torch.uint8)
+        x = _pad_dim(x, 0, n_max, left=False)
+        if "p" in dims:
+            x = _pad_dim(x, dims.index("p"), p_max, left=True)
+        if "t" in dims:
+            x = _pad_dim(x, dims.index("t"), t_max, left=False)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        full = torch.cat([part[:row[0]] for part, row in zip(parts, table)])
+        return (full.bool() if is_bool else full).to(home)
+
+    changes = {}
+    for f in attrs.fields(type(batch)):
+        value = getattr(batch, f.name)
+        if value is not None:
+            changes[f.name] = gather(value, (f.metadata.get("shape") or "").split())
+    everyone = batch.replace(**changes)
+    total = sum(row[0] for row in table)
+    parts = balanced_partition(_row_tokens(everyone), world, equal_size=total % world == 0)
+    return select(everyone, parts[dist.get_rank(group)])
 
 
 def _slice_dims(batch: RolloutBatch, dim_name: str, index: slice) -> RolloutBatch:
@@ -397,13 +543,18 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, batch)
 
 
-def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str = "actor") -> ModelOutputs:
+def _forward(
+    module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str = "actor", packed: bool = False
+) -> ModelOutputs:
     """Log-probs (and entropies) of the response tokens; prompts are left-padded.
 
     The response block is fully visible to attention: under the causal mask a real response token
     only sees tokens before it, so padding after it changes nothing, and this keeps the result
-    independent of loss-masking edits to ``response_mask``.
+    independent of loss-masking edits to ``response_mask``. ``packed``: the same numbers from one
+    packed row (:func:`_forward_packed`).
     """
+    if packed:
+        return _forward_packed(module, mb, with_entropy=with_entropy, role=role)
     t = mb.response_ids.shape[1]
     input_ids = torch.cat([mb.prompt_ids, mb.response_ids], dim=1)
     attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask)], dim=1)
@@ -417,6 +568,27 @@ def _forward(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: s
     logits = out.logits[:, :-1]  # position p-1+j predicts response token j
     logprobs = logprobs_from_logits(logits, mb.response_ids)
     entropy = entropy_from_logits(logits) if with_entropy else None
+    return ModelOutputs(logprobs=logprobs, entropy=entropy)
+
+
+def _forward_packed(module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str) -> ModelOutputs:
+    """The micro-batch as one packed row (backends/packing.py): no compute on padding.
+
+    Outputs are ``(b t)`` like the padded path's; positions after a row's last loss token hold 0
+    (the padded path computes them and the losses mask them out). Only the positions that predict
+    response tokens reach the lm_head (``logits_to_keep`` as an index tensor).
+    """
+    packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask)
+    if role == "critic":
+        out = module(**model_kwargs(packed))
+        logits = out.logits
+        if logits.dim() != 3 or logits.shape[-1] != 1:
+            raise ValueError(f"a critic's model must output one value per token (b, s, 1), got {tuple(logits.shape)}")
+        return ModelOutputs(values=unpack(logits[0, packed.predict_index, 0].float(), packed))
+    out = module(**model_kwargs(packed), logits_to_keep=packed.predict_index)
+    logits = out.logits[0]  # (N v): one row per kept response token
+    logprobs = unpack(logprobs_from_logits(logits, packed.labels), packed)
+    entropy = unpack(entropy_from_logits(logits), packed) if with_entropy else None
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
 
 
@@ -486,13 +658,10 @@ def _forward_only(
     """Micro-batched forward without gradients; the ``names`` fields of ModelOutputs, ``(b t)`` each."""
     _check_batch(batch)
     cfg = state.fsdp_cfg
-    if micro_batch_size is not None:
-        mbs = micro_batches(batch, micro_batch_size=micro_batch_size)
-    elif state.log_prob_micro_batch_size is not None:
-        mbs = micro_batches(batch, micro_batch_size=state.log_prob_micro_batch_size)
-    else:
-        mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
-    n_max = _all_reduce_max(len(mbs), state)
+    groups = _plan_micro_batches(
+        batch, state, micro_batch_size if micro_batch_size is not None else state.log_prob_micro_batch_size
+    )
+    n_max = _all_reduce_max(len(groups), state)
     out_device = batch.response_ids.device
     module = state.module
     was_training = module.training
@@ -502,20 +671,20 @@ def _forward_only(
     try:
         # no_grad, not inference_mode: FSDP2's unshard bookkeeping needs version counters on its tensors
         with torch.no_grad():
-            row = 0
             for i in range(n_max):
-                real = i < len(mbs)
-                mb = mbs[i] if real else _dummy(mbs[0])
+                real = i < len(groups)
+                mb = _select_rows(batch, groups[i]) if real else _dummy(_select_rows(batch, groups[0]))
                 if cfg.trim_padding:
                     mb = _trim(mb)
-                outputs = _forward(module, _to_device(mb, state.env.device), with_entropy=with_entropy, role=state.role)
+                outputs = _forward(module, _to_device(mb, state.env.device), with_entropy=with_entropy,
+                                   role=state.role, packed=cfg.use_remove_padding)
                 if not real:
                     continue
-                n, tt = mb.response_ids.shape
+                rows = torch.tensor(groups[i], device=out_device)
+                tt = mb.response_ids.shape[1]
                 for name in names:
                     # written into tensors made outside the context: they stay ordinary tensors
-                    results[name][row:row + n, :tt] = getattr(outputs, name).to(out_device)
-                row += n
+                    results[name][rows, :tt] = getattr(outputs, name).to(out_device)
     finally:
         module.train(was_training)
         _reshard(module)
@@ -652,7 +821,9 @@ def update(
         _check_critic_batch(batch, with_entropy)
     cfg = state.fsdp_cfg
     module, optimizer = state.module, state.optimizer
-    mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
+    if cfg.balance_dp:
+        batch = balance_across_ranks(batch, state)
+    mbs = [_select_rows(batch, g) for g in _plan_micro_batches(batch, state)]
     norms, (num_tokens, num_seqs, n_max) = _gather_counts(mbs, state)
     lr = schedules.lr_at(state.lr_schedule, state.step)
     base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
@@ -674,7 +845,7 @@ def update(
             mb = _trim(mb)
         mb = _to_device(mb, state.env.device)
         module.set_requires_gradient_sync(i == n_max - 1)
-        outputs = _forward(module, mb, with_entropy=with_entropy, role=state.role)
+        outputs = _forward(module, mb, with_entropy=with_entropy, role=state.role, packed=cfg.use_remove_padding)
         loss, metrics = loss_fn(outputs, mb, norms)
         loss, metrics = _check_loss_output(loss, metrics)
         # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.

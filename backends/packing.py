@@ -1,0 +1,219 @@
+"""Packed sequences (verl's ``use_remove_padding``): a micro-batch's rows concatenated into one row.
+
+A padded micro-batch ``(b, p + t)`` spends compute on left-padding of the prompts and on response
+columns after each row's last real token. Packing keeps, per row, the real prompt tokens and the
+response up to its last ``response_mask`` token (at least one, so that every row still reaches the
+logits), and concatenates them into one row ``(1, T)``, ``T = sum_i (p_i + r_i)``:
+
+- ``position_ids`` restart at 0 for every sequence (so rotary embeddings see what they see padded);
+- ``cu_seqlens`` ``(n + 1)`` are the cumulative sequence lengths (flash-attention's varlen format);
+- attention never crosses a sequence boundary.
+
+Attention on the packed row:
+
+- GPU with ``attn_implementation="flash_attention_2"`` / ``"flash_attention_3"``: Hugging Face's flash
+  path reads ``cu_seq_lens_q/k`` and ``max_length_q/k`` from the forward kwargs and calls the varlen
+  kernel; nothing here replaces it.
+- Everywhere else (the exact CPU path): :func:`varlen_sdpa_attention`, registered with Hugging Face's
+  ``AttentionInterface`` under :data:`VARLEN_SDPA`, runs causal SDPA on each sequence's slice. It costs
+  ``sum_i L_i^2`` attention work. Hugging Face's own alternative (``sdpa`` with restarting position ids
+  and no attention mask: ``masking_utils.find_packed_sequence_indices`` builds a block-diagonal causal
+  mask) is exact too, but builds a dense ``T x T`` mask and does ``T^2`` attention work; it is used
+  in the tests as an independent check of this path. Without ``cu_seq_lens_q`` the function falls back
+  to HF's ``sdpa`` with the given mask, so a padded forward through the same model is unchanged.
+
+Outputs are gathered at the positions that predict the response tokens and scattered back to
+``(b t)`` (zeros after a row's last kept token), so losses written for padded batches are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["VARLEN_SDPA", "PackedRows", "pack_rows", "unpack", "varlen_sdpa_attention", "enable_packed_attention",
+           "model_kwargs"]
+
+#: name of the packed-aware SDPA attention in transformers' AttentionInterface
+VARLEN_SDPA = "rlfunc_varlen_sdpa"
+_FLASH = ("flash_attention_2", "flash_attention_3")
+
+
+@attrs.frozen
+class PackedRows:
+    """One micro-batch packed into a single row, and how to map outputs back to ``(b t)``."""
+
+    input_ids: Tensor  # (1 T)
+    position_ids: Tensor  # (1 T): 0 .. L_i - 1 per sequence
+    cu_seqlens: Tensor  # (n + 1) int32: start of each sequence in the row, then T
+    max_seqlen: int  # max_i L_i
+    predict_index: Tensor  # (N): packed positions whose next-token output belongs to a response token
+    rows: Tensor  # (N): micro-batch row of each kept response token
+    cols: Tensor  # (N): response column of each kept response token
+    labels: Tensor  # (N): the kept response token ids
+    shape: tuple[int, int]  # (b, t) of the micro-batch's response block
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> PackedRows:
+    """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses (kept up to the
+    last ``response_mask`` token of each row, at least one) into one row. Row order is kept.
+
+    Every row needs at least one prompt token (the first response token's context).
+    """
+    b, p = prompt_ids.shape
+    t = response_ids.shape[1]
+    if response_ids.shape[0] != b or prompt_mask.shape != (b, p) or response_mask.shape != (b, t):
+        raise ValueError(
+            f"pack_rows: shapes disagree: prompt_ids {tuple(prompt_ids.shape)}, prompt_mask {tuple(prompt_mask.shape)}, "
+            f"response_ids {tuple(response_ids.shape)}, response_mask {tuple(response_mask.shape)}"
+        )
+    if t == 0:
+        raise ValueError("pack_rows: the response block has no columns")
+    prompt_len = prompt_mask.sum(-1)
+    if bool((prompt_len == 0).any()):
+        raise ValueError("pack_rows: a row has an empty prompt (prompt_mask all false)")
+    cols = torch.arange(t, device=response_ids.device)
+    # last loss column + 1, at least 1: a row with no loss token still reaches the logits (zero weight)
+    last = torch.where(response_mask, cols + 1, torch.zeros_like(cols)).amax(-1)
+    response_len = last.clamp(min=1)
+    response_keep = cols[None, :] < response_len[:, None]  # (b t)
+    keep = torch.cat([prompt_mask.bool(), response_keep], dim=1)  # (b, p + t)
+    flat_keep = keep.reshape(-1)
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1).reshape(-1)[flat_keep][None]
+    position_ids = (keep.long().cumsum(-1) - 1).reshape(-1)[flat_keep][None]
+    seqlens = prompt_len + response_len
+    cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
+    packed_index = (flat_keep.long().cumsum(0) - 1).reshape(b, p + t)  # packed position of each kept token
+    rows, resp_cols = response_keep.nonzero(as_tuple=True)
+    return PackedRows(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(seqlens.max()),
+        predict_index=packed_index[:, p:][response_keep] - 1,  # the token before predicts it
+        rows=rows,
+        cols=resp_cols,
+        labels=response_ids[response_keep],
+        shape=(b, t),
+    )
+
+
+def unpack(values: Tensor, packed: PackedRows) -> Tensor:
+    """Scatter per-kept-token ``values`` ``(N)`` back to ``(b t)``, zeros elsewhere (differentiable)."""
+    if values.shape != packed.rows.shape:
+        raise ValueError(f"unpack: values must have shape {tuple(packed.rows.shape)}, got {tuple(values.shape)}")
+    out = values.new_zeros(packed.shape)
+    return out.index_put((packed.rows, packed.cols), values)
+
+
+def model_kwargs(packed: PackedRows) -> dict[str, Any]:
+    """Keyword arguments of a Hugging Face forward over the packed row (no attention mask: the
+    sequences are delimited by ``cu_seq_lens_*``, read by flash-attention and :func:`varlen_sdpa_attention`)."""
+    return dict(
+        input_ids=packed.input_ids, position_ids=packed.position_ids,
+        cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
+        max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen, use_cache=False,
+    )
+
+
+def _boundaries_from_positions(position_ids: Tensor) -> list[int] | None:
+    """Sequence starts of a packed row from restarting position ids (as HF's find_packed_sequence_indices)."""
+    if position_ids.shape[0] != 1:
+        return None
+    pos = position_ids[0]
+    starts = (torch.diff(pos, prepend=pos[:1] - 1) != 1).nonzero().flatten().tolist()
+    if not starts or starts == [0]:
+        return None
+    return ([0] if starts[0] != 0 else []) + starts + [int(pos.shape[0])]
+
+
+def varlen_sdpa_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """Causal SDPA per packed sequence: ``q (1 h T d), k v (1 kv T d) -> (1 T h d)``.
+
+    Without ``cu_seq_lens_q`` (and without packed ``position_ids``) it is Hugging Face's ``sdpa`` with
+    the given mask (a padded forward). Sliding-window attention is not supported on the packed path.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = None
+    if cu_seq_lens_q is not None:
+        bounds = [int(x) for x in cu_seq_lens_q.tolist()]
+    elif attention_mask is None and kwargs.get("position_ids") is not None:
+        bounds = _boundaries_from_positions(kwargs["position_ids"])
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      sliding_window=sliding_window, **kwargs)
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention needs one packed row, got a batch of {query.shape[0]}")
+    if bounds[-1] != query.shape[2]:
+        raise ValueError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
+    if sliding_window is not None:
+        raise NotImplementedError("packed sequences do not support sliding-window attention layers")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # GQA: repeat the key/value heads once for the whole row
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    p = dropout if module.training else 0.0
+    outs = [
+        F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
+                                       dropout_p=p, is_causal=True, scale=scaling)
+        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+    ]
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _varlen_sdpa_mask(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:
+    """Mask builder for :data:`VARLEN_SDPA`: HF's sdpa mask for a padded forward; none for a packed one
+    (it would be a dense T x T block-diagonal mask that the varlen attention does not read)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if attention_mask is None:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(VARLEN_SDPA, varlen_sdpa_attention)
+    AttentionMaskInterface.register(VARLEN_SDPA, _varlen_sdpa_mask)
+
+
+def enable_packed_attention(model: nn.Module) -> str:
+    """Make an (unsharded) HF model's attention packed-aware; returns the implementation in use.
+
+    Flash-attention models keep their implementation (HF's varlen path); any other (``sdpa``,
+    ``eager``) switches to :data:`VARLEN_SDPA`, which behaves like ``sdpa`` on padded input.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "set_attn_implementation"):
+        raise ValueError(f"packed sequences need a Hugging Face model with an attention interface, got {type(model).__name__}")
+    current = config._attn_implementation
+    if current in _FLASH:
+        return current
+    if getattr(config, "use_sliding_window", False):
+        raise NotImplementedError("packed sequences do not support sliding-window attention (config.use_sliding_window)")
+    _register()
+    model.set_attn_implementation(VARLEN_SDPA)
+    return VARLEN_SDPA

@@ -1,0 +1,363 @@
+"""Packed sequences equal padded ones; token-budget and balanced micro-batching equal the full batch.
+
+Single-process checks use a plain (unsharded) tiny HF model; the 2-rank checks run once in a
+module-scoped spawn (tests/distributed.py) and several tests read its result. Batches have
+left-padded prompts and ragged responses (tests/test_fsdp_engine.make_batch), fp32 throughout.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.fsdp_engine import FSDPConfig, ModelOutputs, _forward, micro_batch_groups
+from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
+from backends.packing import VARLEN_SDPA, enable_packed_attention, model_kwargs, pack_rows, unpack
+from rlfunc.aggregation import aggregate
+from rlfunc.tree import tree_map
+from rlfunc.balancing import (
+    balanced_partition,
+    greedy_partition,
+    karmarkar_karp,
+    partition_sums,
+    spread,
+    token_budget_balanced_partition,
+)
+from tests.distributed import run_distributed
+from tests.test_fsdp_engine import OPTIM, _max_diff, _numpy, make_batch, pg_loss, rank_rows, reference_updates
+
+pytestmark = pytest.mark.packing
+
+TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+                       max_position_embeddings=64, seed=1)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("tiny") / "model", TINY))
+
+
+# ---------------------------------------------------------------------------------------- packing
+
+
+def test_pack_rows_layout_by_hand():
+    # row 0: prompt [_, 5, 6] (left pad), response [7, 8, 9] with loss on the first two -> keeps 7, 8
+    # row 1: prompt [4, 4, 3], response [2, _, _] -> keeps 2
+    # row 2: prompt [_, _, 1], response with no loss token -> keeps one token (zero weight)
+    prompt_ids = torch.tensor([[0, 5, 6], [4, 4, 3], [0, 0, 1]])
+    prompt_mask = torch.tensor([[False, True, True], [True, True, True], [False, False, True]])
+    response_ids = torch.tensor([[7, 8, 9], [2, 0, 0], [11, 12, 13]])
+    response_mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
+    packed = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 4, 4, 3, 2, 1, 11]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 4, 8, 10] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.max_seqlen == 4
+    assert packed.predict_index.tolist() == [1, 2, 6, 8]  # the token before each kept response token
+    assert packed.rows.tolist() == [0, 0, 1, 2] and packed.cols.tolist() == [0, 1, 0, 0]
+    assert packed.labels.tolist() == [7, 8, 2, 11]
+    back = unpack(torch.tensor([1.0, 2.0, 3.0, 4.0]), packed)
+    assert back.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 0.0, 0.0]]
+
+
+def test_pack_rows_errors():
+    ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="empty prompt"):
+        pack_rows(ids, torch.zeros_like(mask), ids, mask)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        pack_rows(ids, mask[:1], ids, mask)
+    packed = pack_rows(ids, mask, ids, mask)
+    with pytest.raises(ValueError, match="unpack"):
+        unpack(torch.zeros(3), packed)
+
+
+def _outputs_and_grads(model, batch, packed: bool, role: str = "actor"):
+    model.zero_grad(set_to_none=True)
+    out = _forward(model, batch, with_entropy=role == "actor", role=role, packed=packed)
+    if role == "actor":
+        loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
+        quantities = (out.logprobs, out.entropy)
+    else:
+        loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, "token-mean")
+        quantities = (out.values,)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [q.detach() for q in quantities], float(loss.detach()), grads
+
+
+def _masked_max_diff(a, b, mask):
+    return float(torch.where(mask, (a - b).abs(), 0.0).max())
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_packed_actor_equals_padded(model_dir, gradient_checkpointing):
+    torch.manual_seed(0)
+    model, _ = load_causal_lm(model_dir)
+    model.train()
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    batch = make_batch(3)
+    padded, padded_loss, padded_grads = _outputs_and_grads(model, batch, packed=False)
+    assert enable_packed_attention(model) == VARLEN_SDPA
+    # the padded forward through the packed-aware attention is the plain sdpa forward
+    again, _, _ = _outputs_and_grads(model, batch, packed=False)
+    assert torch.equal(again[0], padded[0])
+    packed, packed_loss, packed_grads = _outputs_and_grads(model, batch, packed=True)
+    mask = batch.response_mask
+    assert _masked_max_diff(packed[0], padded[0], mask) < 2e-6  # log-probs
+    assert _masked_max_diff(packed[1], padded[1], mask) < 2e-6  # entropies
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-6, abs=1e-7)
+    scale = max(float(g.abs().max()) for g in padded_grads.values())
+    assert set(packed_grads) == set(padded_grads)
+    assert max(float((packed_grads[k] - padded_grads[k]).abs().max()) for k in padded_grads) / scale < 1e-5
+    # after each row's last loss token (its first token for a row without one) the packed outputs are 0
+    kept = mask | ((~mask.any(-1, keepdim=True)) & (torch.arange(mask.shape[1]) == 0))
+    assert float(torch.where(kept, 0.0, packed[0]).abs().max()) == 0.0
+
+
+def test_packed_critic_values_equal_padded(model_dir):
+    model, _ = load_value_model(model_dir, dtype=torch.float32, device="cpu", seed=0)
+    model.train()
+    batch = make_batch(4)
+    padded, padded_loss, padded_grads = _outputs_and_grads(model, batch, packed=False, role="critic")
+    enable_packed_attention(model)
+    packed, packed_loss, packed_grads = _outputs_and_grads(model, batch, packed=True, role="critic")
+    assert _masked_max_diff(packed[0], padded[0], batch.response_mask) < 2e-6
+    assert packed_loss == pytest.approx(padded_loss, rel=1e-6)
+    scale = max(float(g.abs().max()) for g in padded_grads.values())
+    assert max(float((packed_grads[k] - padded_grads[k]).abs().max()) for k in padded_grads) / scale < 1e-5
+
+
+def test_varlen_attention_equals_hf_block_diagonal_mask(model_dir):
+    """Hugging Face's own packed path (sdpa, restarting position ids, no attention mask: masking_utils
+    builds a block-diagonal causal mask) and the per-sequence varlen SDPA give the same logits."""
+    model, _ = load_causal_lm(model_dir)
+    model.eval()
+    batch = make_batch(5)
+    packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    with torch.no_grad():
+        hf = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+        whole_row = model(input_ids=packed.input_ids, use_cache=False).logits  # one long sequence: differs
+        enable_packed_attention(model)
+        ours = model(**model_kwargs(packed)).logits
+        # without cu_seq_lens the packed-aware attention reads the boundaries off the position ids
+        from_positions = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
+    assert float((ours - hf).abs().max()) < 1e-5
+    assert float((from_positions - hf).abs().max()) < 1e-5
+    assert float((whole_row - hf).abs().max()) > 1e-3
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="token_budget_grouping"):
+        FSDPConfig(token_budget_grouping="random")
+
+
+# --------------------------------------------------------------------------------------- balancing
+
+lengths_st = st.lists(st.integers(0, 500), min_size=1, max_size=60)
+
+
+def _is_partition(parts, n):
+    flat = sorted(i for p in parts for i in p)
+    return flat == list(range(n))
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 8), equal=st.booleans())
+def test_partitions_cover_every_index_once(lengths, k, equal):
+    if equal:
+        lengths = lengths[: len(lengths) - len(lengths) % k] or [1] * k
+    elif len(lengths) < k:
+        lengths = lengths + [0] * (k - len(lengths))
+    for fn in (karmarkar_karp, greedy_partition, balanced_partition):
+        parts = fn(lengths, k, equal_size=equal)
+        assert len(parts) == k
+        assert _is_partition(parts, len(lengths))
+        assert all(p for p in parts)
+        if equal:
+            assert {len(p) for p in parts} == {len(lengths) // k}
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=lengths_st, k=st.integers(1, 8))
+def test_balanced_partition_no_worse_than_greedy_and_bounded(lengths, k):
+    if len(lengths) < k:
+        lengths = lengths + [0] * (k - len(lengths))
+    best = balanced_partition(lengths, k)
+    greedy = greedy_partition(lengths, k)
+    assert max(partition_sums(lengths, best)) <= max(partition_sums(lengths, greedy))
+    # LPT's guarantee, inherited: the heaviest part exceeds the mean by less than the longest item
+    assert max(partition_sums(lengths, best)) <= sum(lengths) / k + max(lengths)
+
+
+def test_karmarkar_karp_by_hand():
+    # 2 parts of [8, 7, 6, 5, 4]: differencing 8-7, 6-5 -> {4, 1, 1} -> 4-1 -> {3, 1} -> 2
+    parts = karmarkar_karp([8, 7, 6, 5, 4], 2)
+    assert sorted(partition_sums([8, 7, 6, 5, 4], parts)) == [14, 16]
+    # a long tail: LPT puts both big items apart; so does KK, with equal counts
+    lengths = [100, 90, 5, 5, 4, 4, 3, 3]
+    parts = karmarkar_karp(lengths, 2, equal_size=True)
+    assert [len(p) for p in parts] == [4, 4] and spread(lengths, parts) <= 12
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=50), budget=st.integers(40, 120),
+       min_parts=st.integers(1, 6))
+def test_token_budget_balanced_partition(lengths, budget, min_parts):
+    parts = token_budget_balanced_partition(lengths, budget, min_parts=min_parts)
+    assert _is_partition(parts, len(lengths))
+    assert max(partition_sums(lengths, parts)) <= budget
+    assert len(parts) >= min(min_parts, len(lengths))
+    assert len(parts) >= -(-sum(lengths) // budget)
+
+
+def test_partition_errors():
+    with pytest.raises(ValueError, match="multiple of k"):
+        karmarkar_karp([1, 2, 3], 2, equal_size=True)
+    with pytest.raises(ValueError, match="non-empty parts"):
+        greedy_partition([1], 2)
+    with pytest.raises(ValueError, match="more than the micro-batch budget"):
+        token_budget_balanced_partition([5, 50], 10)
+    with pytest.raises(ValueError, match="unknown partition method"):
+        balanced_partition([1, 2], 2, method="random")
+
+
+def test_balanced_micro_batch_groups_fit_the_budget():
+    batch = make_batch(0)
+    tokens = (batch.prompt_mask.sum(-1) + batch.response_mask.sum(-1)).tolist()
+    sequential = micro_batch_groups(batch, max_tokens=14)
+    balanced = micro_batch_groups(batch, max_tokens=14, grouping="balanced")
+    assert _is_partition(balanced, len(tokens))
+    assert max(partition_sums(tokens, balanced)) <= 14
+    assert len(balanced) <= len(sequential)
+    assert spread(tokens, balanced) <= spread(tokens, sequential)
+
+
+# ------------------------------------------------------------------------------ 2 gloo ranks (FSDP)
+
+
+def _packing_worker(rank, world_size, model_dir):
+    from backends.distributed import init_distributed
+    from backends.fsdp_engine import (
+        balance_across_ranks, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
+        full_state_dict, update, value_loss_fn,
+    )
+
+    env = init_distributed()
+    batches = [make_batch(0), make_batch(1)]
+    mode = "seq-mean-token-mean"
+    configs = {
+        "padded": FSDPConfig(micro_batch_size=4),
+        "packed": FSDPConfig(micro_batch_size=4, use_remove_padding=True),
+        "budget-balanced": FSDPConfig(max_tokens_per_micro_batch=14, token_budget_grouping="balanced"),
+        "dp-balanced": FSDPConfig(micro_batch_size=4, balance_dp=True),
+        "all": FSDPConfig(max_tokens_per_micro_batch=14, token_budget_grouping="balanced", balance_dp=True,
+                          use_remove_padding=True, gradient_checkpointing=True),
+    }
+    out = {}
+    for name, cfg in configs.items():
+        state = build_actor(model_dir, env, OPTIM, cfg)
+        counts = []
+        for batch in batches:
+            state, m = update(state, rank_rows(batch, rank, world_size),
+                              lambda o, mb, n: pg_loss(o, mb, n, mode))
+            counts.append(m["num_micro_batches"])
+        out[name] = {"params": _numpy(dict(full_state_dict(state))), "micro_batches": counts}
+
+    local = rank_rows(make_batch(0), rank, world_size)
+    state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4))
+    balanced = balance_across_ranks(local, state)
+    tokens = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
+    out["tokens_before"], out["tokens_after"] = tokens(local), tokens(balanced)
+    out["rows_after"] = int(balanced.prompt_ids.shape[0])
+    out["group_ids_after"] = balanced.group_ids.tolist()
+
+    # log-probs / entropies / values: packed vs padded through the FSDP engine, actor, reference, critic
+    for packed in (False, True):
+        cfg = FSDPConfig(micro_batch_size=4, use_remove_padding=packed)
+        actor = build_actor(model_dir, env, OPTIM, cfg)
+        lp = compute_logprobs(actor, local, with_entropy=True)
+        ref = compute_logprobs(build_reference(model_dir, env, cfg), local)
+        critic = build_critic(model_dir, env, OPTIM, cfg)
+        values = compute_values(critic, local)
+        target = local.replace(returns=torch.randn(local.response_ids.shape, generator=torch.Generator().manual_seed(7)),
+                               old_values=values)
+        for _ in range(2):
+            critic, cm = update(critic, target, value_loss_fn(clip_range=0.5))
+        out[f"forward-{packed}"] = {
+            "logprobs": _numpy(lp.logprobs), "entropy": _numpy(lp.entropy), "ref": _numpy(ref.logprobs),
+            "values": _numpy(values), "critic_params": _numpy(dict(full_state_dict(critic))), "critic_loss": cm["loss"],
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_dir):
+    return run_distributed(_packing_worker, 2, model_dir)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["packed", "budget-balanced", "dp-balanced", "all"])
+def test_two_rank_update_equals_single_process(two_ranks, model_dir, name):
+    ref_params, _, _, _ = reference_updates(model_dir, [make_batch(0), make_batch(1)], "seq-mean-token-mean")
+    ref_params = _numpy(ref_params)
+    for rank in range(2):
+        diff = _max_diff(two_ranks[rank][name]["params"], ref_params)
+        assert diff < 1e-6, f"{name} rank {rank}: max |param diff| vs the full batch = {diff:.3g}"
+        diff = _max_diff(two_ranks[rank][name]["params"], two_ranks[rank]["padded"]["params"])
+        assert diff < 1e-6, f"{name} rank {rank}: max |param diff| vs padded row micro-batches = {diff:.3g}"
+
+
+@pytest.mark.distributed
+def test_balanced_token_budget_agrees_on_micro_batch_count(two_ranks):
+    # both ranks run the same number of micro-batches (no dummy ones), fewer than the sequential split's
+    counts = [two_ranks[r]["budget-balanced"]["micro_batches"] for r in range(2)]
+    assert counts[0] == counts[1]
+    batch = make_batch(0)
+    seq = max(len(micro_batch_groups(rank_rows(batch, r, 2), max_tokens=14)) for r in range(2))
+    assert counts[0][0] <= seq
+
+
+@pytest.mark.distributed
+def test_dp_redistribution_balances_tokens(two_ranks):
+    before = [two_ranks[r]["tokens_before"] for r in range(2)]
+    after = [two_ranks[r]["tokens_after"] for r in range(2)]
+    assert sum(before) == sum(after)
+    assert abs(after[0] - after[1]) < abs(before[0] - before[1])
+    assert [two_ranks[r]["rows_after"] for r in range(2)] == [6, 6]
+    groups = sorted(two_ranks[0]["group_ids_after"] + two_ranks[1]["group_ids_after"])
+    assert groups == sorted(make_batch(0).group_ids.tolist())
+
+
+@pytest.mark.distributed
+def test_two_rank_packed_forward_and_critic_equal_padded(two_ranks):
+    local_mask = [rank_rows(make_batch(0), r, 2).response_mask.numpy() for r in range(2)]
+    for rank in range(2):
+        padded, packed = two_ranks[rank]["forward-False"], two_ranks[rank]["forward-True"]
+        mask = local_mask[rank]
+        for key in ("logprobs", "entropy", "ref", "values"):
+            diff = float(np.abs(np.where(mask, packed[key] - padded[key], 0.0)).max())
+            assert diff < 2e-6, f"rank {rank} {key}: {diff:.3g}"
+        assert _max_diff(packed["critic_params"], padded["critic_params"]) < 1e-6
+        assert packed["critic_loss"] == pytest.approx(padded["critic_loss"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_packed_equals_padded_on_cuda(model_dir, attn):
+    """On a GPU: the packed row through flash-attention's varlen kernel (or the per-sequence SDPA)
+    gives the padded log-probs (bf16 compute, so a bf16 tolerance)."""
+    if attn == "flash_attention_2":
+        pytest.importorskip("flash_attn")
+    model, _ = load_causal_lm(model_dir, dtype=torch.bfloat16, device="cuda", attn_implementation=attn)
+    batch = make_batch(6)
+    batch = tree_map(lambda x: x.cuda(), batch)
+    with torch.no_grad():
+        padded = _forward(model, batch, with_entropy=False)
+        enable_packed_attention(model)
+        packed = _forward(model, batch, with_entropy=False, packed=True)
+    assert model.config._attn_implementation == (attn if attn != "sdpa" else VARLEN_SDPA)
+    assert _masked_max_diff(packed.logprobs, padded.logprobs, batch.response_mask) < 5e-2
