@@ -35,13 +35,19 @@ __all__ = [
 
 @attrs.frozen
 class DistEnv:
-    """Where this process sits: its rank, the world size, its device and the collective backend."""
+    """Where this process sits: its rank, the world size, its device and the collective backend.
+
+    A role's pool under split placement (``backends.placement``) is described by a DistEnv too:
+    ``rank`` / ``world_size`` are then the rank within the pool and the pool's size, and ``group`` is
+    the pool's process group (None: the default group, all ranks).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str  #: "gloo" or "nccl" (the backend of the process's device)
+    group: Any = attrs.field(default=None, eq=False)  #: the ranks' process group; None = the default group
 
     @property
     def is_main(self) -> bool:
