@@ -180,7 +180,7 @@ def _fields(batch: Any) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def _describe(batch: Any) -> dict[str, Any]:
-    """Row count, class and, per field, (shape, dtype) or None: what a receiver needs to allocate."""
+    """Row count, class and, per field, (shape, dtype, device type) or None: what a receiver allocates."""
     fields = {}
     rows = None
     for name, dims in _fields(batch):
@@ -193,7 +193,7 @@ def _describe(batch: Any) -> dict[str, Any]:
         rows = value.shape[0] if rows is None else rows
         if value.shape[0] != rows:
             raise ValueError(f"redistribute: field {name!r} has {value.shape[0]} rows, other fields {rows}")
-        fields[name] = (tuple(value.shape), value.dtype)
+        fields[name] = (tuple(value.shape), value.dtype, value.device.type)
     return {"cls": type(batch), "rows": rows or 0, "fields": fields}
 
 
@@ -293,9 +293,6 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
                 pieces.append((i, j, lo, hi))
 
     fields = [(f.name, tuple((f.metadata.get("shape") or "").split())) for f in attrs.fields(cls) if f.name in present]
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        torch.cuda.is_available() and dist.get_backend() != "gloo"
-    ) else torch.device("cpu")
     received: dict[int, dict[str, Tensor]] = {}
     requests = []
     for k, (i, j, lo, hi) in enumerate(pieces):
@@ -309,7 +306,9 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
                 else:
                     requests.append(dist.isend(part, dst, tag=tag))
             elif world_rank == dst:
-                shape, dtype = metas[i]["fields"][name]
+                shape, dtype, device_type = metas[i]["fields"][name]
+                # the sender's device type: CPU tensors travel over gloo, CUDA tensors over NCCL
+                device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
                 buf = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
                 received.setdefault(k, {})[name] = buf
                 requests.append(dist.irecv(buf, src, tag=tag))
