@@ -252,14 +252,20 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
             raise PlacementError(f"redistribute: {name}={ranks} must be distinct ranks of a world of {world}, not empty")
     is_src, is_dst = world_rank in src_ranks, world_rank in dst_ranks
-    if is_src and batch is None:
-        raise ValueError(f"redistribute: rank {world_rank} is a source but has no batch")
-    mine = {
-        "src": _describe(batch) if is_src else None,
-        "want": None if like is None else (_describe(like)["rows"], _widths(like)),
-    }
+    # a bad batch on one rank must fail every rank (the others would wait in the collectives below)
+    mine: dict[str, Any] = {"src": None, "want": None, "error": None}
+    try:
+        if is_src and batch is None:
+            raise ValueError(f"redistribute: rank {world_rank} is a source but has no batch")
+        mine["src"] = _describe(batch) if is_src else None
+        mine["want"] = None if like is None else (_describe(like)["rows"], _widths(like))
+    except (TypeError, ValueError) as e:
+        mine["error"] = f"rank {world_rank}: {e}"
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
+    errors = [m["error"] for m in everyone if m["error"]]
+    if errors:
+        raise ValueError("redistribute: " + "; ".join(errors))
     metas = [everyone[r]["src"] for r in src_ranks]
     cls, present = metas[0]["cls"], {k for k, v in metas[0]["fields"].items() if v is not None}
     for r, m in zip(src_ranks, metas):

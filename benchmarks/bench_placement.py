@@ -10,10 +10,11 @@ both sides alike; each run reports the median ``step_time_s`` of its steps after
 steps (rank 0's clock, which under split waits for the critic pool's metrics at the end of a step), and
 the ratio is taken per round, then the median over rounds.
 
-NOTE: on a 2-core machine, 4 ranks oversubscribe the CPU (2 processes per core): the two pools cannot
-really run at the same time, so the overlap that split placement buys on separate devices mostly
-turns into time slicing here. The numbers measure the mechanism's overhead (batch transfers, the
-extra sync), not the speed-up on a real cluster.
+NOTE: on a 2-core machine, 4 ranks oversubscribe the CPU (2 processes per core), so the two pools
+cannot truly run at the same time and the numbers are noisy (other jobs share the machine). What
+differs besides the overlap: colocated shards every model over 4 ranks (gloo all-gathers and weight
+sync across 4 oversubscribed processes), split over 2; and a rank waiting in a collective gives its
+core to the other pool. Read the ratio as this machine's, not as a cluster's speed-up.
 
     python benchmarks/bench_placement.py                       # 2 rounds, 6 steps each
     python benchmarks/bench_placement.py --rounds 3 -- rollout.n=16

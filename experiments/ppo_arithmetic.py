@@ -189,8 +189,9 @@ def main(argv: list[str]) -> dict:
 
     # The critic starts from the warm-started backbone with a fresh (seeded) value head; the frozen
     # reference is the warm-started policy; the rollout engine holds an unsharded copy of the actor.
-    if on_critic:
+    if not on_actor:  # split placement: the critic pool reads the tokenizer the actor pool saved
         tokenizer = load_tokenizer(warm_path)
+    if on_critic:
         critic = build_critic(warm_path, env, critic_optim, cfg.critic.fsdp, seed=cfg.seed, mesh=placement.mesh("critic"))
         if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
             reference = build_reference_role(cfg.reference, warm_path, env, cfg.actor.fsdp, mesh=placement.mesh("reference"), actor=actor)

@@ -165,14 +165,20 @@ def _transfer_worker(rank: int, world_size: int) -> list[str]:
     except ValueError as e:
         assert "disagree" in str(e)
         checked.append("mismatch error")
+    # a source without a batch fails on every rank, not only on itself
+    try:
+        redistribute(None if rank == 0 else make_source_batch(rank, 2), (0, 1), (2, 3))
+    except ValueError as e:
+        assert "rank 0 is a source but has no batch" in str(e)
+        checked.append("missing batch error")
     return checked
 
 
 @pytest.mark.distributed
 def test_redistribute_between_pools_of_different_sizes_is_exact():
     results = run_distributed(_transfer_worker, 4, timeout=240)
-    assert all("mismatch error" in r for r in results)
-    assert sum(len(r) for r in results) == sum(len(s) + len(d) for s, d in TRANSFERS) + 4
+    assert all("mismatch error" in r and "missing batch error" in r for r in results)
+    assert sum(len(r) for r in results) == sum(len(s) + len(d) for s, d in TRANSFERS) + 8
 
 
 # ---------------------------------------------------------------------------------- equal updates
