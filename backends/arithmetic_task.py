@@ -122,7 +122,7 @@ def score_responses(batch: RolloutBatch, problems: list[Problem], tokenizer: Any
 
 @torch.no_grad()
 def evaluate(rollout: Any, tokenizer: Any, problems: list[Problem], sampling: SamplingConfig, env: Any, *, seed: int = 10_007) -> float:
-    """Success rate on ``problems`` (each rank scores its share; counts are all-reduced over ranks).
+    """Success rate on ``problems`` (each rank scores its share; counts are all-reduced over ``env.group``).
 
     With ``sampling.temperature == 0`` this is greedy accuracy; otherwise the mean over ``sampling.n``
     samples per problem.
@@ -131,5 +131,5 @@ def evaluate(rollout: Any, tokenizer: Any, problems: list[Problem], sampling: Sa
     batch = generate(rollout, [tokenizer.encode(p.prompt) for p in mine], sampling, seed=seed + env.rank)
     correct = score_responses(batch, mine, tokenizer).sum()
     if env.world_size > 1:
-        dist.all_reduce(correct)
+        dist.all_reduce(correct, group=getattr(env, "group", None))
     return float(correct) / (len(problems) * sampling.n)

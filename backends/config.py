@@ -4,18 +4,33 @@
 parsed according to the field's declared type (int, float, bool, str, Literal choices, Optional, tuples,
 nested configs). An unknown key is an error that names the closest valid keys. Values are parsed, never
 evaluated.
+
+Presets (YAML files under a recipe's presets dir, grouped like verl's ``trainer/config/<group>/``):
+
+- ``preset=ref/dp_ref`` applies ``<presets_dir>/ref/dp_ref.yaml`` at the section its ``_at_`` key names
+  (e.g. ``_at_: reference``), or at the root when it names none;
+- ``actor.optim=@optim/fsdp`` applies ``optim/fsdp.yaml`` under ``actor.optim``.
+
+A preset expands in place into dotted overrides, so keys given after it win. Its keys are checked
+like command-line keys (the error names the preset file); an unknown preset lists the available ones.
+YAML is read with ``yaml.safe_load`` (PyYAML, already installed with transformers / huggingface_hub).
 """
 
 from __future__ import annotations
 
 import difflib
+import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Iterable, Literal, Union, get_args, get_origin
 
 import attrs
 
-__all__ = ["ConfigError", "apply_overrides", "config_keys", "config_to_dict", "parse_value"]
+__all__ = [
+    "ConfigError", "apply_overrides", "available_presets", "config_keys", "config_to_dict", "expand_presets",
+    "load_preset", "parse_value",
+]
 
 
 class ConfigError(ValueError):
@@ -143,8 +158,88 @@ def _unknown_key_message(key: str, root: Any) -> str:
     return f"unknown config key {key!r}{hint} (run with --help to list all keys)"
 
 
-def apply_overrides(cfg: Any, overrides: Iterable[str]) -> Any:
-    """Return ``cfg`` with each ``dotted.key=value`` override applied, in order."""
+def available_presets(presets_dir: str | os.PathLike) -> list[str]:
+    """Every preset name (``group/name``, no extension) under ``presets_dir``, sorted."""
+    root = Path(presets_dir)
+    return sorted(str(p.relative_to(root).with_suffix("")) for p in root.rglob("*.yaml")) if root.is_dir() else []
+
+
+def load_preset(presets_dir: str | os.PathLike, name: str) -> tuple[dict[str, Any], str]:
+    """``(mapping, default section)`` of the preset ``name`` (``group/name``); the section is its ``_at_``
+    key ("" = the root). An unknown name is an error listing the available presets."""
+    import yaml
+
+    root = Path(presets_dir).resolve()
+    path = (root / f"{name}.yaml").resolve()
+    if root not in path.parents or not path.is_file():
+        available = available_presets(root)
+        raise ConfigError(
+            f"unknown preset {name!r} (looked for {path}); available presets: "
+            + (", ".join(available) if available else f"none in {root}")
+        )
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {name!r} ({path}) must hold a mapping of keys, got {type(data).__name__}")
+    at = data.pop("_at_", "") or ""
+    if not isinstance(at, str):
+        raise ConfigError(f"preset {name!r}: _at_ must be a dotted section name, got {at!r}")
+    return data, at
+
+
+def _yaml_text(value: Any) -> str:
+    """A YAML scalar / list as the text a command-line override would carry."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_yaml_text(v) for v in value)
+    return str(value)
+
+
+def _flatten(mapping: dict[str, Any], prefix: str) -> list[str]:
+    items = []
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            items.extend(_flatten(value, dotted + "."))
+        else:
+            items.append(f"{dotted}={_yaml_text(value)}")
+    return items
+
+
+def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.PathLike) -> list[str]:
+    """Replace each ``preset=NAME`` / ``section=@NAME`` by the preset's dotted overrides, in place.
+
+    Each preset's keys are checked against ``cfg`` on their own, so an error names the preset.
+    """
+    out: list[str] = []
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key, text = key.strip().lstrip("-"), text.strip()
+        if key == "preset" or text.startswith("@"):
+            name = text[1:] if text.startswith("@") else text
+            mapping, at = load_preset(presets_dir, name)
+            section = at if key == "preset" else key
+            expanded = _flatten(mapping, f"{section}." if section else "")
+            try:
+                apply_overrides(cfg, expanded)
+            except ConfigError as e:
+                raise ConfigError(f"preset {name!r} applied at {section or 'the root'!r}: {e}") from e
+            out.extend(expanded)
+        else:
+            out.append(item)
+    return out
+
+
+def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os.PathLike | None = None) -> Any:
+    """Return ``cfg`` with each ``dotted.key=value`` override applied, in order.
+
+    With ``presets_dir``, ``preset=NAME`` and ``section=@NAME`` items expand first (see the module doc).
+    """
+    overrides = list(overrides)
+    if presets_dir is not None:
+        overrides = expand_presets(cfg, overrides, presets_dir)
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:

@@ -35,13 +35,19 @@ __all__ = [
 
 @attrs.frozen
 class DistEnv:
-    """Where this process sits: its rank, the world size, its device and the collective backend."""
+    """Where this process sits: its rank, the world size, its device and the collective backend.
+
+    A role's pool under split placement (``backends.placement``) is described by a DistEnv too:
+    ``rank`` / ``world_size`` are then the rank within the pool and the pool's size, and ``group`` is
+    the pool's process group (None: the default group, all ranks).
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
     backend: str  #: "gloo" or "nccl" (the backend of the process's device)
+    group: Any = attrs.field(default=None, eq=False)  #: the ranks' process group; None = the default group
 
     @property
     def is_main(self) -> bool:
@@ -194,16 +200,18 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-def all_reduce_sum(tensor: Tensor) -> Tensor:
-    """Sum of ``tensor`` over all ranks, as a new tensor (the input is left unchanged)."""
+def all_reduce_sum(tensor: Tensor, group: Any = None) -> Tensor:
+    """Sum of ``tensor`` over all ranks (or those of ``group``), as a new tensor (the input is left unchanged)."""
     out = tensor.clone()
     if _world() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
 
-def global_masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """``rlfunc.masked_whiten`` with the mean and variance of the masked entries on *all* ranks.
+def global_masked_whiten(
+    x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, group: Any = None
+) -> Tensor:
+    """``rlfunc.masked_whiten`` with the mean and variance of the masked entries on *all* ranks (of ``group``).
 
     verl whitens advantages over the whole batch; with the batch split over data-parallel ranks that
     needs two small all-reduces (count and sum for the mean, then the centred sum of squares). Equal
@@ -211,10 +219,10 @@ def global_masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, ep
     """
     from rlfunc import masked_moments, masked_whiten
 
-    first = all_reduce_sum(masked_moments(x, mask))
+    first = all_reduce_sum(masked_moments(x, mask), group)
     count, total = first[0], first[1]
     mean = total / count.clamp(min=1)
-    centred_sq = all_reduce_sum(masked_moments(x, mask, center=mean))[2]
+    centred_sq = all_reduce_sum(masked_moments(x, mask, center=mean), group)[2]
     var = torch.where(count > 1, centred_sq / (count - 1).clamp(min=1), torch.zeros_like(centred_sq))
     return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, stats=(mean, var))
 

@@ -52,6 +52,7 @@ the rollout engines' ``rollout_logprobs``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any, Callable, Iterator, Literal, Mapping
@@ -80,6 +81,8 @@ __all__ = [
     "LossFn",
     "build_actor",
     "build_reference",
+    "reference_from_lora_actor",
+    "compile_layers",
     "build_critic",
     "compute_logprobs",
     "compute_values",
@@ -186,6 +189,9 @@ class TrainState:
     step: int = 0
     role: Literal["actor", "reference", "critic"] = "actor"
     log_prob_micro_batch_size: int | None = None  # default micro-batch size of compute_logprobs
+    #: a reference that shares the actor's LoRA-wrapped module: forwards run under ``disable_adapter()``
+    #: (the base weights = the actor at step 0), see :func:`reference_from_lora_actor`
+    adapter_disabled: bool = False
 
     def replace(self, **changes: Any) -> "TrainState":
         return attrs.evolve(self, **changes)
@@ -230,15 +236,19 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def _shard(model: nn.Module, mesh: Any, cfg: FSDPConfig, param_dtype: torch.dtype | None) -> nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+def _shard(
+    model: nn.Module, mesh: Any, cfg: FSDPConfig, param_dtype: torch.dtype | None, *, param_offload: bool = False
+) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype))
+    # parameter offload keeps the shards in (pinned) host memory and copies them to the GPU per layer
+    offload = CPUOffloadPolicy() if param_offload else OffloadPolicy()
     for layer in _decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
     # The root keeps its parameters (embeddings, final norm, lm_head) gathered after forward: backward
     # starts with the lm_head, so resharding it would only gather it again right away.
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     return model
 
 
@@ -247,22 +257,36 @@ def build_actor(
     env: DistEnv | None = None,
     optim_cfg: OptimConfig = OptimConfig(),
     fsdp_cfg: FSDPConfig = FSDPConfig(),
+    *,
+    mesh: Any = None,
+    lora: Any = None,
 ) -> TrainState:
     """Load a local HF checkpoint (or take an unsharded HF module), shard it with FSDP2, add AdamW.
 
     Every rank loads the full fp32 weights on CPU before sharding (fine for the models this runs on a
     CPU; a large model would be built on the meta device and loaded shard by shard).
     ``env`` defaults to ``backends.distributed.init_distributed()``; the mesh is
-    ``backends.distributed.device_mesh(env)`` (all ranks data-parallel).
+    ``backends.distributed.device_mesh(env)`` (all ranks data-parallel) unless ``mesh`` is given: a 1-D
+    ``DeviceMesh`` over a subset of the ranks (a role's pool, see ``backends.placement``). Only the
+    mesh's ranks call this.
+
+    ``lora``: a ``peft.LoraConfig``; the model is wrapped with ``peft.get_peft_model`` before sharding,
+    so only the adapter trains (the base weights are frozen and get no optimizer state). Its reference
+    can then be the same module with the adapter disabled: :func:`reference_from_lora_actor`.
     """
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)  # fail on a bad schedule before loading anything
     model = _load_model(model_path, torch.float32)
-    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="actor")
+    if lora is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora)
+    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="actor", mesh=mesh)
 
 
 def _trainable_state(
-    model: nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig, schedule: Any, role: str
+    model: nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig, schedule: Any, role: str,
+    mesh: Any = None,
 ) -> TrainState:
     """Shard an unsharded fp32 model (master weights) and give it AdamW: the actor and the critic."""
     if fsdp_cfg.use_remove_padding:
@@ -271,7 +295,7 @@ def _trainable_state(
         _enable_checkpointing(model)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    mesh = device_mesh(env)
+    mesh = device_mesh(env) if mesh is None else mesh
     model = _shard(model, mesh, fsdp_cfg, _compute_dtype(fsdp_cfg, env.device))
     model.train()
     optimizer = build_optimizer(model.parameters(), optim_cfg)
@@ -306,6 +330,7 @@ def build_critic(
     *,
     value_head_init: Literal["normal", "zero"] = "normal",
     seed: int = 0,
+    mesh: Any = None,
 ) -> TrainState:
     """The critic (verl's ``critic`` role): a value model sharded like the actor, with its own AdamW.
 
@@ -315,6 +340,7 @@ def build_critic(
     N(0, initializer_range), with a seeded generator); or an unsharded one-label
     ``*ForTokenClassification`` module. Dropout before the head is 0. Train it with :func:`update` and a
     loss on ``outputs.values`` (:func:`value_loss_fn`); read values with :func:`compute_values`.
+    ``mesh``: as in :func:`build_actor`.
     """
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)
@@ -324,7 +350,7 @@ def build_critic(
         model, _tokenizer = load_value_model(
             model_path, dtype=torch.float32, device="cpu", value_head_init=value_head_init, seed=seed
         )
-    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="critic")
+    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="critic", mesh=mesh)
 
 
 def build_reference(
@@ -332,15 +358,29 @@ def build_reference(
     env: DistEnv | None = None,
     fsdp_cfg: FSDPConfig = FSDPConfig(),
     log_prob_micro_batch_size: int | None = None,
+    *,
+    mesh: Any = None,
+    param_offload: bool = False,
+    compile: bool = False,
 ) -> TrainState:
     """A forward-only copy of a model (verl's ``ref`` role): no optimizer, no gradients, eval mode.
 
     Its weights are stored in the compute dtype (no fp32 master copy), sharded like the actor's.
     ``log_prob_micro_batch_size`` (rows) is the default micro-batch size of :func:`compute_logprobs`.
+    ``mesh``: as in :func:`build_actor`. ``param_offload``: FSDP2's ``CPUOffloadPolicy`` (shards in
+    host memory, copied to the GPU layer by layer); it needs CUDA and is refused here otherwise, before
+    loading anything. ``compile``: ``torch.compile`` each decoder layer's forward (per block, as
+    torchtitan does under FSDP2); see :func:`compile_layers` for the fallback without a C++ compiler.
     """
     env = init_distributed() if env is None else env
     if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
         raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
+    if param_offload and env.device.type != "cuda":
+        raise ValueError(
+            "reference param_offload=True needs a CUDA device: FSDP2's CPUOffloadPolicy keeps the shards in host "
+            f"memory and copies them to the GPU per layer; this process runs on {env.device.type!r} "
+            "(on a CPU the parameters are already in host memory: leave param_offload off)"
+        )
     dtype = _compute_dtype(fsdp_cfg, env.device)
     model = _load_model(model_path, dtype)
     if fsdp_cfg.use_remove_padding:
@@ -348,13 +388,67 @@ def build_reference(
     model.requires_grad_(False)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False
-    mesh = device_mesh(env)
-    model = _shard(model, mesh, fsdp_cfg, None)
+    mesh = device_mesh(env) if mesh is None else mesh
+    model = _shard(model, mesh, fsdp_cfg, None, param_offload=param_offload)
+    if compile:
+        compile_layers(model)
     model.eval()
     return TrainState(
         module=model, optimizer=None, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, role="reference",
         log_prob_micro_batch_size=log_prob_micro_batch_size,
     )
+
+
+def reference_from_lora_actor(actor: TrainState, log_prob_micro_batch_size: int | None = None) -> TrainState:
+    """The reference as the LoRA actor's own module with the adapter disabled (verl's ``ref_in_actor``).
+
+    The base weights are frozen under a LoRA adapter, so they *are* the policy at step 0: the reference's
+    log-probs come from the same sharded module under ``peft``'s ``disable_adapter()``, and no second
+    copy of the weights is built. ``actor`` must come from ``build_actor(..., lora=LoraConfig(...))``.
+    """
+    if actor.role != "actor":
+        raise ValueError(f"reference_from_lora_actor needs an actor state, got a {actor.role!r} state")
+    if not callable(getattr(actor.module, "disable_adapter", None)):
+        raise ValueError(
+            "the reference can share the actor's weights only when the actor trains a LoRA adapter "
+            "(build_actor(..., lora=peft.LoraConfig(...))); this actor trains all its weights, so its step-0 "
+            "weights are gone: build a separate reference (build_reference)"
+        )
+    if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
+        raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
+    return TrainState(
+        module=actor.module, optimizer=None, mesh=actor.mesh, env=actor.env, fsdp_cfg=actor.fsdp_cfg,
+        role="reference", log_prob_micro_batch_size=log_prob_micro_batch_size, adapter_disabled=True,
+    )
+
+
+def compile_layers(model: nn.Module) -> bool:
+    """``torch.compile`` every decoder layer in place; returns whether it did.
+
+    Inductor's CPU backend builds C++ kernels: without a C++ compiler (``$CXX`` or ``g++`` on the
+    PATH) every forward would fail at its first call, so the model stays eager and one warning says so.
+    """
+    import logging
+    import shutil
+
+    if _on_cpu(model) and shutil.which(os.environ.get("CXX", "g++")) is None:
+        logging.getLogger("rlfunc.compile").warning(
+            "reference compile=True: no C++ compiler found (CXX=%r, g++ not on PATH), which torch.compile's "
+            "inductor backend needs on CPU; running the reference eagerly",
+            os.environ.get("CXX"),
+        )
+        return False
+    for layer in _decoder_layers(model):
+        layer.compile()
+    return True
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    """Whether the model's parameters live on the CPU (local shards for an FSDP2 module)."""
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        return local.device.type == "cpu"
+    return True
 
 
 # ------------------------------------------------------------------------------------- micro-batching
@@ -666,11 +760,12 @@ def _forward_only(
     module = state.module
     was_training = module.training
     module.eval()
+    adapter_off = module.disable_adapter() if state.adapter_disabled else contextlib.nullcontext()
     b, t = batch.response_ids.shape
     results = {name: torch.zeros(b, t, dtype=torch.float32, device=out_device) for name in names}
     try:
         # no_grad, not inference_mode: FSDP2's unshard bookkeeping needs version counters on its tensors
-        with torch.no_grad():
+        with torch.no_grad(), adapter_off:
             for i in range(n_max):
                 real = i < len(groups)
                 mb = _select_rows(batch, groups[i]) if real else _dummy(_select_rows(batch, groups[0]))

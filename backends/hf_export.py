@@ -88,7 +88,9 @@ def export_hf(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
-    rank, _ = _world()
+    # the writer is the first rank of the state's own ranks (a role's pool under split placement)
+    group = state.mesh.get_group() if getattr(state, "mesh", None) is not None else None
+    rank = dist.get_rank(group) if group is not None else _world()[0]
     tensors: dict[str, torch.Tensor] = {}
     shared: dict[int, torch.Tensor] = {}
     stream_state = state if hasattr(state, "module") else _ModuleOnly(module)
@@ -100,7 +102,7 @@ def export_hf(
     if rank == 0:
         _write(module, tensors, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size)
     if _world()[1] > 1:
-        dist.barrier()
+        dist.barrier(group=group)
     return out
 
 
@@ -143,6 +145,9 @@ def _write(module: torch.nn.Module, tensors: dict, out: Path, *, tokenizer: Any,
     with torch.device("meta"):
         skeleton = cls(config).to(export_dtype)  # save_pretrained records the params' dtype in config.json
     _share_tied(skeleton, tensors)
+    # transformers writes only on global rank 0 once torch.distributed is up; the writer was chosen by
+    # the caller (the first rank of the state's own group, e.g. a critic pool that excludes rank 0)
+    skeleton.should_save_on_this_rank = lambda is_main_process: is_main_process
     if getattr(module, "generation_config", None) is not None and getattr(skeleton, "generation_config", None) is not None:
         skeleton.generation_config = copy.deepcopy(module.generation_config)
 

@@ -3,7 +3,15 @@
 Run:  python experiments/ppo_arithmetic.py                                         (one process)
       torchrun --standalone --nproc_per_node 2 experiments/ppo_arithmetic.py      (FSDP2 over 2 ranks)
       ... key=value overrides, e.g. steps=100 algo.kl_ctrl=adaptive algo.use_kl_loss=true
-      --help lists every key.
+      --help lists every key and the config presets.
+      ... preset=ref/dp_ref actor.optim=@optim/fsdp actor.optim.lr=1e-5     (presets, then overrides)
+
+Placement (where the roles run):
+      torchrun --standalone --nproc_per_node 4 experiments/ppo_arithmetic.py placement.mode=split \
+          placement.actor_pool=2 placement.critic_pool=2
+actor + rollout on ranks 0-1, critic + reference on ranks 2-3: batches cross between the pools, and the
+critic update runs at the same time as the actor update and weight sync. Colocated (the default) runs
+every role on every rank. Split runs do not checkpoint yet (checkpoint.every / resume / export.orbax).
 
 Checkpoints and exact resume:
       ... checkpoint.every=10 checkpoint.dir=/ckpt/ppo run_dir=runs/ppo-1     (save every 10 steps)
@@ -39,12 +47,12 @@ from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
 from backends.checkpoint import (
     CheckpointMismatchError, checkpoint_info, flatten_config, load_checkpoint, resolve_resume, save_checkpoint,
 )
-from backends.config import apply_overrides, config_keys, config_to_dict
+from backends.config import apply_overrides, available_presets, config_keys, config_to_dict
 from backends.distributed import (
     all_reduce_sum, barrier, broadcast_object, get_logger, global_masked_whiten, init_distributed, seed_everything, shutdown,
 )
 from backends.fsdp_engine import (
-    FSDPConfig, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
+    FSDPConfig, build_actor, build_critic, compute_logprobs, compute_values,
     full_state_dict, update, value_loss_fn,
 )
 from backends.hf_export import export_hf
@@ -52,6 +60,8 @@ from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
 from backends.optim import OptimConfig, with_total_steps
 from backends.orbax_io import save_orbax
+from backends.placement import PlacementConfig, build_placement
+from backends.reference import ReferenceConfig, build_reference_role
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
 from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
 
@@ -123,7 +133,8 @@ class Config:
     warm_start: WarmStartConfig = WarmStartConfig(steps=600)
     actor: ActorConfig = ActorConfig()
     critic: CriticConfig = CriticConfig()
-    ref_log_prob_micro_batch_size: int = 64
+    reference: ReferenceConfig = ReferenceConfig(log_prob_micro_batch_size=64)
+    placement: PlacementConfig = PlacementConfig()
     rollout: SamplingConfig = SamplingConfig(n=8, temperature=1.0, max_new_tokens=6)
     algo: AlgoConfig = AlgoConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -132,19 +143,28 @@ class Config:
 
 #: keys that may differ between a run and its resumption (where things go, not what is computed)
 _RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "export", "eval_every")
+PRESETS = Path(__file__).resolve().parent / "presets"
 
 
 def main(argv: list[str]) -> dict:
     if "--help" in argv or "-h" in argv:
-        print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
+        print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config))
+              + "\npresets (preset=<name> or <section>=@<name>):\n  " + "\n  ".join(available_presets(PRESETS)))
         return {}
-    cfg = apply_overrides(Config(), argv)  # an unknown key fails here, before any work
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
     if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
         raise ValueError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
+    if cfg.placement.mode == "split" and (cfg.checkpoint.every or cfg.resume != "never" or cfg.export.orbax):
+        raise ValueError("placement.mode=split does not checkpoint yet: leave checkpoint.every=0, resume=never, export.orbax=false")
     env = init_distributed()
     log = get_logger("ppo", env)
     seed_everything(cfg.seed)
-    num_mini = _num_mini_batches(cfg, env.world_size)
+    # Which ranks hold which roles; each pool's env has the pool's rank, size and group (the world's when colocated).
+    placement = build_placement(cfg.placement, env)
+    on_actor, on_critic = placement.has("actor"), placement.has("critic")
+    actor_env = placement.env("actor") if on_actor else None
+    critic_env = placement.env("critic") if on_critic else None
+    num_mini = _num_mini_batches(cfg, len(placement.pools["actor"]))
 
     # Where to resume from, checked against this config before anything is built.
     must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE_KEYS}
@@ -160,20 +180,25 @@ def main(argv: list[str]) -> dict:
         _truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
     barrier()
     metrics_log = MetricsLog(run_dir, enabled=env.is_main)
-    if resume_from is None:
-        actor, stream, tokenizer = _fresh_start(cfg, env, run_dir, warm_path, rl_optim, metrics_log)
-    else:
+    actor = rollout = critic = reference = stream = None
+    if on_actor and resume_from is None:
+        actor, stream, tokenizer = _fresh_start(cfg, actor_env, run_dir, warm_path, rl_optim, metrics_log, placement.mesh("actor"))
+    elif on_actor:
         log.info(f"resuming from {resume_from} (run dir {run_dir})")
         tokenizer = load_tokenizer(warm_path)
-        actor = build_actor(warm_path, env, rl_optim, cfg.actor.fsdp)
+        actor = build_actor(warm_path, env, rl_optim, cfg.actor.fsdp, mesh=placement.mesh("actor"))
+    barrier()  # the warm-started model is on disk for every pool
 
     # The critic starts from the warm-started backbone with a fresh (seeded) value head; the frozen
     # reference is the warm-started policy; the rollout engine holds an unsharded copy of the actor.
-    critic = build_critic(warm_path, env, critic_optim, cfg.critic.fsdp, seed=cfg.seed)
-    reference = None
-    if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
-        reference = build_reference(warm_path, env, cfg.actor.fsdp, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
-    rollout = build_native_rollout(warm_path, tokenizer)
+    if not on_actor:  # split placement: the critic pool reads the tokenizer the actor pool saved
+        tokenizer = load_tokenizer(warm_path)
+    if on_critic:
+        critic = build_critic(warm_path, env, critic_optim, cfg.critic.fsdp, seed=cfg.seed, mesh=placement.mesh("critic"))
+        if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
+            reference = build_reference_role(cfg.reference, warm_path, env, cfg.actor.fsdp, mesh=placement.mesh("reference"), actor=actor)
+    if on_actor:
+        rollout = build_native_rollout(warm_path, tokenizer)
     kl_ctrl = (
         rf.adaptive_kl_controller(cfg.algo.kl_coef, cfg.algo.target_kl, cfg.algo.horizon)
         if cfg.algo.kl_ctrl == "adaptive" else rf.fixed_kl_controller(cfg.algo.kl_coef)
@@ -184,8 +209,8 @@ def main(argv: list[str]) -> dict:
 
     if resume_from is None:
         first_step, wall_before = 1, 0.0
-        eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
-        greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
+        eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env) if on_actor else None
+        greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, actor_env) if on_actor else None
     else:
         states, extra = load_checkpoint(resume_from, {"actor": actor, "critic": critic}, config=must_match)
         actor, critic = states["actor"], states["critic"]
@@ -194,52 +219,55 @@ def main(argv: list[str]) -> dict:
         eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
         first_step = extra["step"] + 1
         rollout = sync_weights(rollout, full_state_dict(actor))
-    log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
+    if on_actor:
+        log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
 
     horizon = cfg.rollout.max_new_tokens
     actor_loss = functools.partial(ppo_loss, algo=cfg.algo, horizon=horizon)
     critic_loss = value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=horizon)
     for step in tqdm(range(first_step, cfg.steps + 1), desc="PPO", disable=not env.is_main, initial=first_step - 1, total=cfg.steps):
         t0, times = time.time(), {}
-        # 1. rollout: n samples per prompt, for this rank's share of the prompts (explicit per-step seed)
-        with _timed(times, "rollout"):
-            problems = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
-            prompts = [tokenizer.encode(p.prompt) for p in problems]
-            batch = generate(rollout, prompts, cfg.rollout, seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
-            # 2. verifiable reward: one score per sequence, parsed from the text
-            batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
-        # 3. log-probs of the sampled tokens under the current policy and the reference; critic values
-        with _timed(times, "old_logprob"):
-            batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
-        if reference is not None:
-            with _timed(times, "reference"):
-                batch = batch.replace(ref_logprobs=compute_logprobs(reference, batch).logprobs)
-        with _timed(times, "values"):
-            values = compute_values(critic, batch)
-            batch = batch.replace(values=values, old_values=values)
-        # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
-        with _timed(times, "advantages"):
-            token_rewards = outcome_token_rewards(batch.scores, batch.response_mask)
-            kl_stats = {}
-            if cfg.algo.kl_in_reward:
-                token_rewards, observed_kl = rf.apply_kl_penalty_to_rewards(
-                    token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
-                    beta=kl_ctrl.beta, kind=cfg.algo.kl_penalty,
-                )
-                observed_kl = (all_reduce_sum(observed_kl.reshape(1)) / env.world_size)[0]  # the same beta on every rank
-                kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
-                kl_ctrl = rf.update_kl_controller(kl_ctrl, observed_kl, n_steps=cfg.prompts_per_step * cfg.rollout.n)
-            adv, ret = rf.gae(token_rewards, batch.values, batch.response_mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam)
-            adv = global_masked_whiten(adv, batch.response_mask)  # over the whole batch, all ranks (as verl)
-            batch = batch.replace(token_rewards=token_rewards, advantages=adv, returns=ret)
-        # 5. critic update, then (after the critic warm-up) actor update: ppo_epochs x mini-batches each
+        batch = None
+        if on_actor:
+            # 1. rollout: n samples per prompt, for this rank's share of the prompts (explicit per-step seed)
+            with _timed(times, "rollout"):
+                problems = stream.take(cfg.prompts_per_step)[actor_env.rank :: actor_env.world_size]
+                prompts = [tokenizer.encode(p.prompt) for p in problems]
+                seed = (cfg.seed * 1_000_003 + step) * actor_env.world_size + actor_env.rank
+                batch = generate(rollout, prompts, cfg.rollout, seed=seed)
+                # 2. verifiable reward: one score per sequence, parsed from the text
+                batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
+            # 3. log-probs of the sampled tokens under the current policy
+            with _timed(times, "old_logprob"):
+                batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
+        # split placement: the batch crosses to the critic pool (colocated: nothing moves)
+        with _timed(times, "to_critic_pool"):
+            critic_batch = placement.move(batch, "actor", "critic")
+        kl_stats = {}
+        if on_critic:
+            # 3b. log-probs under the reference; critic values
+            if reference is not None:
+                with _timed(times, "reference"):
+                    critic_batch = critic_batch.replace(ref_logprobs=compute_logprobs(reference, critic_batch).logprobs)
+            with _timed(times, "values"):
+                values = compute_values(critic, critic_batch)
+                critic_batch = critic_batch.replace(values=values, old_values=values)
+            # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
+            with _timed(times, "advantages"):
+                critic_batch, kl_ctrl, kl_stats = _advantages(critic_batch, kl_ctrl, cfg, critic_env)
+        # split placement: advantages (and reference log-probs) go back to the ranks that sampled the rows
+        with _timed(times, "to_actor_pool"):
+            batch = placement.move(critic_batch, "critic", "actor", like=batch)
+        # 5. critic update and (after the critic warm-up) actor update, ppo_epochs x mini-batches each.
+        # Under split placement the two pools run these at the same time.
         critic_metrics, actor_metrics = [], []
-        with _timed(times, "critic_update"):
-            for _ in range(cfg.algo.ppo_epochs):
-                for mini_batch in rf.split(batch, num_mini):
-                    critic, m = update(critic, mini_batch, critic_loss)
-                    critic_metrics.append(m)
-        if step > cfg.algo.critic_warmup:
+        if on_critic:
+            with _timed(times, "critic_update"):
+                for _ in range(cfg.algo.ppo_epochs):
+                    for mini_batch in rf.split(critic_batch, num_mini):
+                        critic, m = update(critic, mini_batch, critic_loss)
+                        critic_metrics.append(m)
+        if on_actor and step > cfg.algo.critic_warmup:
             with _timed(times, "actor_update"):
                 for _ in range(cfg.algo.ppo_epochs):
                     for mini_batch in rf.split(batch, num_mini):
@@ -248,23 +276,30 @@ def main(argv: list[str]) -> dict:
             # 6. weight sync: stream full tensors from the FSDP shards into the rollout engine
             with _timed(times, "weight_sync"):
                 rollout = sync_weights(rollout, full_state_dict(actor))
+        # the critic pool's metrics reach rank 0, which logs (colocated: already here)
+        kl_stats, critic_metrics, critic_times = placement.share((kl_stats, critic_metrics, dict(times)), "critic")
+        times = {**critic_times, **times}
+        if not on_actor:
+            continue
 
         dt = time.time() - t0
         local = torch.stack([
             batch.scores.mean(), (batch.scores > 0.5).float().mean(), batch.response_mask.sum(-1).float().mean(),
-            rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(ret, batch.response_mask),
+            rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(batch.returns, batch.response_mask),
             (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
         ])
-        reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (all_reduce_sum(local) / env.world_size).tolist()
+        reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (
+            all_reduce_sum(local, actor_env.group) / actor_env.world_size
+        ).tolist()
         stats = {
             "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
             "values_mean": values_mean, "returns_mean": returns_mean, **kl_stats,
             **_mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in _mean_metrics(critic_metrics).items()},
-            "tokens_per_s": num_tokens * env.world_size / dt, "step_time_s": dt,
+            "tokens_per_s": num_tokens * actor_env.world_size / dt, "step_time_s": dt,
             **{f"time/{k}_s": v for k, v in times.items()},
         }
         if cfg.eval_every and step % cfg.eval_every == 0:
-            stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
+            stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env)
         metrics_log.log(step, stats)
         if env.is_main and (step % 10 == 0 or step == cfg.steps):
             keys = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm", "step_time_s")
@@ -281,12 +316,14 @@ def main(argv: list[str]) -> dict:
             save_checkpoint(ckpt_dir, step, {"actor": actor, "critic": critic}, extra,
                             keep_last=cfg.checkpoint.keep_last, config=must_match)
 
-    eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
-    greedy_after = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
+    eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env) if on_actor else None
+    greedy_after = evaluate(rollout, tokenizer, heldout, greedy_eval, actor_env) if on_actor else None
     # Export: HF dirs of the actor (a causal LM) and the critic (a value model), orbax of the actor state.
     if cfg.export.hf:
-        export_hf(actor, run_dir / "actor_hf", tokenizer=tokenizer, overwrite=True)
-        export_hf(critic, run_dir / "critic_hf", tokenizer=tokenizer, overwrite=True)
+        if on_actor:
+            export_hf(actor, run_dir / "actor_hf", tokenizer=tokenizer, overwrite=True)
+        if on_critic:
+            export_hf(critic, run_dir / "critic_hf", tokenizer=tokenizer, overwrite=True)
     if cfg.export.orbax:
         save_orbax(actor, run_dir / "actor_orbax", overwrite=True)
     wall = wall_before + time.time() - t_start
@@ -301,6 +338,7 @@ def main(argv: list[str]) -> dict:
         "resumed_from": str(resume_from) if resume_from is not None else None,
         "wall_seconds": round(wall, 1),
         "world_size": env.world_size,
+        "placement": cfg.placement.mode,
         "run_dir": str(run_dir),
     }
     if env.is_main:
@@ -313,6 +351,7 @@ def main(argv: list[str]) -> dict:
             f"the reward {verdict} ({cfg.steps} PPO steps, {wall:.0f} s, {env.world_size} rank(s)); see {run_dir}",
             flush=True,
         )
+    barrier()  # both pools' exports are on disk before anyone returns
     metrics_log.close()
     shutdown(env)
     return summary
@@ -337,6 +376,24 @@ def ppo_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfi
     return loss, metrics
 
 
+def _advantages(batch: rf.RolloutBatch, kl_ctrl, cfg: Config, env):
+    """Token rewards (score minus beta * KL to the reference) -> GAE -> whitened advantages, on the ranks
+    of ``env`` (the critic pool); the KL controller sees the KL averaged over those ranks."""
+    token_rewards = outcome_token_rewards(batch.scores, batch.response_mask)
+    kl_stats = {}
+    if cfg.algo.kl_in_reward:
+        token_rewards, observed_kl = rf.apply_kl_penalty_to_rewards(
+            token_rewards, batch.old_logprobs, batch.ref_logprobs, batch.response_mask,
+            beta=kl_ctrl.beta, kind=cfg.algo.kl_penalty,
+        )
+        observed_kl = (all_reduce_sum(observed_kl.reshape(1), env.group) / env.world_size)[0]  # the same beta on every rank
+        kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
+        kl_ctrl = rf.update_kl_controller(kl_ctrl, observed_kl, n_steps=cfg.prompts_per_step * cfg.rollout.n)
+    adv, ret = rf.gae(token_rewards, batch.values, batch.response_mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam)
+    adv = global_masked_whiten(adv, batch.response_mask, group=env.group)  # the whole batch, all ranks of the pool (as verl)
+    return batch.replace(token_rewards=token_rewards, advantages=adv, returns=ret), kl_ctrl, kl_stats
+
+
 def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``(b,), (b t) -> (b t)``: each sequence's score on its last response token, 0 elsewhere (verl's
     ``token_level_scores`` of a rule-based reward)."""
@@ -348,16 +405,18 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
 # Plumbing.
 
 
-def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: OptimConfig, metrics_log: MetricsLog):
-    """Base model and supervised warm start; returns (actor with a fresh RL optimizer, stream, tokenizer)."""
+def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: OptimConfig, metrics_log: MetricsLog, mesh):
+    """Base model and supervised warm start on the actor's ranks (``env``: the actor pool's);
+    returns (actor with a fresh RL optimizer, stream, tokenizer)."""
     model_path = Path(cfg.model_path) if cfg.model_path else run_dir / "base_model"
     if env.is_main:
         (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
         if not cfg.model_path:
             write_tiny_model(model_path, cfg.tiny, build_char_tokenizer())
-    barrier()
+    dist.barrier(group=env.group)
     tokenizer = load_tokenizer(model_path)
-    actor = build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, cfg.actor.fsdp)
+    optim = warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim
+    actor = build_actor(model_path, env, optim, cfg.actor.fsdp, mesh=mesh)
     stream = cfg.task.train_stream(seed=cfg.seed)
     if cfg.warm_start.steps:
         actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log)

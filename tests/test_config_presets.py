@@ -1,0 +1,114 @@
+"""Config presets (YAML under a presets dir): expansion in place, later keys win, validated keys, errors."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from backends.config import ConfigError, apply_overrides, available_presets, expand_presets, load_preset
+from backends.optim import OptimConfig
+from backends.placement import PlacementConfig
+from backends.reference import ReferenceConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE_PRESETS = ROOT / "experiments" / "presets"
+
+
+@attrs.frozen
+class Actor:
+    optim: OptimConfig = OptimConfig()
+
+
+@attrs.frozen
+class Cfg:
+    seed: int = 0
+    actor: Actor = Actor()
+    critic: Actor = Actor()
+    reference: ReferenceConfig = ReferenceConfig()
+    placement: PlacementConfig = PlacementConfig()
+
+
+@pytest.fixture
+def presets(tmp_path):
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "optim").mkdir()
+    (tmp_path / "ref" / "small.yaml").write_text("_at_: reference\nlog_prob_micro_batch_size: 4\nuse_torch_compile: true\n")
+    (tmp_path / "optim" / "adam.yaml").write_text("lr: 3.0e-4\nbetas: [0.8, 0.95]\nclip_grad: 0.5\n")
+    (tmp_path / "optim" / "typo.yaml").write_text("lr: 1.0e-3\nclip_gard: 1.0\n")
+    (tmp_path / "root.yaml").write_text("seed: 7\nplacement:\n  mode: split\n  actor_pool: 1\nreference:\n  backend: megatron\n")
+    return tmp_path
+
+
+def test_available_presets_lists_group_and_name(presets):
+    assert available_presets(presets) == ["optim/adam", "optim/typo", "ref/small", "root"]
+    assert available_presets(presets / "missing") == []
+
+
+def test_preset_lands_at_its_section_and_later_keys_win(presets):
+    cfg = apply_overrides(Cfg(), ["preset=ref/small", "reference.log_prob_micro_batch_size=2"], presets_dir=presets)
+    assert cfg.reference == ReferenceConfig(log_prob_micro_batch_size=2, use_torch_compile=True)
+    # a key given before the preset is overridden by the preset (in-place expansion, last one wins)
+    cfg = apply_overrides(Cfg(), ["reference.use_torch_compile=false", "preset=ref/small"], presets_dir=presets)
+    assert cfg.reference.use_torch_compile is True
+
+
+def test_at_syntax_mounts_a_preset_under_any_section(presets):
+    cfg = apply_overrides(
+        Cfg(), ["actor.optim=@optim/adam", "critic.optim=@optim/adam", "critic.optim.lr=1e-5"], presets_dir=presets
+    )
+    assert cfg.actor.optim == OptimConfig(lr=3e-4, betas=(0.8, 0.95), clip_grad=0.5)
+    assert cfg.critic.optim == OptimConfig(lr=1e-5, betas=(0.8, 0.95), clip_grad=0.5)
+    assert cfg.seed == 0 and cfg.reference == ReferenceConfig()
+
+
+def test_root_preset_sets_several_sections(presets):
+    cfg = apply_overrides(Cfg(), ["preset=root", "seed=8"], presets_dir=presets)
+    assert cfg.seed == 8 and cfg.placement == PlacementConfig(mode="split", actor_pool=1)
+    assert cfg.reference.backend == "megatron"
+
+
+def test_unknown_preset_lists_the_available_ones(presets):
+    with pytest.raises(ConfigError, match=r"unknown preset 'ref/big'.*available presets: optim/adam, optim/typo, ref/small, root"):
+        apply_overrides(Cfg(), ["preset=ref/big"], presets_dir=presets)
+    with pytest.raises(ConfigError, match="unknown preset"):  # no escaping the presets dir
+        load_preset(presets / "ref", "../root")
+
+
+def test_preset_keys_are_validated_like_cli_keys(presets):
+    with pytest.raises(ConfigError, match=r"preset 'optim/typo' applied at 'actor.optim'.*clip_gard.*did you mean actor.optim.clip_grad"):
+        apply_overrides(Cfg(), ["actor.optim=@optim/typo"], presets_dir=presets)
+    (presets / "ref" / "bad_value.yaml").write_text("_at_: reference\nbackend: deepspeed\n")
+    with pytest.raises(ConfigError, match="preset 'ref/bad_value'.*'deepspeed' is not one of"):
+        apply_overrides(Cfg(), ["preset=ref/bad_value"], presets_dir=presets)
+    (presets / "list.yaml").write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        apply_overrides(Cfg(), ["preset=list"], presets_dir=presets)
+
+
+def test_without_a_presets_dir_preset_is_an_unknown_key(presets):
+    with pytest.raises(ConfigError, match="unknown config key 'preset'"):
+        apply_overrides(Cfg(), ["preset=ref/small"])
+    assert expand_presets(Cfg(), ["seed=3"], presets) == ["seed=3"]
+
+
+def test_every_shipped_preset_applies_to_the_ppo_recipe():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import ppo_arithmetic
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    names = available_presets(RECIPE_PRESETS)
+    assert {"ref/dp_ref", "ref/megatron_ref", "ref/ref_in_actor", "optim/fsdp", "optim/megatron", "actor/dp_actor",
+            "placement/split", "placement/colocated"} <= set(names)
+    for name in names:
+        apply_overrides(ppo_arithmetic.Config(), [f"preset={name}"], presets_dir=RECIPE_PRESETS)
+    cfg = apply_overrides(
+        ppo_arithmetic.Config(), ["preset=ref/dp_ref", "critic.optim=@optim/fsdp", "critic.optim.lr=2e-5"],
+        presets_dir=RECIPE_PRESETS,
+    )
+    assert cfg.reference.backend == "fsdp" and cfg.reference.use_torch_compile is True
+    assert cfg.critic.optim.lr == 2e-5 and cfg.critic.optim.weight_decay == 0.01  # verl optim/fsdp.yaml's
+    assert cfg.actor.optim == ppo_arithmetic.Config().actor.optim
