@@ -179,13 +179,15 @@ class _Source:
         return self.extra[name] if name in self.extra else self.base.get(name) if not isinstance(self.base, dict) else self.base[name]
 
 
-def _read_source(model: str | os.PathLike | nn.Module) -> tuple[Any, Any, Any]:
-    """(hf_config, tensor source, tokenizer-or-None) without reading any weight yet."""
+def _read_source(model: str | os.PathLike | nn.Module, cfg: MegatronConfig) -> tuple[Any, Any]:
+    """(hf_config, tensor source) after the architecture and parallel sizes were checked against the
+    config alone: a bad model or layout fails before any weight file is opened."""
     if isinstance(model, nn.Module):
         config = getattr(model, "config", None)
         if config is None:
             raise ValueError(f"a module for the megatron backend must be an HF model with .config, got {type(model).__name__}")
-        return config, {k: v.detach() for k, v in model.state_dict().items()}, None
+        check_parallel_sizes(model_shape(config), cfg.tp, cfg.pp)
+        return config, {k: v.detach() for k, v in model.state_dict().items()}
     from transformers import AutoConfig
 
     from backends.models import _check_model_dir
@@ -197,16 +199,15 @@ def _read_source(model: str | os.PathLike | nn.Module) -> tuple[Any, Any, Any]:
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
     import json
 
-    model_shape(json.loads((path / "config.json").read_text()))  # architecture errors before anything else
+    check_parallel_sizes(model_shape(json.loads((path / "config.json").read_text())), cfg.tp, cfg.pp)
     _check_model_dir(path)
-    return AutoConfig.from_pretrained(path, local_files_only=True), HFCheckpoint(path), None
+    return AutoConfig.from_pretrained(path, local_files_only=True), HFCheckpoint(path)
 
 
 def _prepare(model: Any, env: DistEnv | None, cfg: MegatronConfig) -> tuple[DistEnv, Any, Any, ModelShape, ParallelDims]:
     """Validate everything that can fail cheaply, then set up the parallel groups."""
-    config, source, _ = _read_source(model)
+    config, source = _read_source(model, cfg)
     shape = model_shape(config)
-    check_parallel_sizes(shape, cfg.tp, cfg.pp)
     env = init_distributed() if env is None else env
     check_sizes(env.world_size, cfg.tp, cfg.pp)
     dims = init_model_parallel(cfg.tp, cfg.pp, seed=cfg.seed)
