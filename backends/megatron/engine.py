@@ -79,6 +79,7 @@ __all__ = [
     "full_state_dict",
     "export_hf",
     "fresh_optimizer",
+    "broadcast_batch",
 ]
 
 
@@ -601,3 +602,14 @@ def export_hf(state: MegatronState, out_dir: str | os.PathLike, *, tokenizer: An
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return out
+
+
+def broadcast_batch(state: MegatronState, batch: RolloutBatch) -> RolloutBatch:
+    """The replica's first rank's ``batch`` on every rank of its (tp x pp) group: tensor- and
+    pipeline-parallel peers must train on the same rows (a recipe that samples per rank calls this)."""
+    group = state.dims.model_parallel_group
+    if dist.get_world_size(group) == 1:
+        return batch
+    box = [batch]
+    dist.broadcast_object_list(box, src=min(dist.get_process_group_ranks(group)), group=group)
+    return box[0]
