@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -400,3 +401,31 @@ def test_grpo_recipe_runs_on_megatron(tmp_path, layout):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(run_dir / "warm_start_model", local_files_only=True)  # exported by megatron
+
+
+# ----------------------------------------------------------------------------------- GPU (megatron's)
+
+
+@pytest.mark.gpu
+def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
+    """On CUDA the engine runs megatron's own schedule, DDP and DistributedOptimizer (one process)."""
+    from backends.distributed import init_distributed
+    from backends.megatron import engine as E
+    from backends.megatron.parallel import destroy_model_parallel
+
+    env = init_distributed()
+    cfg = E.MegatronConfig(param_dtype="float32", micro_batch_size=4)
+    batch = make_batch(0)
+    for layout in ("bshd", "thd"):
+        actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, attrs.evolve(cfg, layout=layout))
+        assert actor.uses_megatron_schedule
+        out = E.compute_logprobs(actor, batch, with_entropy=True)
+        hf, _ = load_causal_lm(model_dirs["qwen2"])
+        with torch.no_grad():
+            want = hf_logprobs(hf, batch)
+        m = batch.response_mask
+        assert float((out.logprobs.cpu() - torch.where(m, want, 0.0)).abs().max()) < 1e-4
+        actor, metrics = E.update(actor, batch, pg_loss)
+        assert metrics["update_skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
+        assert len(dict(E.full_state_dict(actor))) == len(hf.state_dict())
+        destroy_model_parallel()

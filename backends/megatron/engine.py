@@ -151,7 +151,7 @@ class MegatronState:
 
     @property
     def uses_megatron_schedule(self) -> bool:
-        return self.cfg.schedule == "megatron" or (self.cfg.schedule == "auto" and torch.cuda.is_available())
+        return _megatron_schedule(self.cfg)
 
     @property
     def fsdp_cfg(self) -> MegatronConfig:  # the name the FSDP engine's helpers read
@@ -159,6 +159,13 @@ class MegatronState:
 
 
 # ------------------------------------------------------------------------------------- building
+
+
+def _megatron_schedule(cfg: MegatronConfig) -> bool:
+    """Megatron's own schedules and optimizer (CUDA), else the CPU gloo pipeline."""
+    if cfg.schedule == "megatron" and not torch.cuda.is_available():
+        raise RuntimeError("MegatronConfig.schedule='megatron' needs CUDA (megatron's schedules allocate on the GPU)")
+    return cfg.schedule == "megatron" or (cfg.schedule == "auto" and torch.cuda.is_available())
 
 
 def _dtype(cfg: MegatronConfig, device: torch.device) -> torch.dtype:
@@ -219,9 +226,13 @@ def _build(source: Any, shape: ModelShape, dims: ParallelDims, env: DistEnv, cfg
            dtype: torch.dtype, *, value_head: bool = False) -> nn.Module:
     model = build_stage(
         shape, cfg.tp, cfg.pp, pre_process=dims.first_stage, post_process=dims.last_stage,
-        value_head=value_head, params_dtype=dtype, device=env.device,
+        value_head=value_head, params_dtype=dtype, device=env.device, tie_across_stages=_megatron_schedule(cfg),
     )
     load_hf_into(model, source, shape, dims, value_head=value_head)
+    if _megatron_schedule(cfg):
+        # megatron's pipeline schedule exchanges activation shapes first: micro-batches differ in
+        # length. Set after construction: the config's own check of this flag is about MoE dispatch.
+        model.config.variable_seq_lengths = True
     return model
 
 
@@ -234,23 +245,30 @@ def _megatron_ddp_and_optimizer(model: nn.Module, cfg: MegatronConfig, optim_cfg
         grad_reduce_in_fp32=cfg.optim.grad_reduce_in_fp32, overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
         overlap_param_gather=cfg.optim.overlap_param_gather, use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
+    from megatron.core.distributed import finalize_model_grads
+
     config = model.config
-    config.variable_seq_lengths = True  # micro-batches have different lengths
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
+    # What megatron's training loop wires up: the schedule reduces the DDP grad buffers (and the tied
+    # embedding across stages) at the end, and accumulates without syncing before that.
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
     opt_cfg = OptimizerConfig(
         optimizer=cfg.optim.optimizer, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
         adam_beta1=optim_cfg.betas[0], adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps,
         clip_grad=optim_cfg.clip_grad if optim_cfg.clip_grad > 0 else 0.0, bf16=dtype == torch.bfloat16,
         params_dtype=dtype, use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
-    return ddp, get_megatron_optimizer(opt_cfg, [ddp])
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    config.grad_scale_func = optimizer.scale_loss
+    return ddp, optimizer
 
 
 def _trainable(model: nn.Module, env, dims, shape, config, cfg, optim_cfg, schedule, role, dtype) -> MegatronState:
     model.train()
     state_kwargs = dict(env=env, dims=dims, shape=shape, hf_config=config, cfg=cfg, optim_cfg=optim_cfg,
                         lr_schedule=schedule, role=role)
-    if cfg.schedule == "megatron" or (cfg.schedule == "auto" and torch.cuda.is_available()):
+    if _megatron_schedule(cfg):
         ddp, optimizer = _megatron_ddp_and_optimizer(model, cfg, optim_cfg, dtype)
         return MegatronState(module=ddp, optimizer=optimizer, **state_kwargs)
     return MegatronState(module=model, optimizer=build_optimizer(model.parameters(), optim_cfg), **state_kwargs)
@@ -266,7 +284,7 @@ def build_actor(
     megatron stage and give it AdamW. Master weights are fp32 on CPU."""
     schedule = lr_schedule(optim_cfg)
     env, config, source, shape, dims = _prepare(model_path, env, cfg)
-    dtype = torch.float32 if not (cfg.schedule != "cpu" and torch.cuda.is_available()) else _dtype(cfg, env.device)
+    dtype = _dtype(cfg, env.device) if _megatron_schedule(cfg) else torch.float32
     model = _build(source, shape, dims, env, cfg, dtype)
     return _trainable(model, env, dims, shape, config, cfg, optim_cfg, schedule, "actor", dtype)
 
@@ -427,6 +445,7 @@ def compute_values(state: MegatronState, batch: RolloutBatch, *, micro_batch_siz
 
 
 def _tied_across_stages(state: MegatronState) -> bool:
+    """A tied embedding whose two copies (first and last stage) the CPU path keeps in sync itself."""
     return state.shape.tie_word_embeddings and state.dims.pp > 1 and state.role != "critic"
 
 

@@ -252,19 +252,23 @@ def layer_spec() -> Any:
 
 def build_stage(
     shape: ModelShape, tp: int, pp: int, *, pre_process: bool, post_process: bool, value_head: bool = False,
-    params_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    params_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tie_across_stages: bool = False,
 ) -> nn.Module:
     """This rank's ``GPTModel`` stage (its ``num_layers / pp`` layers, its ``1 / tp`` of every matrix).
 
     Weights are uninitialised placeholders (``perform_initialization=False``): load them with
     :func:`backends.megatron.convert.load_hf_into`. ``value_head`` swaps the LM head for a
-    :class:`ValueHead` (the critic). Needs :func:`backends.megatron.parallel.init_model_parallel`.
+    :class:`ValueHead` (the critic). ``tie_across_stages``: with several stages, let megatron tie a
+    shared embedding across them (its construction all-reduces the copy on CUDA, and its
+    ``finalize_model_grads`` sums the two gradients): the GPU schedule. Otherwise the last stage's
+    copy is untied and the caller sums the gradients. Needs
+    :func:`backends.megatron.parallel.init_model_parallel`.
     """
     from megatron.core.models.gpt import GPTModel
 
     check_parallel_sizes(shape, tp, pp)
     config = transformer_config(shape, tp, pp, params_dtype=params_dtype)
-    share = shape.tie_word_embeddings and pp == 1 and not value_head
+    share = shape.tie_word_embeddings and not value_head and (pp == 1 or tie_across_stages)
     model = GPTModel(
         config=config, transformer_layer_spec=layer_spec(), vocab_size=shape.padded_vocab(tp),
         max_sequence_length=shape.max_position_embeddings, pre_process=pre_process, post_process=post_process,
