@@ -240,6 +240,8 @@ def gather_hf_state(
     The owning stage all-gathers the TP shards (over its TP group) and broadcasts the full tensor over
     the pipeline group. A collective: every rank of the replica must consume the whole iterator in
     step. Tied embeddings are streamed as ``model.embed_tokens.weight`` and ``lm_head.weight``.
+    A tensor that needs no gathering (``tp == 1`` or replicated, on its own stage) is a view of the
+    parameter itself: copy it before the next update if it must outlive it (the rollout engines do).
     """
     params = dict(model.named_parameters())
     comm_device = next(iter(params.values())).device
