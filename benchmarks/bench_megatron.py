@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_fsdp_memory import make_batch, pg_loss  # noqa: E402

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import attrs
 import torch
@@ -165,7 +165,7 @@ class HFCheckpoint:
 
 def load_hf_into(
     model: nn.Module,
-    source: HFCheckpoint | Mapping[str, Tensor],
+    source: HFCheckpoint | Mapping[str, Tensor],  # anything with `in` and .get(name)
     shape: ModelShape,
     dims: ParallelDims,
     *,
@@ -188,7 +188,7 @@ def load_hf_into(
             name = "model.embed_tokens.weight"
         if name not in source:
             raise KeyError(f"the HF checkpoint has no tensor {name!r}")
-        return source[name] if isinstance(source, Mapping) else source.get(name)
+        return source.get(name)
 
     with torch.no_grad():
         for m in expected:

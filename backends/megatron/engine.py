@@ -38,6 +38,7 @@ world size not divisible by tp * pp) raise before any weight is read.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from pathlib import Path
@@ -153,10 +154,6 @@ class MegatronState:
     def uses_megatron_schedule(self) -> bool:
         return _megatron_schedule(self.cfg)
 
-    @property
-    def fsdp_cfg(self) -> MegatronConfig:  # the name the FSDP engine's helpers read
-        return self.cfg
-
 
 # ------------------------------------------------------------------------------------- building
 
@@ -184,7 +181,7 @@ class _Source:
         return name in self.extra or name in self.base
 
     def get(self, name: str) -> Tensor:
-        return self.extra[name] if name in self.extra else self.base.get(name) if not isinstance(self.base, dict) else self.base[name]
+        return self.extra[name] if name in self.extra else self.base.get(name)
 
 
 def _read_source(model: str | os.PathLike | nn.Module, cfg: MegatronConfig) -> tuple[Any, Any]:
@@ -205,8 +202,6 @@ def _read_source(model: str | os.PathLike | nn.Module, cfg: MegatronConfig) -> t
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
-    import json
-
     check_parallel_sizes(model_shape(json.loads((path / "config.json").read_text())), cfg.tp, cfg.pp)
     _check_model_dir(path)
     return AutoConfig.from_pretrained(path, local_files_only=True), HFCheckpoint(path)
