@@ -6,7 +6,7 @@ VENV ?= .venv
 # torch is pinned in one place. GPU users: install their CUDA torch into the venv first and pass
 # CONSTRAINTS=/dev/null (BUILD.md).
 CONSTRAINTS ?= constraints.txt
-EXTRAS ?= train,test
+EXTRAS ?= train,test,megatron,lora
 NPROC ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check

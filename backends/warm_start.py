@@ -35,16 +35,19 @@ def nll_loss(out: Any, mb: rf.RolloutBatch, norms: rf.Normalizers) -> tuple[Any,
 
 
 def supervised_warm_start(
-    actor: TrainState, stream: TrainStream, tokenizer: Any, cfg: WarmStartConfig, env: Any, metrics_log: Any = None
+    actor: TrainState, stream: TrainStream, tokenizer: Any, cfg: WarmStartConfig, env: Any, metrics_log: Any = None,
+    *, update_fn: Any = update, data_parallel: tuple[int, int] | None = None,
 ) -> TrainState:
     """``cfg.steps`` supervised updates on problems drawn from ``stream`` (each rank takes its share).
 
     ``actor`` must have been built with ``cfg.optim`` (see :func:`warm_start_optim`); logs ``sft_loss``
-    at negative steps so that the RL curve starts at step 1.
+    at negative steps so that the RL curve starts at step 1. ``update_fn`` / ``data_parallel`` (rank,
+    size; default every rank its own share) come from another engine (``backends.engines``).
     """
+    dp_rank, dp_size = data_parallel if data_parallel is not None else (env.rank, env.world_size)
     for step in tqdm(range(cfg.steps), desc="warm start", disable=not env.is_main):
-        problems = stream.take(cfg.batch_size)[env.rank :: env.world_size]
-        actor, m = update(actor, sft_batch(problems, tokenizer), nll_loss)
+        problems = stream.take(cfg.batch_size)[dp_rank::dp_size]
+        actor, m = update_fn(actor, sft_batch(problems, tokenizer), nll_loss)
         if metrics_log is not None and (step % 20 == 0 or step == cfg.steps - 1):
             metrics_log.log(step - cfg.steps, {"sft_loss": m["loss"]})
     return actor

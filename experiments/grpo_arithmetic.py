@@ -3,6 +3,7 @@
 Run:  python experiments/grpo_arithmetic.py                                        (one process)
       torchrun --standalone --nproc_per_node 2 experiments/grpo_arithmetic.py     (FSDP2 over 2 ranks)
       ... key=value overrides, e.g. steps=100 rollout.n=8 actor.optim.lr=5e-4 algo.kl_coef=0.01
+      ... actor.backend=megatron actor.tp=2 (or actor.pp=2): megatron-core tensor / pipeline parallel
       --help lists every key.
 
 Reads top to bottom: config -> model -> supervised warm start -> held-out eval -> RL loop
@@ -25,13 +26,13 @@ import rlfunc as rf
 from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
 from backends.config import apply_overrides, config_keys, config_to_dict
 from backends.distributed import all_reduce_sum, barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
-from backends.fsdp_engine import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
-from backends.hf_export import export_hf
+from backends.engines import select_engine
+from backends.fsdp_engine import FSDPConfig
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
 from backends.optim import OptimConfig, with_total_steps
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
-from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
+from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -53,6 +54,9 @@ class AlgoConfig:
 class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=10)
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
+    backend: str = "fsdp"  # "fsdp" or "megatron" (also runs the reference); tp / pp: megatron's sizes
+    tp: int = 1
+    pp: int = 1
 
 
 @attrs.frozen
@@ -79,6 +83,7 @@ def main(argv: list[str]) -> dict:
         print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
         return {}
     cfg = apply_overrides(Config(), argv)  # an unknown key fails here, before any work
+    engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     env = init_distributed()
     log = get_logger("grpo", env)
     seed_everything(cfg.seed)
@@ -100,18 +105,20 @@ def main(argv: list[str]) -> dict:
 
     # Supervised warm start, through the same engine and the same pure-loss interface as RL.
     rl_optim = with_total_steps(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
-    actor = build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, cfg.actor.fsdp)
+    actor = engine.build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, engine.config)
+    dp_rank, dp_size = engine.data_parallel(actor)  # megatron's TP / PP peers share their rows
     stream = cfg.task.train_stream(seed=cfg.seed)
     if cfg.warm_start.steps:
-        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log)
-        actor = fresh_optimizer(actor, rl_optim)
+        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log,
+                                      update_fn=engine.update, data_parallel=(dp_rank, dp_size))
+        actor = engine.fresh_optimizer(actor, rl_optim)
 
     # The warm-started policy, saved as an HF checkpoint, is the rollout's start and the frozen reference.
-    warm_path = export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer) if cfg.warm_start.steps else model_path
+    warm_path = engine.export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer) if cfg.warm_start.steps else model_path
     rollout = build_native_rollout(warm_path, tokenizer)
     reference = None
     if cfg.algo.kl_coef > 0:
-        reference = build_reference(warm_path, env, cfg.actor.fsdp, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+        reference = engine.build_reference(warm_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
 
     heldout = cfg.task.heldout()
     sampled_eval = attrs.evolve(cfg.rollout, n=cfg.eval_samples)
@@ -129,9 +136,10 @@ def main(argv: list[str]) -> dict:
     for step in tqdm(range(1, cfg.steps + 1), desc="GRPO", disable=not env.is_main):
         t0 = time.time()
         # 1. rollout: n samples per prompt, for this rank's share of the prompts
-        problems = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
+        problems = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
         prompts = [tokenizer.encode(p.prompt) for p in problems]
-        batch = generate(rollout, prompts, cfg.rollout, seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
+        batch = generate(rollout, prompts, cfg.rollout, seed=(cfg.seed * 1_000_003 + step) * dp_size + dp_rank)
+        batch = engine.share_batch(actor, batch)
         t_rollout = time.time() - t0
         # 2. verifiable reward: one score per sequence, parsed from the text
         batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
@@ -139,18 +147,18 @@ def main(argv: list[str]) -> dict:
         #    update per batch the rollout's own log-probs are the current policy's (same weights; the
         #    rollout/trainer gap is tested to be ~1e-6), so the extra forward pass is skipped.
         on_policy = cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1
-        batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else compute_logprobs(actor, batch).logprobs)
+        batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else engine.compute_logprobs(actor, batch).logprobs)
         if reference is not None:
-            batch = batch.replace(ref_logprobs=compute_logprobs(reference, batch).logprobs)
+            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
         # 4. group-relative advantages (pure rlfunc; all n samples of a prompt live on one rank)
         adv, ret = estimator(batch.scores, batch.group_ids, batch.response_mask, **estimator_kwargs)
         batch = batch.replace(advantages=adv, returns=ret)
         # 5. policy update(s)
         for _ in range(cfg.algo.ppo_epochs):
             for mini_batch in rf.split(batch, cfg.algo.mini_batches):
-                actor, m = update(actor, mini_batch, loss_fn, with_entropy=True)
-        # 6. weight sync: stream full tensors from the FSDP shards into the rollout engine
-        rollout = sync_weights(rollout, full_state_dict(actor))
+                actor, m = engine.update(actor, mini_batch, loss_fn, with_entropy=True)
+        # 6. weight sync: stream full tensors from the FSDP / megatron shards into the rollout engine
+        rollout = sync_weights(rollout, engine.full_state_dict(actor))
 
         dt = time.time() - t0
         local = torch.stack([
@@ -160,7 +168,7 @@ def main(argv: list[str]) -> dict:
         reward_mean, success_rate, response_length, num_tokens = (all_reduce_sum(local) / env.world_size).tolist()
         stats = {
             "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
-            "tokens_per_s": num_tokens * env.world_size / dt, "step_time_s": dt, "rollout_time_s": t_rollout, **m,
+            "tokens_per_s": num_tokens * dp_size / dt, "step_time_s": dt, "rollout_time_s": t_rollout, **m,
         }
         if cfg.eval_every and step % cfg.eval_every == 0:
             stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
