@@ -429,3 +429,48 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
         assert metrics["update_skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
         assert len(dict(E.full_state_dict(actor))) == len(hf.state_dict())
         destroy_model_parallel()
+
+
+def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
+    """Update the Megatron actor, sync it into the native rollout engine, and compare the engine's
+    sampled-token log-probs with the trainer's for the same tokens (both fp32)."""
+    import functools
+
+    from backends.distributed import init_distributed
+    from backends.engines import select_engine
+    from backends.fsdp_engine import FSDPConfig
+    from backends.megatron.parallel import destroy_model_parallel
+    from backends.models import load_tokenizer
+    from backends.optim import OptimConfig
+    from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
+    import rlfunc as rf
+
+    env = init_distributed()
+    engine = select_engine("megatron", fsdp=FSDPConfig(micro_batch_size=8), tp=tp, pp=pp)
+    actor = engine.build_actor(model_dir, env, OptimConfig(lr=1e-3), engine.config)
+    tokenizer = load_tokenizer(model_dir)
+    rollout = build_native_rollout(model_dir, tokenizer)
+    prompts = [tokenizer.encode(f"{a}+{b}=") for a, b in zip(range(10, 14), range(1, 5))]
+    loss = functools.partial(rf.get_policy_loss("vanilla"), clip_low=0.2, clip_high=0.28, agg="token-mean")
+    moved, gaps = [], []
+    for step in range(2):
+        batch = engine.share_batch(actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=step))
+        adv = torch.randn(batch.response_ids.shape[0], generator=torch.Generator().manual_seed(step))[:, None]
+        batch = batch.replace(old_logprobs=batch.rollout_logprobs, advantages=adv * batch.response_mask)
+        actor, _ = engine.update(actor, batch, lambda out, mb, norms: loss(
+            out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, norms=norms))
+        before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
+        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        moved.append(max(float((v - before[k]).abs().max()) for k, v in rollout.model.state_dict().items()))
+        fresh = engine.share_batch(actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=10 + step))
+        trainer = engine.compute_logprobs(actor, fresh).logprobs
+        gaps.append(float(((trainer - fresh.rollout_logprobs).abs() * fresh.response_mask).max()))
+    destroy_model_parallel()
+    return {"moved": moved, "gaps": gaps}
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_rollout_logprobs_agree_with_the_megatron_trainer_after_weight_sync(model_dirs, tp, pp):
+    for result in run_distributed(_rollout_agreement_worker, 2, model_dirs["qwen2"], tp, pp):
+        assert min(result["moved"]) > 1e-5  # every sync brought new weights
+        assert max(result["gaps"]) < 1e-5, result["gaps"]
