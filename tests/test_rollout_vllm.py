@@ -272,23 +272,25 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
+    """The GRPO recipe on 2 ranks with rollout.engine=vllm (and TIS on): the reward rises as with native."""
     args = [
-        str(ROOT / "experiments" / "grpo_arithmetic.py"), "steps=40", "prompts_per_step=16", "rollout.n=8",
-        "eval_every=0", "task.num_heldout=32", "eval_samples=2", "warm_start.steps=60",
-        "tiny.hidden_size=64", "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.intermediate_size=128",
-        "actor.optim.lr=1e-3", "algo.rollout_is=token",
+        str(ROOT / "experiments" / "grpo_arithmetic.py"), "steps=50", "prompts_per_step=16", "rollout.n=8",
+        "eval_every=0", "task.max_operand=9", "task.num_heldout=20", "eval_samples=2", "warm_start.steps=60",
+        "algo.rollout_is=token",
     ]
-    curves = {}
+    gains = {}
     for engine in ("vllm", "native"):
         root = tmp_path / engine
         out = _torchrun(*args, f"run_root={root}", f"rollout.engine={engine}", timeout=900)
         assert out.returncode == 0, out.stderr[-6000:]
         (run_dir,) = list(root.glob("grpo_arithmetic-*"))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rewards = [r["reward_mean"] for r in rows if r["step"] > 0]
-        assert len(rewards) == 40 and all("is_weight_mean" in r for r in rows if r["step"] > 0)
-        curves[engine] = (sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10)
-    print("reward, first 10 steps -> last 10 steps: " + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in curves.items()))
-    for engine, (first, last) in curves.items():
-        assert last > first + 0.05, (engine, curves)
-    assert abs((curves["vllm"][1] - curves["vllm"][0]) - (curves["native"][1] - curves["native"][0])) < 0.25, curves
+        rl = [r for r in rows if r["step"] > 0]
+        assert len(rl) == 50 and all(abs(r["is_weight_mean"] - 1) < 1e-3 for r in rl)  # fp32: ~no mismatch
+        rewards = [r["reward_mean"] for r in rl]
+        first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
+        gains[engine] = (first, last)
+    print("reward, mean of steps 1-10 -> mean of steps 31-50: " + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in gains.items()))
+    for engine, (first, last) in gains.items():
+        assert last > first + 0.02, (engine, gains)
+    assert abs((gains["vllm"][1] - gains["vllm"][0]) - (gains["native"][1] - gains["native"][0])) < 0.15, gains
