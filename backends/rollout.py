@@ -84,7 +84,8 @@ sync_weights.register(VLLMRollout, rollout_vllm.sync_weights)
 def shutdown_rollout(rollout: Any) -> None:
     """Release what the engine holds beyond Python objects (vLLM: its engine and process groups).
 
-    Call it before ``backends.distributed.shutdown``: vLLM's groups sit on the default group.
+    Call it after the last collective and before ``backends.distributed.shutdown``: vLLM's groups sit on
+    the default group, and vLLM ends that group too (``rollout_vllm.shutdown_vllm``).
     """
     if isinstance(rollout, VLLMRollout):
         rollout_vllm.shutdown_vllm(rollout)

@@ -36,9 +36,10 @@ weights offloaded at level 1 or dropped at level 2) so training gets the memory 
 wakes the weights before loading and the next :func:`generate` wakes the KV cache. Where the platform
 has no sleep mode (CPU) one log line says so and everything stays resident.
 
-Shutdown. vLLM creates its own process groups on top of the trainer's default group; destroying the
-default group first leaves those dangling ("Invalid process group specified" at exit, PLATFORM.md).
-Call :func:`shutdown_vllm` before ``backends.distributed.shutdown``.
+Shutdown. vLLM creates its own process groups on top of the trainer's default group, and its engine
+shutdown destroys them and then the default group. Left to a finalizer at exit, after the trainer
+destroyed the default group, it fails ("Invalid process group specified", PLATFORM.md). Call
+:func:`shutdown_vllm` after the last collective, before ``backends.distributed.shutdown``.
 """
 
 from __future__ import annotations
@@ -462,15 +463,17 @@ def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
 
 
 def shutdown_vllm(rollout: VLLMRollout | None) -> None:
-    """Stop the engine and destroy vLLM's own process groups, leaving the trainer's default group alive
-    (call ``backends.distributed.shutdown`` afterwards)."""
+    """Stop the engine and tear down vLLM's process groups, then the default group they sit on.
+
+    vLLM's ``EngineCore.shutdown`` destroys its own groups and then the default process group (the
+    trainer's, under torchrun). Run later by a garbage-collection finalizer, it finds its groups already
+    invalid ("Invalid process group specified", PLATFORM.md); run here it tears down in the right order.
+    Every rank first waits for the others (as ``backends.distributed.shutdown`` does), so no rank ends the
+    group while a peer still uses it. Call it after the last collective; ``backends.distributed.shutdown``
+    is then a no-op.
+    """
     if rollout is None:
         return
-    from vllm.distributed import parallel_state
-
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
     rollout.llm.llm_engine.engine_core.shutdown()
-    parallel_state.destroy_model_parallel()
-    world = getattr(parallel_state, "_WORLD", None)
-    if world is not None:
-        world.destroy()
-        parallel_state._WORLD = None
