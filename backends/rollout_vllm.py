@@ -229,8 +229,9 @@ def build_vllm_rollout(
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     log.info(f"vLLM engine built in {time.perf_counter() - t0:.1f} s ({config.dtype}, tp={tp}, context {context})")
-    if config.sleep_between_steps and not can_sleep:
-        log.info(f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if config.sleep_between_steps and not can_sleep and is_main:  # warning level: shown without logging set-up
+        log.warning(f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
                  "KV cache and weights stay resident between steps")
     tp_group = None
     if tp > 1:

@@ -6,7 +6,9 @@ launches (vLLM's external_launcher reads the torchrun environment).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -45,6 +47,22 @@ TINY = TinyModelConfig(
 TEXTS = ["1+2=", "12+34=", "7+80=", "99+99="]
 
 
+BUILD_LOG: list[str] = []
+
+
+@contextlib.contextmanager
+def _captured_log(name: str):
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(model dir, HF model, tokenizer, vLLM rollout); the engine is torn down after the module."""
@@ -52,7 +70,9 @@ def setup(tmp_path_factory):
     model, tok = load_causal_lm(path)
     had_group = torch.distributed.is_initialized()
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    rollout = build_vllm_rollout(path, tok)
+    with _captured_log("rlfunc.rollout_vllm") as build_log:
+        rollout = build_vllm_rollout(path, tok)
+    BUILD_LOG.extend(build_log)
     yield path, model, tok, rollout
     shutdown_vllm(rollout)  # also ends the default group (vLLM's own one-process group here)
     assert not torch.distributed.is_initialized() or had_group
@@ -195,6 +215,15 @@ def test_syncing_different_weights_changes_the_samples(setup):
     assert torch.equal(first.response_ids, again.response_ids)
     assert rollout.weights_version >= 3
     sync_weights(rollout, model.state_dict().items())
+
+
+def test_no_sleep_mode_on_cpu_is_said_once(setup):
+    _, _, tok, rollout = setup
+    if torch.cuda.is_available():
+        pytest.skip("CUDA has sleep mode")
+    assert not rollout.can_sleep
+    assert sum("sleep mode is not available" in m for m in BUILD_LOG) == 1, BUILD_LOG
+    generate(rollout, prompts_of(tok)[:1], SamplingConfig(n=1, max_new_tokens=2))  # sleep/wake are no-ops here
 
 
 # --------------------------------------------------------------------------------------------------
