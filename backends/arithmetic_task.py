@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from backends.rollout_native import SamplingConfig, decode_responses, generate
+from backends.rollout import SamplingConfig, decode_responses, generate  # either engine (native or vLLM)
 from rlfunc.batch import RolloutBatch
 from rlfunc.rewards import arithmetic_reward
 

@@ -515,13 +515,7 @@ def generate(
     prompts = _prepare_prompts(rollout, prompts, sampling)
     device = rollout.device
     num_prompts, n = len(prompts), sampling.n
-    if group_ids is not None:
-        group_ids = torch.as_tensor(group_ids)
-        if group_ids.shape != (num_prompts,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
-            raise ValueError(
-                f"group_ids must be an integer tensor of shape ({num_prompts},), "
-                f"got {group_ids.dtype} {tuple(group_ids.shape)}"
-            )
+    group_ids = _check_group_ids(group_ids, num_prompts)
     if generator is None:
         generator = torch.Generator(device=device)
         generator.manual_seed(sampling.seed if seed is None else seed)
@@ -542,6 +536,37 @@ def generate(
     response_ids = tokens[:, :t].masked_fill(~response_mask, rollout.pad_token_id)
     rollout_logprobs = logprobs[:, :t].masked_fill(~response_mask, 0.0)
 
+    return _rollout_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n, group_ids)
+
+
+def _check_group_ids(group_ids: Tensor | None, num_prompts: int) -> Tensor | None:
+    if group_ids is None:
+        return None
+    group_ids = torch.as_tensor(group_ids)
+    if group_ids.shape != (num_prompts,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
+        raise ValueError(
+            f"group_ids must be an integer tensor of shape ({num_prompts},), got {group_ids.dtype} {tuple(group_ids.shape)}"
+        )
+    return group_ids
+
+
+def _left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """``(num_prompts p)`` left-padded ids and their mask."""
+    p = max(len(x) for x in prompts)
+    prompt_ids = torch.full((len(prompts), p), pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros((len(prompts), p), dtype=torch.bool)
+    for i, ids in enumerate(prompts):
+        prompt_ids[i, p - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[i, p - len(ids) :] = True
+    return prompt_ids, prompt_mask
+
+
+def _rollout_batch(
+    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, rollout_logprobs: Tensor,
+    n: int, group_ids: Tensor | None,
+) -> RolloutBatch:
+    """The validated batch: per-prompt ``(num_prompts p)`` tensors repeated for the ``n`` rows of each."""
+    num_prompts, device = prompt_ids.shape[0], prompt_ids.device
     if group_ids is None:
         prompt_groups = torch.arange(num_prompts, device=device)
     else:
@@ -565,12 +590,8 @@ def _generate_tokens(
     device = rollout.device
     num_prompts, n = len(prompts), sampling.n
     rows = num_prompts * n
-    p = max(len(x) for x in prompts)
-    prompt_ids = torch.full((num_prompts, p), rollout.pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros((num_prompts, p), dtype=torch.bool)
-    for i, ids in enumerate(prompts):
-        prompt_ids[i, p - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[i, p - len(ids) :] = True
+    prompt_ids, prompt_mask = _left_pad(prompts, rollout.pad_token_id)
+    p = prompt_ids.shape[1]
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     max_new = sampling.max_new_tokens
     total = p + max_new

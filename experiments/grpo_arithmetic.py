@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import attrs
 import torch
@@ -31,7 +32,7 @@ from backends.fsdp_engine import FSDPConfig
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
 from backends.optim import OptimConfig, with_total_steps
-from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.rollout import RolloutConfig, build_rollout, generate, shutdown_rollout, sync_weights
 from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
@@ -48,6 +49,8 @@ class AlgoConfig:
     entropy_coef: float = 0.0  # > 0 subtracts entropy_coef * (aggregated token entropy) from the loss (verl's entropy_coeff)
     ppo_epochs: int = 1
     mini_batches: int = 1  # optimizer steps per epoch
+    rollout_is: Literal["none", "token", "sequence"] = "none"  # token | sequence: truncated IS weights for the rollout/trainer mismatch (TIS)
+    rollout_is_cap: float = 2.0
 
 
 @attrs.frozen
@@ -74,7 +77,7 @@ class Config:
     warm_start: WarmStartConfig = WarmStartConfig()
     actor: ActorConfig = ActorConfig()
     ref_log_prob_micro_batch_size: int = 64
-    rollout: SamplingConfig = SamplingConfig(n=8, temperature=1.0, max_new_tokens=6)
+    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=6)  # rollout.engine=vllm for vLLM
     algo: AlgoConfig = AlgoConfig()
 
 
@@ -115,7 +118,7 @@ def main(argv: list[str]) -> dict:
 
     # The warm-started policy, saved as an HF checkpoint, is the rollout's start and the frozen reference.
     warm_path = engine.export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer) if cfg.warm_start.steps else model_path
-    rollout = build_native_rollout(warm_path, tokenizer)
+    rollout = build_rollout(cfg.rollout, warm_path, tokenizer, seed=cfg.seed)
     reference = None
     if cfg.algo.kl_coef > 0:
         reference = engine.build_reference(warm_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
@@ -146,7 +149,8 @@ def main(argv: list[str]) -> dict:
         # 3. log-probs of the sampled tokens under the current policy (and the reference). With a single
         #    update per batch the rollout's own log-probs are the current policy's (same weights; the
         #    rollout/trainer gap is tested to be ~1e-6), so the extra forward pass is skipped.
-        on_policy = cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1
+        #    TIS needs the trainer's own log-probs next to the rollout's.
+        on_policy = cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1 and cfg.algo.rollout_is == "none"
         batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else engine.compute_logprobs(actor, batch).logprobs)
         if reference is not None:
             batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
@@ -203,6 +207,7 @@ def main(argv: list[str]) -> dict:
             flush=True,
         )
     metrics_log.close()
+    shutdown_rollout(rollout)
     shutdown(env)
     return summary
 
@@ -214,10 +219,16 @@ def main(argv: list[str]) -> dict:
 def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, policy_loss, algo: AlgoConfig, horizon: int):
     """Clipped policy loss, plus ``kl_coef`` times a k-estimator KL to the reference when one is given, minus
     ``entropy_coef`` times the entropy of the policy."""
+    is_weights, is_metrics = None, {}
+    if algo.rollout_is != "none":  # trainer / rollout log-prob mismatch: truncated importance weights
+        is_weights, is_metrics = rf.rollout_is_weights(
+            mb.old_logprobs, mb.rollout_logprobs, mb.response_mask, level=algo.rollout_is, upper=algo.rollout_is_cap
+        )
     loss, metrics = policy_loss(
         out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-        clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.agg, norms=norms, horizon=horizon,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.agg, norms=norms, horizon=horizon, is_weights=is_weights,
     )
+    metrics = {**metrics, **is_metrics}
     # ppo_kl: KL(old || new) of the tokens being trained on; kl: to the reference when there is one
     metrics = {**metrics, "kl": metrics.get("ppo_kl", torch.zeros(()))}
     if mb.ref_logprobs is not None:

@@ -17,3 +17,4 @@ from rlfunc.kl import *  # noqa: F401,F403
 from rlfunc.schedules import *  # noqa: F401,F403
 from rlfunc.rewards import *  # noqa: F401,F403
 from rlfunc.advantages import *  # noqa: F401,F403
+from rlfunc.importance import *  # noqa: F401,F403
