@@ -33,7 +33,7 @@ from torch import Tensor
 
 from backends.distributed import DistEnv, device_mesh
 
-__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "redistribute"]
+__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "redistribute", "concat_padded"]
 
 #: the pool each role lives in under split placement
 ROLE_POOL = {"actor": "actor", "rollout": "actor", "critic": "critic", "reference": "critic"}
@@ -229,6 +229,26 @@ def _widths(batch: Any) -> dict[str, int]:
                 if dim in _PAD_LEFT:
                     out[dim] = value.shape[axis]
     return out
+
+
+def concat_padded(batches: Sequence[Any]) -> Any:
+    """Concatenate batches of one type along rows, padding to the widest prompt (on the left) and
+    response (on the right) first, as :func:`redistribute` does for rows arriving from several ranks."""
+    if not batches:
+        raise ValueError("concat_padded needs at least one batch")
+    widths: dict[str, int] = {}
+    for b in batches:
+        for dim, width in _widths(b).items():
+            widths[dim] = max(widths.get(dim, 0), width)
+    changes = {}
+    for name, dims in _fields(batches[0]):
+        values = [getattr(b, name) for b in batches]
+        if all(v is None for v in values):
+            continue
+        if any(v is None for v in values):
+            raise ValueError(f"concat_padded: field {name!r} is set in some batches and not in others")
+        changes[name] = torch.cat([_pad_to(v, dims, widths) for v in values], dim=0)
+    return attrs.evolve(batches[0], **changes)
 
 
 def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int], *, like: Any = None) -> Any:

@@ -61,7 +61,7 @@ from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenize
 from backends.optim import OptimConfig, with_total_steps
 from backends.orbax_io import save_orbax
 from backends.placement import PlacementConfig, build_placement
-from backends.reference import ReferenceConfig, build_reference_role
+from backends.reference import ReferenceConfig, build_reference_role, reference_logprobs
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
 from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
 
@@ -248,7 +248,7 @@ def main(argv: list[str]) -> dict:
             # 3b. log-probs under the reference; critic values
             if reference is not None:
                 with _timed(times, "reference"):
-                    critic_batch = critic_batch.replace(ref_logprobs=compute_logprobs(reference, critic_batch).logprobs)
+                    critic_batch = critic_batch.replace(ref_logprobs=reference_logprobs(reference, critic_batch))
             with _timed(times, "values"):
                 values = compute_values(critic, critic_batch)
                 critic_batch = critic_batch.replace(values=values, old_values=values)

@@ -474,3 +474,27 @@ def test_rollout_logprobs_agree_with_the_megatron_trainer_after_weight_sync(mode
     for result in run_distributed(_rollout_agreement_worker, 2, model_dirs["qwen2"], tp, pp):
         assert min(result["moved"]) > 1e-5  # every sync brought new weights
         assert max(result["gaps"]) < 1e-5, result["gaps"]
+
+
+def _megatron_reference_worker(rank, world_size, model_dir):
+    """Each rank brings different rows (an FSDP-style recipe); the TP=2 reference serves both."""
+    from backends.distributed import init_distributed
+    from backends.fsdp_engine import FSDPConfig
+    from backends.megatron.parallel import destroy_model_parallel
+    from backends.reference import ReferenceConfig, build_reference_role, reference_logprobs
+
+    env = init_distributed()
+    local = make_batch(rank, prompt_lens=[(3, 5), (2,)][rank], response_lens=[(4, 2), (6,)][rank])
+    ref = build_reference_role(ReferenceConfig(backend="megatron", tp=2), model_dir, env, FSDPConfig(micro_batch_size=2))
+    got = reference_logprobs(ref, local)
+    model, _ = load_causal_lm(model_dir)
+    with torch.no_grad():
+        want = hf_logprobs(model, local) * local.response_mask
+    destroy_model_parallel()
+    return {"shape": tuple(got.shape), "want_shape": tuple(want.shape), "gap": float((got - want).abs().max())}
+
+
+def test_megatron_reference_serves_each_ranks_own_rows(model_dirs):
+    for result in run_distributed(_megatron_reference_worker, 2, model_dirs["qwen2"]):
+        assert result["shape"] == result["want_shape"]
+        assert result["gap"] < 1e-5, result

@@ -1,6 +1,7 @@
 """End-to-end smoke runs of experiments/ppo_arithmetic.py with both launchers (real processes)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -78,6 +79,25 @@ def test_torchrun_two_ranks_kl_loss(tmp_path):
     (run_dir,) = list(tmp_path.glob("ppo_arithmetic-*"))
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     assert "kl_loss" in last
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.megatron
+def test_torchrun_two_ranks_megatron_reference(tmp_path):
+    """The reference on megatron-core with TP=2 while actor and critic are FSDP: each rank's rows are
+    gathered by the TP group, scored together and handed back."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}", *TINY,
+         "tiny.num_kv_heads=2", "preset=ref/megatron_ref", "reference.tp=2", "algo.use_kl_loss=true"],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (run_dir,) = list(tmp_path.glob("ppo_arithmetic-*"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    kl = [r["kl_loss"] for r in rows if "kl_loss" in r]
+    assert kl and all(math.isfinite(v) for v in kl) and max(abs(v) for v in kl[1:]) > 0  # the policy moved off the reference
 
 
 def test_bad_mini_batch_size_fails_before_any_work(tmp_path):

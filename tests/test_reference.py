@@ -97,9 +97,13 @@ def test_param_offload_on_gpu_equals_resident(model_dir):
     torch.testing.assert_close(compute_logprobs(offloaded, batch).logprobs, compute_logprobs(resident, batch).logprobs)
 
 
-def test_megatron_backend_is_a_clear_not_available_error(model_dir, env):
-    with pytest.raises(NotImplementedError, match="reference.backend='megatron' is not available yet"):
-        build_reference_role(ReferenceConfig(backend="megatron"), model_dir, env, FSDPConfig())
+def test_backend_options_are_checked_before_loading(model_dir, env):
+    with pytest.raises(ValueError, match="reference.tp=2 / reference.pp=1 need reference.backend=megatron"):
+        build_reference_role(ReferenceConfig(tp=2), model_dir, env, FSDPConfig())
+    with pytest.raises(ValueError, match="does not take ref_in_actor, use_torch_compile or param_offload"):
+        build_reference_role(ReferenceConfig(backend="megatron", use_torch_compile=True), model_dir, env, FSDPConfig())
+    with pytest.raises(ValueError, match="reference.backend must be 'fsdp' or 'megatron'"):
+        build_reference_role(ReferenceConfig(backend="jax"), model_dir, env, FSDPConfig())
 
 
 def test_ref_in_actor_needs_a_lora_actor(model_dir, env):

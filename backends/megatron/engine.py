@@ -429,6 +429,24 @@ def compute_logprobs(state: MegatronState, batch: RolloutBatch, *, with_entropy:
     return ModelOutputs(logprobs=out["logprobs"], entropy=out.get("entropy"))
 
 
+def compute_logprobs_of_own_rows(state: MegatronState, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
+    """Log-probs (``b t``) of *this rank's* rows when every rank brings different rows (an FSDP-style
+    data-parallel recipe feeding a Megatron reference): the replica's ranks (its TP x PP group) gather
+    their rows, run them together (TP / PP peers must see the same rows) and each keeps its own."""
+    from backends.placement import concat_padded
+
+    group = state.dims.model_parallel_group
+    if dist.get_world_size(group) == 1:
+        return compute_logprobs(state, batch, micro_batch_size=micro_batch_size).logprobs
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, batch, group=group)
+    joint = compute_logprobs(state, concat_padded(gathered), micro_batch_size=micro_batch_size).logprobs
+    me = dist.get_rank(group)
+    start = sum(b.response_ids.shape[0] for b in gathered[:me])
+    rows, t = batch.response_ids.shape
+    return joint[start:start + rows, :t]
+
+
 def compute_values(state: MegatronState, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
     """The critic's values (``b t``) at the positions that predict the response tokens; 0 outside the mask."""
     if state.role != "critic":
