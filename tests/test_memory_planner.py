@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.fsdp_engine import _forward
+from backends.fsdp_engine import _enable_checkpointing, _forward
 from backends.memory_planner import ModelShape, Parallelism, Workload, estimate, main, suggest
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
@@ -118,7 +118,7 @@ def test_activations_match_saved_tensors(dirs, name, dtype, checkpointing):
     model, tok = load_causal_lm(dirs[name], dtype=getattr(torch, dtype))
     model.train()
     if checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
     rows, p, t = 4, 8, 40
     measured = measured_activation_bytes(model, _full_batch(rows, p, t, len(tok)))
     est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.fsdp_engine import FSDPConfig, ModelOutputs, _forward, micro_batch_groups
+from backends.fsdp_engine import FSDPConfig, ModelOutputs, _enable_checkpointing, _forward, micro_batch_groups
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from backends.packing import VARLEN_SDPA, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc.aggregation import aggregate
@@ -98,7 +98,7 @@ def test_packed_actor_equals_padded(model_dir, gradient_checkpointing):
     model, _ = load_causal_lm(model_dir)
     model.train()
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
     batch = make_batch(3)
     padded, padded_loss, padded_grads = _outputs_and_grads(model, batch, packed=False)
     assert enable_packed_attention(model) == VARLEN_SDPA
