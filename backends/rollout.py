@@ -14,6 +14,7 @@ import os
 from typing import Any, Iterable, Literal, Sequence
 
 import attrs
+import torch
 from torch import Tensor
 
 from backends import rollout_native, rollout_vllm
@@ -29,7 +30,16 @@ class RolloutConfig(SamplingConfig):
     """Sampling options (:class:`SamplingConfig`) plus which engine runs them."""
 
     engine: Literal["native", "vllm"] = attrs.field(default="native")  #: native: torch KV-cache engine; vllm: in-process vLLM
+    #: the native engine's weight dtype (synced weights are cast to it); the vLLM engine's is vllm.dtype
+    dtype: Literal["float32", "bfloat16"] = attrs.field(default="float32")
     vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
+
+    @dtype.validator
+    def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in ("float32", "bfloat16"):
+            raise ValueError(f"rollout.dtype must be 'float32' or 'bfloat16', got {value!r}")
+        if value != "float32" and self.engine == "vllm":
+            raise ValueError(f"rollout.dtype={value} is the native engine's; the vLLM engine's dtype is rollout.vllm.dtype")
 
     @engine.validator
     def _vllm_installed(self, attribute: attrs.Attribute, value: str) -> None:
@@ -49,7 +59,7 @@ def _sampling_only(sampling: SamplingConfig) -> SamplingConfig:
 def build_rollout(cfg: RolloutConfig, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0) -> NativeRollout | VLLMRollout:
     """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun)."""
     if cfg.engine == "native":
-        return rollout_native.build_native_rollout(model_path, tokenizer)
+        return rollout_native.build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype))
     if cfg.engine == "vllm":
         return rollout_vllm.build_vllm_rollout(model_path, tokenizer, cfg.vllm, seed=seed)
     raise ValueError(f"unknown rollout engine {cfg.engine!r}; known engines: native, vllm")

@@ -341,6 +341,27 @@ def test_bfloat16_engine_runs(setup):
     assert diff < 0.5
 
 
+@QWEN2_ONLY
+def test_rollout_config_dtype(setup):
+    """``rollout.dtype=bfloat16`` builds a bf16 native engine; synced fp32 weights are cast to it; on
+    CPU its KV cache and attention math stay fp32. The vLLM engine's dtype is its own option."""
+    from backends.rollout import RolloutConfig, build_rollout, sync_weights
+    from backends.rollout_native import _Decoder
+
+    _, path, model, tok, _ = setup
+    rollout = build_rollout(RolloutConfig(dtype="bfloat16"), path, tok)
+    assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
+    rollout = sync_weights(rollout, model.state_dict().items())
+    assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
+    assert torch.equal(rollout.model.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
+    decoder = _Decoder(rollout.model, rows=2, total_len=8, prepack=False)
+    assert decoder.dtype == torch.bfloat16 and decoder.k_cache[0].dtype == torch.float32
+    with pytest.raises(ValueError, match="rollout.dtype must be"):
+        RolloutConfig(dtype="float16")
+    with pytest.raises(ValueError, match="rollout.vllm.dtype"):
+        RolloutConfig(engine="vllm", dtype="bfloat16")
+
+
 # --------------------------------------------------------------------------------------------------
 # Bad input
 
