@@ -150,6 +150,12 @@ def _compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.param_dtype)
 
 
+def _needs_own_attention(cfg: FSDPConfig, device: torch.device) -> bool:
+    """Packed rows need the packed-aware attention; so does bf16 on CPU, which it runs in fp32
+    (backends/packing.py: PyTorch's bf16 CPU flash-attention backward is several times slower)."""
+    return cfg.use_remove_padding or (device.type == "cpu" and _compute_dtype(cfg, device) != torch.float32)
+
+
 # ----------------------------------------------------------------------------------------------- state
 
 
@@ -289,7 +295,7 @@ def _trainable_state(
     mesh: Any = None,
 ) -> TrainState:
     """Shard an unsharded fp32 model (master weights) and give it AdamW: the actor and the critic."""
-    if fsdp_cfg.use_remove_padding:
+    if _needs_own_attention(fsdp_cfg, env.device):
         enable_packed_attention(model)
     if fsdp_cfg.gradient_checkpointing:
         _enable_checkpointing(model)
@@ -383,7 +389,7 @@ def build_reference(
         )
     dtype = _compute_dtype(fsdp_cfg, env.device)
     model = _load_model(model_path, dtype)
-    if fsdp_cfg.use_remove_padding:
+    if _needs_own_attention(fsdp_cfg, env.device):
         enable_packed_attention(model)
     model.requires_grad_(False)
     if getattr(model, "config", None) is not None:
@@ -809,15 +815,14 @@ def global_normalizers(mbs: list[RolloutBatch], group: dist.ProcessGroup | None 
     return Normalizers(num_tokens=packed[0], num_seqs=packed[1])
 
 
-def _gather_counts(mbs: list[RolloutBatch], state: TrainState) -> tuple[Normalizers, tuple[float, float, int]]:
-    """Global normalisers (on the device) and, on the host, (num_tokens, num_seqs, largest micro-batch
-    count over ranks): one all-gather and one host sync."""
+def _gather_counts(local: Normalizers, num_micro_batches: int, state: TrainState) -> tuple[Normalizers, tuple[float, float, int]]:
+    """Global normalisers (on the device) from this rank's ``local`` counts and, on the host,
+    (num_tokens, num_seqs, largest micro-batch count over ranks): one all-gather and one host sync."""
     dev = state.env.device
-    local = [local_normalizers(mb.response_mask) for mb in mbs]
     mine = torch.stack([
-        sum(n.num_tokens for n in local).to(dev, torch.float64),
-        sum(n.num_seqs for n in local).to(dev, torch.float64),
-        torch.tensor(float(len(mbs)), dtype=torch.float64, device=dev),
+        local.num_tokens.to(dev, torch.float64),
+        local.num_seqs.to(dev, torch.float64),
+        torch.tensor(float(num_micro_batches), dtype=torch.float64, device=dev),
     ])
     everyone = [torch.empty_like(mine) for _ in range(state.dp_size)]
     dist.all_gather(everyone, mine, group=state.dp_group)
@@ -891,6 +896,7 @@ def update(
     loss_fn: LossFn,
     *,
     with_entropy: bool = False,
+    skip_rows: Tensor | None = None,
 ) -> tuple[TrainState, dict[str, float]]:
     """One optimizer step on this rank's share of the global batch; returns ``(new_state, metrics)``.
 
@@ -908,6 +914,13 @@ def update(
     None; ``with_entropy`` is an error) and needs ``batch.returns`` (the targets) and
     ``batch.old_values`` (the values when the batch was collected, from :func:`compute_values`): a
     missing one is an error before any forward. :func:`value_loss_fn` is the PPO loss for it.
+
+    ``skip_rows`` (``(b,)`` bool): rows whose loss and gradient the caller knows to be exactly zero
+    (e.g. GRPO rows with zero advantage under a loss with no KL or entropy term: see
+    :func:`rlfunc.zero_advantage_rows`). They count in the global normalisers as usual but get no
+    forward or backward, so the gradient is unchanged (up to summation order) and the step is cheaper.
+    ``loss_fn`` metrics (entropy, clip fraction, ...) then cover the rows that ran. If no rank has a
+    row left, AdamW still steps on zero gradients, as it would have without the skip.
     """
     if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
@@ -916,10 +929,21 @@ def update(
         _check_critic_batch(batch, with_entropy)
     cfg = state.fsdp_cfg
     module, optimizer = state.module, state.optimizer
+    if skip_rows is not None:
+        skip_rows = torch.as_tensor(skip_rows, dtype=torch.bool)
+        if skip_rows.shape != (batch_size(batch),):
+            raise ValueError(f"skip_rows must be a ({batch_size(batch)},) bool tensor, got shape {tuple(skip_rows.shape)}")
+        if cfg.balance_dp:
+            raise ValueError("skip_rows with balance_dp is not supported: the rows move between ranks")
     if cfg.balance_dp:
         batch = balance_across_ranks(batch, state)
-    mbs = [_select_rows(batch, g) for g in _plan_micro_batches(batch, state)]
-    norms, (num_tokens, num_seqs, n_max) = _gather_counts(mbs, state)
+    counted = local_normalizers(batch.response_mask)  # every row counts in the normalisers
+    run = batch
+    if skip_rows is not None:
+        kept = (~skip_rows).nonzero().squeeze(-1).tolist()
+        run = _select_rows(batch, kept) if kept else None
+    mbs = [_select_rows(run, g) for g in _plan_micro_batches(run, state)] if run is not None else []
+    norms, (num_tokens, num_seqs, n_max) = _gather_counts(counted, len(mbs), state)
     lr = schedules.lr_at(state.lr_schedule, state.step)
     base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
     new_state = state.replace(step=state.step + 1)
@@ -935,7 +959,7 @@ def update(
     n_real = 0
     for i in range(n_max):
         real = i < len(mbs)
-        mb = mbs[i] if real else _dummy(mbs[0])
+        mb = mbs[i] if real else _dummy(mbs[0] if mbs else batch)
         if cfg.trim_padding:
             mb = _trim(mb)
         mb = _to_device(mb, state.env.device)
@@ -945,17 +969,26 @@ def update(
         loss, metrics = _check_loss_output(loss, metrics)
         # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.
         (loss * (state.dp_size if real else 0.0)).backward()
+        for name, value in metrics.items():  # names from every call (a rank may run dummies only)
+            metric_sums.setdefault(name, torch.zeros((), dtype=torch.float32, device=loss_sum.device))
+            if real:
+                metric_sums[name] = metric_sums[name] + value.to(loss_sum.device).float()
         if not real:
             continue
         n_real += 1
         loss_sum = loss_sum + loss.detach().float()
-        for name, value in metrics.items():
-            metric_sums[name] = metric_sums.get(name, 0.0) + value.to(loss_sum.device)
 
+    # metrics: mean over every rank's real micro-batches (one all-reduce with the loss and the counts)
     names = sorted(metric_sums)
-    packed = torch.stack([loss_sum] + [metric_sums[k] / max(n_real, 1) / state.dp_size for k in names])
+    count = torch.tensor(float(n_real), device=loss_sum.device)
+    packed = torch.stack([loss_sum, count] + [metric_sums[k] for k in names])
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=state.dp_group)
+    packed = torch.cat([packed[:1], packed[2:] / packed[1].clamp(min=1.0)])
 
+    if n_max == 0:  # every row of every rank skipped: the gradient is exactly zero, AdamW still steps
+        for p in module.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
     params = [p for p in module.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     if isinstance(grad_norm, DTensor):  # a Partial (per-shard) norm: reduce it to the global one

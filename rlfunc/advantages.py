@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlfunc.checks import bind, check_finite, check_floating, check_mask, is_transformed
+from rlfunc.checks import bind, check_finite, check_floating, check_mask, check_same_shape, is_transformed
 
 __all__ = [
     "gae",
@@ -60,6 +60,7 @@ __all__ = [
     "gpg",
     "remax",
     "discounted_reverse_cumsum",
+    "zero_advantage_rows",
     "ADVANTAGE_ESTIMATORS",
     "ADVANTAGE_ESTIMATOR_ALIASES",
     "get_advantage_estimator",
@@ -724,3 +725,17 @@ def get_advantage_estimator(name: str) -> Callable[..., tuple[Tensor, Tensor]]:
         known = ", ".join(sorted(ADVANTAGE_ESTIMATORS))
         aliases = ", ".join(f"{a} -> {c}" for a, c in sorted(ADVANTAGE_ESTIMATOR_ALIASES.items()))
         raise ValueError(f"unknown advantage estimator {name!r}; known: {known} (verl aliases: {aliases})") from None
+
+
+def zero_advantage_rows(advantages: Tensor, mask: Tensor) -> Tensor:
+    """``(b,)`` bool: rows whose advantage is exactly 0 on every loss token (or that have none).
+
+    Under a policy loss that is a multiple of the advantage per token (PPO clip, dual clip, GSPO,
+    CISPO, ...) with no KL or entropy term, such a row adds exactly 0 to the loss and its gradient:
+    in GRPO, every group whose samples all got the same reward. An engine may skip them
+    (``backends.fsdp_engine.update(skip_rows=...)``) while they still count in the normalisers.
+    """
+    check_mask("mask", mask)
+    check_same_shape("mask", mask, advantages=advantages)
+    return ~((advantages != 0) & mask).any(dim=-1)
+

@@ -59,6 +59,7 @@ __all__ = [
     "kl_cov_policy_loss",
     "gmpo_policy_loss",
     "POLICY_LOSSES",
+    "ADVANTAGE_PROPORTIONAL_LOSSES",
     "get_policy_loss",
 ]
 
@@ -640,6 +641,11 @@ POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(
     }
 )
 """Policy losses by name, read-only. verl's ``policy_loss.loss_mode`` names are accepted too."""
+
+#: Policy losses whose per-token term is a multiple of the token's advantage, so a row whose
+#: advantages are all 0 adds exactly 0 to the loss and the gradient (see ``zero_advantage_rows``).
+#: Not clip_cov / kl_cov: they pick tokens by a covariance over the whole batch.
+ADVANTAGE_PROPORTIONAL_LOSSES = frozenset({"ppo", "vanilla", "gspo", "sapo", "cispo", "gpg", "gmpo", "geo_mean"})
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

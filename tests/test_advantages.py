@@ -670,3 +670,30 @@ def test_bad_outcome_inputs():
         remax(s, s[:2], m)
     with pytest.raises(ValueError, match="baseline_scores contains a non-finite value"):
         remax(s, torch.tensor([0.0, float("nan"), 0.0, 0.0]), m)
+
+
+def test_zero_advantage_rows():
+    from rlfunc.advantages import zero_advantage_rows
+
+    adv = torch.tensor([[0.0, 0.0, 1.0], [0.0, 0.0, 0.0], [2.0, 0.0, 0.0], [0.0, -0.0, 0.0], [0.5, 0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    # row 0: its only non-zero advantage is masked out; row 3: no loss token at all
+    assert zero_advantage_rows(adv, mask).tolist() == [True, True, False, True, False]
+    with pytest.raises(ValueError, match="same|match"):
+        zero_advantage_rows(adv[:, :2], mask)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 8), st.integers(0, 10_000))
+def test_grpo_groups_with_one_reward_are_exactly_the_zero_advantage_rows(groups, n, seed):
+    """GRPO: a row's advantages are all 0 exactly when every sample of its group got the same score."""
+    from rlfunc.advantages import grpo, zero_advantage_rows
+
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 2, (groups * n,), generator=g).float()
+    group_ids = torch.arange(groups).repeat_interleave(n)
+    mask = torch.ones(groups * n, 5, dtype=torch.bool)
+    adv, _ = grpo(scores, group_ids, mask)
+    same = torch.tensor([scores[group_ids == i].unique().numel() == 1 for i in range(groups)])[group_ids]
+    assert torch.equal(zero_advantage_rows(adv, mask), same)
+

@@ -309,17 +309,17 @@ def _behaviour_worker(rank, world_size, model_dir):
     out["errors"] = errors
 
     # Gradient checkpointing gives the same update (two steps).
-    results, mlp_calls = {}, {}
+    results, layer_calls = {}, {}
     for gc in (False, True):
         state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4, gradient_checkpointing=gc))
-        calls, mlp = [], state.module.model.layers[0].mlp
+        calls, layer = [], state.module.model.layers[0]
         # count forward runs by wrapping forward (module hooks do not fire during checkpoint recompute)
-        mlp.forward = lambda *a, calls=calls, f=mlp.forward, **k: (calls.append(1), f(*a, **k))[1]
+        layer.forward = lambda *a, calls=calls, f=layer.forward, **k: (calls.append(1), f(*a, **k))[1]
         for seed in (0, 1):
             state, m = update(state, rank_rows(make_batch(seed), rank, world_size), pg_loss)
         results[gc] = (_numpy(dict(full_state_dict(state))), m)
-        mlp_calls[gc] = len(calls)
-    out["gc"], out["gc_mlp_calls"] = results, mlp_calls
+        layer_calls[gc] = len(calls)
+    out["gc"], out["gc_layer_calls"] = results, layer_calls
 
     # PPO with old log-probs from compute_logprobs: on-policy at the first update (ratio exactly 1).
     state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4))
@@ -328,6 +328,23 @@ def _behaviour_worker(rank, world_size, model_dir):
     for _ in range(3):
         state, m = update(state, ppo_batch, _ppo_loss)
         out["ppo_metrics"].append(m)
+
+    # skip_rows: zero-advantage rows skipped (all of rank 0's, three of rank 1's) give the full update;
+    # rank 0 then runs dummy micro-batches only, rank 1 fewer than without the skip.
+    from rlfunc.advantages import zero_advantage_rows
+
+    adv = local.advantages.clone()
+    adv[: adv.shape[0] if rank == 0 else 3] = 0.0
+    for name, advantages in (("some", adv), ("all", torch.zeros_like(adv))):
+        batch = local.replace(advantages=advantages)
+        skip = zero_advantage_rows(batch.advantages, batch.response_mask)
+        runs = {}
+        for use_skip in (False, True):
+            state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=2))
+            for _ in range(2):
+                state, m = update(state, batch, pg_loss, skip_rows=skip if use_skip else None)
+            runs[use_skip] = (_numpy(dict(full_state_dict(state))), m)
+        out[f"skip_{name}"] = {"runs": runs, "skipped": int(skip.sum()), "rows": int(skip.shape[0])}
 
     # bf16 compute (fp32 master weights) runs and stays close to fp32.
     state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4, param_dtype="bfloat16"))
@@ -530,7 +547,7 @@ def test_gradient_checkpointing_gives_the_same_update(behaviour):
         (off, m_off), (on, m_on) = r["gc"][False], r["gc"][True]
         assert _max_diff(off, on) < 1e-6
         # 2 updates x 2 micro-batches; checkpointing recomputes each layer's forward in backward
-        assert r["gc_mlp_calls"] == {False: 4, True: 8}
+        assert r["gc_layer_calls"] == {False: 4, True: 8}
         assert m_on["loss"] == pytest.approx(m_off["loss"], rel=1e-6)
 
 
@@ -603,3 +620,24 @@ def test_micro_batches_and_trim():
     # all-empty responses keep one column
     empty = select(batch, [3])
     assert _trim(empty).response_ids.shape == (1, 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("which", ["some", "all"])
+def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(behaviour, model_dir, which):
+    """Rows with all-zero advantages skipped (rank 0: every row, so it runs dummies only) equal the
+    update that runs them; with every row skipped on both ranks AdamW still steps (weight decay)."""
+    checks = [b[f"skip_{which}"] for b in behaviour]
+    assert checks[0]["skipped"] == checks[0]["rows"]  # rank 0 skips all its rows in both cases
+    assert 0 < checks[1]["skipped"] < checks[1]["rows"] or which == "all"
+    for c in checks:
+        (full, m_full), (skipped, m_skip) = c["runs"][False], c["runs"][True]
+        assert max(float(np.abs(full[k] - skipped[k]).max()) for k in full) < 1e-6
+        for key in ("loss", "grad_norm", "num_tokens", "num_seqs"):
+            assert m_skip[key] == pytest.approx(m_full[key], rel=1e-5, abs=1e-7)
+        if which == "all":
+            assert m_full["grad_norm"] == 0.0 and m_skip["num_micro_batches"] == 0.0
+    first = behaviour[0]["skip_all"]["runs"][True][0]
+    initial = {k: v.float().numpy() for k, v in load_causal_lm(model_dir)[0].state_dict().items()}
+    assert max(float(np.abs(first[k] - initial[k]).max()) for k in first) > 0  # weight decay moved them
+

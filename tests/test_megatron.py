@@ -56,9 +56,10 @@ def _megatron_grads(state, batch):
     from backends.megatron.convert import gather_hf_state
     from backends.megatron.layout import layout_micro_batch
     from backends.megatron.pipeline import run_micro_batch
+    from rlfunc.aggregation import local_normalizers
 
     mbs = E._micro_batches(state, batch, 4)  # 12 rows -> 3 micro-batches
-    norms = E._gather_counts(E.micro_batches(batch, micro_batch_size=4), state)[0]
+    norms = E._gather_counts(local_normalizers(batch.response_mask), len(mbs), state)[0]
     for mb in mbs:
         inp = layout_micro_batch(mb, state.cfg.layout)
 

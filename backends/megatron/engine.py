@@ -61,6 +61,7 @@ from backends.megatron.pipeline import broadcast_from_last_stage, megatron_forwa
 from backends.megatron.vocab_parallel import vocab_parallel_logprobs
 from backends.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
 from rlfunc import schedules
+from rlfunc.aggregation import local_normalizers
 from rlfunc.batch import RolloutBatch
 from rlfunc.tree import tree_map
 
@@ -505,13 +506,17 @@ def update(
     loss_fn: LossFn,
     *,
     with_entropy: bool = False,
+    skip_rows: Tensor | None = None,
 ) -> tuple[MegatronState, dict[str, float]]:
     """One optimizer step on this replica's share of the global batch; returns ``(new_state, metrics)``.
 
     The contract of :func:`backends.fsdp_engine.update`: the same metrics (``loss``, ``grad_norm``,
     ``lr``, ``update_skipped``, ``num_tokens``, ``num_seqs``, ``num_micro_batches`` and the loss's own,
-    averaged over micro-batches then replicas), plain floats equal on every rank.
+    averaged over micro-batches then replicas), plain floats equal on every rank. ``skip_rows`` is
+    accepted for the same signature and not used: every row runs (rows with an exactly zero loss and
+    gradient, which is what the FSDP engine skips, do not change the result).
     """
+    del skip_rows
     if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
     _check_batch(batch)
@@ -519,7 +524,7 @@ def update(
         _check_critic_batch(batch, with_entropy)
     cfg = state.cfg
     mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
-    norms, (num_tokens, num_seqs, n_max) = _gather_counts(mbs, state)
+    norms, (num_tokens, num_seqs, n_max) = _gather_counts(local_normalizers(batch.response_mask), len(mbs), state)
     if cfg.trim_padding:
         mbs = [_trim(mb) for mb in mbs]
     mbs = [_to_device(mb, state.env.device) for mb in mbs]
