@@ -51,12 +51,17 @@ class AlgoConfig:
     mini_batches: int = 1  # optimizer steps per epoch
     rollout_is: Literal["none", "token", "sequence"] = "none"  # token | sequence: truncated IS weights for the rollout/trainer mismatch (TIS)
     rollout_is_cap: float = 2.0
+    #: rows whose advantages are all 0 (groups whose samples all got the same reward) get no forward /
+    #: backward in the update; they still count in the loss normalisers, so the gradient is unchanged.
+    #: Applied only when that is exact: an advantage-proportional policy loss, kl_coef = entropy_coef = 0.
+    #: The loss metrics (entropy, clip_frac) then cover the rows that ran; skipped_rows counts the rest.
+    skip_zero_advantage: bool = True
 
 
 @attrs.frozen
 class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=10)
-    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64, use_remove_padding=True)  # packed rows: no compute on padding
     backend: str = "fsdp"  # "fsdp" or "megatron" (also runs the reference); tp / pp: megatron's sizes
     tp: int = 1
     pp: int = 1
@@ -134,6 +139,11 @@ def main(argv: list[str]) -> dict:
         policy_loss_with_kl, policy_loss=rf.get_policy_loss(cfg.algo.policy_loss), algo=cfg.algo,
         horizon=cfg.rollout.max_new_tokens,
     )
+    # zero-advantage rows add exactly nothing to this loss (and its gradient) when it has no other term
+    skip_exact = (
+        cfg.algo.skip_zero_advantage and cfg.algo.policy_loss.replace("-", "_") in rf.ADVANTAGE_PROPORTIONAL_LOSSES
+        and cfg.algo.kl_coef == 0 and cfg.algo.entropy_coef == 0
+    )
     estimator = rf.get_advantage_estimator(cfg.algo.estimator)
     estimator_kwargs = {"norm_by_std": cfg.algo.norm_by_std} if cfg.algo.estimator == "grpo" else {}
     for step in tqdm(range(1, cfg.steps + 1), desc="GRPO", disable=not env.is_main):
@@ -157,22 +167,30 @@ def main(argv: list[str]) -> dict:
         # 4. group-relative advantages (pure rlfunc; all n samples of a prompt live on one rank)
         adv, ret = estimator(batch.scores, batch.group_ids, batch.response_mask, **estimator_kwargs)
         batch = batch.replace(advantages=adv, returns=ret)
+        skip = rf.zero_advantage_rows(adv, batch.response_mask) if skip_exact else None
         # 5. policy update(s)
+        t_update = time.time()
         for _ in range(cfg.algo.ppo_epochs):
-            for mini_batch in rf.split(batch, cfg.algo.mini_batches):
-                actor, m = engine.update(actor, mini_batch, loss_fn, with_entropy=True)
+            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), _split_rows(skip, cfg.algo.mini_batches)):
+                actor, m = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
         # 6. weight sync: stream full tensors from the FSDP / megatron shards into the rollout engine
+        t_sync = time.time()
         rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        t_update, t_sync = t_sync - t_update, time.time() - t_sync
 
         dt = time.time() - t0
         local = torch.stack([
             batch.scores.mean(), (batch.scores > 0.5).float().mean(), batch.response_mask.sum(-1).float().mean(),
             (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
+            skip.float().mean() if skip is not None else torch.zeros(()),
         ])
-        reward_mean, success_rate, response_length, num_tokens = (all_reduce_sum(local) / env.world_size).tolist()
+        reward_mean, success_rate, response_length, num_tokens, skipped_rows = (all_reduce_sum(local) / env.world_size).tolist()
         stats = {
             "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
-            "tokens_per_s": num_tokens * dp_size / dt, "step_time_s": dt, "rollout_time_s": t_rollout, **m,
+            "tokens_per_s": num_tokens * dp_size / dt, "step_time_s": dt, "rollout_time_s": t_rollout,
+            "update_time_s": t_update, "sync_time_s": t_sync,
+            "skipped_rows": skipped_rows,
+            **m,
         }
         if cfg.eval_every and step % cfg.eval_every == 0:
             stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
@@ -210,6 +228,11 @@ def main(argv: list[str]) -> dict:
     shutdown_rollout(rollout)
     shutdown(env)
     return summary
+
+
+def _split_rows(rows: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:
+    """A per-row mask split like ``rf.split`` splits the batch (or ``None`` for every part)."""
+    return [None] * parts if rows is None else list(torch.tensor_split(rows, parts))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -31,8 +31,12 @@ def _check_run(tmp_path: Path, world_size: int) -> None:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in rl] == [1, 2, 3]
-    for key in ("reward_mean", "success_rate", "kl", "entropy", "clip_frac", "grad_norm", "response_length", "tokens_per_s", "step_time_s"):
+    for key in ("reward_mean", "success_rate", "response_length", "tokens_per_s", "step_time_s", "rollout_time_s",
+                "update_time_s", "sync_time_s", "skipped_rows", "grad_norm"):
         assert key in rl[-1], key
+    if not any(r["skipped_rows"] == 1.0 for r in rl):  # the loss metrics need at least one row run
+        for key in ("kl", "entropy", "clip_frac"):
+            assert any(key in r for r in rl), key
     assert (run_dir / "reward_curve.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "warm_start_model" / "config.json").exists()
@@ -59,6 +63,24 @@ def test_torchrun_two_ranks(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_bf16_run_skips_zero_advantage_rows(tmp_path):
+    """bf16 trainer and rollout, no KL term: rows of groups with one reward are skipped (and counted)."""
+    args = [a for a in TINY if not a.startswith("algo.kl_coef")]
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), f"run_root={tmp_path}", *args, "steps=4", "actor.fsdp.param_dtype=bfloat16",
+         "rollout.dtype=bfloat16"],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    (run_dir,) = list(tmp_path.glob("grpo_arithmetic-*"))
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [r for r in rows if r["step"] > 0]
+    # tiny warm start: most groups get all-zero rewards, so rows are skipped
+    assert any(r["skipped_rows"] > 0 for r in rl)
+    assert all(0.0 <= r["skipped_rows"] <= 1.0 and r["update_skipped"] == 0.0 for r in rl)
 
 
 def test_unknown_config_key_fails_before_any_work(tmp_path):
