@@ -12,10 +12,23 @@ per GRPO step, temperature 1.0.
 
 Run (with our venv; TRL runs in its own venv as a subprocess):
 
-    .venv/bin/python benchmarks/bench_grpo_vs_trl.py                    # A and B, 10 steps, 1 round
-    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --configs B --steps 8 --rounds 2
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py                    # A and B, fp32 and bf16, 10 steps
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --configs B --steps 8 --rounds 2 --precisions bf16
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py --beta 0.04        # with a reference model / KL term
-    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --ours-override actor.fsdp.micro_batch_size=128
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --ours-override actor.fsdp.use_remove_padding=false
+
+Precision (``--precisions``, both by default; each case runs both sides):
+
+- ``fp32``: both sides fp32 (PLATFORM.md's reference setting for TRL, ``bf16=False``).
+- ``bf16``: TRL ``bf16=True`` (accelerate's bf16 autocast over fp32 weights, generation included);
+  ours ``actor.fsdp.param_dtype=bfloat16`` (FSDP2's MixedPrecisionPolicy: bf16 forward / backward,
+  fp32 master weights, AdamW state and gradient reduction) and ``rollout.dtype=bfloat16``.
+
+Besides the same-precision ratio per case, the summary prints each side at its fastest precision.
+Our recipe runs with its defaults (packed sequences included) except: TRL's micro-batch
+(``per_device_train_batch_size=128``: ``actor.fsdp.micro_batch_size=128``), no LR warm-up, and
+``algo.skip_zero_advantage=false`` unless ``--skip-zero-advantage``: at random init every reward is
+0, so every GRPO advantage is 0 and the skip would drop the whole forward / backward, which TRL runs.
 
 Each side is its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``, world size 1), run
 one after the other, never in parallel; with ``--rounds > 1`` the order alternates between rounds.
@@ -37,12 +50,9 @@ than wall time. Reported step times are medians over steps 2..N (step 1 pays one
 pooled over rounds; the rollout share is median rollout time / median step time. A side that fails is
 reported as failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
 
-Last, the parent times the fp32 GEMMs alone of one step at the measured lengths (:func:`gemm_floor_ms`):
-a lower bound on any fp32 implementation's step on this machine, printed as a multiple of TRL's step.
-
-Known (torch 2.13, at the time of writing): ``--beta 0.04`` fails on our side at world size 1 (the
-FSDP2 reference's ``compute_logprobs`` under ``torch.inference_mode`` raises "Inference tensors do not
-track version counter"); TRL's side runs.
+Last, the parent times the GEMMs alone of one step at the measured lengths in the case's precision
+(:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` on this
+machine, printed as a multiple of TRL's step.
 """
 
 from __future__ import annotations
@@ -138,10 +148,11 @@ def param_count(model_dir: Path) -> int:
 
 
 def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, rows: int = PROMPTS_PER_STEP * SAMPLES,
-                  vocab: int = 66, reps: int = 5) -> tuple[float, float]:
-    """fp32 matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms)``.
+                  vocab: int = 66, reps: int = 5, dtype=None) -> tuple[float, float]:
+    """Matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms)``.
 
-    A lower bound for any implementation of the step in fp32: it times only the linear layers' GEMMs
+    A lower bound for any implementation of the step in ``dtype`` (default fp32) that runs its
+    matmuls through ``torch.matmul``: it times only the linear layers' GEMMs
     (no attention, norms, activations, sampling or optimizer), for the mean real lengths (no padding):
     decoding = ``completion_tokens`` steps of ``rows`` tokens through every linear + lm_head (the
     prompt prefill is left out); update = forward + the two backward GEMMs over all
@@ -164,7 +175,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
         return statistics.median(times) * 1e3
 
     def linear_ms(m: int, k: int, n: int, backward: bool) -> float:
-        x, w, gy = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
+        x, w, gy = (torch.randn(shape, dtype=dtype or torch.float32) for shape in ((m, k), (n, k), (m, n)))
         ms = timed(lambda: x @ w.t())
         if backward:
             ms += timed(lambda: gy @ w) + timed(lambda: gy.t() @ x)
@@ -181,15 +192,32 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
 # Our side, in a child process.
 
 
+#: our recipe's settings per precision. bf16 = FSDP2 MixedPrecisionPolicy (bf16 compute, fp32 master
+#: weights, AdamW state and gradient reduction) plus a bf16 rollout engine; TRL's bf16=True is
+#: accelerate's bf16 autocast over fp32 weights, its generation included.
+PRECISION_OVERRIDES = {
+    "fp32": ["actor.fsdp.param_dtype=float32", "rollout.dtype=float32"],
+    "bf16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"],
+}
+
+
 def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run_root: Path, name: str,
-              extra: list[str]) -> list[str]:
+              extra: list[str], precision: str = "fp32", skip_zero_advantage: bool = False) -> list[str]:
     return [
         f"name={name}", f"run_root={run_root}", f"model_path={model_dir}", f"seed={seed}", f"steps={steps}",
         f"prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
         f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "warm_start.steps=0",
         "eval_samples=1",
         f"task.num_heldout={NUM_HELDOUT}", "eval_every=0", "actor.optim.lr=1e-3",
-        "actor.optim.lr_scheduler_type=constant", f"algo.kl_coef={beta}", "algo.agg=token-mean", *extra,
+        "actor.optim.lr_scheduler_type=constant", "actor.optim.lr_warmup_steps=0", f"algo.kl_coef={beta}",
+        "algo.agg=token-mean",
+        # TRL's per_device_train_batch_size=128: the 128 completions in one forward/backward
+        f"actor.fsdp.micro_batch_size={PROMPTS_PER_STEP * SAMPLES}",
+        # At random init every reward is 0, so every advantage is 0 and the recipe's default skip of
+        # zero-advantage rows would skip the whole update: off unless asked for, so that both sides
+        # run the same forward / backward.
+        f"algo.skip_zero_advantage={str(skip_zero_advantage).lower()}",
+        *PRECISION_OVERRIDES[precision], *extra,
     ]
 
 
@@ -300,13 +328,21 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--sides", default="ours,trl", help="comma-separated: ours, trl")
     ap.add_argument("--ours-override", action="append", default=[], help="extra key=value for our recipe")
     ap.add_argument("--target", type=float, default=0.5, help="target ours/TRL ratio")
+    ap.add_argument("--skip-zero-advantage", action="store_true",
+                    help="keep our recipe's skip of zero-advantage rows (at random init: the whole update)")
+    ap.add_argument("--precisions", default="fp32,bf16",
+                    help="comma-separated: fp32, bf16 (both sides run each; TRL's bf16 is bf16=True)")
     args = ap.parse_args(argv)
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     for c in configs:
         if c not in CONFIGS:
             raise SystemExit(f"unknown config {c!r}; known: {', '.join(CONFIGS)}")
+    for prec in precisions:
+        if prec not in PRECISION_OVERRIDES:
+            raise SystemExit(f"unknown precision {prec!r}; known: {', '.join(PRECISION_OVERRIDES)}")
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (step 1 is excluded from the medians)")
     work = Path(args.work_dir).resolve()
@@ -315,83 +351,102 @@ def main(argv: list[str]) -> None:
 
     model_dirs = {c: write_model(c, work / f"config_{c}") for c in configs}
     prompts = write_prompts(work / f"prompts_{args.steps}.json", args.steps, args.seed)
-    results: dict[str, dict[str, list[dict]]] = {c: {s: [] for s in sides} for c in configs}
+    cases = [(c, prec) for c in configs for prec in precisions]  # a case: config x precision, "B/bf16"
+    case_name = lambda c, prec: f"{c}/{prec}"  # noqa: E731
+    results: dict[str, dict[str, list[dict]]] = {case_name(*k): {s: [] for s in sides} for k in cases}
     failures: dict[str, dict[str, str]] = {}
 
     for r in range(args.rounds):
-        for c in configs:
+        for c, prec in cases:
+            case = case_name(c, prec)
             order = sides if r % 2 == 0 else sides[::-1]
             for side in order:
-                tag = f"{side}_{c}_r{r}_{stamp}"
+                tag = f"{side}_{c}_{prec}_r{r}_{stamp}"
                 out, log = work / f"{tag}.json", work / f"{tag}.log"
                 if side == "ours":
                     recipe = ours_argv(model_dirs[c], c, args.steps, args.beta, args.seed, work / "runs", tag,
-                                       args.ours_override)
+                                       args.ours_override, precision=prec,
+                                       skip_zero_advantage=args.skip_zero_advantage)
                     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-ours", str(out), *recipe]
                 else:
                     cmd = [args.trl_python, str(REPO / "benchmarks" / "trl_grpo_step.py"), "--model-dir", str(model_dirs[c]),
                            "--prompts", str(prompts), "--steps", str(args.steps),
                            "--prompts-per-step", str(PROMPTS_PER_STEP), "--num-generations", str(SAMPLES),
                            "--max-completion-length", str(CONFIGS[c]["max_new_tokens"]), "--beta", str(args.beta),
-                           "--lr", "1e-3", "--seed", str(args.seed), "--out", str(out)]
-                print(f"[round {r}] config {c}: {side} ...", flush=True)
+                           "--lr", "1e-3", "--seed", str(args.seed), "--out", str(out),
+                           *(["--bf16"] if prec == "bf16" else [])]
+                print(f"[round {r}] {case}: {side} ...", flush=True)
                 res = run_child(cmd, log, out)
                 if "failed" in res:
-                    failures.setdefault(c, {})[side] = res["failed"]
+                    failures.setdefault(case, {})[side] = res["failed"]
                     continue
                 med = statistics.median(res["step_ms"][1:])
                 cpu = statistics.median(res["cycle_cpu_ms"]) if res.get("cycle_cpu_ms") else float("nan")
                 print(f"    median step {med:.1f} ms wall, {cpu:.1f} ms CPU (steps 2..{len(res['step_ms'])}), calib "
                       f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, process {res['process_wall_s']:.0f} s",
                       flush=True)
-                results[c][side].append(res)
+                results[case][side].append(res)
 
-    summary = {c: {s: summarize(results[c][s], skip=1) for s in sides if results[c][s]} for c in configs}
+    summary = {case: {s: summarize(results[case][s], skip=1) for s in sides if results[case][s]} for case in results}
     print()
     print(f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, 1 torch thread, beta={args.beta}, "
           f"median of steps 2..{args.steps} x {args.rounds} round(s)")
-    head = (f"{'config':<7}{'params':>9}{'new tok':>8}{'ours ms':>10}{'TRL ms':>10}{'ratio':>8}{'norm. ratio':>12}"
+    head = (f"{'case':<9}{'params':>10}{'new tok':>8}{'ours ms':>10}{'TRL ms':>10}{'ratio':>8}{'norm. ratio':>12}"
             f"{'CPU ratio':>10}{'ours rollout':>13}{'TRL rollout':>12}{'ours len':>9}{'TRL len':>8}{'calib ours/TRL ms':>19}")
     print(head)
     print("-" * len(head))
-    for c in configs:
-        s = summary[c]
+    fmt = lambda d, k, f: format(d[k], f) if d else "-"  # noqa: E731
+    for c, prec in cases:
+        case = case_name(c, prec)
+        s = summary[case]
         o, t = s.get("ours"), s.get("trl")
         ratio = o["step_ms"] / t["step_ms"] if o and t else float("nan")
         norm = o["normalised_step"] / t["normalised_step"] if o and t else float("nan")
         cpu_ratio = o["cpu_ms"] / t["cpu_ms"] if o and t else float("nan")
         s["ratio"], s["normalised_ratio"], s["cpu_ratio"] = ratio, norm, cpu_ratio
-        fmt = lambda d, k, f: format(d[k], f) if d else "-"  # noqa: E731
-        print(f"{c:<7}{param_count(model_dirs[c]):>9,}{CONFIGS[c]['max_new_tokens']:>8}{fmt(o, 'step_ms', '.1f'):>10}"
+        print(f"{case:<9}{param_count(model_dirs[c]):>10,}{CONFIGS[c]['max_new_tokens']:>8}{fmt(o, 'step_ms', '.1f'):>10}"
               f"{fmt(t, 'step_ms', '.1f'):>10}{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
               f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
               f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
               f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}")
+    # each side at its fastest precision (what a user of either would pick on this CPU)
+    fastest = {}
+    for c in configs:
+        best = {side: min(((summary[case_name(c, p)][side]["step_ms"], p) for p in precisions
+                           if side in summary[case_name(c, p)]), default=None) for side in sides}
+        if all(best.get(side) for side in ("ours", "trl")):
+            (o_ms, o_p), (t_ms, t_p) = best["ours"], best["trl"]
+            fastest[c] = {"ours": [o_ms, o_p], "trl": [t_ms, t_p], "ratio": o_ms / t_ms}
+            print(f"config {c}, each side at its fastest precision: ours {o_ms:.1f} ms ({o_p}) / TRL {t_ms:.1f} ms ({t_p}) "
+                  f"= {o_ms / t_ms:.3f} (target <= {args.target})")
     import torch
 
     torch.set_num_threads(1)
     from backends.models import load_tokenizer
 
     prompts_list = json.loads(prompts.read_text())
-    for c in configs:
-        o = summary[c].get("ours")
+    for c, prec in cases:
+        case = case_name(c, prec)
+        o = summary[case].get("ours")
         if not o:
             continue
         tok = load_tokenizer(model_dirs[c])
         prompt_tokens = statistics.mean(len(tok.encode(p["prompt"])) for p in prompts_list)
-        roll, upd = gemm_floor_ms(c, prompt_tokens, o["completion_length"])
-        trl = summary[c].get("trl")
+        dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+        roll, upd = gemm_floor_ms(c, prompt_tokens, o["completion_length"], dtype=dtype)
+        trl = summary[case].get("trl")
         vs_trl = f" = {(roll + upd) / trl['step_ms']:.2f}x TRL's step" if trl else ""
-        summary[c]["gemm_floor_ms"] = {"rollout": roll, "update": upd}
-        print(f"config {c}: fp32 GEMM floor of one step (linear layers only, no padding, 1 thread): rollout {roll:.0f} ms "
+        summary[case]["gemm_floor_ms"] = {"rollout": roll, "update": upd}
+        print(f"{case}: {prec} GEMM floor of one step (linear layers only, no padding, 1 thread): rollout {roll:.0f} ms "
               f"+ update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl}; ours spends {o['step_ms']:.0f} ms")
-    for c, by_side in failures.items():
+    for case, by_side in failures.items():
         for side, error in by_side.items():
-            print(f"config {c}: {side} FAILED: {error}")
-    print(f"\nratio = ours / TRL wall ms per step (target <= {args.target}); norm. ratio divides each side by its own "
-          "512x512 matmul calibration first; CPU ratio compares process CPU ms per step (step end to step end); "
-          "rollout = share of the step spent generating; len = mean completion tokens.")
-    (work / "results.json").write_text(json.dumps({"args": vars(args), "summary": summary, "failures": failures, "runs": results}, indent=1))
+            print(f"{case}: {side} FAILED: {error}")
+    print(f"\nratio = ours / TRL wall ms per step, same precision on both sides (target <= {args.target}); norm. ratio "
+          "divides each side by its own 512x512 matmul calibration first; CPU ratio compares process CPU ms per step "
+          "(step end to step end); rollout = share of the step spent generating; len = mean completion tokens.")
+    (work / "results.json").write_text(json.dumps({"args": vars(args), "summary": summary, "fastest": fastest,
+                                                   "failures": failures, "runs": results}, indent=1))
     print(f"raw results: {work / 'results.json'}")
 
 

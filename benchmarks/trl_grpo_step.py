@@ -79,6 +79,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="TRL's bf16=True (accelerate's bf16 autocast; fp32 weights)")
     ap.add_argument("--out", required=True, help="JSON result file")
     args = ap.parse_args(argv)
 
@@ -125,7 +126,7 @@ def main(argv: list[str]) -> dict:
         warmup_steps=0,
         weight_decay=0.0,
         max_grad_norm=1.0,
-        bf16=False,
+        bf16=args.bf16,
         fp16=False,
         gradient_checkpointing=False,
         use_cpu=True,
