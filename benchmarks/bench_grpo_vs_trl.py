@@ -15,7 +15,7 @@ Run (with our venv; TRL runs in its own venv as a subprocess):
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py                    # A and B, fp32 and bf16, 10 steps
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py --configs B --steps 8 --rounds 2 --precisions bf16
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py --beta 0.04        # with a reference model / KL term
-    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --ours-override actor.fsdp.use_remove_padding=false
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --ours-override actor.fsdp.use_remove_padding=false  # padded
 
 Precision (``--precisions``, both by default; each case runs both sides):
 
@@ -25,10 +25,11 @@ Precision (``--precisions``, both by default; each case runs both sides):
   fp32 master weights, AdamW state and gradient reduction) and ``rollout.dtype=bfloat16``.
 
 Besides the same-precision ratio per case, the summary prints each side at its fastest precision.
-Our recipe runs with its defaults (packed sequences included) except: TRL's micro-batch
-(``per_device_train_batch_size=128``: ``actor.fsdp.micro_batch_size=128``), no LR warm-up, and
-``algo.skip_zero_advantage=false`` unless ``--skip-zero-advantage``: at random init every reward is
-0, so every GRPO advantage is 0 and the skip would drop the whole forward / backward, which TRL runs.
+Our recipe runs with its defaults except: packed sequences (``actor.fsdp.use_remove_padding=true``,
+exact), TRL's micro-batch (``per_device_train_batch_size=128``: ``actor.fsdp.micro_batch_size=128``),
+no LR warm-up, and ``algo.skip_zero_advantage=false`` unless ``--skip-zero-advantage``: at random
+init every reward is 0, so every GRPO advantage is 0 and the skip would drop the whole forward /
+backward, which TRL runs.
 
 Each side is its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``, world size 1), run
 one after the other, never in parallel; with ``--rounds > 1`` the order alternates between rounds.
@@ -213,6 +214,7 @@ def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run
         "algo.agg=token-mean",
         # TRL's per_device_train_batch_size=128: the 128 completions in one forward/backward
         f"actor.fsdp.micro_batch_size={PROMPTS_PER_STEP * SAMPLES}",
+        "actor.fsdp.use_remove_padding=true",  # packed rows (exact; backends/packing.py)
         # At random init every reward is 0, so every advantage is 0 and the recipe's default skip of
         # zero-advantage rows would skip the whole update: off unless asked for, so that both sides
         # run the same forward / backward.

@@ -61,7 +61,7 @@ class AlgoConfig:
 @attrs.frozen
 class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=10)
-    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64, use_remove_padding=True)  # packed rows: no compute on padding
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
     backend: str = "fsdp"  # "fsdp" or "megatron" (also runs the reference); tp / pp: megatron's sizes
     tp: int = 1
     pp: int = 1
@@ -71,7 +71,7 @@ class ActorConfig:
 class Config:
     name: str = "grpo_arithmetic"
     seed: int = 0
-    steps: int = 600  # RL steps
+    steps: int = 1000  # RL steps
     prompts_per_step: int = 32  # global, split over ranks
     eval_every: int = 100  # 0: only before and after
     eval_samples: int = 4  # samples per held-out prompt for the sampled success rate
