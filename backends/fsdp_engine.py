@@ -908,7 +908,7 @@ def update(
     losses over micro-batches and ranks), ``grad_norm`` (global, before clipping), ``lr`` (used by this
     step), ``update_skipped`` (1 for an empty batch or a non-finite loss / grad norm), ``num_tokens``,
     ``num_seqs`` (the global normalisers), ``num_micro_batches``, and every ``loss_fn`` metric averaged
-    over this rank's micro-batches, then over ranks.
+    over the micro-batches of all ranks (dummy micro-batches excluded).
 
     A **critic** state (:func:`build_critic`) gives ``loss_fn`` ``outputs.values`` (``logprobs`` is
     None; ``with_entropy`` is an error) and needs ``batch.returns`` (the targets) and
@@ -920,7 +920,8 @@ def update(
     :func:`rlfunc.zero_advantage_rows`). They count in the global normalisers as usual but get no
     forward or backward, so the gradient is unchanged (up to summation order) and the step is cheaper.
     ``loss_fn`` metrics (entropy, clip fraction, ...) then cover the rows that ran. If no rank has a
-    row left, AdamW still steps on zero gradients, as it would have without the skip.
+    row left, AdamW still steps on zero gradients, as it would have without the skip. With
+    ``balance_dp`` or balanced token-budget grouping every row runs (the same result, no saving).
     """
     if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
@@ -933,8 +934,8 @@ def update(
         skip_rows = torch.as_tensor(skip_rows, dtype=torch.bool)
         if skip_rows.shape != (batch_size(batch),):
             raise ValueError(f"skip_rows must be a ({batch_size(batch)},) bool tensor, got shape {tuple(skip_rows.shape)}")
-        if cfg.balance_dp:
-            raise ValueError("skip_rows with balance_dp is not supported: the rows move between ranks")
+        if cfg.balance_dp or (cfg.max_tokens_per_micro_batch is not None and cfg.token_budget_grouping == "balanced"):
+            skip_rows = None  # rows move between ranks / ranks agree on micro-batches: run every row (same result)
     if cfg.balance_dp:
         batch = balance_across_ranks(batch, state)
     counted = local_normalizers(batch.response_mask)  # every row counts in the normalisers

@@ -738,4 +738,3 @@ def zero_advantage_rows(advantages: Tensor, mask: Tensor) -> Tensor:
     check_mask("mask", mask)
     check_same_shape("mask", mask, advantages=advantages)
     return ~((advantages != 0) & mask).any(dim=-1)
-
