@@ -19,12 +19,16 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   output (``h + 1`` fp32, ``2h`` compute dtype), the attention's q, k, v (repeated to every query head
   before SDPA on CPU), output and fp32 log-sum-exp, and the SwiGLU MLP's four ``i``-wide tensors. With
   gradient checkpointing a layer keeps only its input (``h``) and one layer's full set lives during
-  its recompute. The padded attention mask (``b x s x s``) is saved once when ``padded``. Tensor
+  its recompute. The padded attention mask (``b x s x s``) is saved once when ``padded``. Packed
+  (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen saves; the CPU
+  packed path (backends/packing.py) saves q, k, v and the output for ``n x max_len`` positions, so
+  ragged rows need more there (up to 25% more in the tests). Tensor
   parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
   ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
 - **logits** of the kept positions (``V`` per token, compute dtype, plus an fp32 copy under bf16 and
   the softmax when entropy is computed): the response tokens only (``logits_to_keep``);
-- **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp.
+- **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
+  (``kv_dtype``; the native engine keeps an fp32 cache on CPU for a bf16 model).
 
 Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. the fp32 upcast of one
 chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU): keep headroom
