@@ -156,6 +156,7 @@ def _pad_layout(bounds: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
     the padded slot of each packed position, and ``L``, the longest length."""
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lengths = torch.tensor(bounds[1:], dtype=torch.long) - starts
+    starts, lengths = starts[lengths > 0], lengths[lengths > 0]  # empty sequences hold no token
     max_len = int(lengths.max())
     cols = torch.arange(max_len)
     inside = cols[None] < lengths[:, None]

@@ -150,6 +150,30 @@ def test_varlen_attention_equals_hf_block_diagonal_mask(model_dir):
     assert float((whole_row - hf).abs().max()) > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
+    """The left-aligned block (one SDPA call) equals causal SDPA run on each sequence alone, GQA
+    included; empty sequences in cu_seqlens are allowed; bf16 in gives bf16 out (computed in fp32)."""
+    import types
+
+    import torch.nn.functional as F
+
+    from backends.packing import varlen_sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 3, 7, 9, 9], dtype=torch.int32)
+    out, _ = varlen_sdpa_attention(types.SimpleNamespace(training=False), q.to(dtype), k.to(dtype), v.to(dtype),
+                                   None, cu_seq_lens_q=cu)
+    ref = torch.cat([
+        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e].repeat_interleave(2, 1),
+                                       v[:, :, s:e].repeat_interleave(2, 1), is_causal=True)
+        for s, e in [(0, 3), (3, 7), (7, 9)]
+    ], dim=2).transpose(1, 2)
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert float((out.float() - ref).abs().max()) < (1e-6 if dtype == torch.float32 else 3e-2)
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="token_budget_grouping"):
         FSDPConfig(token_budget_grouping="random")
