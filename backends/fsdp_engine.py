@@ -524,24 +524,37 @@ def _select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     return select(batch, rows)
 
 
+_PLAN_FAILED = 2**40  # a micro-batch count no rank reaches: "my rows do not fit the token budget"
+
+
 def _plan_micro_batches(
-    batch: RolloutBatch, state: "TrainState", micro_batch_size: int | None = None
+    batch: RolloutBatch | None, state: "TrainState", micro_batch_size: int | None = None
 ) -> list[list[int]]:
-    """This rank's micro-batch row groups under the state's FSDP config. Balanced token-budget
-    grouping first agrees on a micro-batch count across ranks (one small all-reduce), so that no rank
-    runs dummy micro-batches unless its rows cannot be spread that far."""
+    """This rank's micro-batch row groups under the state's FSDP config (``None``: no rows).
+
+    Under a token budget the ranks first agree (one small all-reduce): on a micro-batch count, so that
+    under balanced grouping no rank runs dummy micro-batches unless its rows cannot be spread that
+    far; and on failure, so that a row too long for the budget on one rank raises on every rank
+    instead of leaving the others waiting in the next collective."""
     cfg = state.fsdp_cfg
-    if micro_batch_size is not None:
-        return micro_batch_groups(batch, micro_batch_size=micro_batch_size)
-    if cfg.max_tokens_per_micro_batch is not None and cfg.token_budget_grouping == "balanced":
-        mine = micro_batch_groups(batch, max_tokens=cfg.max_tokens_per_micro_batch, grouping="balanced")
-        agreed = _all_reduce_max(len(mine), state)
-        return micro_batch_groups(
-            batch, max_tokens=cfg.max_tokens_per_micro_batch, grouping="balanced", min_parts=agreed
-        )
-    return micro_batch_groups(
-        batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch
-    )
+    if micro_batch_size is not None or cfg.max_tokens_per_micro_batch is None:
+        size = micro_batch_size if micro_batch_size is not None else cfg.micro_batch_size
+        return micro_batch_groups(batch, micro_batch_size=size) if batch is not None else []
+    budget, grouping = cfg.max_tokens_per_micro_batch, cfg.token_budget_grouping
+    mine, error = [], None
+    if batch is not None:
+        try:
+            mine = micro_batch_groups(batch, max_tokens=budget, grouping=grouping)
+        except ValueError as e:
+            mine, error = None, e
+    agreed = _all_reduce_max(len(mine) if mine is not None else _PLAN_FAILED, state)
+    if agreed >= _PLAN_FAILED:
+        if error is not None:
+            raise error
+        raise ValueError(f"a row on another data-parallel rank does not fit max_tokens_per_micro_batch={budget}")
+    if grouping == "balanced" and batch is not None:
+        return micro_batch_groups(batch, max_tokens=budget, grouping="balanced", min_parts=agreed)
+    return mine
 
 
 def _pad_dim(x: Tensor, axis: int, size: int, left: bool) -> Tensor:
@@ -921,7 +934,7 @@ def update(
     forward or backward, so the gradient is unchanged (up to summation order) and the step is cheaper.
     ``loss_fn`` metrics (entropy, clip fraction, ...) then cover the rows that ran. If no rank has a
     row left, AdamW still steps on zero gradients, as it would have without the skip. With
-    ``balance_dp`` or balanced token-budget grouping every row runs (the same result, no saving).
+    ``balance_dp`` every row runs (the same result, no saving).
     """
     if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
@@ -934,8 +947,8 @@ def update(
         skip_rows = torch.as_tensor(skip_rows, dtype=torch.bool)
         if skip_rows.shape != (batch_size(batch),):
             raise ValueError(f"skip_rows must be a ({batch_size(batch)},) bool tensor, got shape {tuple(skip_rows.shape)}")
-        if cfg.balance_dp or (cfg.max_tokens_per_micro_batch is not None and cfg.token_budget_grouping == "balanced"):
-            skip_rows = None  # rows move between ranks / ranks agree on micro-batches: run every row (same result)
+        if cfg.balance_dp:
+            skip_rows = None  # rows move between ranks: run every row (the same result)
     if cfg.balance_dp:
         batch = balance_across_ranks(batch, state)
     counted = local_normalizers(batch.response_mask)  # every row counts in the normalisers
@@ -943,7 +956,7 @@ def update(
     if skip_rows is not None:
         kept = (~skip_rows).nonzero().squeeze(-1).tolist()
         run = _select_rows(batch, kept) if kept else None
-    mbs = [_select_rows(run, g) for g in _plan_micro_batches(run, state)] if run is not None else []
+    mbs = [_select_rows(run, g) for g in _plan_micro_batches(run, state)]
     norms, (num_tokens, num_seqs, n_max) = _gather_counts(counted, len(mbs), state)
     lr = schedules.lr_at(state.lr_schedule, state.step)
     base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}

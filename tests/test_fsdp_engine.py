@@ -335,16 +335,29 @@ def _behaviour_worker(rank, world_size, model_dir):
 
     adv = local.advantages.clone()
     adv[: adv.shape[0] if rank == 0 else 3] = 0.0
-    for name, advantages in (("some", adv), ("all", torch.zeros_like(adv))):
+    budget = FSDPConfig(max_tokens_per_micro_batch=20)  # rank 0 plans no rows but joins the budget's all-reduce
+    for name, advantages, fsdp_cfg in (("some", adv, FSDPConfig(micro_batch_size=2)), ("some_budget", adv, budget),
+                                       ("all", torch.zeros_like(adv), FSDPConfig(micro_batch_size=2))):
         batch = local.replace(advantages=advantages)
         skip = zero_advantage_rows(batch.advantages, batch.response_mask)
         runs = {}
         for use_skip in (False, True):
-            state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=2))
+            state = build_actor(model_dir, env, OPTIM, fsdp_cfg)
             for _ in range(2):
                 state, m = update(state, batch, pg_loss, skip_rows=skip if use_skip else None)
             runs[use_skip] = (_numpy(dict(full_state_dict(state))), m)
         out[f"skip_{name}"] = {"runs": runs, "skipped": int(skip.sum()), "rows": int(skip.shape[0])}
+
+    # A row longer than the token budget on one rank only (rank 0's first row has 13 tokens): every rank
+    # raises, the other one does not wait in a collective.
+    out["budget_errors"] = {}
+    for grouping in ("sequential", "balanced"):
+        state = build_actor(model_dir, env, OPTIM, FSDPConfig(max_tokens_per_micro_batch=12, token_budget_grouping=grouping))
+        try:
+            update(state, local, pg_loss)
+            out["budget_errors"][grouping] = None
+        except ValueError as e:
+            out["budget_errors"][grouping] = str(e)
 
     # bf16 compute (fp32 master weights) runs and stays close to fp32.
     state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4, param_dtype="bfloat16"))
@@ -623,7 +636,14 @@ def test_micro_batches_and_trim():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("which", ["some", "all"])
+def test_a_row_over_the_token_budget_on_one_rank_fails_on_every_rank(behaviour):
+    for grouping in ("sequential", "balanced"):
+        assert "budget" in behaviour[0]["budget_errors"][grouping]
+        assert "another data-parallel rank" in behaviour[1]["budget_errors"][grouping]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("which", ["some", "some_budget", "all"])
 def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(behaviour, model_dir, which):
     """Rows with all-zero advantages skipped (rank 0: every row, so it runs dummies only) equal the
     update that runs them; with every row skipped on both ranks AdamW still steps (weight decay)."""
