@@ -441,6 +441,9 @@ def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
     """
     from vllm import SamplingParams
 
+    if rollout.tp_group is not None:
+        # a tensor-parallel engine is shared by its group: every rank would have to submit the same rows
+        raise NotImplementedError("score_logprobs supports tensor_parallel_size=1 engines only")
     lengths = batch.response_mask.sum(-1).tolist()
     requests = []
     for prompt, pmask, response, length in zip(batch.prompt_ids.tolist(), batch.prompt_mask.tolist(), batch.response_ids.tolist(), lengths):

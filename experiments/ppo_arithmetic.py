@@ -156,6 +156,11 @@ def main(argv: list[str]) -> dict:
         raise ValueError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
     if cfg.placement.mode == "split" and (cfg.checkpoint.every or cfg.resume != "never" or cfg.export.orbax):
         raise ValueError("placement.mode=split does not checkpoint yet: leave checkpoint.every=0, resume=never, export.orbax=false")
+    if cfg.placement.mode == "split" and cfg.reference.ref_in_actor:  # every rank fails here, before any model
+        raise ValueError(
+            "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
+            "the reference lives on the critic pool: use placement.mode=colocated or a separate reference"
+        )
     env = init_distributed()
     log = get_logger("ppo", env)
     seed_everything(cfg.seed)

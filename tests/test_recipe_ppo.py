@@ -126,3 +126,14 @@ def test_outcome_token_rewards():
     mask = torch.tensor([[True, True, False], [True, True, True], [True, False, False]])
     out = outcome_token_rewards(torch.tensor([1.0, 0.5, -2.0]), mask)
     assert torch.equal(out, torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.5], [-2.0, 0.0, 0.0]]))
+
+
+def test_ref_in_actor_under_split_placement_fails_before_any_work(tmp_path):
+    """Only the critic pool would reach the reference; the recipe refuses the pair on every rank first."""
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "placement.mode=split", "reference.ref_in_actor=true"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "reference.ref_in_actor=true needs the actor and the reference on the same ranks" in out.stderr
+    assert not list(tmp_path.iterdir())
