@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["VARLEN_SDPA", "PackedRows", "pack_rows", "unpack", "varlen_sdpa_attention", "enable_packed_attention",
+__all__ = ["VARLEN_SDPA", "BlockLayout", "PackedRows", "pack_rows", "unpack", "varlen_sdpa_attention", "enable_packed_attention",
            "model_kwargs"]
 
 #: name of the packed-aware SDPA attention in transformers' AttentionInterface
@@ -57,29 +57,56 @@ _FLASH = ("flash_attention_2", "flash_attention_3")
 
 
 @attrs.frozen
+class BlockLayout:
+    """Where each attention sequence of a packed row sits in a left-aligned ``(n, max_len)`` block.
+
+    ``gather (n L)``: the packed position read by each block slot (past a sequence's end its last
+    token again, which no real query of the sequence can see under the causal mask); ``scatter (T)``:
+    the flat block slot ``i * L + j`` whose attention output each packed position takes.
+    """
+
+    gather: Tensor
+    scatter: Tensor
+    max_len: int
+
+
+@attrs.frozen
 class PackedRows:
     """One micro-batch packed into a single row, and how to map outputs back to ``(b t)``."""
 
     input_ids: Tensor  # (1 T)
     position_ids: Tensor  # (1 T): 0 .. L_i - 1 per sequence
-    cu_seqlens: Tensor  # (n + 1) int32: start of each sequence in the row, then T
+    #: (n + 1) int32: start of each sequence in the row, then T. None when prompts are shared: the
+    #: sequences are then not contiguous in the row, and ``layout`` says where they are.
+    cu_seqlens: Tensor | None
     max_seqlen: int  # max_i L_i
     predict_index: Tensor  # (N): packed positions whose next-token output belongs to a response token
     rows: Tensor  # (N): micro-batch row of each kept response token
     cols: Tensor  # (N): response column of each kept response token
     labels: Tensor  # (N): the kept response token ids
     shape: tuple[int, int]  # (b, t) of the micro-batch's response block
+    layout: BlockLayout | None = None  # set when prompts are shared (pack_rows(share_prompts=True))
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
 
-def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor) -> PackedRows:
+def pack_rows(
+    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *, share_prompts: bool = False
+) -> PackedRows:
     """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses (kept up to the
     last ``response_mask`` token of each row, at least one) into one row. Row order is kept.
 
     Every row needs at least one prompt token (the first response token's context).
+
+    ``share_prompts``: rows with the same prompt (a GRPO group's ``n`` samples) hold its tokens once:
+    the row is ``[prompt, response_1, ..., response_k]`` per distinct prompt, each response keeps the
+    RoPE positions that follow its prompt, and ``layout`` lets attention read the shared prompt into
+    every sequence of the group (the "shared prefix" of Prefix Grouper-style GRPO training). Outputs
+    and gradients are the same as without sharing (the prompt's activations are computed once and
+    its gradient is the sum over the group, as it is when computed ``k`` times); only the packed-aware
+    attention (:func:`varlen_sdpa_attention`) reads ``layout``, flash-attention varlen cannot.
     """
     b, p = prompt_ids.shape
     t = response_ids.shape[1]
@@ -90,33 +117,84 @@ def pack_rows(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, res
         )
     if t == 0:
         raise ValueError("pack_rows: the response block has no columns")
+    prompt_mask = prompt_mask.bool()
     prompt_len = prompt_mask.sum(-1)
     if bool((prompt_len == 0).any()):
         raise ValueError("pack_rows: a row has an empty prompt (prompt_mask all false)")
+    if bool((prompt_mask[:, 1:] < prompt_mask[:, :-1]).any()):
+        raise ValueError("pack_rows: prompts must be left-padded (a padding token follows a real prompt token)")
     cols = torch.arange(t, device=response_ids.device)
     # last loss column + 1, at least 1: a row with no loss token still reaches the logits (zero weight)
     last = torch.where(response_mask, cols + 1, torch.zeros_like(cols)).amax(-1)
     response_len = last.clamp(min=1)
     response_keep = cols[None, :] < response_len[:, None]  # (b t)
-    keep = torch.cat([prompt_mask.bool(), response_keep], dim=1)  # (b, p + t)
-    flat_keep = keep.reshape(-1)
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1).reshape(-1)[flat_keep][None]
-    position_ids = (keep.long().cumsum(-1) - 1).reshape(-1)[flat_keep][None]
+    seq_keep = torch.cat([prompt_mask, response_keep], dim=1)  # (b, p + t): each row's whole sequence
     seqlens = prompt_len + response_len
-    cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
-    packed_index = (flat_keep.long().cumsum(0) - 1).reshape(b, p + t)  # packed position of each kept token
+    position_ids = seq_keep.long().cumsum(-1) - 1  # (b, p + t), valid where seq_keep
+    if share_prompts:
+        leader = _first_row_with_same_prompt(prompt_ids, prompt_mask)  # (b)
+        is_leader = leader == torch.arange(b, device=leader.device)
+        # stream order: the distinct prompts in order of first appearance, each followed by its group
+        order = torch.sort(leader, stable=True).indices
+        stored = torch.cat([prompt_mask & is_leader[:, None], response_keep], dim=1)  # tokens held in the row
+    else:
+        order, stored = None, seq_keep
+    ordered = stored if order is None else stored[order]
+    flat_keep = ordered.reshape(-1)
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    if order is not None:
+        input_ids, position_ids_o = input_ids[order], position_ids[order]
+    else:
+        position_ids_o = position_ids
+    packed_input_ids = input_ids.reshape(-1)[flat_keep][None]
+    packed_position_ids = position_ids_o.reshape(-1)[flat_keep][None]
+    # packed position of every stored token, in the original row order
+    index = torch.empty_like(flat_keep, dtype=torch.long).masked_fill_(~flat_keep, -1)
+    index[flat_keep] = torch.arange(int(flat_keep.sum()), device=index.device)
+    index = index.view(b, p + t)
+    if order is not None:
+        index = torch.empty_like(index).index_copy_(0, order, index)
+        index[:, :p] = index[leader, :p]  # a group's rows read their prompt from the leader's tokens
+    # the token before each kept response token predicts it (the prompt's last token for column 0;
+    # prompts are left-padded, so column p - 1 is real in every row)
+    predict_index = index[:, p - 1 : p + t - 1][response_keep]
     rows, resp_cols = response_keep.nonzero(as_tuple=True)
-    return PackedRows(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=int(seqlens.max()),
-        predict_index=packed_index[:, p:][response_keep] - 1,  # the token before predicts it
-        rows=rows,
-        cols=resp_cols,
-        labels=response_ids[response_keep],
-        shape=(b, t),
+    common = dict(
+        input_ids=packed_input_ids, position_ids=packed_position_ids, max_seqlen=int(seqlens.max()),
+        predict_index=predict_index, rows=rows, cols=resp_cols, labels=response_ids[response_keep], shape=(b, t),
     )
+    if order is None:
+        cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
+        return PackedRows(cu_seqlens=cu_seqlens, **common)
+    return PackedRows(cu_seqlens=None, layout=_shared_layout(index, stored, prompt_len, seqlens, p), **common)
+
+
+def _first_row_with_same_prompt(prompt_ids: Tensor, prompt_mask: Tensor) -> Tensor:
+    """``(b)``: for each row, the first row whose real prompt tokens are the same (itself if none before)."""
+    b = prompt_ids.shape[0]
+    key = torch.where(prompt_mask, prompt_ids, torch.full_like(prompt_ids, -1))
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), b, dtype=torch.long, device=key.device)
+    first.scatter_reduce_(0, inverse, torch.arange(b, device=key.device), reduce="amin")
+    return first[inverse]
+
+
+def _shared_layout(index: Tensor, stored: Tensor, prompt_len: Tensor, seqlens: Tensor, p: int) -> BlockLayout:
+    """The attention block of a prompt-shared packed row: row ``i`` of the block is sequence ``i`` (its
+    prompt, read from the leader's tokens, then its response), left-aligned; each stored token's
+    output comes from the slot of the row that stores it."""
+    b = index.shape[0]
+    max_len = int(seqlens.max())
+    j = torch.arange(max_len, device=index.device)
+    # a sequence's tokens are the contiguous columns [p - prompt_len, p + response_len) of its row
+    col = (p - prompt_len)[:, None] + torch.minimum(j[None], (seqlens - 1)[:, None])
+    gather = index.gather(1, col)  # (b L)
+    slot = torch.arange(b, device=index.device)[:, None] * max_len + (
+        torch.arange(index.shape[1], device=index.device)[None] - (p - prompt_len)[:, None]
+    )  # (b, p + t): the block slot of each column (valid on the row's sequence)
+    scatter = torch.empty(int(stored.sum()), dtype=torch.long, device=index.device)
+    scatter[index[stored]] = slot[stored]
+    return BlockLayout(gather=gather, scatter=scatter, max_len=max_len)
 
 
 def unpack(values: Tensor, packed: PackedRows) -> Tensor:
@@ -129,7 +207,11 @@ def unpack(values: Tensor, packed: PackedRows) -> Tensor:
 
 def model_kwargs(packed: PackedRows) -> dict[str, Any]:
     """Keyword arguments of a Hugging Face forward over the packed row (no attention mask: the
-    sequences are delimited by ``cu_seq_lens_*``, read by flash-attention and :func:`varlen_sdpa_attention`)."""
+    sequences are delimited by ``cu_seq_lens_*``, read by flash-attention and :func:`varlen_sdpa_attention`,
+    or, for shared prompts, by ``packed_layout``, which only :func:`varlen_sdpa_attention` reads)."""
+    if packed.layout is not None:
+        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=packed.layout,
+                    use_cache=False)
     return dict(
         input_ids=packed.input_ids, position_ids=packed.position_ids,
         cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
@@ -149,11 +231,9 @@ def _boundaries_from_positions(position_ids: Tensor) -> list[int] | None:
 
 
 @functools.lru_cache(maxsize=16)
-def _pad_layout(bounds: tuple[int, ...], device: torch.device) -> tuple[Tensor, Tensor, int]:
-    """For sequences ``[bounds[i], bounds[i+1])`` of a packed row of ``T = bounds[-1]`` tokens:
-    ``gather (n, L)``, the packed position of each padded slot (past a sequence's end: its own last
-    token again, which no real query of the sequence can see under the causal mask), ``scatter (T)``,
-    the padded slot of each packed position, and ``L``, the longest length."""
+def _pad_layout(bounds: tuple[int, ...], device: torch.device) -> BlockLayout:
+    """The block of contiguous sequences ``[bounds[i], bounds[i+1])`` of a packed row of ``T = bounds[-1]``
+    tokens (empty sequences hold no block row)."""
     starts = torch.tensor(bounds[:-1], dtype=torch.long)
     lengths = torch.tensor(bounds[1:], dtype=torch.long) - starts
     starts, lengths = starts[lengths > 0], lengths[lengths > 0]  # empty sequences hold no token
@@ -162,7 +242,7 @@ def _pad_layout(bounds: tuple[int, ...], device: torch.device) -> tuple[Tensor, 
     inside = cols[None] < lengths[:, None]
     gather = starts[:, None] + torch.minimum(cols[None], lengths[:, None] - 1)
     scatter = inside.reshape(-1).nonzero().squeeze(-1)  # row-major over (n, L): the packed order
-    return gather.to(device), scatter.to(device), max_len
+    return BlockLayout(gather=gather.to(device), scatter=scatter.to(device), max_len=max_len)
 
 
 def _cpu_fp32(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, torch.dtype]:
@@ -183,45 +263,57 @@ def varlen_sdpa_attention(
     scaling: float | None = None,
     sliding_window: int | None = None,
     cu_seq_lens_q: Tensor | None = None,
+    packed_layout: BlockLayout | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """Causal SDPA within each packed sequence: ``q (1 h T d), k v (1 kv T d) -> (1 T h d)``.
 
-    Without ``cu_seq_lens_q`` (and without packed ``position_ids``) it is Hugging Face's ``sdpa`` with
-    the given mask (a padded forward). Sliding-window attention is not supported on the packed path.
+    The sequences come from ``packed_layout`` (shared prompts, :func:`pack_rows`), else from
+    ``cu_seq_lens_q``, else from restarting ``position_ids``. Without any of them it is Hugging Face's
+    ``sdpa`` with the given mask (a padded forward). Sliding-window attention is not supported on the
+    packed path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    bounds = None
-    if cu_seq_lens_q is not None:
-        bounds = [int(x) for x in cu_seq_lens_q.tolist()]
-    elif attention_mask is None and kwargs.get("position_ids") is not None:
-        bounds = _boundaries_from_positions(kwargs["position_ids"])
-    if bounds is None:
-        query, key, value, dtype = _cpu_fp32(query, key, value)
-        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                              sliding_window=sliding_window, **kwargs)
-        return out.to(dtype), weights
+    layout = packed_layout
+    if layout is None:
+        bounds = None
+        if cu_seq_lens_q is not None:
+            bounds = [int(x) for x in cu_seq_lens_q.tolist()]
+        elif attention_mask is None and kwargs.get("position_ids") is not None:
+            bounds = _boundaries_from_positions(kwargs["position_ids"])
+        if bounds is None:
+            query, key, value, dtype = _cpu_fp32(query, key, value)
+            out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                                  scaling=scaling, sliding_window=sliding_window, **kwargs)
+            return out.to(dtype), weights
+        if bounds[-1] != query.shape[2]:
+            raise ValueError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
+        layout = _pad_layout(tuple(bounds), query.device)
+    elif layout.scatter.shape[0] != query.shape[2]:
+        raise ValueError(f"packed_layout places {layout.scatter.shape[0]} tokens but the packed row has {query.shape[2]}")
     if query.shape[0] != 1:
         raise ValueError(f"packed attention needs one packed row, got a batch of {query.shape[0]}")
-    if bounds[-1] != query.shape[2]:
-        raise ValueError(f"cu_seq_lens_q ends at {bounds[-1]} but the packed row has {query.shape[2]} tokens")
     if sliding_window is not None:
         raise NotImplementedError("packed sequences do not support sliding-window attention layers")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads")
-    gather, scatter, max_len = _pad_layout(tuple(bounds), query.device)
-    n = gather.shape[0]
+    flat_gather, max_len = layout.gather.reshape(-1), layout.max_len
+    n, heads, head_dim = layout.gather.shape[0], query.shape[1], query.shape[3]
 
     def padded(x: Tensor) -> Tensor:  # (1 h T d) -> (n h L d), each sequence left-aligned
-        return x[0][:, gather.reshape(-1)].view(x.shape[1], n, max_len, x.shape[3]).transpose(0, 1)
+        # row gathers over (T h d): HF's q / k / v are T-major in memory (views of the projections'
+        # output), and index_select (backward: index_add) is several times faster than advanced indexing
+        rows = x[0].transpose(0, 1).index_select(0, flat_gather)
+        return rows.view(n, max_len, x.shape[1], x.shape[3]).transpose(1, 2)
 
-    query, key, value, dtype = _cpu_fp32(padded(query), padded(key), padded(value))
+    # upcast before the gather, so that a shared prompt's gradient is summed over its group in fp32
+    query, key, value, dtype = _cpu_fp32(query, key, value)
     out = F.scaled_dot_product_attention(
-        query, key, value, dropout_p=dropout if module.training else 0.0,
-        is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        padded(query), padded(key), padded(value), dropout_p=dropout if module.training else 0.0,
+        is_causal=True, scale=scaling, enable_gqa=heads != key.shape[1],
     )  # (n h L d)
-    out = out.to(dtype).transpose(1, 2).reshape(n * max_len, query.shape[1], query.shape[3])[scatter]  # (T h d)
+    out = out.transpose(1, 2).reshape(n * max_len, heads, head_dim).index_select(0, layout.scatter).to(dtype)  # (T h d)
     return out[None], None
 
 

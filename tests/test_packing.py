@@ -74,6 +74,45 @@ def test_pack_rows_errors():
         unpack(torch.zeros(3), packed)
 
 
+def test_pack_rows_shared_prompts_by_hand():
+    # rows 0 and 2 share the prompt [5, 6] (row 2 with more left padding); row 1 has its own
+    prompt_ids = torch.tensor([[0, 5, 6], [4, 4, 3], [0, 5, 6]])
+    prompt_mask = torch.tensor([[False, True, True], [True, True, True], [False, True, True]])
+    response_ids = torch.tensor([[7, 8, 9], [2, 0, 0], [11, 12, 13]])
+    response_mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    packed = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, share_prompts=True)
+    # stream: prompt A, row 0's response, row 2's response, then prompt B and row 1's response
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 11, 12, 13, 4, 4, 3, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1, 2, 3]]
+    assert packed.cu_seqlens is None and packed.max_seqlen == 5
+    assert packed.rows.tolist() == [0, 0, 1, 2, 2, 2] and packed.cols.tolist() == [0, 1, 0, 0, 1, 2]
+    assert packed.predict_index.tolist() == [1, 2, 9, 1, 4, 5]  # row 2's first token: prompt A's last
+    assert packed.labels.tolist() == [7, 8, 2, 11, 12, 13]
+    layout = packed.layout
+    # block row i = sequence i: its prompt (row 2 reads row 0's copy), its response, then its last token again
+    assert layout.gather.tolist() == [[0, 1, 2, 3, 3], [7, 8, 9, 10, 10], [0, 1, 4, 5, 6]]
+    # each stored token's output comes from the slot of the row that stores it
+    assert layout.scatter.tolist() == [0, 1, 2, 3, 12, 13, 14, 5, 6, 7, 8]
+    unshared = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask)
+    assert unshared.num_tokens == packed.num_tokens + 2 and unshared.layout is None
+
+
+def test_pack_rows_needs_left_padded_prompts():
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="left-padded"):
+        pack_rows(ids, torch.tensor([[True, True, False]]), ids, torch.ones(1, 3, dtype=torch.bool))
+
+
+def _grouped(batch, k: int = 3):
+    """``batch`` with the prompts of every ``k`` consecutive rows made equal, then rows 1 and 4 swapped
+    (groups need not be contiguous)."""
+    prompt_ids, prompt_mask = batch.prompt_ids.clone(), batch.prompt_mask.clone()
+    lead = torch.arange(prompt_ids.shape[0]) // k * k
+    perm = torch.arange(prompt_ids.shape[0])
+    perm[[1, 4]] = perm[[4, 1]]
+    return batch.replace(prompt_ids=prompt_ids[lead][perm], prompt_mask=prompt_mask[lead][perm])
+
+
 def _outputs_and_grads(model, batch, packed: bool, role: str = "actor"):
     model.zero_grad(set_to_none=True)
     out = _forward(model, batch, with_entropy=role == "actor", role=role, packed=packed)
@@ -106,6 +145,15 @@ def test_packed_actor_equals_padded(model_dir, gradient_checkpointing):
     again, _, _ = _outputs_and_grads(model, batch, packed=False)
     assert torch.equal(again[0], padded[0])
     packed, packed_loss, packed_grads = _outputs_and_grads(model, batch, packed=True)
+    _assert_actor_equal(batch, (padded, padded_loss, padded_grads), (packed, packed_loss, packed_grads))
+    mask = batch.response_mask
+    # after each row's last loss token (its first token for a row without one) the packed outputs are 0
+    kept = mask | ((~mask.any(-1, keepdim=True)) & (torch.arange(mask.shape[1]) == 0))
+    assert float(torch.where(kept, 0.0, packed[0]).abs().max()) == 0.0
+
+
+def _assert_actor_equal(batch, padded_result, packed_result):
+    (padded, padded_loss, padded_grads), (packed, packed_loss, packed_grads) = padded_result, packed_result
     mask = batch.response_mask
     assert _masked_max_diff(packed[0], padded[0], mask) < 2e-6  # log-probs
     assert _masked_max_diff(packed[1], padded[1], mask) < 2e-6  # entropies
@@ -113,9 +161,47 @@ def test_packed_actor_equals_padded(model_dir, gradient_checkpointing):
     scale = max(float(g.abs().max()) for g in padded_grads.values())
     assert set(packed_grads) == set(padded_grads)
     assert max(float((packed_grads[k] - padded_grads[k]).abs().max()) for k in padded_grads) / scale < 1e-5
-    # after each row's last loss token (its first token for a row without one) the packed outputs are 0
-    kept = mask | ((~mask.any(-1, keepdim=True)) & (torch.arange(mask.shape[1]) == 0))
-    assert float(torch.where(kept, 0.0, packed[0]).abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing):
+    """Rows with the same prompt hold it once in the packed row: same log-probs, entropies, loss and
+    gradients as the padded forward, with fewer packed tokens."""
+    model, _ = load_causal_lm(model_dir)
+    model.train()
+    if gradient_checkpointing:
+        _enable_checkpointing(model)
+    batch = _grouped(make_batch(3))
+    padded = _outputs_and_grads(model, batch, packed=False)
+    enable_packed_attention(model)
+    model.zero_grad(set_to_none=True)
+    out = _forward(model, batch, with_entropy=True, packed=True, share_prompts=True)
+    loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    _assert_actor_equal(batch, padded, ((out.logprobs.detach(), out.entropy.detach()), float(loss.detach()), grads))
+    args = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    shared, unshared = pack_rows(*args, share_prompts=True), pack_rows(*args)
+    prompts = [tuple(r[m].tolist()) for r, m in zip(batch.prompt_ids, batch.prompt_mask)]
+    assert len(set(prompts)) < len(prompts)
+    # every prompt is held once
+    assert shared.num_tokens == unshared.num_tokens - sum(map(len, prompts)) + sum(map(len, set(prompts)))
+
+
+def test_shared_prompts_critic_equal_padded(model_dir):
+    model, _ = load_value_model(model_dir, dtype=torch.float32, device="cpu", seed=0)
+    model.train()
+    batch = _grouped(make_batch(4))
+    padded, padded_loss, padded_grads = _outputs_and_grads(model, batch, packed=False, role="critic")
+    enable_packed_attention(model)
+    model.zero_grad(set_to_none=True)
+    out = _forward(model, batch, with_entropy=False, role="critic", packed=True, share_prompts=True)
+    loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, "token-mean")
+    loss.backward()
+    assert _masked_max_diff(out.values.detach(), padded[0], batch.response_mask) < 2e-6
+    assert float(loss) == pytest.approx(padded_loss, rel=1e-6)
+    scale = max(float(g.abs().max()) for g in padded_grads.values())
+    assert max(float((p.grad - padded_grads[n]).abs().max()) for n, p in model.named_parameters()) / scale < 1e-5
 
 
 def test_packed_critic_values_equal_padded(model_dir):
