@@ -19,7 +19,8 @@ from backends.megatron.model import check_parallel_sizes, model_shape
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
-from tests.test_fsdp_engine import OPTIM, _max_diff, _numpy, _ppo_loss, hf_logprobs, make_batch, pg_loss, rank_rows, reference_updates
+from tests.test_fsdp_engine import (OPTIM, _max_diff, _nan_loss, _numpy, _ppo_loss, hf_logprobs, make_batch, pg_loss,
+                                    rank_rows, reference_updates)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
@@ -321,6 +322,57 @@ def test_ppo_update_equals_fsdp_engine(roles):
         assert mm["clip_frac"] == pytest.approx(fm["clip_frac"], abs=1e-6)
 
 
+def _nonfinite_worker(rank, world_size, model_dir):
+    """The skip decision on every layout when only one rank sees a non-finite value; then a NaN loss
+    through the engine (TP=2): no step, gradients dropped, the next update steps."""
+    from backends.distributed import init_distributed
+    from backends.megatron import engine as E
+    from backends.megatron.parallel import destroy_model_parallel, init_model_parallel
+
+    env = init_distributed()
+    out = {}
+    nan, inf = float("nan"), float("inf")
+    for tp, pp in LAYOUTS:  # the flag crosses the TP group, the PP group, the DP group
+        dims = init_model_parallel(tp, pp)
+        out[f"tp{tp}-pp{pp}"] = {
+            "nan_loss_on_rank_1": E._nonfinite_on_any_rank((nan if rank == 1 else 1.0, 2.0), dims, env.device),
+            "inf_norm_on_rank_0": E._nonfinite_on_any_rank((1.0, inf if rank == 0 else 2.0), dims, env.device),
+            "finite_everywhere": E._nonfinite_on_any_rank((1.0 + rank, 2.0), dims, env.device),
+        }
+        destroy_model_parallel()
+
+    state = E.build_actor(model_dir, env, OPTIM, E.MegatronConfig(tp=2, micro_batch_size=4))
+    before = [p.detach().clone() for p in state.module.parameters()]
+    batch = make_batch(0)
+    state, m = E.update(state, batch, _nan_loss)
+    out["nan_metrics"] = m
+    out["nan_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
+    out["nan_grads_dropped"] = all(p.grad is None for p in state.module.parameters())
+    state, m = E.update(state, batch, pg_loss)
+    out["after_nan_metrics"] = m
+    out["after_nan_changed"] = not all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
+    out["after_nan_step"] = state.step
+    destroy_model_parallel()
+    return out
+
+
+def test_non_finite_loss_or_grad_norm_on_one_rank_skips_the_step_on_every_rank(model_dirs):
+    """As the FSDP engine: no step, gradients dropped, ``update_skipped = 1``, ``step`` advances; every
+    rank takes the same decision (the GPU schedule's megatron optimizer relies on this check)."""
+    results = run_distributed(_nonfinite_worker, 2, model_dirs["qwen2"])
+    for r in results:
+        for tp, pp in LAYOUTS:
+            flags = r[f"tp{tp}-pp{pp}"]
+            want = {"nan_loss_on_rank_1": True, "inf_norm_on_rank_0": True, "finite_everywhere": False}
+            assert flags == want, (tp, pp, flags)
+        m = r["nan_metrics"]
+        assert m["update_skipped"] == 1.0 and np.isnan(m["loss"]) and not np.isfinite(m["grad_norm"])
+        assert r["nan_unchanged"] and r["nan_grads_dropped"]
+        good = r["after_nan_metrics"]
+        assert good["update_skipped"] == 0.0 and np.isfinite(good["loss"]) and np.isfinite(good["grad_norm"])
+        assert r["after_nan_changed"] and r["after_nan_step"] == 2
+
+
 # ------------------------------------------------------------------------ bad input (single process)
 
 
@@ -430,6 +482,30 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
         assert metrics["update_skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
         assert len(dict(E.full_state_dict(actor))) == len(hf.state_dict())
         destroy_model_parallel()
+
+
+
+@pytest.mark.gpu
+def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
+    """bf16 has no loss scaler, so megatron's optimizer would step on NaN gradients: the engine's check
+    skips the step and drops the gradients (DDP buffers zeroed), as the FSDP engine does."""
+    from backends.distributed import init_distributed
+    from backends.megatron import engine as E
+    from backends.megatron.parallel import destroy_model_parallel
+
+    env = init_distributed()
+    actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, E.MegatronConfig(param_dtype="bfloat16", micro_batch_size=4))
+    assert actor.uses_megatron_schedule
+    batch = make_batch(0)
+    before = {k: v.clone() for k, v in E.full_state_dict(actor)}
+    actor, m = E.update(actor, batch, _nan_loss)
+    assert m["update_skipped"] == 1.0 and np.isnan(m["loss"]) and not np.isfinite(m["grad_norm"])
+    assert all(torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
+    assert all(not bool(b.grad_data.any()) for b in actor.module.buffers)
+    actor, m = E.update(actor, batch, pg_loss)
+    assert m["update_skipped"] == 0.0 and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and actor.step == 2
+    assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
+    destroy_model_parallel()
 
 
 def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):

@@ -31,7 +31,9 @@ megatron's ``DistributedOptimizer`` built from :class:`MegatronOptimConfig` (ver
 ``optim/megatron.yaml`` fields); the LR is still rlfunc's schedule, written into its param groups.
 
 Defined behaviour matches the FSDP engine: an empty batch or a non-finite loss / grad norm skips the
-optimizer step (``update_skipped = 1``, ``step`` advances); a row with an empty prompt raises; bad
+optimizer step and drops the gradients (``update_skipped = 1``, ``step`` advances; every rank agrees,
+on the GPU schedule too, where megatron's optimizer alone would step on NaN gradients in bf16 / fp32);
+a row with an empty prompt raises; bad
 configs (unsupported architecture, TP not dividing the heads / KV heads, PP not dividing the layers,
 world size not divisible by tp * pp) raise before any weight is read.
 """
@@ -571,7 +573,7 @@ def update(
     grad_norm = _grad_norm(state)
     norm_value = float(grad_norm)
     loss_value = host.pop("loss")
-    skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
+    skipped = _nonfinite_on_any_rank((loss_value, norm_value), dims, state.env.device)
     if not skipped:
         params = [p for p in module.parameters() if p.grad is not None]
         if state.optim_cfg.clip_grad > 0:
@@ -582,9 +584,26 @@ def update(
     return new_state, {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **base, **host}
 
 
+def _nonfinite_on_any_rank(values: tuple[float, ...], dims: ParallelDims, device: torch.device) -> bool:
+    """Whether ``values`` (the loss, the grad norm) are non-finite on any rank of the layout: one flag,
+    all-reduced (MAX) over the replica's tensor x pipeline ranks, then over the data-parallel replicas.
+    Every rank takes the same skip-or-step decision, so none steps alone (its peers would wait in the
+    optimizer's parameter all-gather, or the replicas would drift apart)."""
+    flag = torch.tensor([0.0 if all(math.isfinite(v) for v in values) else 1.0], device=device)
+    for group, size in ((dims.model_parallel_group, dims.tp * dims.pp), (dims.dp_group, dims.dp)):
+        if size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
 def _update_megatron(state: MegatronState, mbs: list[RolloutBatch], norms: Any, loss_fn: LossFn,
                      with_entropy: bool, lr: float) -> dict[str, float]:
-    """GPU: megatron's schedule (DDP grads reduced by its finalize step) and its optimizer."""
+    """GPU: megatron's schedule (DDP grads reduced by its finalize step) and its optimizer.
+
+    The optimizer step is megatron's own ``step()`` taken apart (``prepare_grads``, clip,
+    ``step_with_ready_grads``) with the FSDP engine's check in between: megatron looks for inf / NaN
+    only with a loss scaler (fp16 or a set ``loss_scale``), so in bf16 or fp32 it would step on NaN
+    gradients (its clipping compares with NaN and leaves them as they are)."""
     module, optimizer, dims = state.module, state.optimizer, state.dims
     inputs = [layout_micro_batch(mb, state.cfg.layout) for mb in mbs]
     module.train()
@@ -601,8 +620,6 @@ def _update_megatron(state: MegatronState, mbs: list[RolloutBatch], norms: Any, 
         micro_batch_size=max(x.input_ids.shape[0] for x in inputs), forward_only=False,
         loss_scale=float(len(inputs) * dims.dp),
     )
-    set_lr(optimizer, lr)
-    ok, grad_norm, _ = optimizer.step()
     host: dict[str, float] | None = None
     if dims.last_stage:
         names = sorted(k for k in extras[0] if k != "loss")
@@ -612,8 +629,19 @@ def _update_megatron(state: MegatronState, mbs: list[RolloutBatch], norms: Any, 
     box = [host]
     dist.broadcast_object_list(box, src=dims.last_stage_rank, group=dims.pp_group)
     host = box[0]
-    norm_value = float(grad_norm) if grad_norm is not None else float("nan")
-    return {"loss": host.pop("loss"), "grad_norm": norm_value, "update_skipped": float(not ok), **host}
+    loss_value = host.pop("loss")
+    found_inf = optimizer.prepare_grads()  # the reduced DDP grads -> the optimizer's main grads
+    norm_value = float("nan") if found_inf else float(optimizer.get_grad_norm())  # global, before clipping
+    skipped = _nonfinite_on_any_rank((loss_value, norm_value), dims, state.env.device)
+    if skipped:  # as the FSDP engine: no step, the gradients dropped; ``step`` still advances (update())
+        optimizer.zero_grad()
+        module.zero_grad_buffer()
+    else:
+        if state.optim_cfg.clip_grad > 0:
+            optimizer.clip_grad_norm(state.optim_cfg.clip_grad)
+        set_lr(optimizer, lr)
+        skipped = not optimizer.step_with_ready_grads()
+    return {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **host}
 
 
 # ---------------------------------------------------------------------------------- full weights
