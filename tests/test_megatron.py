@@ -508,6 +508,32 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     destroy_model_parallel()
 
 
+
+@pytest.mark.gpu
+def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(model_dirs):
+    """After a warm start the new megatron optimizer reads the gradient buffers that the state's own
+    DDP module fills, reduces and zeroes (not those of a second wrapper)."""
+    from backends.distributed import init_distributed
+    from backends.megatron import engine as E
+    from backends.megatron.parallel import destroy_model_parallel
+
+    env = init_distributed()
+    actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, E.MegatronConfig(param_dtype="bfloat16", micro_batch_size=4))
+    batch = make_batch(0)
+    actor, _ = E.update(actor, batch, pg_loss)
+    fresh = E.fresh_optimizer(actor, OPTIM)
+    assert fresh.module is actor.module and fresh.optimizer is not actor.optimizer and fresh.step == 0
+    buffers = {b.grad_data.untyped_storage().data_ptr() for b in fresh.module.buffers}
+    params = [p for p in fresh.module.module.parameters() if p.requires_grad]
+    assert params and all(p.main_grad.untyped_storage().data_ptr() in buffers for p in params)
+    assert fresh.module.module.config.grad_scale_func == fresh.optimizer.scale_loss
+    before = {k: v.clone() for k, v in E.full_state_dict(fresh)}
+    fresh, m = E.update(fresh, batch, pg_loss)
+    assert m["update_skipped"] == 0.0 and np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
+    assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(fresh))
+    destroy_model_parallel()
+
+
 def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
     """Update the Megatron actor, sync it into the native rollout engine, and compare the engine's
     sampled-token log-probs with the trainer's for the same tokens (both fp32)."""

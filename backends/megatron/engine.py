@@ -234,23 +234,28 @@ def _build(source: Any, shape: ModelShape, dims: ParallelDims, env: DistEnv, cfg
     return model
 
 
-def _megatron_ddp_and_optimizer(model: nn.Module, cfg: MegatronConfig, optim_cfg: OptimConfig, dtype: torch.dtype):
-    """GPU: megatron's DistributedDataParallel wrapper and (distributed) optimizer."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def _megatron_ddp(model: nn.Module, cfg: MegatronConfig) -> nn.Module:
+    """GPU: megatron's DistributedDataParallel wrapper, which owns the gradient buffers (each
+    parameter's ``main_grad``) that its backward hooks fill and its optimizer reads."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=cfg.optim.grad_reduce_in_fp32, overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
         overlap_param_gather=cfg.optim.overlap_param_gather, use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
-    from megatron.core.distributed import finalize_model_grads
-
     config = model.config
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
     # What megatron's training loop wires up: the schedule reduces the DDP grad buffers (and the tied
     # embedding across stages) at the end, and accumulates without syncing before that.
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def _megatron_optimizer(ddp: nn.Module, cfg: MegatronConfig, optim_cfg: OptimConfig, dtype: torch.dtype) -> Any:
+    """GPU: megatron's (distributed) optimizer over ``ddp``'s parameters and gradient buffers."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
     opt_cfg = OptimizerConfig(
         optimizer=cfg.optim.optimizer, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
         adam_beta1=optim_cfg.betas[0], adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps,
@@ -258,8 +263,8 @@ def _megatron_ddp_and_optimizer(model: nn.Module, cfg: MegatronConfig, optim_cfg
         params_dtype=dtype, use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
-    config.grad_scale_func = optimizer.scale_loss
-    return ddp, optimizer
+    ddp.module.config.grad_scale_func = optimizer.scale_loss
+    return optimizer
 
 
 def _trainable(model: nn.Module, env, dims, shape, config, cfg, optim_cfg, schedule, role, dtype) -> MegatronState:
@@ -267,8 +272,8 @@ def _trainable(model: nn.Module, env, dims, shape, config, cfg, optim_cfg, sched
     state_kwargs = dict(env=env, dims=dims, shape=shape, hf_config=config, cfg=cfg, optim_cfg=optim_cfg,
                         lr_schedule=schedule, role=role)
     if _megatron_schedule(cfg):
-        ddp, optimizer = _megatron_ddp_and_optimizer(model, cfg, optim_cfg, dtype)
-        return MegatronState(module=ddp, optimizer=optimizer, **state_kwargs)
+        ddp = _megatron_ddp(model, cfg)
+        return MegatronState(module=ddp, optimizer=_megatron_optimizer(ddp, cfg, optim_cfg, dtype), **state_kwargs)
     return MegatronState(module=model, optimizer=build_optimizer(model.parameters(), optim_cfg), **state_kwargs)
 
 
@@ -335,9 +340,13 @@ def build_critic(
 
 
 def fresh_optimizer(state: MegatronState, optim: OptimConfig) -> MegatronState:
-    """Same weights, a new optimizer and LR schedule (the recipe's RL phase after a warm start)."""
+    """Same weights, a new optimizer and LR schedule (the recipe's RL phase after a warm start).
+
+    On the GPU schedule the state's DDP wrapper stays: the new optimizer is built over its gradient
+    buffers. (A second wrapper would point every ``main_grad`` at new buffers while the state's module,
+    whose backward hooks cannot be removed, kept reducing and zeroing the old ones.)"""
     if state.uses_megatron_schedule:
-        _, optimizer = _megatron_ddp_and_optimizer(state.module.module, state.cfg, optim, next(state.module.parameters()).dtype)
+        optimizer = _megatron_optimizer(state.module, state.cfg, optim, next(state.module.parameters()).dtype)
     else:
         optimizer = build_optimizer(state.module.parameters(), optim)
     return state.replace(optimizer=optimizer, optim_cfg=optim, lr_schedule=lr_schedule(optim), step=0)
