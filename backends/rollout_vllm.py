@@ -352,12 +352,28 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
 # Generation
 
 
-def _gather_tp_prompts(rollout: VLLMRollout, prompts: list[list[int]], seed: int) -> tuple[list[list[list[int]]], list[int], int]:
-    """Every TP peer's prompts and seeds (the sharded engine must see the same requests on each rank)."""
+def _gather_tp_prompts(
+    rollout: VLLMRollout, prompts: list[list[int]] | None, seed: int | None, error: Exception | None
+) -> tuple[list[list[list[int]]], list[int], int]:
+    """Every TP peer's prompts and seeds (the sharded engine must see the same requests on each rank).
+
+    The gather also carries each peer's input-check result (``error``: why this rank's inputs were
+    refused, else None), so that a bad input on one rank raises on every rank of the group instead of
+    leaving its peers waiting in the gather or in the engine. A refused rank raises its own error."""
     group = rollout.tp_group
     size = torch.distributed.get_world_size(group)
     gathered: list[Any] = [None] * size
-    torch.distributed.all_gather_object(gathered, (prompts, seed), group=group)
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    torch.distributed.all_gather_object(gathered, (prompts, seed, failure), group=group)
+    if error is not None:
+        raise error
+    failed = [(peer, g[2]) for peer, g in enumerate(gathered) if g[2] is not None]
+    if failed:
+        peer, failure = failed[0]
+        raise ValueError(
+            f"generate: the inputs of rank {peer} of the tensor-parallel group were refused ({failure}); "
+            "the group's ranks share one engine, so none of them generates"
+        )
     return [g[0] for g in gathered], [g[1] for g in gathered], torch.distributed.get_rank(group)
 
 
@@ -392,19 +408,26 @@ def generate(
     ``sampling`` is a :class:`SamplingConfig` (or :class:`VLLMSamplingConfig`), or a mapping of its
     options; an option the engine does not map raises. A prompt longer than the context allows raises
     (or is left-truncated with ``truncate_prompts``) before vLLM sees it. The same ``seed`` (default
-    ``sampling.seed``) and inputs give the same samples on the same engine and weights.
+    ``sampling.seed``) and inputs give the same samples on the same engine and weights. With a
+    tensor-parallel engine, inputs refused on one rank raise on every rank of its group (the error names
+    the rank) before any of them reaches the engine.
     """
-    sampling = _as_sampling_config(sampling)
-    prompts = _prepare_prompts(rollout, prompts, sampling)
-    num_prompts, n = len(prompts), sampling.n
-    group_ids = _check_group_ids(group_ids, num_prompts)
-    seed = sampling.seed if seed is None else seed
+    error = None
+    try:
+        sampling = _as_sampling_config(sampling)
+        prompts = _prepare_prompts(rollout, prompts, sampling)
+        group_ids = _check_group_ids(group_ids, len(prompts))
+        seed = sampling.seed if seed is None else seed
+    except (TypeError, ValueError) as e:
+        if rollout.tp_group is None:
+            raise
+        error, prompts = e, None  # raised once the TP peers have heard of it (_gather_tp_prompts)
 
     if rollout.tp_group is None:
         requests, params = _requests(prompts, sampling, rollout.eos_token_ids, seed)
         outputs = _run(rollout, requests, params)
     else:
-        all_prompts, all_seeds, me = _gather_tp_prompts(rollout, prompts, seed)
+        all_prompts, all_seeds, me = _gather_tp_prompts(rollout, prompts, seed, error)
         requests, params = [], []
         for peer_prompts, peer_seed in zip(all_prompts, all_seeds):
             r, p = _requests(peer_prompts, sampling, rollout.eos_token_ids, peer_seed)
@@ -412,8 +435,9 @@ def generate(
             params += p
         outputs = _run(rollout, requests, params)
         start = sum(len(p) for p in all_prompts[:me])
-        outputs = outputs[start : start + num_prompts]
+        outputs = outputs[start : start + len(prompts)]
 
+    num_prompts, n = len(prompts), sampling.n
     copies = n if sampling.temperature == 0.0 else 1  # greedy: one request per prompt, copied n times
     rows = [sorted(out.outputs, key=lambda c: c.index) * copies for out in outputs]
     responses = [c for row in rows for c in row]

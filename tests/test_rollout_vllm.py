@@ -255,6 +255,42 @@ def test_bad_input_gives_clear_errors(setup):
         sync_weights(rollout, [("layers.0.mlp.up_proj.weight", torch.zeros(1))])
 
 
+def _tp_refusal_worker(rank, world_size):
+    """generate() on a 2-rank tensor-parallel group where one rank's inputs are refused. The checks come
+    before the engine, so there is none (``llm=None``): what runs is the group agreeing on them."""
+    from backends.rollout_vllm import VLLMRollout
+
+    rollout = VLLMRollout(llm=None, config=VLLMConfig(tensor_parallel_size=2), pad_token_id=0, eos_token_ids=(1,),
+                          max_context=16, vocab_size=32, can_sleep=False, tp_group=torch.distributed.group.WORLD)
+    cases = {
+        "long_prompt_on_rank_1": ([[5] * (20 if rank == 1 else 3)], SamplingConfig(n=1, max_new_tokens=4)),
+        "bad_option_on_rank_0": ([[5, 6]], {"max_new_tokens": 4, **({"temprature": 0.5} if rank == 0 else {})}),
+    }
+    out = {}
+    for name, (prompts, sampling) in cases.items():
+        try:
+            generate(rollout, prompts, sampling)
+            out[name] = "generated"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.distributed
+def test_inputs_refused_on_one_tensor_parallel_rank_raise_on_every_rank():
+    """A bad input on one rank of a TP group raises on each rank (none waits for it in the prompt gather)."""
+    from tests.distributed import run_distributed
+
+    r0, r1 = run_distributed(_tp_refusal_worker, 2, timeout=120)
+    assert r1["long_prompt_on_rank_1"].startswith("ValueError: prompt 0 has 20 tokens")
+    assert r0["long_prompt_on_rank_1"].startswith(
+        "ValueError: generate: the inputs of rank 1 of the tensor-parallel group were refused (ValueError: prompt 0 has 20")
+    assert r0["bad_option_on_rank_0"].startswith("ValueError: unknown sampling option 'temprature'")
+    assert r1["bad_option_on_rank_0"].startswith(
+        "ValueError: generate: the inputs of rank 0 of the tensor-parallel group were refused "
+        "(ValueError: unknown sampling option 'temprature'")
+
+
 def test_head_dim_below_32_is_refused_before_building(tmp_path):
     path = tmp_path / "small_heads"
     path.mkdir()
@@ -286,7 +322,8 @@ def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
     """FSDP2 actor on 2 ranks streams its gathered weights into vLLM (one engine per rank, or one engine
-    tensor-parallel over both); each rank gets its own prompts' rows and log-probs agree with the actor's."""
+    tensor-parallel over both); each rank gets its own prompts' rows and log-probs agree with the actor's.
+    With TP, a prompt refused on one rank raises on both, and the shared engine still generates after it."""
     script = Path(__file__).with_name("vllm_fsdp_sync_worker.py")
     out = _torchrun(str(script), str(tmp_path), str(tp))
     assert out.returncode == 0, out.stderr[-6000:]
@@ -299,6 +336,11 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
         assert r["max_gap"] <= 1e-4
         assert r["changed"]  # the synced weights are not the ones vLLM was built from
         assert r["all_reduce_after_vllm"] == 3.0  # the trainer's group still works beside vLLM's
+        if tp == 2:
+            assert r["generates_after_refusal"], r
+    if tp == 2:
+        assert results[1]["refused"].startswith("prompt 0 has 70 tokens"), results[1]["refused"]
+        assert "the inputs of rank 1 of the tensor-parallel group were refused" in results[0]["refused"], results[0]["refused"]
 
 
 @pytest.mark.slow

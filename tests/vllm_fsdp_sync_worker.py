@@ -52,6 +52,13 @@ def main(out_dir: Path, tp: int) -> None:
         "tokens": int(batch.response_mask.sum()), "sync_s": sync_s, "all_reduce_after_vllm": total,
         "prompt_rows_ok": batch.prompt_ids[0, -3:].tolist() == prompts[0][-3:],  # this rank's prompts came back
     }
+    if tp > 1:  # a prompt too long on rank 1 only: both ranks raise, neither reaches the shared engine alone
+        try:
+            generate(rollout, prompts if env.rank == 0 else [[5] * 70], sampling, seed=env.rank)
+            result["refused"] = None
+        except ValueError as e:
+            result["refused"] = str(e)
+        result["generates_after_refusal"] = bool(generate(rollout, prompts, sampling, seed=env.rank).response_mask.any())
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
     shutdown_vllm(rollout)
     shutdown(env)
