@@ -7,17 +7,18 @@ sharding, normalisers and optimizer code as the RL phase.
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import attrs
 from tqdm import tqdm
 
 import rlfunc as rf
-from backends.arithmetic_task import TrainStream, sft_batch
+from backends.arithmetic_task import Problem, TrainStream, sft_batch
 from backends.fsdp_engine import TrainState, update
 from backends.optim import OptimConfig, build_optimizer, lr_schedule, with_total_steps
 
-__all__ = ["WarmStartConfig", "fresh_optimizer", "nll_loss", "supervised_warm_start", "warm_start_optim"]
+__all__ = ["WarmStartConfig", "fresh_optimizer", "nll_loss", "supervised_warm_start", "warm_start_optim", "with_wrong_answers"]
 
 
 @attrs.frozen
@@ -27,6 +28,28 @@ class WarmStartConfig:
     steps: int = 300
     batch_size: int = 64  # global rows per step
     optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    #: fraction of the supervised examples whose answer is replaced by a wrong one (the right sum plus
+    #: or minus 1..9): a warm start that has learned the format and the rule sharply enough still puts
+    #: about this much probability on wrong answers, a controlled imperfection for RL to remove
+    wrong_answer_fraction: float = attrs.field(default=0.0)
+
+    @wrong_answer_fraction.validator
+    def _check_fraction(self, attribute: attrs.Attribute, value: float) -> None:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"warm_start.wrong_answer_fraction must be in [0, 1), got {value}")
+
+
+def with_wrong_answers(problems: list[Problem], fraction: float, rng: random.Random) -> list[Problem]:
+    """``problems`` with each answer, with probability ``fraction``, moved by a nonzero offset in
+    [-9, 9] (reflected to stay >= 0). The prompts are unchanged."""
+    out = []
+    for p in problems:
+        if rng.random() < fraction:
+            offset = rng.choice([d for d in range(-9, 10) if d != 0])
+            wrong = p.answer + offset if p.answer + offset >= 0 else p.answer - offset
+            p = attrs.evolve(p, answer=wrong)
+        out.append(p)
+    return out
 
 
 def nll_loss(out: Any, mb: rf.RolloutBatch, norms: rf.Normalizers) -> tuple[Any, dict]:
@@ -45,8 +68,12 @@ def supervised_warm_start(
     size; default every rank its own share) come from another engine (``backends.engines``).
     """
     dp_rank, dp_size = data_parallel if data_parallel is not None else (env.rank, env.world_size)
+    noise = random.Random(f"wrong-answers-{stream.seed}-{stream.drawn}")  # same draws on every rank
     for step in tqdm(range(cfg.steps), desc="warm start", disable=not env.is_main):
-        problems = stream.take(cfg.batch_size)[dp_rank::dp_size]
+        problems = stream.take(cfg.batch_size)
+        if cfg.wrong_answer_fraction > 0:
+            problems = with_wrong_answers(problems, cfg.wrong_answer_fraction, noise)
+        problems = problems[dp_rank::dp_size]
         actor, m = update_fn(actor, sft_batch(problems, tokenizer), nll_loss)
         if metrics_log is not None and (step % 20 == 0 or step == cfg.steps - 1):
             metrics_log.log(step - cfg.steps, {"sft_loss": m["loss"]})

@@ -79,7 +79,9 @@ class Config:
     model_path: str = ""  # a local HF dir (Llama / Qwen2); empty: write a tiny random model into the run dir
     tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
     task: ArithmeticTask = ArithmeticTask(max_operand=999, max_second_operand=9, num_heldout=200)
-    warm_start: WarmStartConfig = WarmStartConfig()
+    #: half of the warm start's answers are wrong (off by 1..9): RL starts from a policy that spreads
+    #: probability over wrong answers rather than one sharpened on its own mistakes (see README)
+    warm_start: WarmStartConfig = WarmStartConfig(wrong_answer_fraction=0.5)
     actor: ActorConfig = ActorConfig()
     ref_log_prob_micro_batch_size: int = 64
     rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=6)  # rollout.engine=vllm for vLLM

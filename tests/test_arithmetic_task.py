@@ -25,3 +25,20 @@ def test_stream_resumes_from_its_position():
 def test_bad_heldout_size():
     with pytest.raises(ValueError, match="num_heldout"):
         ArithmeticTask(max_operand=2, max_second_operand=2, num_heldout=9)
+
+
+def test_wrong_answers_fraction_and_offsets():
+    import random
+
+    from backends.warm_start import WarmStartConfig, with_wrong_answers
+
+    problems = ArithmeticTask().train_stream(seed=0).take(4000)
+    noisy = with_wrong_answers(problems, 0.4, random.Random(0))
+    assert [p.prompt for p in noisy] == [p.prompt for p in problems]
+    changed = [(p.answer, q.answer) for p, q in zip(problems, noisy) if p.answer != q.answer]
+    assert 0.37 < len(changed) / len(problems) < 0.43
+    assert all(1 <= abs(a - b) <= 9 and b >= 0 for a, b in changed)
+    assert with_wrong_answers(problems, 0.0, random.Random(0)) == problems
+    assert with_wrong_answers(problems, 0.4, random.Random(0)) == noisy  # seeded
+    with pytest.raises(ValueError, match="wrong_answer_fraction"):
+        WarmStartConfig(wrong_answer_fraction=1.0)
