@@ -78,7 +78,7 @@ class Config:
     run_root: str = "runs"
     model_path: str = ""  # a local HF dir (Llama / Qwen2); empty: write a tiny random model into the run dir
     tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
-    task: ArithmeticTask = ArithmeticTask(max_operand=999, max_second_operand=9, num_heldout=200)
+    task: ArithmeticTask = ArithmeticTask(max_operand=99, max_second_operand=9, num_heldout=100)
     #: half of the warm start's answers are wrong (off by 1..9): RL starts from a policy that spreads
     #: probability over wrong answers rather than one sharpened on its own mistakes (see README)
     warm_start: WarmStartConfig = WarmStartConfig(wrong_answer_fraction=0.5)
