@@ -131,30 +131,21 @@ def pack_rows(
     seq_keep = torch.cat([prompt_mask, response_keep], dim=1)  # (b, p + t): each row's whole sequence
     seqlens = prompt_len + response_len
     position_ids = seq_keep.long().cumsum(-1) - 1  # (b, p + t), valid where seq_keep
-    if share_prompts:
-        leader = _first_row_with_same_prompt(prompt_ids, prompt_mask)  # (b)
-        is_leader = leader == torch.arange(b, device=leader.device)
-        # stream order: the distinct prompts in order of first appearance, each followed by its group
-        order = torch.sort(leader, stable=True).indices
-        stored = torch.cat([prompt_mask & is_leader[:, None], response_keep], dim=1)  # tokens held in the row
-    else:
-        order, stored = None, seq_keep
-    ordered = stored if order is None else stored[order]
-    flat_keep = ordered.reshape(-1)
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    if order is not None:
-        input_ids, position_ids_o = input_ids[order], position_ids[order]
-    else:
-        position_ids_o = position_ids
-    packed_input_ids = input_ids.reshape(-1)[flat_keep][None]
-    packed_position_ids = position_ids_o.reshape(-1)[flat_keep][None]
-    # packed position of every stored token, in the original row order
-    index = torch.empty_like(flat_keep, dtype=torch.long).masked_fill_(~flat_keep, -1)
+    rows_b = torch.arange(b, device=prompt_ids.device)
+    # each row's prompt is stored by its leader: the first row with the same prompt, or itself
+    leader = _first_row_with_same_prompt(prompt_ids, prompt_mask) if share_prompts else rows_b
+    stored = torch.cat([prompt_mask & (leader == rows_b)[:, None], response_keep], dim=1)  # tokens held in the row
+    # stream order: rows grouped behind their leader, leaders in order of first appearance
+    order = torch.sort(leader, stable=True).indices
+    flat_keep = stored[order].reshape(-1)
+    packed_input_ids = torch.cat([prompt_ids, response_ids], dim=1)[order].reshape(-1)[flat_keep][None]
+    packed_position_ids = position_ids[order].reshape(-1)[flat_keep][None]
+    # packed position of every stored token, back in the original row order; a row's prompt columns
+    # point at its leader's tokens
+    index = torch.full(flat_keep.shape, -1, dtype=torch.long, device=flat_keep.device)
     index[flat_keep] = torch.arange(int(flat_keep.sum()), device=index.device)
-    index = index.view(b, p + t)
-    if order is not None:
-        index = torch.empty_like(index).index_copy_(0, order, index)
-        index[:, :p] = index[leader, :p]  # a group's rows read their prompt from the leader's tokens
+    index = torch.empty(b, p + t, dtype=torch.long, device=index.device).index_copy_(0, order, index.view(b, p + t))
+    index[:, :p] = index[leader, :p]
     # the token before each kept response token predicts it (the prompt's last token for column 0;
     # prompts are left-padded, so column p - 1 is real in every row)
     predict_index = index[:, p - 1 : p + t - 1][response_keep]
@@ -163,7 +154,7 @@ def pack_rows(
         input_ids=packed_input_ids, position_ids=packed_position_ids, max_seqlen=int(seqlens.max()),
         predict_index=predict_index, rows=rows, cols=resp_cols, labels=response_ids[response_keep], shape=(b, t),
     )
-    if order is None:
+    if not share_prompts:
         cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
         return PackedRows(cu_seqlens=cu_seqlens, **common)
     return PackedRows(cu_seqlens=None, layout=_shared_layout(index, stored, prompt_len, seqlens, p), **common)
