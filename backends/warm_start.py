@@ -29,8 +29,9 @@ class WarmStartConfig:
     batch_size: int = 64  # global rows per step
     optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
     #: fraction of the supervised examples whose answer is replaced by a wrong one (the right sum plus
-    #: or minus 1..9): a warm start that has learned the format and the rule sharply enough still puts
-    #: about this much probability on wrong answers, a controlled imperfection for RL to remove
+    #: or minus 1..9): a controlled imperfection. The policy learns the answer format without being
+    #: sharpened on its own mistakes, so RL's samples still disagree within a group (measured in the
+    #: GRPO demo: 4 of 4 runs gained 32-75 held-out points from it; see README)
     wrong_answer_fraction: float = attrs.field(default=0.0)
 
     @wrong_answer_fraction.validator
