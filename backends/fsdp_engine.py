@@ -158,8 +158,9 @@ def _compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
 
 
 def _needs_own_attention(cfg: FSDPConfig, device: torch.device) -> bool:
-    """Packed rows need the packed-aware attention; so does bf16 on CPU, which it runs in fp32
-    (backends/packing.py: PyTorch's bf16 CPU flash-attention backward is several times slower)."""
+    """Packed rows need the packed-aware attention; so does bf16 on CPU, which it runs in fp32 or as
+    bf16 matmuls (backends/packing.py: PyTorch's bf16 CPU flash-attention backward is several times
+    slower)."""
     return cfg.use_remove_padding or (device.type == "cpu" and _compute_dtype(cfg, device) != torch.float32)
 
 
@@ -672,24 +673,27 @@ def _forward(
 ) -> ModelOutputs:
     """Log-probs (and entropies) of the response tokens; prompts are left-padded.
 
-    The response block is fully visible to attention: under the causal mask a real response token
-    only sees tokens before it, so padding after it changes nothing, and this keeps the result
-    independent of loss-masking edits to ``response_mask``. ``packed``: the same numbers from one
-    packed row (:func:`_forward_packed`), with each distinct prompt held once if ``share_prompts``.
+    The input is the prompt and all response columns but the last: position ``p - 1 + j`` predicts
+    response token ``j``, and the last column's output would predict nothing (nor does any earlier
+    token attend to it), so it is not computed. The response block is fully visible to attention:
+    under the causal mask a real response token only sees tokens before it, so padding after it
+    changes nothing, and this keeps the result independent of loss-masking edits to
+    ``response_mask``. ``packed``: the same numbers from one packed row (:func:`_forward_packed`),
+    with each distinct prompt held once if ``share_prompts``.
     """
     if packed:
         return _forward_packed(module, mb, with_entropy=with_entropy, role=role, share_prompts=share_prompts)
     t = mb.response_ids.shape[1]
-    input_ids = torch.cat([mb.prompt_ids, mb.response_ids], dim=1)
-    attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask)], dim=1)
+    input_ids = torch.cat([mb.prompt_ids, mb.response_ids[:, :-1]], dim=1)
+    attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask[:, :-1])], dim=1)
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     if role == "critic":
         return _forward_values(module, input_ids, attention_mask, position_ids, t)
     out = module(
         input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-        use_cache=False, logits_to_keep=t + 1,
+        use_cache=False, logits_to_keep=t,
     )
-    logits = out.logits[:, :-1]  # position p-1+j predicts response token j
+    logits = out.logits  # (b t v): position p-1+j predicts response token j
     logprobs = logprobs_from_logits(logits, mb.response_ids)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
@@ -725,15 +729,15 @@ def _forward_values(
     module: nn.Module, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, t: int
 ) -> ModelOutputs:
     """Values of the response tokens: the head's output at positions p-1 .. p+t-2 (those that predict
-    the response tokens), as verl's critic (``values[:, -t-1:-1]``). Same inputs as the log-prob pass."""
+    the response tokens; the input ends there), as verl's critic (``values[:, -t-1:-1]``). Same inputs
+    as the log-prob pass."""
     out = module(
         input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids, use_cache=False
     )
     logits = out.logits
     if logits.dim() != 3 or logits.shape[-1] != 1:
         raise ValueError(f"a critic's model must output one value per token (b, s, 1), got {tuple(logits.shape)}")
-    p = input_ids.shape[1] - t
-    return ModelOutputs(values=logits[:, p - 1:p + t - 1, 0].float())
+    return ModelOutputs(values=logits[:, -t:, 0].float())
 
 
 # ---------------------------------------------------------------------------------------- log-probs

@@ -2,8 +2,9 @@
 
 A padded micro-batch ``(b, p + t)`` spends compute on left-padding of the prompts and on response
 columns after each row's last real token. Packing keeps, per row, the real prompt tokens and the
-response up to its last ``response_mask`` token (at least one, so that every row still reaches the
-logits), and concatenates them into one row ``(1, T)``, ``T = sum_i (p_i + r_i)``:
+response tokens that predict the rest of it, up to its last ``response_mask`` token (the last one
+itself predicts nothing and is dropped; a row always predicts at least its first response token),
+and concatenates them into one row ``(1, T)``, ``T = sum_i (p_i + r_i - 1)``:
 
 - ``position_ids`` restart at 0 for every sequence (so rotary embeddings see what they see padded);
 - ``cu_seqlens`` ``(n + 1)`` are the cumulative sequence lengths (flash-attention's varlen format);
@@ -29,10 +30,11 @@ Attention on the packed row:
   ``cu_seq_lens_q`` the function falls back to HF's ``sdpa`` with the given mask, so a padded forward
   through the same model is unchanged.
 
-On CPU, bf16 / fp16 attention runs in fp32 (:func:`_cpu_fp32`), padded or packed: PyTorch's CPU
-flash-attention backward is about 4x slower in bf16 than in fp32 at these shapes (measured, torch
-2.13: 52 vs 12 ms for a (64, 4, 38, 64) fwd+bwd), and the attention matmuls are a small part of the
-FLOPs, so the upcast is both faster and more accurate.
+On CPU the block attention is two batched matmuls (:func:`_causal_matmul_attention`, in the input
+dtype) for short blocks, the usual case in RL (:data:`MATMUL_ATTENTION_MAX_LEN`): PyTorch's CPU SDPA
+kernels pay a large per-block overhead there, and its bf16 flash-attention backward is about 4x slower
+than fp32 (torch 2.13: 52 vs 12 ms for a (64, 4, 38, 64) fwd+bwd). Longer blocks, and the padded
+forward, run SDPA, with bf16 / fp16 inputs upcast to fp32 on CPU (:func:`_cpu_fp32`).
 
 Outputs are gathered at the positions that predict the response tokens and scattered back to
 ``(b t)`` (zeros after a row's last kept token), so losses written for padded batches are unchanged.
@@ -93,12 +95,17 @@ class PackedRows:
 
 
 def pack_rows(
-    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *, share_prompts: bool = False
+    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
+    share_prompts: bool = False, with_last_token: bool = False,
 ) -> PackedRows:
-    """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses (kept up to the
-    last ``response_mask`` token of each row, at least one) into one row. Row order is kept.
+    """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses into one row,
+    for predicting each row's response tokens up to its last ``response_mask`` token (at least one).
+    Row order is kept.
 
-    Every row needs at least one prompt token (the first response token's context).
+    Every row needs at least one prompt token (the first response token's context). The last
+    predicted token of a row is left out of the packed input: its output predicts nothing and no
+    other token attends to it, so dropping it changes no log-prob, value or gradient and saves one
+    token of compute per row. ``with_last_token`` keeps it (for a caller that reads its output).
 
     ``share_prompts``: rows with the same prompt (a GRPO group's ``n`` samples) hold its tokens once:
     the row is ``[prompt, response_1, ..., response_k]`` per distinct prompt, each response keeps the
@@ -127,14 +134,16 @@ def pack_rows(
     # last loss column + 1, at least 1: a row with no loss token still reaches the logits (zero weight)
     last = torch.where(response_mask, cols + 1, torch.zeros_like(cols)).amax(-1)
     response_len = last.clamp(min=1)
-    response_keep = cols[None, :] < response_len[:, None]  # (b t)
-    seq_keep = torch.cat([prompt_mask, response_keep], dim=1)  # (b, p + t): each row's whole sequence
-    seqlens = prompt_len + response_len
+    response_keep = cols[None, :] < response_len[:, None]  # (b t): the predicted response tokens
+    input_len = response_len if with_last_token else response_len - 1  # response tokens in the input
+    input_keep = cols[None, :] < input_len[:, None]
+    seq_keep = torch.cat([prompt_mask, input_keep], dim=1)  # (b, p + t): each row's whole sequence
+    seqlens = prompt_len + input_len
     position_ids = seq_keep.long().cumsum(-1) - 1  # (b, p + t), valid where seq_keep
     rows_b = torch.arange(b, device=prompt_ids.device)
     # each row's prompt is stored by its leader: the first row with the same prompt, or itself
     leader = _first_row_with_same_prompt(prompt_ids, prompt_mask) if share_prompts else rows_b
-    stored = torch.cat([prompt_mask & (leader == rows_b)[:, None], response_keep], dim=1)  # tokens held in the row
+    stored = torch.cat([prompt_mask & (leader == rows_b)[:, None], input_keep], dim=1)  # tokens held in the row
     # stream order: rows grouped behind their leader, leaders in order of first appearance
     order = torch.sort(leader, stable=True).indices
     flat_keep = stored[order].reshape(-1)
@@ -177,7 +186,7 @@ def _shared_layout(index: Tensor, stored: Tensor, prompt_len: Tensor, seqlens: T
     b = index.shape[0]
     max_len = int(seqlens.max())
     j = torch.arange(max_len, device=index.device)
-    # a sequence's tokens are the contiguous columns [p - prompt_len, p + response_len) of its row
+    # a sequence's tokens are the contiguous columns [p - prompt_len, p - prompt_len + seqlen) of its row
     col = (p - prompt_len)[:, None] + torch.minimum(j[None], (seqlens - 1)[:, None])
     gather = index.gather(1, col)  # (b L)
     slot = torch.arange(b, device=index.device)[:, None] * max_len + (
@@ -298,14 +307,54 @@ def varlen_sdpa_attention(
         rows = x[0].transpose(0, 1).index_select(0, flat_gather)
         return rows.view(n, max_len, x.shape[1], x.shape[3]).transpose(1, 2)
 
-    # upcast before the gather, so that a shared prompt's gradient is summed over its group in fp32
-    query, key, value, dtype = _cpu_fp32(query, key, value)
-    out = F.scaled_dot_product_attention(
-        padded(query), padded(key), padded(value), dropout_p=dropout if module.training else 0.0,
-        is_causal=True, scale=scaling, enable_gqa=heads != key.shape[1],
-    )  # (n h L d)
+    dropout = dropout if module.training else 0.0
+    dtype = query.dtype
+    if _use_matmul_attention(query, max_len):
+        out = _causal_matmul_attention(padded(query), padded(key), padded(value), scaling, dropout)
+    else:
+        # upcast before the gather, so that a shared prompt's gradient is summed over its group in fp32
+        query, key, value, dtype = _cpu_fp32(query, key, value)
+        out = F.scaled_dot_product_attention(
+            padded(query), padded(key), padded(value), dropout_p=dropout, is_causal=True, scale=scaling,
+            enable_gqa=heads != key.shape[1],
+        )  # (n h L d)
     out = out.transpose(1, 2).reshape(n * max_len, heads, head_dim).index_select(0, layout.scatter).to(dtype)  # (T h d)
     return out[None], None
+
+
+#: On CPU, the longest block (sequence) for which :func:`_causal_matmul_attention` beats SDPA, per
+#: input dtype (torch 2.13, one thread, fwd+bwd of (n, 4 heads, L, 64) with 2 KV heads). bf16: the
+#: matmul form at L = 33 / 256 / 1024 takes 8 / 38 / 224 ms against 18 / 51 / 151 ms for fp32 SDPA
+#: (the upcast path) and 52 / 61 / 127 ms for bf16 SDPA. fp32: 15 vs 18 ms at L = 33, 23 vs 19 at 64.
+#: In a whole GRPO update (benchmarks' config B, bf16) it took 519 instead of 576 ms.
+MATMUL_ATTENTION_MAX_LEN = {torch.float32: 48, torch.bfloat16: 512}
+
+
+def _use_matmul_attention(query: Tensor, max_len: int) -> bool:
+    return query.device.type == "cpu" and max_len <= MATMUL_ATTENTION_MAX_LEN.get(query.dtype, 0)
+
+
+def _causal_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None, dropout: float) -> Tensor:
+    """Causal attention ``q (n h L d), k v (n kv L d) -> (n h L d)`` as two batched matmuls.
+
+    The ``h / kv`` query heads that share a key/value head are stacked along the query axis, so every
+    matmul reads each key/value block once (no GQA expansion). Softmax accumulates in fp32 and returns
+    the input dtype. Cheaper than PyTorch's CPU SDPA kernels for
+    the short blocks of RL micro-batches (:data:`MATMUL_ATTENTION_MAX_LEN`), and in bf16 it needs no
+    upcast of ``q``, ``k``, ``v``.
+    """
+    n, h, length, d = q.shape
+    kv = k.shape[1]
+    if h % kv:
+        raise ValueError(f"{h} query heads are not a multiple of {kv} key/value heads")
+    scale = d**-0.5 if scale is None else scale
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
+    scores = torch.matmul(q.reshape(n, kv, h // kv * length, d), k.transpose(-1, -2)).view(n, kv, h // kv, length, length)
+    scores = scores.mul(scale).masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # bf16 / fp16 in and out, fp32 inside (PyTorch's CPU kernel)
+    if dropout:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs.view(n, kv, h // kv * length, length), v).view(n, h, length, d)
 
 
 def _varlen_sdpa_mask(*args: Any, attention_mask: Tensor | None = None, **kwargs: Any) -> Tensor | None:

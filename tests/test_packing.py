@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,23 +45,31 @@ def model_dir(tmp_path_factory):
 
 
 def test_pack_rows_layout_by_hand():
-    # row 0: prompt [_, 5, 6] (left pad), response [7, 8, 9] with loss on the first two -> keeps 7, 8
-    # row 1: prompt [4, 4, 3], response [2, _, _] -> keeps 2
-    # row 2: prompt [_, _, 1], response with no loss token -> keeps one token (zero weight)
+    # row 0: prompt [_, 5, 6] (left pad), response [7, 8, 9] with loss on the first two -> predicts 7, 8
+    # row 1: prompt [4, 4, 3], response [2, _, _] -> predicts 2
+    # row 2: prompt [_, _, 1], response with no loss token -> predicts one token (zero weight)
+    # The last predicted token of each row is not an input: its output would predict nothing.
     prompt_ids = torch.tensor([[0, 5, 6], [4, 4, 3], [0, 0, 1]])
     prompt_mask = torch.tensor([[False, True, True], [True, True, True], [False, False, True]])
     response_ids = torch.tensor([[7, 8, 9], [2, 0, 0], [11, 12, 13]])
     response_mask = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])
     packed = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask)
-    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 4, 4, 3, 2, 1, 11]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
-    assert packed.cu_seqlens.tolist() == [0, 4, 8, 10] and packed.cu_seqlens.dtype == torch.int32
-    assert packed.max_seqlen == 4
-    assert packed.predict_index.tolist() == [1, 2, 6, 8]  # the token before each kept response token
+    assert packed.input_ids.tolist() == [[5, 6, 7, 4, 4, 3, 1]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 0]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 6, 7] and packed.cu_seqlens.dtype == torch.int32
+    assert packed.max_seqlen == 3
+    assert packed.predict_index.tolist() == [1, 2, 5, 6]  # the token before each predicted response token
     assert packed.rows.tolist() == [0, 0, 1, 2] and packed.cols.tolist() == [0, 1, 0, 0]
     assert packed.labels.tolist() == [7, 8, 2, 11]
     back = unpack(torch.tensor([1.0, 2.0, 3.0, 4.0]), packed)
     assert back.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 0.0, 0.0]]
+    # with_last_token keeps each row's last predicted token in the input; the predictions are the same
+    full = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, with_last_token=True)
+    assert full.input_ids.tolist() == [[5, 6, 7, 8, 4, 4, 3, 2, 1, 11]]
+    assert full.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
+    assert full.cu_seqlens.tolist() == [0, 4, 8, 10] and full.max_seqlen == 4
+    assert full.predict_index.tolist() == [1, 2, 6, 8]
+    assert full.labels.tolist() == packed.labels.tolist() and full.rows.tolist() == packed.rows.tolist()
 
 
 def test_pack_rows_errors():
@@ -81,18 +90,19 @@ def test_pack_rows_shared_prompts_by_hand():
     response_ids = torch.tensor([[7, 8, 9], [2, 0, 0], [11, 12, 13]])
     response_mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
     packed = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, share_prompts=True)
-    # stream: prompt A, row 0's response, row 2's response, then prompt B and row 1's response
-    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 11, 12, 13, 4, 4, 3, 2]]
-    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 2, 3, 4, 0, 1, 2, 3]]
-    assert packed.cu_seqlens is None and packed.max_seqlen == 5
+    # stream: prompt A, row 0's response, row 2's response, then prompt B and row 1's response, each
+    # response without its last predicted token (row 1's only token goes, so B stands alone)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 11, 12, 4, 4, 3]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 2, 3, 0, 1, 2]]
+    assert packed.cu_seqlens is None and packed.max_seqlen == 4
     assert packed.rows.tolist() == [0, 0, 1, 2, 2, 2] and packed.cols.tolist() == [0, 1, 0, 0, 1, 2]
-    assert packed.predict_index.tolist() == [1, 2, 9, 1, 4, 5]  # row 2's first token: prompt A's last
+    assert packed.predict_index.tolist() == [1, 2, 7, 1, 3, 4]  # row 2's first token: prompt A's last
     assert packed.labels.tolist() == [7, 8, 2, 11, 12, 13]
     layout = packed.layout
     # block row i = sequence i: its prompt (row 2 reads row 0's copy), its response, then its last token again
-    assert layout.gather.tolist() == [[0, 1, 2, 3, 3], [7, 8, 9, 10, 10], [0, 1, 4, 5, 6]]
+    assert layout.gather.tolist() == [[0, 1, 2, 2], [5, 6, 7, 7], [0, 1, 3, 4]]
     # each stored token's output comes from the slot of the row that stores it
-    assert layout.scatter.tolist() == [0, 1, 2, 3, 12, 13, 14, 5, 6, 7, 8]
+    assert layout.scatter.tolist() == [0, 1, 2, 10, 11, 4, 5, 6]
     unshared = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask)
     assert unshared.num_tokens == packed.num_tokens + 2 and unshared.layout is None
 
@@ -239,7 +249,7 @@ def test_varlen_attention_equals_hf_block_diagonal_mask(model_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
     """The left-aligned block (one SDPA call) equals causal SDPA run on each sequence alone, GQA
-    included; empty sequences in cu_seqlens are allowed; bf16 in gives bf16 out (computed in fp32)."""
+    included; empty sequences in cu_seqlens are allowed; bf16 in gives bf16 out."""
     import types
 
     import torch.nn.functional as F
@@ -258,6 +268,36 @@ def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
     ], dim=2).transpose(1, 2)
     assert out.dtype == dtype and out.shape == ref.shape
     assert float((out.float() - ref).abs().max()) < (1e-6 if dtype == torch.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matmul_and_sdpa_block_attention_agree(monkeypatch, dtype):
+    """Both kernels of the packed attention (batched matmuls for short blocks on CPU, SDPA otherwise)
+    give the fp32 reference's outputs and q / k / v gradients: to rounding in fp32, to bf16 precision
+    in bf16 (where SDPA runs on an fp32 upcast and the matmul form in bf16)."""
+    import types
+
+    from backends import packing
+
+    g = torch.Generator().manual_seed(0)
+    q0, k0, v0 = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
+    cu = torch.tensor([0, 11, 30, 31, 40], dtype=torch.int32)
+    grad_out = torch.randn(1, 40, 4, 16, generator=g)
+
+    def run(kernel_max_len: int, dt: torch.dtype) -> list[Tensor]:
+        monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LEN", {dt: kernel_max_len})
+        q, k, v = (x.detach().to(dt).requires_grad_() for x in (q0, k0, v0))
+        out, _ = packing.varlen_sdpa_attention(types.SimpleNamespace(training=True), q, k, v, None, cu_seq_lens_q=cu)
+        assert out.dtype == dt
+        out.backward(grad_out.to(dt))
+        return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+
+    reference = run(0, torch.float32)  # SDPA in fp32
+    for kernel_max_len in (0, 1000):  # SDPA, then the matmul form
+        got = run(kernel_max_len, dtype)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, reference):
+            err = float((a - b).abs().max() / b.abs().max())
+            assert err < (1e-5 if dtype == torch.float32 else 1e-2), (kernel_max_len, name, err)
 
 
 def test_config_errors():
