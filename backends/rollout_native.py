@@ -367,6 +367,15 @@ def _layers(model: Any, rows_hint: int, prepack: bool) -> list[_Layer]:
     return out
 
 
+def _softmax(x: Tensor) -> Tensor:
+    """``softmax(x, -1)``; as exp / sum when the last dim is under 16 on CPU, where PyTorch's kernel
+    takes a slow path (torch 2.13, (128, 2, 2, 10) fp32: 100 us against 28 us; 25 us at 22)."""
+    if x.shape[-1] >= 16 or x.device.type != "cpu":
+        return torch.softmax(x, dim=-1)
+    e = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True))
+
+
 def _rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """HF's ``x * cos + rotate_half(x) * sin`` with ``sin_signed = cat(-sin[:half], sin[half:])``."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
@@ -458,7 +467,7 @@ class _Decoder:
             vc[:, :, slot] = qkv[:, h + kv :]
             q = qk[:, :h].view(b, kv, h // kv, d).to(self.att_dtype)
             scores = torch.matmul(q, kc[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scale).add_(bias)
-            att = torch.matmul(torch.softmax(scores, dim=-1), vc[:, :, : slot + 1])  # (b kv g d)
+            att = torch.matmul(_softmax(scores), vc[:, :, : slot + 1])  # (b kv g d)
             x = lw.o.add_to(x, att.view(b, h * d).to(self.dtype))
             x = self._mlp(x, lw)
         return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
