@@ -534,15 +534,22 @@ def test_empty_response_batch_is_a_skipped_step(behaviour):
         assert r["empty_step"] == 1
 
 
+def assert_nonfinite_step_skipped(r: dict, *, grads_dropped_key: str, step_after: int) -> None:
+    """A worker's record of a NaN-loss update (no step, gradients dropped, ``update_skipped = 1``)
+    followed by a finite one (a real step; ``step`` is ``step_after`` afterwards). Shared by the FSDP
+    and Megatron engines' tests."""
+    m = r["nan_metrics"]
+    assert m["update_skipped"] == 1.0 and math.isnan(m["loss"]) and not math.isfinite(m["grad_norm"])
+    assert r["nan_unchanged"] and r[grads_dropped_key]
+    good = r["after_nan_metrics"]
+    assert good["update_skipped"] == 0.0 and math.isfinite(good["loss"]) and math.isfinite(good["grad_norm"])
+    assert r["after_nan_changed"] and r["after_nan_step"] == step_after
+
+
 @pytest.mark.distributed
 def test_nan_loss_skips_the_step(behaviour):
     for r in behaviour:
-        m = r["nan_metrics"]
-        assert m["update_skipped"] == 1.0 and math.isnan(m["loss"]) and not math.isfinite(m["grad_norm"])
-        assert r["nan_unchanged"] and r["nan_grads_cleared"]
-        good = r["after_nan_metrics"]
-        assert good["update_skipped"] == 0.0 and math.isfinite(good["loss"]) and math.isfinite(good["grad_norm"])
-        assert r["after_nan_changed"] and r["after_nan_step"] == 3
+        assert_nonfinite_step_skipped(r, grads_dropped_key="nan_grads_cleared", step_after=3)
 
 
 @pytest.mark.distributed

@@ -19,7 +19,7 @@ from backends.megatron.model import check_parallel_sizes, model_shape
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
-from tests.test_fsdp_engine import (OPTIM, _max_diff, _nan_loss, _numpy, _ppo_loss, hf_logprobs, make_batch, pg_loss,
+from tests.test_fsdp_engine import (OPTIM, _max_diff, assert_nonfinite_step_skipped, _nan_loss, _numpy, _ppo_loss, hf_logprobs, make_batch, pg_loss,
                                     rank_rows, reference_updates)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
@@ -365,12 +365,7 @@ def test_non_finite_loss_or_grad_norm_on_one_rank_skips_the_step_on_every_rank(m
             flags = r[f"tp{tp}-pp{pp}"]
             want = {"nan_loss_on_rank_1": True, "inf_norm_on_rank_0": True, "finite_everywhere": False}
             assert flags == want, (tp, pp, flags)
-        m = r["nan_metrics"]
-        assert m["update_skipped"] == 1.0 and np.isnan(m["loss"]) and not np.isfinite(m["grad_norm"])
-        assert r["nan_unchanged"] and r["nan_grads_dropped"]
-        good = r["after_nan_metrics"]
-        assert good["update_skipped"] == 0.0 and np.isfinite(good["loss"]) and np.isfinite(good["grad_norm"])
-        assert r["after_nan_changed"] and r["after_nan_step"] == 2
+        assert_nonfinite_step_skipped(r, grads_dropped_key="nan_grads_dropped", step_after=2)
 
 
 # ------------------------------------------------------------------------ bad input (single process)

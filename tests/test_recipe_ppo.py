@@ -100,14 +100,20 @@ def test_torchrun_two_ranks_megatron_reference(tmp_path):
     assert kl and all(math.isfinite(v) for v in kl) and max(abs(v) for v in kl[1:]) > 0  # the policy moved off the reference
 
 
-def test_bad_mini_batch_size_fails_before_any_work(tmp_path):
+def _fails_before_any_work(run_root, overrides: list[str], message: str) -> None:
+    """The recipe exits non-zero with ``message`` on stderr and writes nothing under ``run_root``."""
     out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "prompts_per_step=4", "algo.ppo_mini_batch_size=3"],
+        [sys.executable, str(RECIPE), f"run_root={run_root}", *overrides],
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
-    assert "algo.ppo_mini_batch_size=3 must divide prompts_per_step=4" in out.stderr
-    assert not list(tmp_path.iterdir())
+    assert message in out.stderr
+    assert not list(run_root.iterdir())
+
+
+def test_bad_mini_batch_size_fails_before_any_work(tmp_path):
+    _fails_before_any_work(tmp_path, ["prompts_per_step=4", "algo.ppo_mini_batch_size=3"],
+                           "algo.ppo_mini_batch_size=3 must divide prompts_per_step=4")
 
 
 def test_help_lists_keys():
@@ -130,10 +136,5 @@ def test_outcome_token_rewards():
 
 def test_ref_in_actor_under_split_placement_fails_before_any_work(tmp_path):
     """Only the critic pool would reach the reference; the recipe refuses the pair on every rank first."""
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "placement.mode=split", "reference.ref_in_actor=true"],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode != 0
-    assert "reference.ref_in_actor=true needs the actor and the reference on the same ranks" in out.stderr
-    assert not list(tmp_path.iterdir())
+    _fails_before_any_work(tmp_path, ["placement.mode=split", "reference.ref_in_actor=true"],
+                           "reference.ref_in_actor=true needs the actor and the reference on the same ranks")
