@@ -21,7 +21,8 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   gradient checkpointing a layer keeps only its input (``h``) and one layer's full set lives during
   its recompute. The padded attention mask (``b x s x s``) is saved once when ``padded``. Packed
   (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen saves; the CPU
-  packed path (backends/packing.py) saves q, k, v and the output for ``n x max_len`` positions, so
+  packed path (backends/packing.py) saves q, k, v and the output for ``n x max_len`` positions, and
+  for short blocks (its batched-matmul attention) the ``n x heads x max_len^2`` probabilities, so
   ragged rows need more there (up to 25% more in the tests). Tensor
   parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
   ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
