@@ -412,8 +412,10 @@ class _Decoder:
         # rows, measured), and the cache is small next to the weights at these sizes.
         self.att_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         shape = (rows, self.num_kv, total_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.att_dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.att_dtype, device=self.device) for _ in self.layers]
+        # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
+        # to it, so no slot is read before it is written
+        self.k_cache = [torch.empty(shape, dtype=self.att_dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=self.att_dtype, device=self.device) for _ in self.layers]
 
     def _rms(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)

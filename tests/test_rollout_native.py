@@ -188,6 +188,29 @@ def test_compaction_does_not_change_results(setup, many_eos):
         torch.testing.assert_close(outs[0].rollout_logprobs, other.rollout_logprobs, rtol=0, atol=1e-5)
 
 
+def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
+    """The KV caches are allocated uninitialised; filled with NaN instead, the samples and log-probs
+    are the same (through left padding, compaction and every step), so no slot is read unwritten."""
+    from backends import rollout_native
+
+    _, _, _, tok, _ = setup
+    sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12)
+    prompts = _prompts(tok, TEXTS + ["1"])  # prompts of different lengths: left padding
+    clean = generate(many_eos, prompts, sampling, seed=3)
+    init = rollout_native._Decoder.__init__
+
+    def nan_caches(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for cache in self.k_cache + self.v_cache:
+            cache.fill_(float("nan"))
+
+    monkeypatch.setattr(rollout_native._Decoder, "__init__", nan_caches)
+    poisoned = generate(many_eos, prompts, sampling, seed=3)
+    assert torch.equal(clean.response_ids, poisoned.response_ids)
+    assert torch.equal(clean.rollout_logprobs, poisoned.rollout_logprobs)
+    assert bool(torch.isfinite(poisoned.rollout_logprobs).all())
+
+
 @QWEN2_ONLY
 def test_without_prepacked_weights_same_tokens(setup):
     _, _, _, tok, rollout = setup
