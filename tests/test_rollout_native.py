@@ -212,8 +212,16 @@ def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
 
 
 @QWEN2_ONLY
-def test_without_prepacked_weights_same_tokens(setup):
+def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
+    """oneDNN-prepacked linears (fp32 ones only from PREPACK_MIN_FP32_WEIGHT elements: lowered here so
+    that the tiny model's are) give the tokens and log-probs of plain ``F.linear``."""
+    from backends import rollout_native
+
     _, _, _, tok, rollout = setup
+    monkeypatch.setattr(rollout_native, "PREPACK_MIN_FP32_WEIGHT", 0)
+    if rollout_native._onednn_linear_works(torch.float32):
+        layer = rollout_native._layers(rollout.model, rows_hint=4, prepack=True)[0]
+        assert layer.qkv.packed is not None and layer.down.packed is not None
     sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=10)
     a = generate(rollout, _prompts(tok), sampling)
     b = generate(attrs.evolve(rollout, prepack_cpu_weights=False), _prompts(tok), sampling)
