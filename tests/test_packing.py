@@ -141,8 +141,19 @@ def _masked_max_diff(a, b, mask):
     return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
+@pytest.fixture(params=["matmul", "sdpa"])
+def block_kernel(request, monkeypatch):
+    """Run a test with each kernel of the packed attention (the tests' short blocks pick the matmul
+    form by default; "sdpa" turns it off)."""
+    from backends import packing
+
+    if request.param == "sdpa":
+        monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LEN", {})
+    return request.param
+
+
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_packed_actor_equals_padded(model_dir, gradient_checkpointing):
+def test_packed_actor_equals_padded(model_dir, gradient_checkpointing, block_kernel):
     torch.manual_seed(0)
     model, _ = load_causal_lm(model_dir)
     model.train()
@@ -174,7 +185,7 @@ def _assert_actor_equal(batch, padded_result, packed_result):
 
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing):
+def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing, block_kernel):
     """Rows with the same prompt hold it once in the packed row: same log-probs, entropies, loss and
     gradients as the padded forward, with fewer packed tokens."""
     model, _ = load_causal_lm(model_dir)
