@@ -309,14 +309,16 @@ def varlen_sdpa_attention(
 
     dropout = dropout if module.training else 0.0
     dtype = query.dtype
-    if _use_matmul_attention(query, max_len):
-        out = _causal_matmul_attention(padded(query), padded(key), padded(value), scaling, dropout)
-    else:
+    use_matmul = _use_matmul_attention(query, max_len)
+    if not use_matmul:
         # upcast before the gather, so that a shared prompt's gradient is summed over its group in fp32
         query, key, value, dtype = _cpu_fp32(query, key, value)
+    q, k, v = padded(query), padded(key), padded(value)
+    if use_matmul:
+        out = _causal_matmul_attention(q, k, v, scaling, dropout)
+    else:
         out = F.scaled_dot_product_attention(
-            padded(query), padded(key), padded(value), dropout_p=dropout, is_causal=True, scale=scaling,
-            enable_gqa=heads != key.shape[1],
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=heads != k.shape[1]
         )  # (n h L d)
     out = out.transpose(1, 2).reshape(n * max_len, heads, head_dim).index_select(0, layout.scatter).to(dtype)  # (T h d)
     return out[None], None
@@ -346,9 +348,7 @@ def _causal_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | Non
     measured.)
     """
     n, h, length, d = q.shape
-    kv = k.shape[1]
-    if h % kv:
-        raise ValueError(f"{h} query heads are not a multiple of {kv} key/value heads")
+    kv = k.shape[1]  # divides h (checked by the caller)
     scale = d**-0.5 if scale is None else scale
     future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
     scores = torch.matmul(q.reshape(n, kv, h // kv * length, d), k.transpose(-1, -2)).view(n, kv, h // kv, length, length)

@@ -19,8 +19,8 @@ from backends.megatron.model import check_parallel_sizes, model_shape
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
-from tests.test_fsdp_engine import (OPTIM, _max_diff, assert_nonfinite_step_skipped, _nan_loss, _numpy, _ppo_loss, hf_logprobs, make_batch, pg_loss,
-                                    rank_rows, reference_updates)
+from tests.test_fsdp_engine import (OPTIM, _max_diff, _nan_loss, _numpy, _ppo_loss, assert_nonfinite_step_skipped,
+                                    hf_logprobs, make_batch, pg_loss, rank_rows, reference_updates)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
