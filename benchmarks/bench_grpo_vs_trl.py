@@ -156,8 +156,10 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     matmuls through ``torch.matmul``: it times only the linear layers' GEMMs
     (no attention, norms, activations, sampling or optimizer), for the mean real lengths (no padding):
     decoding = ``completion_tokens`` steps of ``rows`` tokens through every linear + lm_head (the
-    prompt prefill is left out); update = forward + the two backward GEMMs over all
-    ``rows * (prompt + completion)`` tokens (lm_head over the completion tokens only).
+    prompt prefill is left out); update = forward + the two backward GEMMs over the fewest tokens an
+    exact update needs: each prompt once per group of ``SAMPLES`` (shared-prefix training) and each
+    completion less its last token (whose output predicts nothing), i.e.
+    ``rows / SAMPLES * prompt + rows * (completion - 1)`` (lm_head over the predicted tokens only).
     """
     import torch
 
@@ -182,7 +184,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
             ms += timed(lambda: gy @ w) + timed(lambda: gy.t() @ x)
         return ms
 
-    tokens = int(rows * (prompt_tokens + completion_tokens))
+    tokens = int(rows / SAMPLES * prompt_tokens + rows * (completion_tokens - 1))
     decode_step = c["num_layers"] * sum(linear_ms(rows, k, n, False) for k, n in layer) + linear_ms(rows, hidden, vocab, False)
     update = c["num_layers"] * sum(linear_ms(tokens, k, n, True) for k, n in layer)
     update += linear_ms(int(rows * completion_tokens), hidden, vocab, True)
