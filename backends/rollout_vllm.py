@@ -65,7 +65,7 @@ from backends.rollout_native import (
     _rollout_batch,
     decode_responses,
 )
-from rlfunc.batch import RolloutBatch, validate
+from rlfunc.batch import RolloutBatch
 
 __all__ = [
     "VLLMConfig",

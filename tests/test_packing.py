@@ -14,7 +14,7 @@ from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.fsdp_engine import FSDPConfig, ModelOutputs, _enable_checkpointing, _forward, micro_batch_groups
+from backends.fsdp_engine import FSDPConfig, _enable_checkpointing, _forward, micro_batch_groups
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from backends.packing import VARLEN_SDPA, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc.aggregation import aggregate

@@ -12,7 +12,7 @@ import torch
 
 from backends.distributed import init_distributed
 from backends.fsdp_engine import (
-    FSDPConfig, build_actor, build_reference, compile_layers, compute_logprobs, reference_from_lora_actor, update,
+    FSDPConfig, build_actor, build_reference, compile_layers, compute_logprobs, update,
 )
 from backends.models import TinyModelConfig, write_tiny_model
 from backends.optim import OptimConfig
