@@ -101,6 +101,7 @@ __all__ = [
     "model_fingerprint",
     "flatten_config",
     "config_hash",
+    "config_diff",
     "capture_rng_state",
     "restore_rng_state",
 ]
@@ -183,7 +184,8 @@ def config_hash(flat_config: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(dict(flat_config), sort_keys=True).encode()).hexdigest()
 
 
-def _config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """One line per key whose value differs: ``key: checkpoint <saved>, now <current>``."""
     missing = object()
     lines = []
     for key in sorted(set(saved) | set(current)):
@@ -882,7 +884,7 @@ def _validate_against(info: CheckpointInfo, states: Mapping[str, Any], config: A
             )
         saved_cfg, current_cfg = saved.get("model_config"), _model_config(state.module)
         if saved_cfg is not None and current_cfg is not None and saved_cfg != current_cfg:
-            diff = _config_diff(saved_cfg, current_cfg)
+            diff = config_diff(saved_cfg, current_cfg)
             warnings.warn(
                 f"checkpoint {str(info.path)!r} state {name!r}: same parameter names and shapes, but the model "
                 f"config differs in {len(diff)} key(s):\n  " + "\n  ".join(diff),
@@ -900,7 +902,7 @@ def _validate_against(info: CheckpointInfo, states: Mapping[str, Any], config: A
                     f"the state being restored uses {type(state.optimizer).__name__}"
                 )
     if config is not None:
-        diff = _config_diff(info.config, flatten_config(config))
+        diff = config_diff(info.config, flatten_config(config))
         if diff:
             raise CheckpointMismatchError(
                 f"checkpoint {str(info.path)!r} was written with a different config ({len(diff)} key(s) differ):\n  "

@@ -6,8 +6,17 @@ Run:  python experiments/grpo_arithmetic.py                                     
       ... actor.backend=megatron actor.tp=2 (or actor.pp=2): megatron-core tensor / pipeline parallel
       --help lists every key.
 
-Reads top to bottom: config -> model -> supervised warm start -> held-out eval -> RL loop
-[rollout -> reward -> log-probs -> advantages -> policy update -> weight sync] -> held-out eval -> summary.
+Checkpoints and exact resume (FSDP backend):
+      ... checkpoint.every=50 checkpoint.dir=/ckpt/grpo      (save every 50 steps and at the last)
+      ... resume=auto checkpoint.dir=/ckpt/grpo              (after a crash: continue from the newest complete
+                                                              checkpoint, in the same run dir)
+      ... resume=/ckpt/grpo/step_100                         (from that checkpoint)
+A checkpoint holds the actor (weights + AdamW, sharded), the step, every rank's RNG and the data-stream
+position; a resumed run on the same world size logs the same metrics as an uninterrupted one.
+
+Reads top to bottom: config -> [resume point] -> model -> supervised warm start -> held-out eval -> RL loop
+[rollout -> reward -> log-probs -> advantages -> policy update -> weight sync -> checkpoint] -> held-out eval
+-> summary.
 """
 
 from __future__ import annotations
@@ -25,13 +34,15 @@ from tqdm import tqdm
 
 import rlfunc as rf
 from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
+from backends.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import all_reduce_sum, barrier, broadcast_object, get_logger, init_distributed, seed_everything, shutdown
+from backends.distributed import all_reduce_sum, barrier, get_logger, init_distributed, seed_everything, shutdown
 from backends.engines import select_engine
 from backends.fsdp_engine import FSDPConfig
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
 from backends.optim import OptimConfig, with_total_steps
+from backends.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
 from backends.rollout import RolloutConfig, build_rollout, generate, shutdown_rollout, sync_weights
 from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
 
@@ -76,6 +87,9 @@ class Config:
     eval_every: int = 100  # 0: only before and after
     eval_samples: int = 4  # samples per held-out prompt for the sampled success rate
     run_root: str = "runs"
+    run_dir: str = ""  # empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
+    resume: str = "never"  # never | auto | <a step_N checkpoint dir>
+    checkpoint: CheckpointConfig = CheckpointConfig()
     model_path: str = ""  # a local HF dir (Llama / Qwen2); empty: write a tiny random model into the run dir
     tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
     task: ArithmeticTask = ArithmeticTask(max_operand=99, max_second_operand=9, num_heldout=100)
@@ -88,11 +102,17 @@ class Config:
     algo: AlgoConfig = AlgoConfig()
 
 
+#: keys that may differ between a run and its resumption (where things go, not what is computed)
+_RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "eval_every")
+
+
 def main(argv: list[str]) -> dict:
     if "--help" in argv or "-h" in argv:
         print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
         return {}
     cfg = apply_overrides(Config(), argv)  # an unknown key fails here, before any work
+    if cfg.actor.backend != "fsdp" and (cfg.checkpoint.every or cfg.resume != "never"):
+        raise ValueError(f"actor.backend={cfg.actor.backend} does not checkpoint yet: leave checkpoint.every=0 and resume=never")
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     env = init_distributed()
     log = get_logger("grpo", env)
@@ -100,31 +120,45 @@ def main(argv: list[str]) -> dict:
     if cfg.prompts_per_step % env.world_size:
         raise ValueError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {env.world_size}")
 
-    # Run directory and base model: rank 0 writes them, everyone waits.
-    run_dir = Path(broadcast_object(str(Path(cfg.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")))
+    # Where to resume from (checked against this config before anything is built) and the run dir.
+    must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE_KEYS}
+    resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir, run_root=cfg.run_root,
+                                        name=cfg.name, must_match=must_match)
+    ckpt_dir = checkpoint_dir(cfg.checkpoint, run_dir)
     model_path = Path(cfg.model_path) if cfg.model_path else run_dir / "base_model"
+    # the warm-started policy, saved as an HF dir: the rollout's start, the frozen reference and, on resume,
+    # the architecture the checkpoint's weights are loaded into
+    warm_path = run_dir / "warm_start_model" if cfg.warm_start.steps else model_path
+    rl_optim = with_total_steps(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
+    t_start = time.time()
+
+    # Run directory and base model: rank 0 writes them, everyone waits. A fresh start begins a new
+    # metrics log; a resumed one drops what the crashed run logged after its checkpoint.
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-        if not cfg.model_path:
-            write_tiny_model(model_path, cfg.tiny, build_char_tokenizer())
+        truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
+        if resume_from is None:
+            (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+            if not cfg.model_path:
+                write_tiny_model(model_path, cfg.tiny, build_char_tokenizer())
     barrier()
     tokenizer = load_tokenizer(model_path)
     metrics_log = MetricsLog(run_dir, enabled=env.is_main)
-    t_start = time.time()
 
-    # Supervised warm start, through the same engine and the same pure-loss interface as RL.
-    rl_optim = with_total_steps(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
-    actor = engine.build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, engine.config)
-    dp_rank, dp_size = engine.data_parallel(actor)  # megatron's TP / PP peers share their rows
-    stream = cfg.task.train_stream(seed=cfg.seed)
-    if cfg.warm_start.steps:
-        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log,
-                                      update_fn=engine.update, data_parallel=(dp_rank, dp_size))
-        actor = engine.fresh_optimizer(actor, rl_optim)
-
-    # The warm-started policy, saved as an HF checkpoint, is the rollout's start and the frozen reference.
-    warm_path = engine.export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer) if cfg.warm_start.steps else model_path
+    if resume_from is None:
+        # Supervised warm start, through the same engine and the same pure-loss interface as RL.
+        actor = engine.build_actor(model_path, env, warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim, engine.config)
+        dp_rank, dp_size = engine.data_parallel(actor)  # megatron's TP / PP peers share their rows
+        stream = cfg.task.train_stream(seed=cfg.seed)
+        if cfg.warm_start.steps:
+            actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log,
+                                          update_fn=engine.update, data_parallel=(dp_rank, dp_size))
+            actor = engine.fresh_optimizer(actor, rl_optim)
+            engine.export_hf(actor, warm_path, tokenizer=tokenizer)
+    else:
+        log.info(f"resuming from {resume_from} (run dir {run_dir})")
+        actor = engine.build_actor(warm_path, env, rl_optim, engine.config)
+        dp_rank, dp_size = engine.data_parallel(actor)
     rollout = build_rollout(cfg.rollout, warm_path, tokenizer, seed=cfg.seed)
     reference = None
     if cfg.algo.kl_coef > 0:
@@ -133,8 +167,17 @@ def main(argv: list[str]) -> dict:
     heldout = cfg.task.heldout()
     sampled_eval = attrs.evolve(cfg.rollout, n=cfg.eval_samples)
     greedy_eval = attrs.evolve(cfg.rollout, n=1, temperature=0.0)
-    eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
-    greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
+    if resume_from is None:
+        first_step, wall_before = 1, 0.0
+        eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
+        greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
+    else:  # the actor's weights, AdamW state and step, every rank's RNG, and what the loop carries
+        states, extra = load_checkpoint(resume_from, {"actor": actor}, config=must_match)
+        actor = states["actor"]
+        stream = cfg.task.train_stream(seed=cfg.seed, drawn=extra["drawn"])
+        eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
+        first_step = extra["step"] + 1
+        rollout = sync_weights(rollout, engine.full_state_dict(actor))
     log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
 
     loss_fn = functools.partial(
@@ -148,7 +191,7 @@ def main(argv: list[str]) -> dict:
     )
     estimator = rf.get_advantage_estimator(cfg.algo.estimator)
     estimator_kwargs = {"norm_by_std": cfg.algo.norm_by_std} if cfg.algo.estimator == "grpo" else {}
-    for step in tqdm(range(1, cfg.steps + 1), desc="GRPO", disable=not env.is_main):
+    for step in tqdm(range(first_step, cfg.steps + 1), desc="GRPO", disable=not env.is_main, initial=first_step - 1, total=cfg.steps):
         t0 = time.time()
         # 1. rollout: n samples per prompt, for this rank's share of the prompts
         problems = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
@@ -201,9 +244,18 @@ def main(argv: list[str]) -> dict:
             keys = ("reward_mean", "success_rate", "kl", "entropy", "clip_frac", "grad_norm", "response_length", "tokens_per_s", "step_time_s")
             tqdm.write(f"step {step:4d} " + " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats))
 
+        # 7. checkpoint: the actor (sharded, with AdamW), RNG, and what the loop carries
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
+            extra = {
+                "step": step, "drawn": stream.drawn, "run_dir": str(run_dir),
+                "eval_before": eval_before, "greedy_before": greedy_before,
+                "wall_seconds": wall_before + time.time() - t_start,
+            }
+            save_checkpoint(ckpt_dir, step, {"actor": actor}, extra, keep_last=cfg.checkpoint.keep_last, config=must_match)
+
     eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
     greedy_after = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
-    wall = time.time() - t_start
+    wall = wall_before + time.time() - t_start
     summary = {
         "eval_before": eval_before,
         "eval_after": eval_after,
@@ -212,6 +264,7 @@ def main(argv: list[str]) -> dict:
         "eval_greedy_after": greedy_after,
         "num_heldout": len(heldout),
         "steps": cfg.steps,
+        "resumed_from": str(resume_from) if resume_from is not None else None,
         "wall_seconds": round(wall, 1),
         "world_size": env.world_size,
         "run_dir": str(run_dir),

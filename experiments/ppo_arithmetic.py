@@ -44,12 +44,10 @@ from tqdm import tqdm
 
 import rlfunc as rf
 from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
-from backends.checkpoint import (
-    CheckpointMismatchError, checkpoint_info, flatten_config, load_checkpoint, resolve_resume, save_checkpoint,
-)
+from backends.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
 from backends.config import apply_overrides, available_presets, config_keys, config_to_dict
 from backends.distributed import (
-    all_reduce_sum, barrier, broadcast_object, get_logger, global_masked_whiten, init_distributed, seed_everything, shutdown,
+    all_reduce_sum, barrier, get_logger, global_masked_whiten, init_distributed, seed_everything, shutdown,
 )
 from backends.fsdp_engine import (
     FSDPConfig, build_actor, build_critic, compute_logprobs, compute_values,
@@ -62,6 +60,7 @@ from backends.optim import OptimConfig, with_total_steps
 from backends.orbax_io import save_orbax
 from backends.placement import PlacementConfig, build_placement
 from backends.reference import ReferenceConfig, build_reference_role, reference_logprobs
+from backends.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
 from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
 
@@ -101,13 +100,6 @@ class ActorConfig:
 class CriticConfig:
     optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0, clip_grad=1.0)
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
-
-
-@attrs.frozen
-class CheckpointConfig:
-    every: int = 0  # save every N RL steps (and at the last step); 0: never
-    dir: str = ""  # where step_<N> dirs go; empty: <run_dir>/checkpoints. Keep it stable across restarts.
-    keep_last: int = 3
 
 
 @attrs.frozen
@@ -173,8 +165,9 @@ def main(argv: list[str]) -> dict:
 
     # Where to resume from, checked against this config before anything is built.
     must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE_KEYS}
-    resume_from, run_dir = _resume_point(cfg, must_match)
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir, run_root=cfg.run_root,
+                                        name=cfg.name, must_match=must_match)
+    ckpt_dir = checkpoint_dir(cfg.checkpoint, run_dir)
     warm_path = run_dir / "warm_start_model" if cfg.warm_start.steps else (Path(cfg.model_path) if cfg.model_path else run_dir / "base_model")
     rl_optim = with_total_steps(cfg.actor.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
     critic_optim = with_total_steps(cfg.critic.optim, cfg.steps * cfg.algo.ppo_epochs * num_mini)
@@ -182,7 +175,7 @@ def main(argv: list[str]) -> dict:
 
     if env.is_main:  # a fresh run starts a new log; a resumed one drops what was logged after its checkpoint
         run_dir.mkdir(parents=True, exist_ok=True)
-        _truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
+        truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
     barrier()
     metrics_log = MetricsLog(run_dir, enabled=env.is_main)
     actor = rollout = critic = reference = stream = None
@@ -428,60 +421,6 @@ def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: Opt
         actor = fresh_optimizer(actor, rl_optim)
         export_hf(actor, warm_path, tokenizer=tokenizer, overwrite=True)
     return actor, stream, tokenizer
-
-
-def _resume_point(cfg: Config, must_match: dict) -> tuple[Path | None, Path]:
-    """(checkpoint to resume from or None, run dir), the same on every rank; a config mismatch raises here."""
-    resume_from, run_dir, error = None, cfg.run_dir, None
-    if dist.get_rank() == 0:
-        try:
-            ckpt_dir = cfg.checkpoint.dir or (str(Path(cfg.run_dir) / "checkpoints") if cfg.run_dir else None)
-            if cfg.resume == "auto" and ckpt_dir is None:
-                raise ValueError("resume=auto needs checkpoint.dir (or run_dir) to look for checkpoints in")
-            path = resolve_resume(cfg.resume, ckpt_dir)
-            if path is not None:
-                info = checkpoint_info(path)
-                diff = _config_diff(info.config, flatten_config(must_match))
-                if diff:
-                    raise CheckpointMismatchError(
-                        f"cannot resume from {str(path)!r}: it was written with a different config "
-                        f"({len(diff)} key(s) differ):\n  " + "\n  ".join(diff)
-                    )
-                resume_from, run_dir = str(path), cfg.run_dir or info.marker["extra"]["run_dir"]
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
-            error = f"{type(e).__name__}: {e}"
-        if not run_dir:
-            run_dir = str(Path(cfg.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    error, resume_from, run_dir = broadcast_object((error, resume_from, run_dir))
-    if error is not None:
-        raise SystemExit(f"error: {error}")
-    return (Path(resume_from) if resume_from else None), Path(run_dir)
-
-
-def _config_diff(saved: dict, current: dict) -> list[str]:
-    missing = "<not set>"
-    return [
-        f"{k}: checkpoint {json.dumps(saved.get(k, missing))}, now {json.dumps(current.get(k, missing))}"
-        for k in sorted(set(saved) | set(current)) if saved.get(k, missing) != current.get(k, missing)
-    ]
-
-
-def _truncate_metrics(path: Path, step: int | None) -> None:
-    """Drop rows logged after the checkpoint (the crashed run got further than its last save); all if None."""
-    if not path.exists():
-        return
-    if step is None:
-        path.unlink()
-        return
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut by the crash
-            continue
-        if row.get("step", 0) <= step:
-            keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _num_mini_batches(cfg: Config, world_size: int) -> int:

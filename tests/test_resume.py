@@ -1,6 +1,7 @@
-"""Kill-and-resume exactness of experiments/ppo_arithmetic.py on 2 ranks (real torchrun processes).
+"""Kill-and-resume exactness of the PPO and GRPO recipes on 2 ranks (real torchrun processes).
 
-1. run the recipe uninterrupted (it also saves checkpoints: saving consumes no randomness);
+For each recipe:
+1. run it uninterrupted (it also saves checkpoints: saving consumes no randomness);
 2. run it again, SIGKILL the whole torchrun process group as soon as step K's checkpoint is complete;
 3. rerun with resume=auto: the per-step metrics of every step equal the uninterrupted run's.
 Plus: an incompatible config and a missing checkpoint path fail clearly before any work.
@@ -14,21 +15,44 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "experiments" / "ppo_arithmetic.py"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 STEPS, KILL_AFTER = 6, 2
-TINY = [
+#: a tiny model, task and warm start on which some rewards are already 1, checkpointing every step
+COMMON = [
     f"steps={STEPS}", "warm_start.steps=30", "warm_start.batch_size=32", "warm_start.optim.lr=1e-2", "prompts_per_step=4",
-    "rollout.n=4", "eval_samples=1", "task.num_heldout=5", "task.max_operand=4", "task.max_second_operand=4", "tiny.num_heads=2", "tiny.num_kv_heads=1",
-    "tiny.hidden_size=64", "tiny.intermediate_size=96", "tiny.num_layers=1", "algo.ppo_mini_batch_size=2",
-    "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001", "algo.horizon=100", "algo.use_kl_loss=true",
-    "export.hf=false", "checkpoint.every=1", "checkpoint.keep_last=10",
+    "rollout.n=4", "eval_samples=1", "task.num_heldout=5", "task.max_operand=4", "task.max_second_operand=4",
+    "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.hidden_size=64", "tiny.intermediate_size=96", "tiny.num_layers=1",
+    "checkpoint.every=1", "checkpoint.keep_last=10",
 ]
+
+
+@attrs.frozen
+class Recipe:
+    path: Path
+    args: list
+    logged: frozenset  #: metrics the comparison must cover (besides every other logged one)
+
+
+RECIPES = {
+    "ppo": Recipe(
+        ROOT / "experiments" / "ppo_arithmetic.py",
+        [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
+         "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false"],
+        frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
+    ),
+    # a KL term to the reference, and two optimizer steps per RL step (so the trainer's old log-probs are used)
+    "grpo": Recipe(
+        ROOT / "experiments" / "grpo_arithmetic.py",
+        [*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"],
+        frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
+    ),
+}
 #: metrics that depend on the clock, not on the computation
-TIMING = ("tokens_per_s", "step_time_s")
+TIMING = ("tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "sync_time_s")
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.checkpoint]
 
@@ -37,8 +61,8 @@ def _env():
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
-def _torchrun(*args):
-    return [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(RECIPE), *TINY, *args]
+def _torchrun(recipe: Recipe, *args):
+    return [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(recipe.path), *recipe.args, *args]
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -77,21 +101,26 @@ def _complete(ckpt_dir: Path, step: int) -> bool:
     return (ckpt_dir / f"step_{step}" / "COMPLETE").is_file()
 
 
+@pytest.fixture(scope="module", params=sorted(RECIPES))
+def recipe(request) -> Recipe:
+    return RECIPES[request.param]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def uninterrupted(recipe, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
     out = subprocess.run(
-        _torchrun(f"run_dir={root / 'run'}", f"checkpoint.dir={root / 'ckpt'}"),
+        _torchrun(recipe, f"run_dir={root / 'run'}", f"checkpoint.dir={root / 'ckpt'}"),
         env=_env(), capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     return root
 
 
-def test_sigkill_and_resume_is_exact(uninterrupted, tmp_path):
+def test_sigkill_and_resume_is_exact(recipe, uninterrupted, tmp_path):
     run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
     proc = subprocess.Popen(
-        _torchrun(f"run_dir={run_dir}", f"checkpoint.dir={ckpt_dir}"),
+        _torchrun(recipe, f"run_dir={run_dir}", f"checkpoint.dir={ckpt_dir}"),
         env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     deadline = time.time() + 300
@@ -107,7 +136,7 @@ def test_sigkill_and_resume_is_exact(uninterrupted, tmp_path):
     assert newest < STEPS and not (run_dir / "summary.json").exists(), "the run finished before it was killed"
 
     # resume=auto: the run dir comes from the checkpoint, the metrics log is cut back to the checkpoint's step
-    out = subprocess.run(_torchrun("resume=auto", f"checkpoint.dir={ckpt_dir}"), env=_env(), capture_output=True, text=True, timeout=600)
+    out = subprocess.run(_torchrun(recipe, "resume=auto", f"checkpoint.dir={ckpt_dir}"), env=_env(), capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{newest}")
@@ -123,7 +152,7 @@ def test_sigkill_and_resume_is_exact(uninterrupted, tmp_path):
             worst = max(worst, diff)
             compared += 1
             assert diff <= 1e-6, f"step {step} {k}: uninterrupted {a[k]}, resumed {b[k]}"
-    assert {"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"} <= set(expected[STEPS])
+    assert recipe.logged <= set(expected[STEPS]), recipe.logged - set(expected[STEPS])
     assert any(expected[s]["reward_mean"] > 0 for s in expected)  # the comparison covers non-trivial rewards
     first = json.loads((uninterrupted / "run" / "summary.json").read_text())
     for key in ("eval_before", "eval_after", "eval_greedy_before", "eval_greedy_after"):
@@ -131,10 +160,10 @@ def test_sigkill_and_resume_is_exact(uninterrupted, tmp_path):
     print(f"\nresumed from step {newest}: {compared} metric values compared, max |diff| = {worst:g}")
 
 
-def test_resume_with_another_model_size_fails_before_any_work(uninterrupted, tmp_path):
+def test_resume_with_another_model_size_fails_before_any_work(recipe, uninterrupted, tmp_path):
     ckpt = uninterrupted / "ckpt" / f"step_{KILL_AFTER}"
     out = subprocess.run(
-        [sys.executable, str(RECIPE), *TINY, "tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"],
+        [sys.executable, str(recipe.path), *recipe.args, "tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"],
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
@@ -143,10 +172,10 @@ def test_resume_with_another_model_size_fails_before_any_work(uninterrupted, tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_from_missing_path_fails_clearly(tmp_path):
+def test_resume_from_missing_path_fails_clearly(recipe, tmp_path):
     missing = tmp_path / "nowhere" / "step_3"
     out = subprocess.run(
-        [sys.executable, str(RECIPE), *TINY, f"resume={missing}", f"run_dir={tmp_path / 'run'}"],
+        [sys.executable, str(recipe.path), *recipe.args, f"resume={missing}", f"run_dir={tmp_path / 'run'}"],
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
@@ -154,9 +183,9 @@ def test_resume_from_missing_path_fails_clearly(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_resume_auto_without_a_checkpoint_dir_fails_clearly(tmp_path):
+def test_resume_auto_without_a_checkpoint_dir_fails_clearly(recipe, tmp_path):
     out = subprocess.run(
-        [sys.executable, str(RECIPE), "resume=auto", f"run_root={tmp_path}"],
+        [sys.executable, str(recipe.path), "resume=auto", f"run_root={tmp_path}"],
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0 and "resume=auto needs checkpoint.dir" in out.stderr
