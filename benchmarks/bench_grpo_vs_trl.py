@@ -52,7 +52,8 @@ pooled over rounds; the rollout share is median rollout time / median step time.
 reported as failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
 
 Last, the parent times the GEMMs alone of one step at the measured lengths in the case's precision
-(:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` on this
+(:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` (or oneDNN's
+prepacked linear) on this
 machine, printed as a multiple of TRL's step.
 """
 
@@ -153,7 +154,8 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     """Matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms)``.
 
     A lower bound for any implementation of the step in ``dtype`` (default fp32) that runs its
-    matmuls through ``torch.matmul``: it times only the linear layers' GEMMs
+    matmuls through ``torch.matmul`` or oneDNN's prepacked linear (each product with a weight through
+    the faster of the two): it times only the linear layers' GEMMs
     (no attention, norms, activations, sampling or optimizer), for the mean real lengths (no padding):
     decoding = ``completion_tokens`` steps of ``rows`` tokens through every linear + lm_head (the
     prompt prefill is left out); update = forward + the two backward GEMMs over the fewest tokens an
@@ -162,6 +164,8 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     ``rows / SAMPLES * prompt + rows * (completion - 1)`` (lm_head over the predicted tokens only).
     """
     import torch
+
+    from backends.rollout_native import _Linear
 
     c = CONFIGS[name]
     hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_heads"]
@@ -177,11 +181,17 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e3
 
+    def times_weight_ms(x: "torch.Tensor", w: "torch.Tensor") -> float:
+        """``x @ w.T``: the faster of torch.matmul and the native rollout's oneDNN-prepacked linear."""
+        prepacked = _Linear(w, None, x.shape[0], prepack=True)
+        with torch.inference_mode():
+            return min(timed(lambda: x @ w.t()), timed(lambda: prepacked(x)))
+
     def linear_ms(m: int, k: int, n: int, backward: bool) -> float:
         x, w, gy = (torch.randn(shape, dtype=dtype or torch.float32) for shape in ((m, k), (n, k), (m, n)))
-        ms = timed(lambda: x @ w.t())
-        if backward:
-            ms += timed(lambda: gy @ w) + timed(lambda: gy.t() @ x)
+        ms = times_weight_ms(x, w)
+        if backward:  # grad input = gy @ w (a product with a fixed weight, w.T), grad weight = gy.T @ x
+            ms += times_weight_ms(gy, w.t().contiguous()) + timed(lambda: gy.t() @ x)
         return ms
 
     tokens = int(rows / SAMPLES * prompt_tokens + rows * (completion_tokens - 1))

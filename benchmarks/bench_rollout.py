@@ -8,6 +8,12 @@ neighbour hits both alike); the medians and their ratio are printed.
 
     python benchmarks/bench_rollout.py                 # 128 prompts x 1 sample, 32 new tokens
     python benchmarks/bench_rollout.py --prompts 16 --n 8
+
+Last, it times the decoding GEMMs alone (every linear layer and the lm_head for one token of every row,
+through the faster of ``F.linear`` and the engine's oneDNN-prepacked path, in the native engine's
+dtype) and prints the tokens/s they allow as a multiple of ``generate``'s: the most any implementation
+whose matmuls run through those kernels could reach on this machine, attention, norms and sampling
+costing nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout_native import SamplingConfig, build_native_rollout, generate  # noqa: E402
+from backends.rollout_native import SamplingConfig, _Linear, build_native_rollout, generate  # noqa: E402
 
 
 def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int, seed: int) -> int:
@@ -45,6 +51,32 @@ def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int,
     steps = response.shape[1]
     first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(response[:, 0], steps))
     return int((first + 1).clamp(max=steps).sum())
+
+
+def decode_gemm_ms(model: torch.nn.Module, rows: int, reps: int = 20) -> float:
+    """ms of the GEMMs of one decoding step of ``rows`` rows: each linear of every decoder layer and the
+    lm_head in model order (so weights leave and re-enter the caches as in a real step), each through
+    the faster of ``F.linear`` and the oneDNN-prepacked path (median of ``reps`` steps)."""
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not any(w is model.get_output_embeddings().weight for w in weights):
+        weights.append(model.get_output_embeddings().weight)  # tied lm_head
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
+        fastest = []
+        for w, x in zip(weights, inputs):
+            paths = [_Linear(w, None, rows, prepack=False), _Linear(w, None, rows, prepack=True)]
+            fastest.append(min(paths, key=lambda linear: timed(lambda: linear(x))))  # noqa: B023
+        return timed(lambda: [linear(x) for linear, x in zip(fastest, inputs)]) * 1e3
 
 
 def main() -> None:
@@ -104,6 +136,11 @@ def main() -> None:
     paired = statistics.median(a / b for a, b in zip(rates["native"], rates["hf"]))
     print(f"ratio native / generate           : {native / hf:.2f}x of medians, {paired:.2f}x median of paired runs"
           " (target >= 2x)")
+    rows = args.prompts * args.n
+    floor_ms = decode_gemm_ms(rollout.model, rows)
+    ceiling = rows / floor_ms * 1e3
+    print(f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per token) : {ceiling:8.0f} tokens/s = "
+          f"{ceiling / hf:.2f}x generate, the most an implementation through these GEMM kernels could reach")
     if tmp is not None:
         tmp.cleanup()
 
