@@ -229,6 +229,21 @@ def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
     torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
 
 
+def test_decode_attention_kernel_gives_the_pytorch_path_tokens(setup, many_eos, monkeypatch):
+    """The CPU decode-attention kernel (keys cached transposed) and the PyTorch batched matmuls give the
+    same samples and log-probs, through left padding, compaction and n samples per prompt."""
+    from backends import rollout_native
+
+    _, _, _, tok, _ = setup
+    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
+    prompts = _prompts(tok, TEXTS + ["1"])
+    kernel_run = generate(many_eos, prompts, sampling, seed=5)
+    monkeypatch.setattr(rollout_native, "decode_attention_kernel", lambda head_dim: None)
+    torch_run = generate(many_eos, prompts, sampling, seed=5)
+    assert torch.equal(kernel_run.response_ids, torch_run.response_ids)
+    torch.testing.assert_close(kernel_run.rollout_logprobs, torch_run.rollout_logprobs, rtol=0, atol=1e-5)
+
+
 # --------------------------------------------------------------------------------------------------
 # Sampling options and seeds
 

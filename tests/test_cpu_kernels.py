@@ -1,0 +1,116 @@
+"""The CPU decode-attention kernel (backends/cpu_kernels.py, csrc/decode_attention.c) against PyTorch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends import cpu_kernels
+from backends.cpu_kernels import decode_attention_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+#: where the kernel can run, it must: a silent fall back to PyTorch would leave it untested
+CAN_RUN = _has_avx512() and shutil.which(os.environ.get("CC", "cc")) is not None
+needs_kernel = pytest.mark.skipif(not CAN_RUN, reason="needs an AVX-512 CPU and a C compiler")
+
+
+def reference(q, k, v, bias, length, scale):
+    """fp64 softmax attention of q (b kv g d) over slots [0, length) of k, v (b kv T d)."""
+    q, k, v, bias = (x.double() for x in (q, k, v, bias))
+    scores = torch.einsum("bjgd,bjld->bjgl", q, k[:, :, :length]) * scale + bias[:, None, None, :length]
+    return torch.einsum("bjgl,bjld->bjgd", torch.softmax(scores, -1), v[:, :, :length]).float()
+
+
+def _case(b, kv, g, d, total, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # q as the decoder hands it over: a slice of a wider (b, heads, d) tensor, so rows are strided
+    qkv = torch.randn(b, kv * g + 2 * kv, d, generator=gen) * 2
+    q = qkv[:, : kv * g].view(b, kv, g, d)
+    k = torch.randn(b, kv, total, d, generator=gen)
+    v = torch.randn(b, kv, total, d, generator=gen)
+    bias = torch.zeros(b, total)
+    bias[::2, : min(3, total - 1)] = float("-inf")  # left padding of some rows (never the newest slot)
+    return q, k, v, bias
+
+
+@needs_kernel
+def test_kernel_builds_and_loads_here():
+    kernel = decode_attention_kernel(64)
+    assert kernel is not None and kernel.available
+    assert kernel.library.is_file() and kernel.library.parent == cpu_kernels.kernel_cache_dir()
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv,g,d", [(1, 1, 16), (2, 2, 64), (2, 4, 32), (1, 3, 48), (4, 2, 128), (2, 2, 256)])
+@pytest.mark.parametrize("length", [1, 5, 16, 17, 64, 65, 150])
+def test_decode_attention_matches_reference(kv, g, d, length):
+    b, total = 5, 160
+    q, k, v, bias = _case(b, kv, g, d, total, seed=length)
+    if length <= 3:
+        bias[:, :length] = 0.0  # every row keeps at least one slot
+    kernel = decode_attention_kernel(d)
+    scratch = torch.empty(g * -(-total // 16) * 16)
+    out = kernel(q, k.transpose(-1, -2).contiguous(), v, bias, length, d**-0.5, torch.empty(b, kv, g, d), scratch)
+    torch.testing.assert_close(out, reference(q, k, v, bias, length, d**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_masked_and_unread_slots_contribute_nothing():
+    """-inf-biased slots get weight exactly 0 (huge values there change nothing); slots past the
+    length are never read (NaN there changes nothing)."""
+    b, kv, g, d, total, length = 3, 2, 2, 32, 40, 20
+    q, k, v, bias = _case(b, kv, g, d, total)
+    kernel = decode_attention_kernel(d)
+    scratch = torch.empty(g * 48)
+    k_t = k.transpose(-1, -2).contiguous()
+    clean = kernel(q, k_t, v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch).clone()
+    v_poisoned, k_poisoned = v.clone(), k_t.clone()
+    v_poisoned[::2, :, :3] = 1e30  # the masked slots of the padded rows
+    v_poisoned[:, :, length:] = float("nan")
+    k_poisoned[..., length:] = float("nan")
+    poisoned = kernel(q, k_poisoned, v_poisoned, bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+    assert torch.equal(clean, poisoned)
+
+
+def test_head_dim_not_a_multiple_of_16_uses_pytorch():
+    assert decode_attention_kernel(24) is None
+
+
+@pytest.mark.parametrize("env", [{"RLFUNC_CPU_KERNELS": "0"}, {"CC": "/nonexistent/cc"}, {"CC": "false"}])
+def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
+    """Switched off, no compiler, or a compiler that fails: no kernel (None) and no error."""
+    code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path / "cache"), **env},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "None"
+
+
+@needs_kernel
+def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
+    code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path)}
+    first, second = (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        for _ in range(2)
+    )
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [Path(first.stdout.strip()).name]
