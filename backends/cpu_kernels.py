@@ -2,7 +2,8 @@
 
 One kernel today: the native rollout's decode-step attention (``csrc/decode_attention.c``, AVX-512),
 3-5x faster than PyTorch's batched matmuls at the rollout's sizes, where each (row, kv head) is a
-2 x 64 by 64 x L product and the per-item overhead dominates. Nothing here is needed: when there is
+2 x 64 by 64 x L product and the per-item overhead dominates. It also reads bf16 caches (a bf16
+model's keys and values, stored exactly, at half the bytes). Nothing here is needed: when there is
 no compiler, no AVX-512, a head dim that is not a multiple of 16, or ``RLFUNC_CPU_KERNELS=0``,
 :func:`decode_attention_kernel` returns None and the caller runs its PyTorch path (one log line says
 why).
@@ -27,6 +28,7 @@ import subprocess
 import uuid
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 __all__ = ["DecodeAttention", "decode_attention_kernel", "kernel_cache_dir"]
@@ -77,28 +79,36 @@ class DecodeAttention:
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn = lib.rlfunc_decode_attention_f32
-        self._fn.argtypes = [ptr] * 6 + [i64] * 5 + [i64] * 8 + [ctypes.c_float]
+        self._fn = lib.rlfunc_decode_attention
+        self._fn.argtypes = [ptr] * 6 + [i64] * 5 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
-        lib.rlfunc_decode_attention_available.restype = ctypes.c_int
-        self.available = bool(lib.rlfunc_decode_attention_available())
+        lib.rlfunc_decode_attention_support.restype = ctypes.c_int
+        support = lib.rlfunc_decode_attention_support()
+        self.available = bool(support & 1)  #: built with AVX-512F: float32 caches
+        self.bf16_cache = bool(support & 2)  #: also AVX-512BW/VL: bfloat16 caches
         self.library = library
 
     def __call__(self, q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor, length: int, scale: float,
                  out: Tensor, scratch: Tensor) -> Tensor:
         """``out (b kv g d)`` = attention of ``q (b kv g d)`` over slots ``[0, length)`` of the caches.
 
-        ``k_t (b kv d T)`` (keys transposed), ``v (b kv T d)``, ``bias (b, >= length)`` (0 / -inf), all
-        fp32 on the CPU with unit stride in their last dim (``q``: contiguous within a row);
-        ``scratch`` holds ``g * ceil(length / 16) * 16`` floats.
+        ``k_t (b kv d T)`` (keys transposed) and ``v (b kv T d)``: fp32, or bf16 if
+        :attr:`bf16_cache`; ``q``, ``out``, ``bias (b, >= length)`` (0 / -inf) and ``scratch`` (at least
+        ``g * ceil(length / 16) * 16`` elements) fp32. All on the CPU with unit stride in their last
+        dim; ``q`` contiguous within a row, ``out`` contiguous.
         """
         b, kv, g, d = q.shape
+        bf16 = k_t.dtype == torch.bfloat16
+        if not (q.dtype == out.dtype == bias.dtype == scratch.dtype == torch.float32 and k_t.dtype == v.dtype
+                and k_t.dtype in (torch.float32, torch.bfloat16)):
+            raise TypeError(f"decode attention: q/out/bias/scratch must be float32 and the caches float32 or "
+                            f"bfloat16, got q {q.dtype}, k {k_t.dtype}, v {v.dtype}")
         assert q.stride()[1:] == (g * d, d, 1) and out.is_contiguous() and k_t.stride(3) == 1 and v.stride(3) == 1
         assert bias.stride(1) == 1 and scratch.numel() >= g * ((length + 15) // 16 * 16)
         rc = self._fn(
             q.data_ptr(), k_t.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), scratch.data_ptr(),
             b, kv, g, d, length, q.stride(0), k_t.stride(0), k_t.stride(1), k_t.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), scale,
+            v.stride(0), v.stride(1), v.stride(2), bias.stride(0), scale, int(bf16),
         )
         if rc != 0:
             raise RuntimeError(f"decode attention kernel refused head_dim={d}, length={length}")

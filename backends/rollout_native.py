@@ -416,12 +416,16 @@ class _Decoder:
         # rows, measured), and the cache is small next to the weights at these sizes.
         self.att_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.kernel = decode_attention_kernel(self.head_dim) if self.device.type == "cpu" else None
+        # The kernel reads bf16 caches: a bf16 model's keys and values are bf16 numbers, so they are
+        # stored exactly at half the bytes (its math stays fp32).
+        bf16_cache = self.kernel is not None and self.kernel.bf16_cache and self.dtype == torch.bfloat16
+        cache_dtype = torch.bfloat16 if bf16_cache else self.att_dtype
         shape = (rows, self.num_kv, total_len, self.head_dim)
         k_shape = (rows, self.num_kv, self.head_dim, total_len) if self.kernel is not None else shape
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
         # to it, so no slot is read before it is written
-        self.k_cache = [torch.empty(k_shape, dtype=self.att_dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.empty(shape, dtype=self.att_dtype, device=self.device) for _ in self.layers]
+        self.k_cache = [torch.empty(k_shape, dtype=cache_dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=self.device) for _ in self.layers]
         group = self.num_heads // self.num_kv
         self.scratch = torch.empty(group * -(-total_len // 16) * 16, dtype=torch.float32) if self.kernel else None
 

@@ -87,6 +87,23 @@ def test_masked_and_unread_slots_contribute_nothing():
     assert torch.equal(clean, poisoned)
 
 
+@needs_kernel
+def test_bf16_caches_read_as_their_float32_values():
+    """bf16 caches give exactly what fp32 caches holding the same (bf16) numbers give."""
+    b, kv, g, d, total, length = 4, 2, 2, 64, 40, 33
+    q, k, v, bias = _case(b, kv, g, d, total)
+    k_t = k.transpose(-1, -2).contiguous().to(torch.bfloat16)
+    v = v.to(torch.bfloat16)
+    kernel = decode_attention_kernel(d)
+    assert kernel.bf16_cache  # this build reads bf16 (AVX-512BW/VL)
+    scratch = torch.empty(g * 48)
+    from_bf16 = kernel(q, k_t, v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch).clone()
+    from_fp32 = kernel(q, k_t.float(), v.float(), bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+    assert torch.equal(from_bf16, from_fp32)
+    with pytest.raises(TypeError, match="caches float32 or bfloat16"):
+        kernel(q, k_t, v.float(), bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+
+
 def test_head_dim_not_a_multiple_of_16_uses_pytorch():
     assert decode_attention_kernel(24) is None
 

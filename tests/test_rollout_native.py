@@ -244,6 +244,27 @@ def test_decode_attention_kernel_gives_the_pytorch_path_tokens(setup, many_eos, 
     torch.testing.assert_close(kernel_run.rollout_logprobs, torch_run.rollout_logprobs, rtol=0, atol=1e-5)
 
 
+@QWEN2_ONLY
+def test_bf16_engine_caches_keys_and_values_in_bf16_exactly(setup, monkeypatch):
+    """A bf16 engine's caches hold bf16 keys / values (what its projections produce) when the kernel
+    reads bf16: the samples and log-probs are bit-identical to fp32 caches holding the same numbers."""
+    from backends import cpu_kernels, rollout_native
+
+    _, path, _, tok, _ = setup
+    kernel = cpu_kernels.decode_attention_kernel(32)
+    if kernel is None or not kernel.bf16_cache:
+        pytest.skip("needs the CPU kernel with bf16 caches")
+    rollout = build_native_rollout(path, tok, dtype=torch.bfloat16)
+    assert rollout_native._Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.bfloat16
+    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
+    bf16_caches = generate(rollout, _prompts(tok), sampling, seed=2)
+    monkeypatch.setattr(kernel, "bf16_cache", False)
+    assert rollout_native._Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.float32
+    fp32_caches = generate(rollout, _prompts(tok), sampling, seed=2)
+    assert torch.equal(bf16_caches.response_ids, fp32_caches.response_ids)
+    assert torch.equal(bf16_caches.rollout_logprobs, fp32_caches.rollout_logprobs)
+
+
 # --------------------------------------------------------------------------------------------------
 # Sampling options and seeds
 
@@ -390,7 +411,8 @@ def test_bfloat16_engine_runs(setup):
 @QWEN2_ONLY
 def test_rollout_config_dtype(setup):
     """``rollout.dtype=bfloat16`` builds a bf16 native engine; synced fp32 weights are cast to it; on
-    CPU its KV cache and attention math stay fp32. The vLLM engine's dtype is its own option."""
+    CPU its attention math stays fp32, and so does its KV cache unless the CPU kernel reads bf16 caches.
+    The vLLM engine's dtype is its own option."""
     from backends.rollout import RolloutConfig, build_rollout, sync_weights
     from backends.rollout_native import _Decoder
 
@@ -401,7 +423,9 @@ def test_rollout_config_dtype(setup):
     assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
     assert torch.equal(rollout.model.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
     decoder = _Decoder(rollout.model, rows=2, total_len=8, prepack=False)
-    assert decoder.dtype == torch.bfloat16 and decoder.k_cache[0].dtype == torch.float32
+    bf16_cache = decoder.kernel is not None and decoder.kernel.bf16_cache
+    assert decoder.dtype == torch.bfloat16 and decoder.att_dtype == torch.float32
+    assert decoder.k_cache[0].dtype == decoder.v_cache[0].dtype == (torch.bfloat16 if bf16_cache else torch.float32)
     with pytest.raises(ValueError, match="rollout.dtype must be"):
         RolloutConfig(dtype="float16")
     with pytest.raises(ValueError, match="rollout.vllm.dtype"):

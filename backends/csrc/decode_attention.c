@@ -5,7 +5,9 @@
  *
  *     out[i, j, gi, :] = softmax_l(scale * <q[i, j, gi, :], K[i, j, l, :]> + bias[i, l]) @ V[i, j, :, :]
  *
- * Layouts (float32, element strides in the arguments):
+ * Layouts (element strides in the arguments); q, bias, out and the math are float32, the caches float32
+ * or, with cache_bf16, bfloat16 (a bf16 model's keys and values are bf16 numbers: storing them so is
+ * exact and halves the bytes this step reads):
  *   q     (b, kv, g, d): row stride qsb, then contiguous (kv, g, d)
  *   kt    keys transposed, (b, kv, d, T): kt[i*ksb + j*ksh + t*kst + l], l contiguous
  *   v     values, (b, kv, T, d): v[i*vsb + j*vsh + l*vsl + t], t contiguous
@@ -19,8 +21,9 @@
  * PyTorch's batched matmuls spend most of their time on per-item overhead at these sizes
  * (2 x 64 by 64 x L per item).
  *
- * Built with AVX-512F only (d a multiple of 16); rlfunc_decode_attention_f32 returns -1 when it was
- * compiled without AVX-512F or when d is not a multiple of 16, and the caller falls back to PyTorch.
+ * Built with AVX-512F only (d a multiple of 16; bf16 caches also need AVX-512BW/VL);
+ * rlfunc_decode_attention returns -1 for anything this build cannot run, and the caller falls back
+ * to PyTorch.
  */
 #include <stdint.h>
 #include <string.h>
@@ -49,14 +52,34 @@ static inline __m512 exp_nonpos(__m512 x) {
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RLFUNC_BF16_CACHE 1
+#else
+#define RLFUNC_BF16_CACHE 0
+#endif
+
+/* 16 cache entries from element idx as float32 (lanes outside m are 0); bf16 is the top half of a float32. */
+static inline __m512 load_cache(const void *base, int64_t idx, __mmask16 m, int bf16) {
+#if RLFUNC_BF16_CACHE
+  if (bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)base + idx);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+#else
+  (void)bf16;
+#endif
+  return _mm512_maskz_loadu_ps(m, (const float *)base + idx);
+}
+
 static inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? (__mmask16)0xFFFF : remaining <= 0 ? (__mmask16)0 : (__mmask16)((1u << remaining) - 1u);
 }
 
 /* One (row, kv head): s is scratch of g * Lp floats, Lp = L rounded up to 16. Masked loads only (masked
  * stores are slow on some x86 cores); slots past L are set to -inf before the softmax. */
-static void one_head(const float *q, const float *kt, const float *v, const float *bias, float *out, float *s,
-                     int64_t g, int64_t d, int64_t L, int64_t kst, int64_t vsl, float scale) {
+static void one_head(const float *q, const void *kt, const void *v, const float *bias, float *out, float *s,
+                     int64_t g, int64_t d, int64_t L, int64_t kst, int64_t vsl, float scale, int bf16) {
+  const __mmask16 all = (__mmask16)0xFFFF;
   const int64_t Lp = (L + 15) / 16 * 16;
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   for (int64_t gi = 0; gi < g; gi++) {
@@ -67,14 +90,13 @@ static void one_head(const float *q, const float *kt, const float *v, const floa
       const int64_t n = L - l0 < 64 ? L - l0 : 64;
       const __mmask16 m0 = tail_mask(n), m1 = tail_mask(n - 16), m2 = tail_mask(n - 32), m3 = tail_mask(n - 48);
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      const float *kb = kt + l0;
       for (int64_t t = 0; t < d; t++) {
         const __m512 qv = _mm512_set1_ps(qg[t]);
-        const float *kr = kb + t * kst;
-        a0 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m0, kr), a0);
-        if (n > 16) a1 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m1, kr + 16), a1);
-        if (n > 32) a2 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m2, kr + 32), a2);
-        if (n > 48) a3 = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m3, kr + 48), a3);
+        const int64_t kr = t * kst + l0;
+        a0 = _mm512_fmadd_ps(qv, load_cache(kt, kr, m0, bf16), a0);
+        if (n > 16) a1 = _mm512_fmadd_ps(qv, load_cache(kt, kr + 16, m1, bf16), a1);
+        if (n > 32) a2 = _mm512_fmadd_ps(qv, load_cache(kt, kr + 32, m2, bf16), a2);
+        if (n > 48) a3 = _mm512_fmadd_ps(qv, load_cache(kt, kr + 48, m3, bf16), a3);
       }
       _mm512_storeu_ps(sg + l0, a0);
       if (n > 16) _mm512_storeu_ps(sg + l0 + 16, a1);
@@ -107,11 +129,11 @@ static void one_head(const float *q, const float *kt, const float *v, const floa
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
       for (int64_t l = 0; l < L; l++) {
         const __m512 w = _mm512_set1_ps(sg[l]);
-        const float *vr = v + l * vsl + t0;
-        a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr), a0);
-        if (width > 16) a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16), a1);
-        if (width > 32) a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 32), a2);
-        if (width > 48) a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 48), a3);
+        const int64_t vr = l * vsl + t0;
+        a0 = _mm512_fmadd_ps(w, load_cache(v, vr, all, bf16), a0);
+        if (width > 16) a1 = _mm512_fmadd_ps(w, load_cache(v, vr + 16, all, bf16), a1);
+        if (width > 32) a2 = _mm512_fmadd_ps(w, load_cache(v, vr + 32, all, bf16), a2);
+        if (width > 48) a3 = _mm512_fmadd_ps(w, load_cache(v, vr + 48, all, bf16), a3);
       }
       _mm512_storeu_ps(o + t0, _mm512_mul_ps(a0, vinv));
       if (width > 16) _mm512_storeu_ps(o + t0 + 16, _mm512_mul_ps(a1, vinv));
@@ -122,28 +144,33 @@ static void one_head(const float *q, const float *kt, const float *v, const floa
 }
 #endif
 
-int rlfunc_decode_attention_f32(const float *q, const float *kt, const float *v, const float *bias, float *out,
-                                float *scratch, int64_t b, int64_t kv, int64_t g, int64_t d, int64_t L,
-                                int64_t qsb, int64_t ksb, int64_t ksh, int64_t kst, int64_t vsb, int64_t vsh,
-                                int64_t vsl, int64_t bsb, float scale) {
+/* cache_bf16: 0 for float32 caches, 1 for bfloat16. Returns 0, or -1 (nothing written) for what this
+ * build cannot run. */
+int rlfunc_decode_attention(const float *q, const void *kt, const void *v, const float *bias, float *out,
+                            float *scratch, int64_t b, int64_t kv, int64_t g, int64_t d, int64_t L,
+                            int64_t qsb, int64_t ksb, int64_t ksh, int64_t kst, int64_t vsb, int64_t vsh,
+                            int64_t vsl, int64_t bsb, float scale, int cache_bf16) {
 #if defined(__AVX512F__)
-  if (d % 16 != 0 || L < 1) return -1;
+  if (d % 16 != 0 || L < 1 || (cache_bf16 && !RLFUNC_BF16_CACHE)) return -1;
+  const int64_t esize = cache_bf16 ? 2 : 4;
   for (int64_t i = 0; i < b; i++)
     for (int64_t j = 0; j < kv; j++)
-      one_head(q + i * qsb + j * g * d, kt + i * ksb + j * ksh, v + i * vsb + j * vsh, bias + i * bsb,
-               out + (i * kv + j) * g * d, scratch, g, d, L, kst, vsl, scale);
+      one_head(q + i * qsb + j * g * d, (const char *)kt + (i * ksb + j * ksh) * esize,
+               (const char *)v + (i * vsb + j * vsh) * esize, bias + i * bsb, out + (i * kv + j) * g * d, scratch,
+               g, d, L, kst, vsl, scale, cache_bf16);
   return 0;
 #else
   (void)q; (void)kt; (void)v; (void)bias; (void)out; (void)scratch; (void)b; (void)kv; (void)g; (void)d; (void)L;
   (void)qsb; (void)ksb; (void)ksh; (void)kst; (void)vsb; (void)vsh; (void)vsl; (void)bsb; (void)scale;
+  (void)cache_bf16;
   return -1;
 #endif
 }
 
-/* 1 when this build has the AVX-512 kernel, 0 when every call returns -1. */
-int rlfunc_decode_attention_available(void) {
+/* Bit 0: this build has the kernel (AVX-512F); bit 1: it also reads bfloat16 caches. */
+int rlfunc_decode_attention_support(void) {
 #if defined(__AVX512F__)
-  return 1;
+  return 1 | (RLFUNC_BF16_CACHE << 1);
 #else
   return 0;
 #endif
