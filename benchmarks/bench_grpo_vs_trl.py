@@ -166,6 +166,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     import torch
 
     from backends.rollout_native import _Linear
+    from benchmarks.timing import median_seconds
 
     c = CONFIGS[name]
     hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_heads"]
@@ -173,13 +174,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
              (hidden, c["intermediate_size"]), (c["intermediate_size"], hidden)]
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return median_seconds(fn, reps) * 1e3
 
     def times_weight_ms(x: "torch.Tensor", w: "torch.Tensor") -> float:
         """``x @ w.T``: the faster of torch.matmul and the native rollout's oneDNN-prepacked linear."""

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
+from benchmarks.timing import median_seconds  # noqa: E402
 from backends.rollout_native import SamplingConfig, _Linear, build_native_rollout, generate  # noqa: E402
 
 
@@ -62,13 +63,7 @@ def decode_gemm_ms(model: torch.nn.Module, rows: int, reps: int = 20) -> float:
         weights.append(model.get_output_embeddings().weight)  # tied lm_head
 
     def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return median_seconds(fn, reps)
 
     with torch.inference_mode():
         inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
