@@ -29,7 +29,8 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
 - **logits** of the kept positions (``V`` per token, compute dtype, plus an fp32 copy under bf16 and
   the softmax when entropy is computed): the response tokens only (``logits_to_keep``);
 - **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
-  (``kv_dtype``; the native engine keeps an fp32 cache on CPU for a bf16 model).
+  (``kv_dtype``; on a CPU the native engine keeps an fp32 cache for a bf16 model unless its AVX-512
+  decode-attention kernel reads bf16 caches, ``backends/cpu_kernels.py``).
 
 Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. the fp32 upcast of one
 chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU): keep headroom

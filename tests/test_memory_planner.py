@@ -165,9 +165,10 @@ def test_kv_cache_matches_the_rollout_engine(dirs):
         model, _ = load_causal_lm(dirs[name], dtype=torch.bfloat16)
         decoder = _Decoder(model, rows=6, total_len=40, prepack=False)
         measured = _storage_bytes(decoder.k_cache + decoder.v_cache)
-        # a bf16 engine keeps its KV cache in fp32 on CPU (bf16 on a GPU)
+        # a bf16 engine's KV cache is bf16, except on a CPU without the decode-attention kernel's bf16 reads (fp32)
         kv_dtype = str(decoder.k_cache[0].dtype).removeprefix("torch.")
-        assert kv_dtype == ("float32" if decoder.device.type == "cpu" else "bfloat16")
+        bf16_cache = decoder.device.type != "cpu" or (decoder.kernel is not None and decoder.kernel.bf16_cache)
+        assert kv_dtype == ("bfloat16" if bf16_cache else "float32")
         est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
                        Workload(compute_dtype="bfloat16", kv_seqs=6, kv_len=40, kv_dtype=kv_dtype))
         assert est.kv_cache == measured
