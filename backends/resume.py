@@ -3,7 +3,7 @@
 A recipe with checkpoints (``checkpoint.every``, ``resume``, ``run_dir``) calls, on every rank, before
 it builds anything::
 
-    must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in RESUMABLE_KEYS}
+    must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in resumable_keys}
     resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir,
                                         run_root=cfg.run_root, name=cfg.name, must_match=must_match)
     truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
