@@ -103,8 +103,16 @@ class DecodeAttention:
                 and k_t.dtype in (torch.float32, torch.bfloat16)):
             raise TypeError(f"decode attention: q/out/bias/scratch must be float32 and the caches float32 or "
                             f"bfloat16, got q {q.dtype}, k {k_t.dtype}, v {v.dtype}")
-        assert q.stride()[1:] == (g * d, d, 1) and out.is_contiguous() and k_t.stride(3) == 1 and v.stride(3) == 1
-        assert bias.stride(1) == 1 and scratch.numel() >= g * ((length + 15) // 16 * 16)
+        # the kernel trusts these layouts (it reads raw pointers): refuse anything else
+        if not (q.stride()[1:] == (g * d, d, 1) and out.is_contiguous() and out.shape == q.shape
+                and k_t.stride(3) == 1 and v.stride(3) == 1 and bias.stride(1) == 1
+                and k_t.shape[:3] == (b, kv, d) and v.shape[0:2] == (b, kv) and v.shape[3] == d
+                and min(k_t.shape[3], v.shape[2], bias.shape[1]) >= length
+                and scratch.is_contiguous() and scratch.numel() >= g * ((length + 15) // 16 * 16)):
+            raise ValueError(
+                f"decode attention: unsupported layout (q {tuple(q.shape)} strides {q.stride()}, k_t {tuple(k_t.shape)}, "
+                f"v {tuple(v.shape)}, bias {tuple(bias.shape)}, length {length}, scratch {scratch.numel()})"
+            )
         rc = self._fn(
             q.data_ptr(), k_t.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), scratch.data_ptr(),
             b, kv, g, d, length, q.stride(0), k_t.stride(0), k_t.stride(1), k_t.stride(2),

@@ -102,6 +102,10 @@ def test_bf16_caches_read_as_their_float32_values():
     assert torch.equal(from_bf16, from_fp32)
     with pytest.raises(TypeError, match="caches float32 or bfloat16"):
         kernel(q, k_t, v.float(), bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+    with pytest.raises(ValueError, match="unsupported layout"):  # a length past the cache
+        kernel(q, k_t, v, bias, total + 1, 0.125, torch.empty(b, kv, g, d), torch.empty(g * 64))
+    with pytest.raises(ValueError, match="unsupported layout"):  # keys not transposed
+        kernel(q, k_t.transpose(-1, -2), v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
 
 
 def test_head_dim_not_a_multiple_of_16_uses_pytorch():
