@@ -15,12 +15,13 @@ always reads the newest weights.
 
 Speed (benchmarks/bench_rollout.py, config B, 128 prompts, 32 new tokens, 1 CPU thread): the decode
 GEMMs run near the CPU's peak and take about half of an fp32 run; the engine gains on
-``model.generate`` (1.8x in fp32, 2.3-2.4x in bf16) by doing less around them (no per-step mask building or cache concatenation, one
-fused QKV GEMM, oneDNN prepacked weights with fused SiLU / residual add, only last-position logits,
-inverse-CDF sampling with one uniform per row, prefill once per distinct prompt, finished rows
-dropped, and on AVX-512 CPUs a C kernel for the decode step's attention, ``backends/cpu_kernels.py``,
-with the keys cached transposed). A bfloat16 engine (``build_native_rollout(..., dtype=torch.bfloat16)``) halves GEMM time
-and weight traffic at the price of log-probs that differ from an fp32 trainer's by about 1e-2.
+``model.generate`` (1.8x in fp32, 2.3-2.4x in bf16) by doing less around them (no per-step mask
+building or cache concatenation, one fused QKV GEMM, oneDNN prepacked weights with fused SiLU /
+residual add, only last-position logits, inverse-CDF sampling with one uniform per row, prefill once
+per distinct prompt, finished rows dropped, and on AVX-512 CPUs a C kernel for the decode step's
+attention, ``backends/cpu_kernels.py``, with the keys cached transposed). A bfloat16 engine
+(``build_native_rollout(..., dtype=torch.bfloat16)``) halves GEMM time and weight traffic at the price
+of log-probs that differ from an fp32 trainer's by about 1e-2.
 
 Log-probabilities. ``RolloutBatch.rollout_logprobs[i, j]`` is ``log_softmax(logits)[token]`` of the
 sampled token under the model's *raw* distribution (temperature 1, no top-k / top-p), which is the
@@ -411,13 +412,12 @@ class _Decoder:
         half = self.head_dim // 2
         self.cos = cos[0]  # (L d)
         self.sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
-        # On CPU the KV cache and the attention math stay fp32 for a bf16 model: this CPU's small batched
-        # matmuls and softmax are about 2x slower in bf16 (0.69 vs 0.29 ms per layer and token for 128
-        # rows, measured), and the cache is small next to the weights at these sizes.
+        # On CPU the attention math stays fp32 for a bf16 model: this CPU's small batched matmuls and
+        # softmax are about 2x slower in bf16 (0.69 vs 0.29 ms per layer and token for 128 rows,
+        # measured). The cache is fp32 too, except that the C kernel reads bf16 caches: a bf16 model's
+        # keys and values are bf16 numbers, so they are then stored exactly at half the bytes.
         self.att_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
         self.kernel = decode_attention_kernel(self.head_dim) if self.device.type == "cpu" else None
-        # The kernel reads bf16 caches: a bf16 model's keys and values are bf16 numbers, so they are
-        # stored exactly at half the bytes (its math stays fp32).
         bf16_cache = self.kernel is not None and self.kernel.bf16_cache and self.dtype == torch.bfloat16
         cache_dtype = torch.bfloat16 if bf16_cache else self.att_dtype
         shape = (rows, self.num_kv, total_len, self.head_dim)
@@ -427,7 +427,7 @@ class _Decoder:
         self.k_cache = [torch.empty(k_shape, dtype=cache_dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=self.device) for _ in self.layers]
         group = self.num_heads // self.num_kv
-        self.scratch = torch.empty(group * -(-total_len // 16) * 16, dtype=torch.float32) if self.kernel else None
+        self.scratch = None if self.kernel is None else torch.empty(group * -(-total_len // 16) * 16, dtype=torch.float32)
 
     def _rms(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
