@@ -125,6 +125,20 @@ def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
 
 
 @needs_kernel
+def test_ranks_building_at_once_share_one_library(tmp_path):
+    """Two processes (as two torchrun ranks would) build into an empty cache at the same time: both load
+    a complete library, and one file is left."""
+    code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    assert outs[0][0] == outs[1][0]
+    assert [p.name for p in tmp_path.iterdir()] == [Path(outs[0][0].strip()).name]
+
+
+@needs_kernel
 def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
     code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path)}
