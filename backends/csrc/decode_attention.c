@@ -75,33 +75,36 @@ static inline __mmask16 tail_mask(int64_t remaining) {
   return remaining >= 16 ? (__mmask16)0xFFFF : remaining <= 0 ? (__mmask16)0 : (__mmask16)((1u << remaining) - 1u);
 }
 
+/* Up to 64 values in 4 registers: acc[c] += w * cache[idx + 16c, +16) (lanes outside m[c]: 0) for c < count. */
+static inline __attribute__((always_inline)) void fma4(__m512 acc[4], __m512 w, const void *cache, int64_t idx,
+                                                       const __mmask16 m[4], int count, int bf16) {
+  for (int c = 0; c < 4; c++)
+    if (c < count) acc[c] = _mm512_fmadd_ps(w, load_cache(cache, idx + 16 * c, m[c], bf16), acc[c]);
+}
+
+static inline __attribute__((always_inline)) void store4(float *dst, const __m512 acc[4], __m512 scale, int count) {
+  for (int c = 0; c < 4; c++)
+    if (c < count) _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(acc[c], scale));
+}
+
 /* One (row, kv head): s is scratch of g * Lp floats, Lp = L rounded up to 16. Masked loads only (masked
  * stores are slow on some x86 cores); slots past L are set to -inf before the softmax. */
 static void one_head(const float *q, const void *kt, const void *v, const float *bias, float *out, float *s,
                      int64_t g, int64_t d, int64_t L, int64_t kst, int64_t vsl, float scale, int bf16) {
-  const __mmask16 all = (__mmask16)0xFFFF;
+  const __mmask16 full[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
   const int64_t Lp = (L + 15) / 16 * 16;
   const __m512 neg_inf = _mm512_set1_ps(-__builtin_inff());
   for (int64_t gi = 0; gi < g; gi++) {
     const float *qg = q + gi * d;
     float *sg = s + gi * Lp;
-    /* scores of up to 64 slots at a time in 4 registers: acc[c] += q[t] * kt[t, 16c : 16c + 16] */
+    /* scores of up to 64 slots at a time: acc[c] += q[t] * kt[t, l0 + 16c, +16) */
     for (int64_t l0 = 0; l0 < L; l0 += 64) {
       const int64_t n = L - l0 < 64 ? L - l0 : 64;
-      const __mmask16 m0 = tail_mask(n), m1 = tail_mask(n - 16), m2 = tail_mask(n - 32), m3 = tail_mask(n - 48);
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for (int64_t t = 0; t < d; t++) {
-        const __m512 qv = _mm512_set1_ps(qg[t]);
-        const int64_t kr = t * kst + l0;
-        a0 = _mm512_fmadd_ps(qv, load_cache(kt, kr, m0, bf16), a0);
-        if (n > 16) a1 = _mm512_fmadd_ps(qv, load_cache(kt, kr + 16, m1, bf16), a1);
-        if (n > 32) a2 = _mm512_fmadd_ps(qv, load_cache(kt, kr + 32, m2, bf16), a2);
-        if (n > 48) a3 = _mm512_fmadd_ps(qv, load_cache(kt, kr + 48, m3, bf16), a3);
-      }
-      _mm512_storeu_ps(sg + l0, a0);
-      if (n > 16) _mm512_storeu_ps(sg + l0 + 16, a1);
-      if (n > 32) _mm512_storeu_ps(sg + l0 + 32, a2);
-      if (n > 48) _mm512_storeu_ps(sg + l0 + 48, a3);
+      const __mmask16 m[4] = {tail_mask(n), tail_mask(n - 16), tail_mask(n - 32), tail_mask(n - 48)};
+      const int count = (int)((n + 15) / 16);
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t t = 0; t < d; t++) fma4(acc, _mm512_set1_ps(qg[t]), kt, t * kst + l0, m, count, bf16);
+      store4(sg + l0, acc, _mm512_set1_ps(1.0f), count);
     }
     /* scale, bias (-inf past L), max */
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -122,23 +125,12 @@ static void one_head(const float *q, const void *kt, const void *v, const float 
       sum = _mm512_add_ps(sum, e);
     }
     const __m512 vinv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    /* out[gi, :] = sum_l p[l] * v[l, :] / sum, 64 features per pass in 4 registers */
-    float *o = out + gi * d;
+    /* out[gi, :] = sum_l p[l] * v[l, :] / sum, 64 features per pass */
     for (int64_t t0 = 0; t0 < d; t0 += 64) {
-      const int64_t width = d - t0 < 64 ? d - t0 : 64; /* 16, 32, 48 or 64 */
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for (int64_t l = 0; l < L; l++) {
-        const __m512 w = _mm512_set1_ps(sg[l]);
-        const int64_t vr = l * vsl + t0;
-        a0 = _mm512_fmadd_ps(w, load_cache(v, vr, all, bf16), a0);
-        if (width > 16) a1 = _mm512_fmadd_ps(w, load_cache(v, vr + 16, all, bf16), a1);
-        if (width > 32) a2 = _mm512_fmadd_ps(w, load_cache(v, vr + 32, all, bf16), a2);
-        if (width > 48) a3 = _mm512_fmadd_ps(w, load_cache(v, vr + 48, all, bf16), a3);
-      }
-      _mm512_storeu_ps(o + t0, _mm512_mul_ps(a0, vinv));
-      if (width > 16) _mm512_storeu_ps(o + t0 + 16, _mm512_mul_ps(a1, vinv));
-      if (width > 32) _mm512_storeu_ps(o + t0 + 32, _mm512_mul_ps(a2, vinv));
-      if (width > 48) _mm512_storeu_ps(o + t0 + 48, _mm512_mul_ps(a3, vinv));
+      const int count = (int)((d - t0 < 64 ? d - t0 : 64) / 16); /* d is a multiple of 16 */
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t l = 0; l < L; l++) fma4(acc, _mm512_set1_ps(sg[l]), v, l * vsl + t0, full, count, bf16);
+      store4(out + gi * d + t0, acc, vinv, count);
     }
   }
 }
