@@ -52,9 +52,8 @@ pooled over rounds; the rollout share is median rollout time / median step time.
 reported as failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
 
 Last, the parent times the GEMMs alone of one step at the measured lengths in the case's precision
-(:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` (or oneDNN's
-prepacked linear) on this
-machine, printed as a multiple of TRL's step.
+(:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` (or
+oneDNN's prepacked linear) on this machine, printed as a multiple of TRL's step.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from benchmarks.timing import median_seconds  # noqa: E402
 from backends.rollout_native import SamplingConfig, _Linear, build_native_rollout, generate  # noqa: E402
+from benchmarks.timing import median_seconds  # noqa: E402
 
 
 def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int, seed: int) -> int:
@@ -61,17 +61,13 @@ def decode_gemm_ms(model: torch.nn.Module, rows: int, reps: int = 20) -> float:
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     if not any(w is model.get_output_embeddings().weight for w in weights):
         weights.append(model.get_output_embeddings().weight)  # tied lm_head
-
-    def timed(fn) -> float:
-        return median_seconds(fn, reps)
-
     with torch.inference_mode():
         inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
         fastest = []
         for w, x in zip(weights, inputs):
             paths = [_Linear(w, None, rows, prepack=False), _Linear(w, None, rows, prepack=True)]
-            fastest.append(min(paths, key=lambda linear: timed(lambda: linear(x))))  # noqa: B023
-        return timed(lambda: [linear(x) for linear, x in zip(fastest, inputs)]) * 1e3
+            fastest.append(min(paths, key=lambda linear: median_seconds(lambda: linear(x), reps)))  # noqa: B023
+        return median_seconds(lambda: [linear(x) for linear, x in zip(fastest, inputs)], reps) * 1e3
 
 
 def main() -> None:
@@ -134,7 +130,7 @@ def main() -> None:
     rows = args.prompts * args.n
     floor_ms = decode_gemm_ms(rollout.model, rows)
     ceiling = rows / floor_ms * 1e3
-    print(f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per token) : {ceiling:8.0f} tokens/s = "
+    print(f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per step) : {ceiling:8.0f} tokens/s = "
           f"{ceiling / hf:.2f}x generate, the most an implementation through these GEMM kernels could reach")
     if tmp is not None:
         tmp.cleanup()
