@@ -112,6 +112,7 @@ def test_head_dim_not_a_multiple_of_16_uses_pytorch():
     assert decode_attention_kernel(24) is None
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("env", [{"RLFUNC_CPU_KERNELS": "0"}, {"CC": "/nonexistent/cc"}, {"CC": "false"}])
 def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
     """Switched off, no compiler, or a compiler that fails: no kernel (None) and no error."""
@@ -124,6 +125,7 @@ def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
     assert out.stdout.strip() == "None"
 
 
+@pytest.mark.slow  # fresh interpreters
 @needs_kernel
 def test_ranks_building_at_once_share_one_library(tmp_path):
     """Two processes (as two torchrun ranks would) build into an empty cache at the same time: both load
@@ -138,6 +140,7 @@ def test_ranks_building_at_once_share_one_library(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [Path(outs[0][0].strip()).name]
 
 
+@pytest.mark.slow  # fresh interpreters
 @needs_kernel
 def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
     code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
