@@ -1,19 +1,25 @@
 """Small C kernels for the CPU paths, built on first use with the system C compiler and called through ctypes.
 
-One kernel today: the native rollout's decode-step attention (``csrc/decode_attention.c``, AVX-512),
-3-5x faster than PyTorch's batched matmuls at the rollout's sizes, where each (row, kv head) is a
-2 x 64 by 64 x L product and the per-item overhead dominates. It also reads bf16 caches (a bf16
-model's keys and values, stored exactly, at half the bytes). Nothing here is needed: when there is
-no compiler, no AVX-512, a head dim that is not a multiple of 16, or ``RLFUNC_CPU_KERNELS=0``,
-:func:`decode_attention_kernel` returns None and the caller runs its PyTorch path (one log line says
-why).
+- ``csrc/decode_attention.c``: the native rollout's decode-step attention (AVX-512), 3-5x faster than
+  PyTorch's batched matmuls at the rollout's sizes, where each (row, kv head) is a 2 x 64 by 64 x L
+  product and the per-item overhead dominates. It also reads bf16 caches (a bf16 model's keys and
+  values, stored exactly, at half the bytes).
+- ``csrc/packed_attention.c``: causal attention over a packed training micro-batch, forward and
+  backward, reading the packed q, k, v in place (shared prompts included); see backends/cpu_fused.py.
+- ``csrc/norm_act.c``: fused RMSNorm and SwiGLU, forward and backward, for training (one pass over the
+  activations each, where PyTorch runs Hugging Face's modules as several elementwise kernels).
+
+Nothing here is needed: when there is no compiler, no AVX-512, an unsupported size, or
+``RLFUNC_CPU_KERNELS=0``, the accessors (:func:`decode_attention_kernel`, :func:`packed_attention_kernel`,
+:func:`norm_act_kernel`) return None and the caller runs its PyTorch path (one log line says why).
+The wrappers check dtypes and layouts before passing raw pointers: the kernels trust them.
 
 Build: ``$CC`` (default ``cc``) ``-O3 -march=native -shared -fPIC``, no Python or torch headers
-(about half a second). The library is cached under ``$RLFUNC_KERNEL_CACHE`` (default
-``~/.cache/rlfunc/kernels``), named by a hash of the source, the compiler's version, the flags and
-this CPU's feature flags, so a changed source or another machine sharing the home directory builds
-its own. It is written to a temporary name and renamed into place, so concurrent ranks never load a
-half-written file.
+(about half a second per library). The library is cached under ``$RLFUNC_KERNEL_CACHE`` (default
+``~/.cache/rlfunc/kernels``), named by a hash of the sources (the ``.c`` file and the shared headers),
+the compiler's version, the flags and this CPU's feature flags, so a changed source or another machine
+sharing the home directory builds its own. It is written to a temporary name and renamed into place,
+so concurrent ranks never load a half-written file.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ import shutil
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["DecodeAttention", "decode_attention_kernel", "kernel_cache_dir"]
+__all__ = ["DecodeAttention", "key_blocks", "NormAct", "PackedAttention", "decode_attention_kernel", "kernel_cache_dir", "norm_act_kernel",
+           "packed_attention_kernel"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "decode_attention.c"
+_CSRC = Path(__file__).resolve().parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
 _log = logging.getLogger("rlfunc.cpu_kernels")
 
@@ -55,8 +63,9 @@ def _cpu_flags() -> str:
 def _build(source: Path, compiler: str) -> Path:
     """The compiled shared library of ``source`` (built now unless the cache has it)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    headers = [h.read_bytes() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        b"\0".join([source.read_bytes(), version.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
+        b"\0".join([source.read_bytes(), *headers, version.encode(), " ".join(_FLAGS).encode(), _cpu_flags().encode()])
     ).hexdigest()[:20]
     out = kernel_cache_dir() / f"{source.stem}-{key}.so"
     if out.is_file():
@@ -73,6 +82,22 @@ def _build(source: Path, compiler: str) -> Path:
     return out
 
 
+def key_blocks(k: Tensor, length: int | None = None) -> Tensor:
+    """Keys ``(b kv T d)`` in the decode kernels' cache layout ``(b kv ceil(T'/16) d 16)``, ``T'`` = ``length``
+    (default ``T``, at least ``T``): slot ``l`` at ``[..., l // 16, :, l % 16]``, each block of 16 slots
+    transposed and contiguous; slots past ``T`` are zero."""
+    b, kv, t, d = k.shape
+    blocks = -(-max(t, length or 0) // 16)
+    padded = k.new_zeros(b, kv, blocks * 16, d)
+    padded[:, :, :t] = k
+    return padded.view(b, kv, blocks, 16, d).transpose(-1, -2).contiguous()
+
+
+def _key_blocks_layout(k_t: Tensor, b: int, kv: int, d: int, length: int) -> bool:
+    return (k_t.dim() == 5 and k_t.shape[:2] == (b, kv) and k_t.shape[3:] == (d, 16) and k_t.shape[2] * 16 >= length
+            and k_t.stride(4) == 1 and k_t.stride(3) == 16)
+
+
 class DecodeAttention:
     """The loaded decode-attention kernel; see ``csrc/decode_attention.c`` for the layouts."""
 
@@ -82,6 +107,9 @@ class DecodeAttention:
         self._fn = lib.rlfunc_decode_attention
         self._fn.argtypes = [ptr] * 6 + [i64] * 5 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
         self._fn.restype = ctypes.c_int
+        self._step = lib.rlfunc_decode_step
+        self._step.argtypes = [ptr] * 9 + [i64] * 12 + [ctypes.c_float]
+        self._step.restype = ctypes.c_int
         lib.rlfunc_decode_attention_support.restype = ctypes.c_int
         support = lib.rlfunc_decode_attention_support()
         self.available = bool(support & 1)  #: built with AVX-512F: float32 caches
@@ -92,7 +120,8 @@ class DecodeAttention:
                  out: Tensor, scratch: Tensor) -> Tensor:
         """``out (b kv g d)`` = attention of ``q (b kv g d)`` over slots ``[0, length)`` of the caches.
 
-        ``k_t (b kv d T)`` (keys transposed) and ``v (b kv T d)``: fp32, or bf16 if
+        ``k_t (b kv T/16 d 16)`` (keys transposed in blocks of 16 slots: :func:`key_blocks`) and
+        ``v (b kv T d)``: fp32, or bf16 if
         :attr:`bf16_cache`; ``q``, ``out``, ``bias (b, >= length)`` (0 / -inf) and ``scratch`` (at least
         ``g * ceil(length / 16) * 16`` elements) fp32. All on the CPU with unit stride in their last
         dim; ``q`` contiguous within a row, ``out`` contiguous.
@@ -105,9 +134,8 @@ class DecodeAttention:
                             f"bfloat16, got q {q.dtype}, k {k_t.dtype}, v {v.dtype}")
         # the kernel trusts these layouts (it reads raw pointers): refuse anything else
         if not (q.stride()[1:] == (g * d, d, 1) and out.is_contiguous() and out.shape == q.shape
-                and k_t.stride(3) == 1 and v.stride(3) == 1 and bias.stride(1) == 1
-                and k_t.shape[:3] == (b, kv, d) and v.shape[0:2] == (b, kv) and v.shape[3] == d
-                and min(k_t.shape[3], v.shape[2], bias.shape[1]) >= length
+                and _key_blocks_layout(k_t, b, kv, d, length) and v.stride(3) == 1 and bias.stride(1) == 1
+                and v.shape[0:2] == (b, kv) and v.shape[3] == d and min(v.shape[2], bias.shape[1]) >= length
                 and scratch.is_contiguous() and scratch.numel() >= g * ((length + 15) // 16 * 16)):
             raise ValueError(
                 f"decode attention: unsupported layout (q {tuple(q.shape)} strides {q.stride()}, k_t {tuple(k_t.shape)}, "
@@ -123,29 +151,211 @@ class DecodeAttention:
         return out
 
 
+    def step(self, qkv: Tensor, cos: Tensor, sin_signed: Tensor, positions: Tensor, k_t: Tensor, v: Tensor,
+             bias: Tensor, slot: int, scale: float, out: Tensor, scratch: Tensor) -> Tensor:
+        """A float32 model's decode-step attention from its fused projection on: RoPE on the new queries
+        and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to cache ``slot``, and
+        ``out (b kv g d)`` = attention over slots ``[0, slot]``.
+
+        ``cos``, ``sin_signed (P, d)``: RoPE tables (``sin_signed = cat(-sin[:d/2], sin[d/2:])``) read at
+        ``positions (b)`` (int64); caches, ``bias`` and ``scratch`` as in :meth:`__call__` (float32 caches).
+        """
+        b, kv, g, d = out.shape
+        _contiguous_f32("decode step", qkv, cos, sin_signed, out, scratch)
+        if not (k_t.dtype == v.dtype == bias.dtype == torch.float32):
+            raise TypeError(f"decode step: caches and bias must be float32, got {k_t.dtype}, {v.dtype}, {bias.dtype}")
+        length = slot + 1
+        if not (qkv.shape == (b, kv * g + 2 * kv, d) and cos.shape == sin_signed.shape and cos.dim() == 2
+                and cos.shape[1] == d and positions.dtype == torch.int64 and positions.shape == (b,)
+                and positions.is_contiguous() and _key_blocks_layout(k_t, b, kv, d, length) and v.stride(3) == 1
+                and bias.stride(1) == 1 and v.shape[:2] == (b, kv) and v.shape[3] == d and bias.shape[0] == b
+                and min(v.shape[2], bias.shape[1]) >= length and slot >= 0
+                and scratch.numel() >= g * ((length + 15) // 16 * 16)):
+            raise ValueError(
+                f"decode step: unsupported layout (qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, cos {tuple(cos.shape)}, "
+                f"positions {tuple(positions.shape)}, k_t {tuple(k_t.shape)}, v {tuple(v.shape)}, bias {tuple(bias.shape)}, "
+                f"slot {slot}, scratch {scratch.numel()})"
+            )
+        if b and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+            raise ValueError(f"decode step: positions outside the {cos.shape[0]} rows of the RoPE tables")
+        rc = self._step(
+            qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(), k_t.data_ptr(), v.data_ptr(),
+            bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, kv, g, d, slot, k_t.stride(0), k_t.stride(1),
+            k_t.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), scale,
+        )
+        if rc != 0:
+            raise RuntimeError(f"decode step kernel refused head_dim={d}, slot={slot}")
+        return out
+
+def _contiguous_f32(name: str, *tensors: Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise TypeError(f"{name}: every tensor must be a contiguous float32 CPU tensor, got {t.dtype} on "
+                            f"{t.device} with strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+class PackedAttention:
+    """The loaded packed-attention kernels; see ``csrc/packed_attention.c`` for the math and layouts."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._forward = lib.rlfunc_packed_attention_forward
+        self._forward.argtypes = [ptr] * 8 + [i64] * 5 + [f32]
+        self._forward.restype = ctypes.c_int
+        self._backward = lib.rlfunc_packed_attention_backward
+        self._backward.argtypes = [ptr] * 12 + [i64] * 6 + [f32]
+        self._backward.restype = ctypes.c_int
+        lib.rlfunc_packed_attention_support.restype = ctypes.c_int
+        self.available = bool(lib.rlfunc_packed_attention_support() & 1)  #: built with AVX-512F
+        self.library = library
+
+    @staticmethod
+    def _check(q: Tensor, k: Tensor, v: Tensor, gather: Tensor, lengths: Tensor, slot_token: Tensor) -> None:
+        _contiguous_f32("packed attention", q, k, v)
+        (T, h, d), (n, L) = q.shape, gather.shape
+        if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d or h % k.shape[1]:
+            raise ValueError(f"packed attention: q {tuple(q.shape)} needs k, v (T, kv, d) with kv dividing h, got "
+                             f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        for name, t, shape in (("gather", gather, (n, L)), ("lengths", lengths, (n,)), ("slot_token", slot_token, (n, L))):
+            if t.dtype != torch.int64 or not t.is_contiguous() or tuple(t.shape) != shape:
+                raise ValueError(f"packed attention: {name} must be a contiguous int64 tensor of shape {shape}, "
+                                 f"got {t.dtype} {tuple(t.shape)}")
+        # the kernel follows these indices into q, k, v: out-of-range values would read out of bounds
+        if n and (int(gather.min()) < 0 or int(gather.max()) >= T or int(lengths.min()) < 0 or int(lengths.max()) > L
+                  or int(slot_token.min()) < -1 or int(slot_token.max()) >= T):
+            raise ValueError(f"packed attention: layout indices out of range for {T} tokens and blocks of {L}")
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, gather: Tensor, lengths: Tensor, slot_token: Tensor,
+                scale: float) -> tuple[Tensor, Tensor]:
+        """``out (T h d), lse (T h)`` from ``q (T h d)``, ``k v (T kv d)`` and the layout (float32, contiguous)."""
+        self._check(q, k, v, gather, lengths, slot_token)
+        (T, h, d), (n, L), kv = q.shape, gather.shape, k.shape[1]
+        out, lse = torch.empty_like(q), torch.empty(T, h, dtype=torch.float32)
+        rc = self._forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), gather.data_ptr(), lengths.data_ptr(),
+                           slot_token.data_ptr(), out.data_ptr(), lse.data_ptr(), n, L, h, kv, d, scale)
+        if rc != 0:
+            raise RuntimeError(f"packed attention forward failed (code {rc}) for head_dim={d}, heads={h}/{kv}, L={L}")
+        return out, lse
+
+    def backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, gather: Tensor,
+                 lengths: Tensor, slot_token: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+        """``dq, dk, dv`` for the output gradient ``dout (T h d)``."""
+        self._check(q, k, v, gather, lengths, slot_token)
+        _contiguous_f32("packed attention", out, lse, dout)
+        if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:2]:
+            raise ValueError(f"packed attention: out {tuple(out.shape)}, dout {tuple(dout.shape)} and lse "
+                             f"{tuple(lse.shape)} do not match q {tuple(q.shape)}")
+        (T, h, d), (n, L), kv = q.shape, gather.shape, k.shape[1]
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        rc = self._backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
+                            gather.data_ptr(), lengths.data_ptr(), slot_token.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                            dv.data_ptr(), T, n, L, h, kv, d, scale)
+        if rc != 0:
+            raise RuntimeError(f"packed attention backward failed (code {rc}) for head_dim={d}, heads={h}/{kv}, L={L}")
+        return dq, dk, dv
+
+
+class NormAct:
+    """The loaded RMSNorm / SwiGLU kernels; see ``csrc/norm_act.c``. float32, contiguous, CPU."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        for name, args in (("rms_norm_forward", [ptr] * 4 + [i64, i64, f32]), ("rms_norm_backward", [ptr] * 6 + [i64, i64]),
+                           ("swiglu_forward", [ptr] * 3 + [i64]), ("swiglu_backward", [ptr] * 5 + [i64])):
+            fn = getattr(lib, f"rlfunc_{name}")
+            fn.argtypes, fn.restype = args, ctypes.c_int
+            setattr(self, f"_{name}", fn)
+        lib.rlfunc_norm_act_support.restype = ctypes.c_int
+        self.available = bool(lib.rlfunc_norm_act_support() & 1)  #: built with AVX-512F
+        self.library = library
+
+    @staticmethod
+    def _rc(rc: int, what: str) -> None:
+        if rc != 0:
+            raise RuntimeError(f"{what} kernel failed (code {rc})")
+
+    def rms_norm_forward(self, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        """``y, rstd (rows)`` for ``x (rows, hidden)``."""
+        _contiguous_f32("rms_norm", x, weight)
+        if x.dim() != 2 or weight.shape != (x.shape[1],):
+            raise ValueError(f"rms_norm: x must be (rows, hidden) and weight (hidden), got {tuple(x.shape)}, {tuple(weight.shape)}")
+        y, rstd = torch.empty_like(x), torch.empty(x.shape[0], dtype=torch.float32)
+        self._rc(self._rms_norm_forward(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.shape[0],
+                                        x.shape[1], eps), "rms_norm forward")
+        return y, rstd
+
+    def rms_norm_backward(self, x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+        """``dx, dweight``."""
+        _contiguous_f32("rms_norm", x, weight, rstd, dy)
+        if x.dim() != 2 or dy.shape != x.shape or weight.shape != (x.shape[1],) or rstd.shape != (x.shape[0],):
+            raise ValueError(f"rms_norm backward: shapes disagree: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
+                             f"weight {tuple(weight.shape)}, rstd {tuple(rstd.shape)}")
+        dx, dw = torch.empty_like(x), torch.empty_like(weight)
+        self._rc(self._rms_norm_backward(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                                         dw.data_ptr(), x.shape[0], x.shape[1]), "rms_norm backward")
+        return dx, dw
+
+    def swiglu_forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        """``silu(gate) * up``."""
+        _contiguous_f32("swiglu", gate, up)
+        if gate.shape != up.shape:
+            raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        out = torch.empty_like(gate)
+        self._rc(self._swiglu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel()), "swiglu forward")
+        return out
+
+    def swiglu_backward(self, gate: Tensor, up: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
+        """``dgate, dup``."""
+        _contiguous_f32("swiglu", gate, up, dout)
+        if not gate.shape == up.shape == dout.shape:
+            raise ValueError(f"swiglu backward: shapes differ: {tuple(gate.shape)}, {tuple(up.shape)}, {tuple(dout.shape)}")
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        self._rc(self._swiglu_backward(gate.data_ptr(), up.data_ptr(), dout.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
+                                       gate.numel()), "swiglu backward")
+        return dgate, dup
+
+
+_KERNELS = {"decode_attention": DecodeAttention, "packed_attention": PackedAttention, "norm_act": NormAct}
+
+
 @functools.lru_cache(maxsize=None)
-def _load() -> DecodeAttention | None:
+def _load(name: str) -> Any:
+    """The loaded kernel library ``csrc/<name>.c``, or None (logged once) if it cannot run here."""
+    what = name.replace("_", " ")
     if os.environ.get("RLFUNC_CPU_KERNELS", "1") == "0":
-        _log.info("RLFUNC_CPU_KERNELS=0: the native rollout's decode attention runs in PyTorch")
+        _log.info("RLFUNC_CPU_KERNELS=0: %s runs in PyTorch", what)
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        _log.warning("no C compiler (CC=%r, cc not on PATH): the native rollout's decode attention runs in PyTorch",
-                     os.environ.get("CC"))
+        _log.warning("no C compiler (CC=%r, cc not on PATH): %s runs in PyTorch", os.environ.get("CC"), what)
         return None
     try:
-        kernel = DecodeAttention(_build(_SOURCE, compiler))
+        kernel = _KERNELS[name](_build(_CSRC / f"{name}.c", compiler))
     except Exception as e:  # noqa: BLE001 - any build or load failure means: use the PyTorch path
-        _log.warning("could not build the decode-attention kernel (%s): it runs in PyTorch", e)
+        _log.warning("could not build the %s kernel (%s): it runs in PyTorch", what, e)
         return None
     if not kernel.available:
-        _log.info("this CPU has no AVX-512F: the native rollout's decode attention runs in PyTorch")
+        _log.info("this CPU has no AVX-512F: %s runs in PyTorch", what)
         return None
     return kernel
 
 
 def decode_attention_kernel(head_dim: int) -> DecodeAttention | None:
-    """The decode-attention kernel for this head dim, or None (use PyTorch) if it cannot run here."""
+    """The native rollout's decode-attention kernel for this head dim, or None (use PyTorch) if it cannot run here."""
     if head_dim % 16:
         return None
-    return _load()
+    return _load("decode_attention")
+
+
+def packed_attention_kernel(head_dim: int) -> PackedAttention | None:
+    """The packed training attention's kernels for this head dim, or None (use PyTorch)."""
+    if head_dim % 16:
+        return None
+    return _load("packed_attention")
+
+
+def norm_act_kernel() -> NormAct | None:
+    """The fused RMSNorm / SwiGLU kernels, or None (use PyTorch)."""
+    return _load("norm_act")

@@ -68,6 +68,7 @@ from torch.distributed.tensor import DTensor
 from backends.distributed import DistEnv, device_mesh, init_distributed
 from backends.models import load_causal_lm, load_value_model
 from backends.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
+from backends.cpu_fused import use_fused_modules
 from backends.packing import VARLEN_SDPA, PackedRows, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
@@ -310,6 +311,8 @@ def _trainable_state(
     """Shard an unsharded fp32 model (master weights) and give it AdamW: the actor and the critic."""
     if _needs_own_attention(fsdp_cfg, env.device):
         enable_packed_attention(model)
+    if env.device.type == "cpu":
+        use_fused_modules(model)
     if fsdp_cfg.gradient_checkpointing:
         _enable_checkpointing(model)
     if getattr(model, "config", None) is not None:
@@ -404,6 +407,8 @@ def build_reference(
     model = _load_model(model_path, dtype)
     if _needs_own_attention(fsdp_cfg, env.device):
         enable_packed_attention(model)
+    if env.device.type == "cpu":
+        use_fused_modules(model)
     model.requires_grad_(False)
     if getattr(model, "config", None) is not None:
         model.config.use_cache = False

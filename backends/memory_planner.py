@@ -20,17 +20,20 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   before SDPA on CPU), output and fp32 log-sum-exp, and the SwiGLU MLP's four ``i``-wide tensors. With
   gradient checkpointing a layer keeps only its input (``h``) and one layer's full set lives during
   its recompute. The padded attention mask (``b x s x s``) is saved once when ``padded``. Packed
-  (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen saves; the CPU
-  packed path (backends/packing.py) saves q, k, v and the output for ``n x max_len`` positions, and
-  for short blocks (its batched-matmul attention) the ``n x heads x max_len^2`` probabilities, so
-  ragged rows need more there (up to 25% more in the tests). Tensor
+  (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen and the CPU C
+  kernel (backends/cpu_fused.py) save; the CPU PyTorch fallback (backends/packing.py) saves q, k, v
+  and the output for ``n x max_len`` positions, and for short blocks (its batched-matmul attention)
+  the ``n x heads x max_len^2`` probabilities, so ragged rows need more there (up to 25% more in the
+  tests). The C kernels' fused RMSNorm and SwiGLU save less than counted here (the input and the
+  rsqrt; gate and up), so the estimate is an upper bound on that path. Tensor
   parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
   ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
 - **logits** of the kept positions (``V`` per token, compute dtype, plus an fp32 copy under bf16 and
   the softmax when entropy is computed): the response tokens only (``logits_to_keep``);
 - **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
   (``kv_dtype``; on a CPU the native engine keeps an fp32 cache for a bf16 model unless its AVX-512
-  decode-attention kernel reads bf16 caches, ``backends/cpu_kernels.py``).
+  decode-attention kernel reads bf16 caches, ``backends/cpu_kernels.py``, and that kernel's caches hold
+  whole blocks of 16 slots: ``kv_block``).
 
 Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. the fp32 upcast of one
 chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU): keep headroom
@@ -169,6 +172,9 @@ class Workload:
     kv_seqs: int = 0  #: sequences in a colocated rollout's KV cache
     kv_len: int = 0  #: tokens per cached sequence
     kv_dtype: str | None = None  #: default: compute_dtype
+    #: cache slots are allocated in blocks of this many per sequence (the native CPU engine's decode
+    #: kernel: 16, ``backends/cpu_kernels.py``)
+    kv_block: int = 1
 
     def __attrs_post_init__(self) -> None:
         _dtype_bytes(self.compute_dtype)
@@ -181,6 +187,8 @@ class Workload:
         for name in ("micro_batch_rows", "seq_len", "kv_seqs", "kv_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Workload.{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_block < 1:
+            raise ValueError(f"Workload.kv_block must be >= 1, got {self.kv_block}")
 
 
 @attrs.frozen
@@ -264,7 +272,8 @@ def estimate(shape: ModelShape, parallel: Parallelism = Parallelism(), work: Wor
         # lm_head input of the kept positions, their logits in fp32 (an upcast copy under bf16), softmax
         logits = keep * h * cb + keep * shape.vocab_size // parallel.tp * (4 + (4 if work.with_entropy else 0))
     kv_bytes = _dtype_bytes(work.kv_dtype or work.compute_dtype)
-    kv = 2 * shape.num_layers * shape.kv_width * work.kv_len * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
+    kv_slots = -(-work.kv_len // work.kv_block) * work.kv_block
+    kv = 2 * shape.num_layers * shape.kv_width * kv_slots * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
     return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=int(activations),
                           logits=int(logits), kv_cache=kv, recompute=int(recompute))
 

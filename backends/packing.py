@@ -50,6 +50,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backends.cpu_fused import packed_attention
+
 __all__ = ["VARLEN_SDPA", "BlockLayout", "PackedRows", "pack_rows", "unpack", "varlen_sdpa_attention", "enable_packed_attention",
            "model_kwargs"]
 
@@ -64,12 +66,14 @@ class BlockLayout:
 
     ``gather (n L)``: the packed position read by each block slot (past a sequence's end its last
     token again, which no real query of the sequence can see under the causal mask); ``scatter (T)``:
-    the flat block slot ``i * L + j`` whose attention output each packed position takes.
+    the flat block slot ``i * L + j`` whose attention output each packed position takes; ``lengths (n)``:
+    the number of real tokens of each sequence.
     """
 
     gather: Tensor
     scatter: Tensor
     max_len: int
+    lengths: Tensor
 
 
 @attrs.frozen
@@ -194,7 +198,7 @@ def _shared_layout(index: Tensor, stored: Tensor, prompt_len: Tensor, seqlens: T
     )  # (b, p + t): the block slot of each column (valid on the row's sequence)
     scatter = torch.empty(int(stored.sum()), dtype=torch.long, device=index.device)
     scatter[index[stored]] = slot[stored]
-    return BlockLayout(gather=gather, scatter=scatter, max_len=max_len)
+    return BlockLayout(gather=gather, scatter=scatter, max_len=max_len, lengths=seqlens.to(torch.long))
 
 
 def unpack(values: Tensor, packed: PackedRows) -> Tensor:
@@ -242,7 +246,7 @@ def _pad_layout(bounds: tuple[int, ...], device: torch.device) -> BlockLayout:
     inside = cols[None] < lengths[:, None]
     gather = starts[:, None] + torch.minimum(cols[None], lengths[:, None] - 1)
     scatter = inside.reshape(-1).nonzero().squeeze(-1)  # row-major over (n, L): the packed order
-    return BlockLayout(gather=gather.to(device), scatter=scatter.to(device), max_len=max_len)
+    return BlockLayout(gather=gather.to(device), scatter=scatter.to(device), max_len=max_len, lengths=lengths.to(device))
 
 
 def _cpu_fp32(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, torch.dtype]:
@@ -298,6 +302,11 @@ def varlen_sdpa_attention(
         raise NotImplementedError("packed sequences do not support sliding-window attention layers")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"{query.shape[1]} query heads are not a multiple of {key.shape[1]} key/value heads")
+    dropout = dropout if module.training else 0.0
+    if not dropout:
+        fused = packed_attention(query, key, value, layout, scaling)  # the C kernels on CPU, when they can run
+        if fused is not None:
+            return fused, None
     flat_gather, max_len = layout.gather.reshape(-1), layout.max_len
     n, heads, head_dim = layout.gather.shape[0], query.shape[1], query.shape[3]
 
@@ -307,7 +316,6 @@ def varlen_sdpa_attention(
         rows = x[0].transpose(0, 1).index_select(0, flat_gather)
         return rows.view(n, max_len, x.shape[1], x.shape[3]).transpose(1, 2)
 
-    dropout = dropout if module.training else 0.0
     dtype = query.dtype
     use_matmul = _use_matmul_attention(query, max_len)
     if not use_matmul:

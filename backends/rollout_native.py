@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.cpu_kernels import decode_attention_kernel
+from backends.cpu_kernels import decode_attention_kernel, key_blocks, norm_act_kernel
 from rlfunc.batch import RolloutBatch, validate
 
 __all__ = [
@@ -390,7 +390,8 @@ class _Decoder:
     Caches are ``(rows, kv_heads, total_len, head_dim)`` per layer; slot ``j`` holds token ``j`` of the
     left-padded prompt followed by the response, for every row alike (RoPE positions differ per row).
     With the CPU decode-attention kernel (:mod:`backends.cpu_kernels`) the key cache is stored
-    transposed, ``(rows, kv_heads, head_dim, total_len)``, so that the kernel reads 16 slots per load.
+    transposed in blocks of 16 slots, ``(rows, kv_heads, ceil(total_len / 16), head_dim, 16)``, so that the
+    kernel reads 16 slots per load and a row's first slots are contiguous.
     """
 
     def __init__(self, model: Any, rows: int, total_len: int, prepack: bool) -> None:
@@ -420,16 +421,24 @@ class _Decoder:
         self.kernel = decode_attention_kernel(self.head_dim) if self.device.type == "cpu" else None
         bf16_cache = self.kernel is not None and self.kernel.bf16_cache and self.dtype == torch.bfloat16
         cache_dtype = torch.bfloat16 if bf16_cache else self.att_dtype
-        shape = (rows, self.num_kv, total_len, self.head_dim)
-        k_shape = (rows, self.num_kv, self.head_dim, total_len) if self.kernel is not None else shape
+        # the kernel's caches hold whole blocks of 16 slots (a few unused slots past total_len)
+        slots = -(-total_len // 16) * 16 if self.kernel is not None else total_len
+        shape = (rows, self.num_kv, slots, self.head_dim)
+        k_shape = (rows, self.num_kv, slots // 16, self.head_dim, 16) if self.kernel is not None else shape
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
         # to it, so no slot is read before it is written
         self.k_cache = [torch.empty(k_shape, dtype=cache_dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.empty(shape, dtype=cache_dtype, device=self.device) for _ in self.layers]
         group = self.num_heads // self.num_kv
         self.scratch = None if self.kernel is None else torch.empty(group * -(-total_len // 16) * 16, dtype=torch.float32)
+        # a float32 model's decode step runs RoPE, the cache writes and attention in one kernel call, and
+        # its RMSNorms in another (one pass each, where PyTorch runs several small elementwise kernels)
+        self.fused_step = self.kernel is not None and self.dtype == torch.float32
+        self.norm_kernel = norm_act_kernel() if self.fused_step else None
 
     def _rms(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if self.norm_kernel is not None and x.dim() == 2 and x.is_contiguous():
+            return self.norm_kernel.rms_norm_forward(x, weight, eps)[0]
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
     def _mlp(self, x: Tensor, lw: _Layer) -> Tensor:
@@ -456,8 +465,9 @@ class _Decoder:
             q = qk[:, :, :h].transpose(1, 2)
             k = qk[:, :, h:].transpose(1, 2)
             v = qkv[:, :, h + kv :].transpose(1, 2).to(self.att_dtype)
-            if self.kernel is not None:  # keys transposed: (b kv d T)
-                kc.view(b0, copies, *kc.shape[1:])[..., :p] = k.transpose(-1, -2)[:, None]
+            if self.kernel is not None:  # keys in transposed blocks of 16 slots: (b kv T/16 d 16)
+                blocks = key_blocks(k)
+                kc.view(b0, copies, *kc.shape[1:])[:, :, :, : blocks.shape[2]] = blocks[:, None]
             else:
                 kc.view(b0, copies, *kc.shape[1:])[:, :, :, :p] = k[:, None]
             vc.view(b0, copies, *vc.shape[1:])[:, :, :, :p] = v[:, None]
@@ -474,8 +484,16 @@ class _Decoder:
         """
         b = tokens.shape[0]
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (b 1 d)
         x = F.embedding(tokens, self.embed)  # (b hidden)
+        if self.fused_step:
+            positions = positions.contiguous()
+            for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+                qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
+                att = self.kernel.step(qkv, self.cos, self.sin, positions, kc, vc, key_bias, slot, self.scale,
+                                       qkv.new_empty(b, kv, h // kv, d), self.scratch)
+                x = self._mlp(lw.o.add_to(x, att.view(b, h * d)), lw)
+            return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (b 1 d)
         bias = key_bias[:, None, None, :]
         for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
@@ -483,7 +501,7 @@ class _Decoder:
             vc[:, :, slot] = qkv[:, h + kv :]
             q = qk[:, :h].view(b, kv, h // kv, d).to(self.att_dtype)
             if self.kernel is not None:
-                kc[:, :, :, slot] = qk[:, h:]
+                kc[:, :, slot // 16, :, slot % 16] = qk[:, h:]
                 att = self.kernel(q, kc, vc, key_bias, slot + 1, self.scale, q.new_empty(q.shape), self.scratch)
             else:
                 kc[:, :, slot] = qk[:, h:]

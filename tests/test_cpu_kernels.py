@@ -1,4 +1,5 @@
-"""The CPU decode-attention kernel (backends/cpu_kernels.py, csrc/decode_attention.c) against PyTorch."""
+"""The CPU kernels' build and loading (backends/cpu_kernels.py) and the decode-attention kernel
+(csrc/decode_attention.c) against PyTorch. The training kernels: tests/test_cpu_fused.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from backends import cpu_kernels
-from backends.cpu_kernels import decode_attention_kernel
+from backends.cpu_kernels import decode_attention_kernel, key_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ def test_decode_attention_matches_reference(kv, g, d, length):
         bias[:, :length] = 0.0  # every row keeps at least one slot
     kernel = decode_attention_kernel(d)
     scratch = torch.empty(g * -(-total // 16) * 16)
-    out = kernel(q, k.transpose(-1, -2).contiguous(), v, bias, length, d**-0.5, torch.empty(b, kv, g, d), scratch)
+    out = kernel(q, key_blocks(k), v, bias, length, d**-0.5, torch.empty(b, kv, g, d), scratch)
     torch.testing.assert_close(out, reference(q, k, v, bias, length, d**-0.5), rtol=1e-5, atol=1e-5)
 
 
@@ -77,13 +78,12 @@ def test_masked_and_unread_slots_contribute_nothing():
     q, k, v, bias = _case(b, kv, g, d, total)
     kernel = decode_attention_kernel(d)
     scratch = torch.empty(g * 48)
-    k_t = k.transpose(-1, -2).contiguous()
-    clean = kernel(q, k_t, v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch).clone()
-    v_poisoned, k_poisoned = v.clone(), k_t.clone()
+    clean = kernel(q, key_blocks(k), v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch).clone()
+    v_poisoned, k_poisoned = v.clone(), k.clone()
     v_poisoned[::2, :, :3] = 1e30  # the masked slots of the padded rows
     v_poisoned[:, :, length:] = float("nan")
-    k_poisoned[..., length:] = float("nan")
-    poisoned = kernel(q, k_poisoned, v_poisoned, bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+    k_poisoned[:, :, length:] = float("nan")
+    poisoned = kernel(q, key_blocks(k_poisoned), v_poisoned, bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
     assert torch.equal(clean, poisoned)
 
 
@@ -92,7 +92,7 @@ def test_bf16_caches_read_as_their_float32_values():
     """bf16 caches give exactly what fp32 caches holding the same (bf16) numbers give."""
     b, kv, g, d, total, length = 4, 2, 2, 64, 40, 33
     q, k, v, bias = _case(b, kv, g, d, total)
-    k_t = k.transpose(-1, -2).contiguous().to(torch.bfloat16)
+    k_t = key_blocks(k).to(torch.bfloat16)
     v = v.to(torch.bfloat16)
     kernel = decode_attention_kernel(d)
     assert kernel.bf16_cache  # this build reads bf16 (AVX-512BW/VL)
@@ -104,8 +104,60 @@ def test_bf16_caches_read_as_their_float32_values():
         kernel(q, k_t, v.float(), bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
     with pytest.raises(ValueError, match="unsupported layout"):  # a length past the cache
         kernel(q, k_t, v, bias, total + 1, 0.125, torch.empty(b, kv, g, d), torch.empty(g * 64))
-    with pytest.raises(ValueError, match="unsupported layout"):  # keys not transposed
-        kernel(q, k_t.transpose(-1, -2), v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+    with pytest.raises(ValueError, match="unsupported layout"):  # keys not in transposed blocks
+        kernel(q, k.to(torch.bfloat16), v, bias, length, 0.125, torch.empty(b, kv, g, d), scratch)
+
+
+def test_key_blocks_layout():
+    """Slot l of a (b kv T d) key tensor sits at [..., l // 16, :, l % 16]; slots past T are zero."""
+    k = torch.randn(2, 3, 21, 32)
+    blocks = key_blocks(k, length=40)
+    assert blocks.shape == (2, 3, 3, 32, 16) and blocks.is_contiguous()
+    for slot in (0, 5, 15, 16, 20):
+        assert torch.equal(blocks[:, :, slot // 16, :, slot % 16], k[:, :, slot])
+    assert not blocks[:, :, 1, :, 5:].any() and not blocks[:, :, 2].any()
+
+
+def _rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv,g,d", [(1, 1, 16), (2, 2, 64), (2, 4, 32), (1, 5, 48)])
+@pytest.mark.parametrize("slot", [0, 6, 15, 16, 40])
+def test_fused_decode_step_matches_rope_cache_write_and_attention(kv, g, d, slot):
+    """kernel.step (a float32 model's decode step from the fused qkv projection on) = RoPE on the new
+    query and key, the key and value written to the slot, and attention over slots [0, slot]: checked
+    against those three in float64, and the cache slots against the rotated key and the value."""
+    b, total, positions_max = 5, 48, 64
+    gen = torch.Generator().manual_seed(slot * 7 + d)
+    qkv = torch.randn(b, kv * g + 2 * kv, d, generator=gen)
+    k_old = torch.randn(b, kv, total, d, generator=gen)
+    v_cache = torch.randn(b, kv, total, d, generator=gen)
+    angles = torch.rand(positions_max, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    sin_signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], -1).contiguous()
+    positions = torch.randint(0, positions_max, (b,), generator=gen)
+    bias = torch.zeros(b, total)
+    bias[::2, : min(3, slot)] = float("-inf")  # left padding of some rows (never the new slot)
+    k_cache = key_blocks(k_old, length=total)
+    kernel = decode_attention_kernel(d)
+    out = kernel.step(qkv, cos.contiguous(), sin_signed, positions, k_cache, v_cache, bias, slot, d**-0.5,
+                      torch.empty(b, kv, g, d), torch.empty(g * total))
+    c, s = cos[positions][:, None].double(), sin[positions][:, None].double()
+    q_rot = _rope(qkv[:, : kv * g].double(), c, s).view(b, kv, g, d)
+    k_new = _rope(qkv[:, kv * g : kv * g + kv].double(), c, s)
+    keys = k_old.double().clone()
+    keys[:, :, slot] = k_new
+    torch.testing.assert_close(v_cache[:, :, slot], qkv[:, kv * g + kv :])  # the new value, written in place
+    torch.testing.assert_close(k_cache[:, :, slot // 16, :, slot % 16].double(), k_new, rtol=1e-6, atol=1e-6)
+    scores = torch.einsum("bjgd,bjld->bjgl", q_rot, keys[:, :, : slot + 1]) * d**-0.5 + bias[:, None, None, : slot + 1]
+    expected = torch.einsum("bjgl,bjld->bjgd", torch.softmax(scores, -1), v_cache.double()[:, :, : slot + 1])
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="positions outside"):
+        kernel.step(qkv, cos.contiguous(), sin_signed, positions + positions_max, k_cache, v_cache, bias, slot, 0.1,
+                    torch.empty(b, kv, g, d), torch.empty(g * total))
 
 
 def test_head_dim_not_a_multiple_of_16_uses_pytorch():
@@ -115,14 +167,20 @@ def test_head_dim_not_a_multiple_of_16_uses_pytorch():
 @pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("env", [{"RLFUNC_CPU_KERNELS": "0"}, {"CC": "/nonexistent/cc"}, {"CC": "false"}])
 def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
-    """Switched off, no compiler, or a compiler that fails: no kernel (None) and no error."""
-    code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64))"
+    """Switched off, no compiler, or a compiler that fails: no kernel (None) and no error, for every kernel;
+    the fused modules then leave a model as it is."""
+    code = (
+        "from backends.cpu_kernels import *; from backends.cpu_fused import use_fused_modules; "
+        "from backends.models import build_tiny_model; "
+        "print(decode_attention_kernel(64), packed_attention_kernel(64), norm_act_kernel(), "
+        "use_fused_modules(build_tiny_model()))"
+    )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path / "cache"), **env},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "None"
+    assert out.stdout.strip() == "None None None 0"
 
 
 @pytest.mark.slow  # fresh interpreters

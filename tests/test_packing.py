@@ -141,12 +141,14 @@ def _masked_max_diff(a, b, mask):
     return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
-@pytest.fixture(params=["matmul", "sdpa"])
+@pytest.fixture(params=["c-kernel", "matmul", "sdpa"])
 def block_kernel(request, monkeypatch):
-    """Run a test with each kernel of the packed attention (the tests' short blocks pick the matmul
-    form by default; "sdpa" turns it off)."""
+    """Run a test with each kernel of the packed attention: the C kernels (backends/cpu_fused.py, used on
+    CPU where they build), else PyTorch's batched matmuls (the tests' short blocks pick them) or SDPA."""
     from backends import packing
 
+    if request.param != "c-kernel":
+        monkeypatch.setattr(packing, "packed_attention", lambda *args: None)
     if request.param == "sdpa":
         monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LEN", {})
     return request.param
@@ -283,12 +285,16 @@ def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matmul_and_sdpa_block_attention_agree(monkeypatch, dtype):
-    """Both kernels of the packed attention (batched matmuls for short blocks on CPU, SDPA otherwise)
-    give the fp32 reference's outputs and q / k / v gradients: to rounding in fp32, to bf16 precision
-    in bf16 (where SDPA runs on an fp32 upcast and the matmul form in bf16)."""
+    """The PyTorch kernels of the packed attention (batched matmuls for short blocks on CPU, SDPA
+    otherwise) and the C kernel give the fp32 reference's outputs and q / k / v gradients: to rounding
+    in fp32, to bf16 precision in bf16 (where SDPA and the C kernel run on an fp32 upcast and the matmul
+    form in bf16)."""
     import types
 
     from backends import packing
+
+    c_kernel = packing.packed_attention
+    monkeypatch.setattr(packing, "packed_attention", lambda *args: None)
 
     g = torch.Generator().manual_seed(0)
     q0, k0, v0 = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
@@ -304,8 +310,10 @@ def test_matmul_and_sdpa_block_attention_agree(monkeypatch, dtype):
         return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
     reference = run(0, torch.float32)  # SDPA in fp32
-    for kernel_max_len in (0, 1000):  # SDPA, then the matmul form
-        got = run(kernel_max_len, dtype)
+    for kernel_max_len in (0, 1000, "c"):  # SDPA, the matmul form, the C kernel (where it runs)
+        if kernel_max_len == "c":
+            monkeypatch.setattr(packing, "packed_attention", c_kernel)
+        got = run(0 if kernel_max_len == "c" else kernel_max_len, dtype)
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, reference):
             err = float((a - b).abs().max() / b.abs().max())
             assert err < (1e-5 if dtype == torch.float32 else 1e-2), (kernel_max_len, name, err)

@@ -1,0 +1,199 @@
+"""The fused CPU training ops (backends/cpu_fused.py over csrc/packed_attention.c and csrc/norm_act.c)
+against float64 references and against the unfused Hugging Face model."""
+
+from __future__ import annotations
+
+import copy
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends import cpu_fused, packing
+from backends.cpu_fused import FusedRMSNorm, FusedSwiGLU, packed_attention, use_fused_modules
+from backends.cpu_kernels import norm_act_kernel, packed_attention_kernel
+from backends.models import TinyModelConfig, build_tiny_model
+from backends.packing import pack_rows
+from tests.test_cpu_kernels import needs_kernel
+
+
+def _layout(prompt_lens, response_lens, group, share):
+    """A packed row's attention layout: rows with left-padded prompts (``group`` rows per prompt) and
+    responses of the given lengths."""
+    b, p, t = len(prompt_lens), max(prompt_lens), max(response_lens)
+    gen = torch.Generator().manual_seed(sum(response_lens))
+    prompt = torch.randint(3, 60, (b // group, p), generator=gen).repeat_interleave(group, 0)
+    prompt_mask = torch.arange(p)[None] >= (p - torch.tensor(prompt_lens))[:, None]
+    response = torch.randint(3, 60, (b, t), generator=gen)
+    response_mask = torch.arange(t)[None] < torch.tensor(response_lens)[:, None]
+    packed = pack_rows(prompt, prompt_mask, response, response_mask, share_prompts=share)
+    if share:
+        return packed.layout, packed.num_tokens
+    bounds = tuple(int(x) for x in packed.cu_seqlens.tolist())
+    return packing._pad_layout(bounds, torch.device("cpu")), packed.num_tokens
+
+
+def _reference(q, k, v, layout, scale):
+    """float64 causal attention of each packed token over its own sequence, by the PyTorch block path."""
+    out, _ = packing.varlen_sdpa_attention(types.SimpleNamespace(training=False), q, k, v, None, scaling=scale,
+                                           packed_layout=layout)
+    return out
+
+
+def _qkv(T, h, kv, d, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    # (1 heads T d) views of T-major tensors, as HF's projections hand them over
+    return [torch.randn(1, T, n, d, generator=gen, dtype=dtype).transpose(1, 2).requires_grad_() for n in (h, kv, kv)]
+
+
+@needs_kernel
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 7), st.integers(1, 40)), min_size=1, max_size=6),
+    group=st.sampled_from([1, 2]),
+    share=st.booleans(),
+    heads=st.sampled_from([(2, 1), (4, 2), (4, 4), (6, 2)]),
+    d=st.sampled_from([16, 32, 64]),
+)
+def test_packed_attention_matches_float64_reference(rows, group, share, heads, d):
+    """Outputs and q / k / v gradients equal a float64 reference through the PyTorch block path, for
+    sequences of 1 to 47 tokens (several blocks of 16 slots), GQA, and prompts shared by a group."""
+    rows = [r for r in rows for _ in range(group)]
+    layout, T = _layout([p for p, _ in rows], [r for _, r in rows], group, share)
+    h, kv = heads
+    q, k, v = _qkv(T, h, kv, d, seed=T)
+    ref = _reference(q, k, v, layout, None)
+    grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), grad_out)]
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out = packed_attention(q32, k32, v32, layout, None)
+    assert out is not None and out.shape == (1, T, h, d) and out.dtype == torch.float32
+    got = [out, *torch.autograd.grad(out, (q32, k32, v32), grad_out.float())]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        # relative to the largest value, at least 1 (a one-token sequence's dq is 0 in exact arithmetic)
+        err = float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1.0))
+        assert err < 5e-6, (name, err)
+
+
+@needs_kernel
+def test_packed_attention_in_bf16_runs_on_a_float32_upcast():
+    layout, T = _layout([3, 5, 5, 2], [9, 30, 1, 17], 1, False)
+    q, k, v = _qkv(T, 4, 2, 32, seed=0, dtype=torch.float32)
+    out32 = packed_attention(q, k, v, layout, 0.2)
+    qb, kb, vb = (x.detach().bfloat16().requires_grad_() for x in (q, k, v))
+    out16 = packed_attention(qb, kb, vb, layout, 0.2)
+    assert out16.dtype == torch.bfloat16
+    assert float((out16.detach().float() - out32.detach()).abs().max()) < 2e-2
+    out16.float().sum().backward()
+    assert qb.grad.dtype == torch.bfloat16 and bool(torch.isfinite(kb.grad.float()).all())
+
+
+@needs_kernel
+def test_packed_attention_checks_its_layout():
+    layout, T = _layout([3, 4], [5, 6], 1, False)
+    kernel = packed_attention_kernel(32)
+    q, k, v = (x.detach().float()[0].transpose(0, 1).contiguous() for x in _qkv(T, 2, 1, 32, seed=0))
+    slot_token = torch.full((layout.gather.numel(),), -1).index_copy_(0, layout.scatter, torch.arange(T))
+    slot_token = slot_token.view(layout.gather.shape)
+    bad_gather = layout.gather.clone()
+    bad_gather[0, 0] = T  # past the packed row: the kernel would read out of bounds
+    with pytest.raises(ValueError, match="out of range"):
+        kernel.forward(q, k, v, bad_gather, layout.lengths, slot_token, 0.1)
+    with pytest.raises(ValueError, match="kv dividing h"):
+        kernel.forward(q, k[:, :1].repeat(1, 3, 1).contiguous(), v, layout.gather, layout.lengths, slot_token, 0.1)
+    with pytest.raises(TypeError, match="contiguous float32"):
+        kernel.forward(q.double(), k, v, layout.gather, layout.lengths, slot_token, 0.1)
+    assert packed_attention_kernel(24) is None  # head dim not a multiple of 16: the PyTorch path
+
+
+@needs_kernel
+@pytest.mark.parametrize("hidden", [256, 70, 8])
+def test_rms_norm_matches_float64(hidden):
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(37, hidden, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    w = torch.nn.Parameter(torch.randn(hidden, generator=gen, dtype=torch.float64))
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    grad_out = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+    expected = [ref, *torch.autograd.grad(ref, (x, w), grad_out)]
+    x32, w32 = x.detach().float().requires_grad_(), torch.nn.Parameter(w.detach().float())
+    out = FusedRMSNorm(w32, 1e-6)(x32.view(37, 1, hidden)).view(37, hidden)  # any leading shape
+    got = [out, *torch.autograd.grad(out, (x32, w32), grad_out.float())]
+    for name, a, b in zip(("y", "dx", "dw"), got, expected):
+        assert float((a.double() - b).abs().max() / b.abs().max()) < 2e-6, name
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [688 * 5, 77])
+def test_swiglu_matches_float64(n):
+    gen = torch.Generator().manual_seed(n)
+    gate = (torch.randn(n, generator=gen, dtype=torch.float64) * 5).requires_grad_()  # both signs, large |x|
+    up = torch.randn(n, generator=gen, dtype=torch.float64).requires_grad_()
+    ref = F.silu(gate) * up
+    grad_out = torch.randn(n, generator=gen, dtype=torch.float64)
+    expected = [ref, *torch.autograd.grad(ref, (gate, up), grad_out)]
+    g32, u32 = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()
+    out = cpu_fused._SwiGLU.apply(g32, u32, norm_act_kernel())
+    got = [out, *torch.autograd.grad(out, (g32, u32), grad_out.float())]
+    plain = F.silu(g32) * u32  # PyTorch's own float32 ops, for their rounding error
+    torch_fp32 = [plain, *torch.autograd.grad(plain, (g32, u32), grad_out.float())]
+
+    def err(a, b):
+        return float(((a.detach().double() - b).abs() / (b.abs() + 1e-3)).max())
+
+    for name, a, t, b in zip(("h", "dgate", "dup"), got, torch_fp32, expected):
+        # dgate loses digits to cancellation near silu's minimum (x = -1.28) in float32, PyTorch's too
+        assert err(a, b) < max(5e-6, 2 * err(t, b)), name
+
+
+def _fused_and_plain(arch="qwen2"):
+    plain = build_tiny_model(TinyModelConfig(arch=arch, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=96))
+    fused = copy.deepcopy(plain)
+    replaced = use_fused_modules(fused)
+    return plain, fused, replaced
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_modules_keep_the_parameters_and_the_math(arch):
+    """use_fused_modules swaps every RMSNorm and MLP (2 norms + 1 MLP per layer, and the final norm),
+    keeps the state dict's names, and the model's logits and gradients stay those of HF's modules."""
+    plain, fused, replaced = _fused_and_plain(arch)
+    layers = plain.config.num_hidden_layers
+    assert replaced == 3 * layers + 1
+    assert isinstance(fused.model.layers[0].input_layernorm, FusedRMSNorm)
+    assert isinstance(fused.model.layers[0].mlp, FusedSwiGLU)
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(3, 60, (3, 11), generator=torch.Generator().manual_seed(0))
+    out_plain, out_fused = plain(input_ids=ids).logits, fused(input_ids=ids).logits
+    assert float((out_plain - out_fused).abs().max()) < 1e-5
+    out_plain.square().mean().backward()
+    out_fused.square().mean().backward()
+    grads = dict(plain.named_parameters())
+    for name, p in fused.named_parameters():
+        ref = grads[name].grad
+        assert float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) < 1e-4, name
+
+
+@needs_kernel
+def test_fused_modules_fall_back_to_hf_math_in_bf16():
+    plain, fused, _ = _fused_and_plain()
+    plain, fused = plain.bfloat16(), fused.bfloat16()
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(plain(input_ids=ids).logits, fused(input_ids=ids).logits)  # the same ops, bit for bit
+
+
+def test_other_architectures_and_no_kernels_are_left_alone(monkeypatch):
+    class GemmaRMSNorm(torch.nn.Module):  # scales by 1 + weight: not the math of the fused norm
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(4))
+            self.variance_epsilon = 1e-6
+
+    model = torch.nn.Sequential(GemmaRMSNorm())
+    assert use_fused_modules(model) == 0 and isinstance(model[0], GemmaRMSNorm)
+    monkeypatch.setattr(cpu_fused, "norm_act_kernel", lambda: None)
+    plain, fused, replaced = _fused_and_plain()
+    assert replaced == 0 and type(fused.model.norm) is type(plain.model.norm)
