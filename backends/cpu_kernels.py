@@ -194,29 +194,46 @@ def _contiguous_f32(name: str, *tensors: Tensor) -> None:
                             f"{t.device} with strides {t.stride()} for shape {tuple(t.shape)}")
 
 
+def _rows(name: str, x: Tensor, heads: int, d: int) -> None:
+    """``x`` must be a float32 CPU (T, heads, d) view whose rows may be strided but whose heads are not."""
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 3 and x.shape[1:] == (heads, d)
+            and x.stride(2) == 1 and (heads == 1 or x.stride(1) == d) and x.stride(0) >= heads * d):
+        raise ValueError(f"packed attention: {name} must be a float32 CPU (T, {heads}, {d}) tensor with contiguous "
+                         f"rows, got {x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
+
+
 class PackedAttention:
-    """The loaded packed-attention kernels; see ``csrc/packed_attention.c`` for the math and layouts."""
+    """The loaded packed-attention and RoPE kernels; see ``csrc/packed_attention.c`` for the math.
+
+    ``q (T h d)``, ``k v (T kv d)`` and the gradients may be row-strided views (heads contiguous within
+    a row), e.g. slices of one fused ``(T, h + 2 kv, d)`` projection.
+    """
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
         self._forward = lib.rlfunc_packed_attention_forward
-        self._forward.argtypes = [ptr] * 8 + [i64] * 5 + [f32]
-        self._forward.restype = ctypes.c_int
+        self._forward.argtypes = [ptr] * 8 + [i64] * 8 + [f32]
         self._backward = lib.rlfunc_packed_attention_backward
-        self._backward.argtypes = [ptr] * 12 + [i64] * 6 + [f32]
-        self._backward.restype = ctypes.c_int
+        self._backward.argtypes = [ptr] * 12 + [i64] * 12 + [f32]
+        self._rope_forward = lib.rlfunc_rope_forward
+        self._rope_backward = lib.rlfunc_rope_backward
+        for fn in (self._rope_forward, self._rope_backward):
+            fn.argtypes = [ptr] * 4 + [i64] * 5
+        for fn in (self._forward, self._backward, self._rope_forward, self._rope_backward):
+            fn.restype = ctypes.c_int
         lib.rlfunc_packed_attention_support.restype = ctypes.c_int
         self.available = bool(lib.rlfunc_packed_attention_support() & 1)  #: built with AVX-512F
         self.library = library
 
     @staticmethod
     def _check(q: Tensor, k: Tensor, v: Tensor, gather: Tensor, lengths: Tensor, slot_token: Tensor) -> None:
-        _contiguous_f32("packed attention", q, k, v)
         (T, h, d), (n, L) = q.shape, gather.shape
-        if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d or h % k.shape[1]:
+        if k.shape != v.shape or k.dim() != 3 or k.shape[0] != T or k.shape[2] != d or h % k.shape[1]:
             raise ValueError(f"packed attention: q {tuple(q.shape)} needs k, v (T, kv, d) with kv dividing h, got "
                              f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        for name, x, heads in (("q", q, h), ("k", k, k.shape[1]), ("v", v, k.shape[1])):
+            _rows(name, x, heads, d)
         for name, t, shape in (("gather", gather, (n, L)), ("lengths", lengths, (n,)), ("slot_token", slot_token, (n, L))):
             if t.dtype != torch.int64 or not t.is_contiguous() or tuple(t.shape) != shape:
                 raise ValueError(f"packed attention: {name} must be a contiguous int64 tensor of shape {shape}, "
@@ -228,32 +245,62 @@ class PackedAttention:
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, gather: Tensor, lengths: Tensor, slot_token: Tensor,
                 scale: float) -> tuple[Tensor, Tensor]:
-        """``out (T h d), lse (T h)`` from ``q (T h d)``, ``k v (T kv d)`` and the layout (float32, contiguous)."""
+        """``out (T h d)`` (contiguous) and ``lse (T h)`` from ``q (T h d)``, ``k v (T kv d)`` and the layout."""
         self._check(q, k, v, gather, lengths, slot_token)
         (T, h, d), (n, L), kv = q.shape, gather.shape, k.shape[1]
-        out, lse = torch.empty_like(q), torch.empty(T, h, dtype=torch.float32)
+        out, lse = torch.empty(T, h, d, dtype=torch.float32), torch.empty(T, h, dtype=torch.float32)
         rc = self._forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), gather.data_ptr(), lengths.data_ptr(),
-                           slot_token.data_ptr(), out.data_ptr(), lse.data_ptr(), n, L, h, kv, d, scale)
+                           slot_token.data_ptr(), out.data_ptr(), lse.data_ptr(), n, L, h, kv, d, q.stride(0),
+                           k.stride(0), v.stride(0), scale)
         if rc != 0:
             raise RuntimeError(f"packed attention forward failed (code {rc}) for head_dim={d}, heads={h}/{kv}, L={L}")
         return out, lse
 
     def backward(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, gather: Tensor,
-                 lengths: Tensor, slot_token: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-        """``dq, dk, dv`` for the output gradient ``dout (T h d)``."""
+                 lengths: Tensor, slot_token: Tensor, scale: float, dq: Tensor | None = None, dk: Tensor | None = None,
+                 dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """``dq, dk, dv`` for the output gradient ``dout (T h d)``: written into the given views (of q's,
+        k's and v's shapes), or new tensors."""
         self._check(q, k, v, gather, lengths, slot_token)
         _contiguous_f32("packed attention", out, lse, dout)
         if out.shape != q.shape or dout.shape != q.shape or lse.shape != q.shape[:2]:
             raise ValueError(f"packed attention: out {tuple(out.shape)}, dout {tuple(dout.shape)} and lse "
                              f"{tuple(lse.shape)} do not match q {tuple(q.shape)}")
         (T, h, d), (n, L), kv = q.shape, gather.shape, k.shape[1]
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq = torch.empty(T, h, d) if dq is None else dq
+        dk = torch.empty(T, kv, d) if dk is None else dk
+        dv = torch.empty(T, kv, d) if dv is None else dv
+        for name, x, heads in (("dq", dq, h), ("dk", dk, kv), ("dv", dv, kv)):
+            _rows(name, x, heads, d)
+            if x.shape[0] != T:
+                raise ValueError(f"packed attention: {name} has {x.shape[0]} rows, not {T}")
         rc = self._backward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
                             gather.data_ptr(), lengths.data_ptr(), slot_token.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                            dv.data_ptr(), T, n, L, h, kv, d, scale)
+                            dv.data_ptr(), T, n, L, h, kv, d, q.stride(0), k.stride(0), v.stride(0), dq.stride(0),
+                            dk.stride(0), dv.stride(0), scale)
         if rc != 0:
             raise RuntimeError(f"packed attention backward failed (code {rc}) for head_dim={d}, heads={h}/{kv}, L={L}")
         return dq, dk, dv
+
+    def _rope(self, fn: Any, x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
+        T, heads, d = x.shape
+        _rows("rope input", x, heads, d)
+        _rows("rope output", out, heads, d)
+        _contiguous_f32("rope", cos, sin)
+        if out.shape[0] != T or cos.shape != (T, d) or sin.shape != (T, d):
+            raise ValueError(f"rope: x {tuple(x.shape)}, out {tuple(out.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
+        rc = fn(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), T, heads, d, x.stride(0), out.stride(0))
+        if rc != 0:
+            raise RuntimeError(f"rope kernel refused head_dim={d}")
+        return out
+
+    def rope_forward(self, x: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
+        """``out = x * cos + rotate_half(x) * sin`` for ``x, out (T heads d)`` (row-strided views), ``cos sin (T d)``."""
+        return self._rope(self._rope_forward, x, cos, sin, out)
+
+    def rope_backward(self, grad: Tensor, cos: Tensor, sin: Tensor, out: Tensor) -> Tensor:
+        """The gradient with respect to ``x`` of :meth:`rope_forward`, for the output gradient ``grad``."""
+        return self._rope(self._rope_backward, grad, cos, sin, out)
 
 
 class NormAct:

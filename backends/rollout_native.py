@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from backends.cpu_fused import onednn_linear_works as _onednn_linear_works
 from backends.cpu_kernels import decode_attention_kernel, key_blocks, norm_act_kernel
 from rlfunc.batch import RolloutBatch, validate
 
@@ -270,21 +271,6 @@ def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Gen
 
 # --------------------------------------------------------------------------------------------------
 # The decoder (Llama / Qwen2 math, read from the HF module's parameters)
-
-
-@functools.lru_cache(maxsize=None)
-def _onednn_linear_works(dtype: torch.dtype) -> bool:
-    """Whether this torch build runs oneDNN linear with prepacked weights (PyTorch's internal CPU
-    inference kernels, the ones ``torch.compile`` uses after weight freezing) for ``dtype``."""
-    try:
-        w = torch.ones(4, 8, dtype=dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
-        x = torch.ones(2, 8, dtype=dtype)
-        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "swish", [], "")
-        z = torch.ops.mkldnn._linear_pointwise.binary(x, y[:, :4].contiguous(), packed, None, "add")
-        return bool(torch.allclose(z.float(), F.linear(x, w).float() + F.silu(F.linear(x, w)).float()[:, :4]))
-    except Exception:  # noqa: BLE001 - any failure means: use F.linear
-        return False
 
 
 #: fp32 weights with fewer elements run faster through ``F.linear`` (MKL) than prepacked oneDNN:

@@ -13,10 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends import cpu_fused, packing
-from backends.cpu_fused import FusedRMSNorm, FusedSwiGLU, packed_attention, use_fused_modules
+from backends.cpu_fused import (FusedAttention, FusedRMSNorm, FusedSwiGLU, PrepackedLinear, onednn_linear_works, packed_attention,
+                                use_fused_modules)
 from backends.cpu_kernels import norm_act_kernel, packed_attention_kernel
 from backends.models import TinyModelConfig, build_tiny_model
 from backends.packing import pack_rows
+from rlfunc.aggregation import aggregate
 from tests.test_cpu_kernels import needs_kernel
 
 
@@ -104,8 +106,10 @@ def test_packed_attention_checks_its_layout():
         kernel.forward(q, k, v, bad_gather, layout.lengths, slot_token, 0.1)
     with pytest.raises(ValueError, match="kv dividing h"):
         kernel.forward(q, k[:, :1].repeat(1, 3, 1).contiguous(), v, layout.gather, layout.lengths, slot_token, 0.1)
-    with pytest.raises(TypeError, match="contiguous float32"):
+    with pytest.raises(ValueError, match="float32 CPU"):
         kernel.forward(q.double(), k, v, layout.gather, layout.lengths, slot_token, 0.1)
+    with pytest.raises(ValueError, match="contiguous rows"):  # heads not contiguous within a row
+        kernel.forward(q.transpose(0, 1).contiguous().transpose(0, 1), k, v, layout.gather, layout.lengths, slot_token, 0.1)
     assert packed_attention_kernel(24) is None  # head dim not a multiple of 16: the PyTorch path
 
 
@@ -157,14 +161,21 @@ def _fused_and_plain(arch="qwen2"):
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_fused_modules_keep_the_parameters_and_the_math(arch):
-    """use_fused_modules swaps every RMSNorm and MLP (2 norms + 1 MLP per layer, and the final norm),
-    keeps the state dict's names, and the model's logits and gradients stay those of HF's modules."""
+def test_fused_modules_keep_the_parameters_and_the_math(arch, monkeypatch):
+    """use_fused_modules swaps every RMSNorm and MLP (2 norms + 1 MLP per layer, and the final norm) and
+    makes every nn.Linear a PrepackedLinear, keeps the state dict's names, and the model's logits and
+    gradients stay those of HF's modules (here with every product through oneDNN)."""
     plain, fused, replaced = _fused_and_plain(arch)
     layers = plain.config.num_hidden_layers
-    assert replaced == 3 * layers + 1
+    linears = sum(type(m) is torch.nn.Linear for m in plain.modules())
+    assert replaced == 3 * layers + 1 + (linears + layers if onednn_linear_works(torch.float32) else 0)
+    if onednn_linear_works(torch.float32):
+        assert isinstance(fused.model.layers[0].self_attn, FusedAttention)
     assert isinstance(fused.model.layers[0].input_layernorm, FusedRMSNorm)
     assert isinstance(fused.model.layers[0].mlp, FusedSwiGLU)
+    if onednn_linear_works(torch.float32):
+        assert type(fused.model.layers[0].mlp.up_proj) is PrepackedLinear and type(fused.lm_head) is PrepackedLinear
+        monkeypatch.setattr(cpu_fused, "PREPACK_MIN_MACS", 0)
     assert list(fused.state_dict()) == list(plain.state_dict())
     ids = torch.randint(3, 60, (3, 11), generator=torch.Generator().manual_seed(0))
     out_plain, out_fused = plain(input_ids=ids).logits, fused(input_ids=ids).logits
@@ -175,6 +186,35 @@ def test_fused_modules_keep_the_parameters_and_the_math(arch):
     for name, p in fused.named_parameters():
         ref = grads[name].grad
         assert float((p.grad - ref).abs().max() / ref.abs().max().clamp(min=1e-12)) < 1e-4, name
+
+
+@needs_kernel
+@needs_kernel
+@pytest.mark.parametrize("rows,bias", [(3, True), (300, False)])
+def test_prepacked_linear_matches_float64(rows, bias, monkeypatch):
+    """PrepackedLinear's output and input / weight / bias gradients against float64, through oneDNN
+    (threshold lowered) and through F.linear below the threshold; the parameters are nn.Linear's."""
+    if not onednn_linear_works(torch.float32):
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    gen = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(48, 40, bias=bias)
+    ref_layer = copy.deepcopy(layer).double()
+    layer.__class__ = PrepackedLinear
+    x = torch.randn(2, rows, 48, generator=gen)
+    grad_out = torch.randn(2, rows, 40, generator=gen)
+    for threshold in (0, 1 << 62):
+        monkeypatch.setattr(cpu_fused, "PREPACK_MIN_MACS", threshold)
+        layer.zero_grad()
+        ref_layer.zero_grad()
+        xf, xd = x.clone().requires_grad_(), x.double().requires_grad_()
+        out, ref = layer(xf), ref_layer(xd)
+        out.backward(grad_out)
+        ref.backward(grad_out.double())
+        pairs = [(out, ref), (xf.grad, xd.grad), (layer.weight.grad, ref_layer.weight.grad)]
+        if bias:
+            pairs.append((layer.bias.grad, ref_layer.bias.grad))
+        for a, b in pairs:
+            assert float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max()) < 2e-6
 
 
 @needs_kernel
@@ -197,3 +237,40 @@ def test_other_architectures_and_no_kernels_are_left_alone(monkeypatch):
     monkeypatch.setattr(cpu_fused, "norm_act_kernel", lambda: None)
     plain, fused, replaced = _fused_and_plain()
     assert replaced == 0 and type(fused.model.norm) is type(plain.model.norm)
+
+
+@needs_kernel
+@pytest.mark.parametrize("share_prompts", [True, False])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_fused_model_packed_equals_hf_padded(tmp_path, share_prompts, kv_heads, monkeypatch):
+    """A model with every fused module (q / k / v product, RoPE and attention in FusedAttention; fused
+    norms, SwiGLU, prepacked linears) on packed rows gives the log-probs, entropies, loss and gradients
+    of the plain HF model on padded rows; the fused attention path is the one that ran."""
+    from backends.fsdp_engine import _forward
+    from backends.models import load_causal_lm, write_tiny_model
+    from backends.packing import enable_packed_attention
+    from tests.test_packing import _assert_actor_equal, _grouped, _outputs_and_grads
+    from tests.test_fsdp_engine import make_batch
+
+    if not onednn_linear_works(torch.float32):
+        pytest.skip("this torch build has no oneDNN prepacked linear")
+    monkeypatch.setattr(cpu_fused, "PREPACK_MIN_MACS", 0)  # the tiny model's products through oneDNN too
+    config = TinyModelConfig(hidden_size=64 * kv_heads, num_layers=2, num_heads=2 * kv_heads, num_kv_heads=kv_heads,
+                             intermediate_size=128, max_position_embeddings=64, seed=1)
+    model_dir = write_tiny_model(tmp_path / "model", config)
+    plain, _ = load_causal_lm(model_dir)
+    fused, _ = load_causal_lm(model_dir)
+    plain.train(), fused.train()
+    batch = _grouped(make_batch(3))
+    padded = _outputs_and_grads(plain, batch, packed=False)
+    enable_packed_attention(fused)
+    assert use_fused_modules(fused) > 0
+    calls = []
+    monkeypatch.setattr(packing, "packed_attention", lambda *a: calls.append(a))  # the per-module path is not used
+    fused.zero_grad(set_to_none=True)
+    out = _forward(fused, batch, with_entropy=True, packed=True, share_prompts=share_prompts)
+    loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in fused.named_parameters() if p.grad is not None}
+    _assert_actor_equal(batch, padded, ((out.logprobs.detach(), out.entropy.detach()), float(loss.detach()), grads))
+    assert not calls

@@ -143,7 +143,8 @@ static int unsupported(int64_t h, int64_t kv, int64_t d, int64_t L) {
 
 int rlfunc_packed_attention_forward(const float *q, const float *k, const float *v, const int64_t *gather,
                                     const int64_t *len, const int64_t *slot_token, float *out, float *lse,
-                                    int64_t n, int64_t L, int64_t h, int64_t kv, int64_t d, float scale) {
+                                    int64_t n, int64_t L, int64_t h, int64_t kv, int64_t d, int64_t sq, int64_t sk,
+                                    int64_t sv, float scale) {
 #if defined(__AVX512F__)
   if (unsupported(h, kv, d, L)) return -1;
   scratch w;
@@ -154,8 +155,8 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
     const int64_t li = len[i];
     for (int64_t g = 0; g < kv; g++) {
       for (int64_t s = 0; s < li; s++) {
-        w.krow[s] = k + (gi[s] * kv + g) * d;
-        w.vrow[s] = v + (gi[s] * kv + g) * d;
+        w.krow[s] = k + gi[s] * sk + g * d;
+        w.vrow[s] = v + gi[s] * sv + g * d;
       }
       transpose_rows(w.kt, w.krow, li, lp, d);
       for (int64_t j = 0; j < li; j++) {
@@ -163,7 +164,7 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
         if (t < 0) continue;
         for (int64_t r = 0; r < rep; r++) {
           const int64_t row = t * h + g * rep + r;
-          dot_columns(w.sc, q + row * d, w.kt, lp, d, j + 1, scale, -INFINITY);
+          dot_columns(w.sc, q + t * sq + (g * rep + r) * d, w.kt, lp, d, j + 1, scale, -INFINITY);
           const float mx = max_of(w.sc, j + 1);
           const float sum = exp_shifted(w.sc, j + 1, mx);
           lse[row] = mx + logf(sum);
@@ -176,7 +177,7 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
   return 0;
 #else
   (void)q; (void)k; (void)v; (void)gather; (void)len; (void)slot_token; (void)out; (void)lse;
-  (void)n; (void)L; (void)h; (void)kv; (void)d; (void)scale;
+  (void)n; (void)L; (void)h; (void)kv; (void)d; (void)sq; (void)sk; (void)sv; (void)scale;
   return -1;
 #endif
 }
@@ -184,22 +185,25 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
 int rlfunc_packed_attention_backward(const float *q, const float *k, const float *v, const float *out,
                                      const float *lse, const float *dout, const int64_t *gather, const int64_t *len,
                                      const int64_t *slot_token, float *dq, float *dk, float *dv, int64_t T,
-                                     int64_t n, int64_t L, int64_t h, int64_t kv, int64_t d, float scale) {
+                                     int64_t n, int64_t L, int64_t h, int64_t kv, int64_t d, int64_t sq, int64_t sk,
+                                     int64_t sv, int64_t sdq, int64_t sdk, int64_t sdv, float scale) {
 #if defined(__AVX512F__)
   if (unsupported(h, kv, d, L)) return -1;
   scratch w;
   if (scratch_alloc(&w, L, d)) return -2;
   const int64_t lp = (L + 15) / 16 * 16, rep = h / kv;
-  memset(dq, 0, (size_t)(T * h * d) * sizeof(float));
-  memset(dk, 0, (size_t)(T * kv * d) * sizeof(float));
-  memset(dv, 0, (size_t)(T * kv * d) * sizeof(float));
+  for (int64_t t = 0; t < T; t++) {
+    memset(dq + t * sdq, 0, (size_t)(h * d) * sizeof(float));
+    memset(dk + t * sdk, 0, (size_t)(kv * d) * sizeof(float));
+    memset(dv + t * sdv, 0, (size_t)(kv * d) * sizeof(float));
+  }
   for (int64_t i = 0; i < n; i++) {
     const int64_t *gi = gather + i * L, *owner = slot_token + i * L;
     const int64_t li = len[i];
     for (int64_t g = 0; g < kv; g++) {
       for (int64_t s = 0; s < li; s++) {
-        w.krow[s] = k + (gi[s] * kv + g) * d;
-        w.vrow[s] = v + (gi[s] * kv + g) * d;
+        w.krow[s] = k + gi[s] * sk + g * d;
+        w.vrow[s] = v + gi[s] * sv + g * d;
       }
       transpose_rows(w.kt, w.krow, li, lp, d);
       transpose_rows(w.vt, w.vrow, li, lp, d);
@@ -211,7 +215,7 @@ int rlfunc_packed_attention_backward(const float *q, const float *k, const float
         const int64_t vis = j + 1;
         for (int64_t r = 0; r < rep; r++) {
           const int64_t row = t * h + g * rep + r;
-          const float *qr = q + row * d, *dor = dout + row * d;
+          const float *qr = q + t * sq + (g * rep + r) * d, *dor = dout + row * d;
           dot_columns(w.p, qr, w.kt, lp, d, vis, scale, -INFINITY);
           exp_shifted(w.p, vis, lse[row]); /* probabilities, 0 past vis */
           dot_columns(w.dp, dor, w.vt, lp, d, vis, 1.0f, 0.0f);
@@ -219,7 +223,7 @@ int rlfunc_packed_attention_backward(const float *q, const float *k, const float
           for (int64_t s0 = 0; s0 < vis; s0 += 16) /* ds, into sc */
             _mm512_storeu_ps(w.sc + s0, _mm512_mul_ps(_mm512_loadu_ps(w.p + s0),
                                                        _mm512_sub_ps(_mm512_loadu_ps(w.dp + s0), D)));
-          weighted_rows(dq + row * d, w.sc, w.krow, vis, d, scale);
+          weighted_rows(dq + t * sdq + (g * rep + r) * d, w.sc, w.krow, vis, d, scale);
           for (int64_t s0 = 0; s0 < vis; s0 += 16)
             _mm512_storeu_ps(w.sc + s0, _mm512_mul_ps(_mm512_loadu_ps(w.sc + s0), _mm512_set1_ps(scale)));
           add_outer(w.dk, w.sc, qr, vis, d);
@@ -227,7 +231,7 @@ int rlfunc_packed_attention_backward(const float *q, const float *k, const float
         }
       }
       for (int64_t s = 0; s < li; s++) {
-        float *dkr = dk + (gi[s] * kv + g) * d, *dvr = dv + (gi[s] * kv + g) * d;
+        float *dkr = dk + gi[s] * sdk + g * d, *dvr = dv + gi[s] * sdv + g * d;
         for (int64_t c = 0; c < d; c += 16) {
           _mm512_storeu_ps(dkr + c, _mm512_add_ps(_mm512_loadu_ps(dkr + c), _mm512_loadu_ps(w.dk + s * d + c)));
           _mm512_storeu_ps(dvr + c, _mm512_add_ps(_mm512_loadu_ps(dvr + c), _mm512_loadu_ps(w.dv + s * d + c)));
@@ -239,9 +243,48 @@ int rlfunc_packed_attention_backward(const float *q, const float *k, const float
   return 0;
 #else
   (void)q; (void)k; (void)v; (void)out; (void)lse; (void)dout; (void)gather; (void)len; (void)slot_token;
-  (void)dq; (void)dk; (void)dv; (void)T; (void)n; (void)L; (void)h; (void)kv; (void)d; (void)scale;
+  (void)dq; (void)dk; (void)dv; (void)T; (void)n; (void)L; (void)h; (void)kv; (void)d; (void)sq; (void)sk; (void)sv;
+  (void)sdq; (void)sdk; (void)sdv; (void)scale;
   return -1;
 #endif
+}
+
+/* RoPE on the first `heads` heads of each row of x (T rows, row stride sx; Hugging Face's
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[half:], x[:half])), written to out (row stride
+ * so); cos and sin (T, d). Two products and a sum, each rounded, as PyTorch computes it (the C11 build
+ * does not contract them into FMAs). */
+int rlfunc_rope_forward(const float *x, const float *cos, const float *sin, float *out, int64_t T, int64_t heads,
+                        int64_t d, int64_t sx, int64_t so) {
+  if (d % 2) return -1;
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < T; t++) {
+    const float *c = cos + t * d, *sn = sin + t * d;
+    for (int64_t j = 0; j < heads; j++) {
+      const float *xi = x + t * sx + j * d;
+      float *o = out + t * so + j * d;
+      for (int64_t e = 0; e < half; e++) o[e] = xi[e] * c[e] + -xi[e + half] * sn[e];
+      for (int64_t e = half; e < d; e++) o[e] = xi[e] * c[e] + xi[e - half] * sn[e];
+    }
+  }
+  return 0;
+}
+
+/* The gradient through rlfunc_rope_forward: dx[e] = g[e] cos[e] + g[e + half] sin[e + half] for e < half,
+ * g[e] cos[e] - g[e - half] sin[e - half] above (the transpose of the rotation). */
+int rlfunc_rope_backward(const float *g, const float *cos, const float *sin, float *dx, int64_t T, int64_t heads,
+                         int64_t d, int64_t sg, int64_t sdx) {
+  if (d % 2) return -1;
+  const int64_t half = d / 2;
+  for (int64_t t = 0; t < T; t++) {
+    const float *c = cos + t * d, *sn = sin + t * d;
+    for (int64_t j = 0; j < heads; j++) {
+      const float *gi = g + t * sg + j * d;
+      float *o = dx + t * sdx + j * d;
+      for (int64_t e = 0; e < half; e++) o[e] = gi[e] * c[e] + gi[e + half] * sn[e + half];
+      for (int64_t e = half; e < d; e++) o[e] = gi[e] * c[e] - gi[e - half] * sn[e - half];
+    }
+  }
+  return 0;
 }
 
 /* 1: this build has the kernels (AVX-512F). */
