@@ -43,46 +43,69 @@ static void transpose_rows(float *tile, const float *const *rows, int64_t len, i
   for (int64_t t = 0; t < d; t++) memset(tile + t * lp + len, 0, (size_t)(lp - len) * sizeof(float));
 }
 
-/* dst[s] = scale * <x, column s of tile> for s < vis; lanes from vis to the next multiple of 16 get `fill`. */
-static void dot_columns(float *dst, const float *x, const float *tile, int64_t lp, int64_t d, int64_t vis,
-                        float scale, float fill) {
+/* Up to MAXR query heads of one token are processed together: they share every load of the key and
+ * value rows and tiles, and each keeps its own accumulators (short dependency chains). */
+#define MAXR 4
+
+/* dst[r * lp + s] = scale * <xs[r], column s of tile> for r < R, s < vis; lanes from vis to the next
+ * multiple of 16 get `fill`. Four partial sums per query over the features. */
+static inline __attribute__((always_inline)) void dot_columns(float *dst, const float *const *xs, int R, const float *tile, int64_t lp, int64_t d,
+                        int64_t vis, float scale, float fill) {
   const __m512 vscale = _mm512_set1_ps(scale), vfill = _mm512_set1_ps(fill);
   for (int64_t s0 = 0; s0 < vis; s0 += 16) {
-    const float *col = tile + s0;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-    for (int64_t t = 0; t < d; t += 4) { /* d is a multiple of 16 */
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(x[t]), _mm512_loadu_ps(col + t * lp), a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(x[t + 1]), _mm512_loadu_ps(col + (t + 1) * lp), a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(x[t + 2]), _mm512_loadu_ps(col + (t + 2) * lp), a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(x[t + 3]), _mm512_loadu_ps(col + (t + 3) * lp), a3);
+    __m512 a[MAXR][4];
+    for (int r = 0; r < MAXR; r++)
+      for (int u = 0; u < 4; u++) a[r][u] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < d; t += 4) /* d is a multiple of 16 */
+      for (int u = 0; u < 4; u++) {
+        const __m512 col = _mm512_loadu_ps(tile + (t + u) * lp + s0);
+        for (int r = 0; r < MAXR; r++)
+          if (r < R) a[r][u] = _mm512_fmadd_ps(_mm512_set1_ps(xs[r][t + u]), col, a[r][u]);
+      }
+    const __mmask16 m = tail_mask(vis - s0);
+    for (int r = 0; r < R; r++) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][1]), _mm512_add_ps(a[r][2], a[r][3]));
+      _mm512_storeu_ps(dst + r * lp + s0, _mm512_mask_mov_ps(vfill, m, _mm512_mul_ps(sum, vscale)));
     }
-    const __m512 sum = _mm512_mul_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)), vscale);
-    _mm512_storeu_ps(dst + s0, _mm512_mask_mov_ps(vfill, tail_mask(vis - s0), sum));
   }
 }
 
-/* dst[:] = scale * sum_{s < vis} w[s] * rows[s][:], d features (a multiple of 16). */
-static void weighted_rows(float *dst, const float *w, const float *const *rows, int64_t vis, int64_t d, float scale) {
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t c = 0; c < d; c += 16) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t s = 0;
-    for (; s + 1 < vis; s += 2) {
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[s]), _mm512_loadu_ps(rows[s] + c), a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(w[s + 1]), _mm512_loadu_ps(rows[s + 1] + c), a1);
+/* dst[r][:] = scale[r] * sum_{s < vis} w[r * lp + s] * rows[s][:] for r < R, 64 features per pass. */
+static inline __attribute__((always_inline)) void weighted_rows(float *const *dst, const float *w, int R, int64_t lp, const float *const *rows, int64_t vis,
+                          int64_t d, const float *scale) {
+  for (int64_t c0 = 0; c0 < d; c0 += 64) {
+    const int count = (int)((d - c0 < 64 ? d - c0 : 64) / 16);
+    __m512 acc[MAXR][4];
+    for (int r = 0; r < MAXR; r++)
+      for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < vis; s++) {
+      __m512 row[4];
+      for (int c = 0; c < 4; c++) row[c] = c < count ? _mm512_loadu_ps(rows[s] + c0 + 16 * c) : _mm512_setzero_ps();
+      for (int r = 0; r < MAXR; r++)
+        if (r < R) {
+          const __m512 ws = _mm512_set1_ps(w[r * lp + s]);
+          for (int c = 0; c < 4; c++)
+            if (c < count) acc[r][c] = _mm512_fmadd_ps(ws, row[c], acc[r][c]);
+        }
     }
-    if (s < vis) a0 = _mm512_fmadd_ps(_mm512_set1_ps(w[s]), _mm512_loadu_ps(rows[s] + c), a0);
-    _mm512_storeu_ps(dst + c, _mm512_mul_ps(_mm512_add_ps(a0, a1), vscale));
+    for (int r = 0; r < R; r++)
+      for (int c = 0; c < count; c++)
+        _mm512_storeu_ps(dst[r] + c0 + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(scale[r])));
   }
 }
 
-/* acc[s, :] += w[s] * x for s < vis (acc rows of d floats). */
-static void add_outer(float *acc, const float *w, const float *x, int64_t vis, int64_t d) {
+/* acc[s, :] += scale * sum_r w[r * lp + s] * xs[r][:] for s < vis (acc rows of d floats). */
+static inline __attribute__((always_inline)) void add_outer(float *acc, const float *w, int R, int64_t lp, const float *const *xs, int64_t vis, int64_t d,
+                      float scale) {
   for (int64_t s = 0; s < vis; s++) {
-    const __m512 ws = _mm512_set1_ps(w[s]);
+    __m512 ws[MAXR];
+    for (int r = 0; r < R; r++) ws[r] = _mm512_set1_ps(w[r * lp + s] * scale);
     float *row = acc + s * d;
-    for (int64_t c = 0; c < d; c += 16)
-      _mm512_storeu_ps(row + c, _mm512_fmadd_ps(ws, _mm512_loadu_ps(x + c), _mm512_loadu_ps(row + c)));
+    for (int64_t c = 0; c < d; c += 16) {
+      __m512 x = _mm512_loadu_ps(row + c);
+      for (int r = 0; r < R; r++) x = _mm512_fmadd_ps(ws[r], _mm512_loadu_ps(xs[r] + c), x);
+      _mm512_storeu_ps(row + c, x);
+    }
   }
 }
 
@@ -110,7 +133,8 @@ static float max_of(const float *sc, int64_t vis) {
   return _mm512_reduce_max_ps(mx);
 }
 
-/* Scratch of one (sequence, kv head): two (d, lp) tiles, two (L, d) accumulators, row pointers, three score rows. */
+/* Scratch of one (sequence, kv head): two (d, lp) tiles, two (L, d) accumulators, row pointers, and
+ * three score rows for each of MAXR query heads. */
 typedef struct {
   float *kt, *vt, *dk, *dv, *sc, *p, *dp;
   const float **krow, **vrow;
@@ -119,7 +143,7 @@ typedef struct {
 
 static int scratch_alloc(scratch *w, int64_t L, int64_t d) {
   const int64_t lp = (L + 15) / 16 * 16;
-  const size_t floats = (size_t)(2 * d * lp + 2 * L * d + 3 * lp), ptrs = (size_t)(2 * L);
+  const size_t floats = (size_t)(2 * d * lp + 2 * L * d + 3 * MAXR * lp), ptrs = (size_t)(2 * L);
   const size_t bytes = (floats * sizeof(float) + ptrs * sizeof(float *) + 63) / 64 * 64;
   w->block = aligned_alloc(64, bytes);
   if (!w->block) return -1;
@@ -128,9 +152,9 @@ static int scratch_alloc(scratch *w, int64_t L, int64_t d) {
   w->vt = f; f += d * lp;
   w->dk = f; f += L * d;
   w->dv = f; f += L * d;
-  w->sc = f; f += lp;
-  w->p = f; f += lp;
-  w->dp = f; f += lp;
+  w->sc = f; f += MAXR * lp;
+  w->p = f; f += MAXR * lp;
+  w->dp = f; f += MAXR * lp;
   w->krow = (const float **)f;
   w->vrow = w->krow + L;
   return 0;
@@ -138,6 +162,55 @@ static int scratch_alloc(scratch *w, int64_t L, int64_t d) {
 
 static int unsupported(int64_t h, int64_t kv, int64_t d, int64_t L) {
   return d < 16 || d % 16 != 0 || kv < 1 || h % kv != 0 || L < 1;
+}
+
+/* Forward of R consecutive query heads of one token (q, out: R rows of d; lse: R values) over the
+ * slots [0, vis) of the current (sequence, kv head) in w. */
+static inline __attribute__((always_inline)) void forward_heads(scratch *w, const float *q, float *out, float *lse,
+                                                                const int R, int64_t lp, int64_t d, int64_t vis,
+                                                                float scale) {
+  const float *qs[MAXR];
+  float *outs[MAXR], inv[MAXR];
+  for (int r = 0; r < R; r++) {
+    qs[r] = q + r * d;
+    outs[r] = out + r * d;
+  }
+  dot_columns(w->sc, qs, R, w->kt, lp, d, vis, scale, -INFINITY);
+  for (int r = 0; r < R; r++) {
+    const float mx = max_of(w->sc + r * lp, vis);
+    const float sum = exp_shifted(w->sc + r * lp, vis, mx);
+    lse[r] = mx + logf(sum);
+    inv[r] = 1.0f / sum;
+  }
+  weighted_rows(outs, w->sc, R, lp, w->vrow, vis, d, inv);
+}
+
+/* Backward of R consecutive query heads of one token: dq written, the (sequence, kv head)'s dk and dv
+ * accumulators in w added to. */
+static inline __attribute__((always_inline)) void backward_heads(scratch *w, const float *q, const float *out,
+                                                                 const float *dout, const float *lse, float *dq,
+                                                                 const int R, int64_t lp, int64_t d, int64_t vis,
+                                                                 float scale) {
+  const float *qs[MAXR], *dos[MAXR];
+  float *dqs[MAXR], scales[MAXR];
+  for (int r = 0; r < R; r++) {
+    qs[r] = q + r * d;
+    dos[r] = dout + r * d;
+    dqs[r] = dq + r * d;
+    scales[r] = scale;
+  }
+  dot_columns(w->p, qs, R, w->kt, lp, d, vis, scale, -INFINITY);
+  dot_columns(w->dp, dos, R, w->vt, lp, d, vis, 1.0f, 0.0f);
+  for (int r = 0; r < R; r++) {
+    float *p = w->p + r * lp, *dp = w->dp + r * lp, *ds = w->sc + r * lp;
+    exp_shifted(p, vis, lse[r]); /* probabilities, 0 past vis */
+    const __m512 D = _mm512_set1_ps(dot(dos[r], out + r * d, d));
+    for (int64_t s0 = 0; s0 < vis; s0 += 16)
+      _mm512_storeu_ps(ds + s0, _mm512_mul_ps(_mm512_loadu_ps(p + s0), _mm512_sub_ps(_mm512_loadu_ps(dp + s0), D)));
+  }
+  weighted_rows(dqs, w->sc, R, lp, w->krow, vis, d, scales);
+  add_outer(w->dk, w->sc, R, lp, qs, vis, d, scale);
+  add_outer(w->dv, w->p, R, lp, dos, vis, d, 1.0f);
 }
 #endif
 
@@ -160,15 +233,16 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
       }
       transpose_rows(w.kt, w.krow, li, lp, d);
       for (int64_t j = 0; j < li; j++) {
-        const int64_t t = owner[j];
+        const int64_t t = owner[j], vis = j + 1;
         if (t < 0) continue;
-        for (int64_t r = 0; r < rep; r++) {
-          const int64_t row = t * h + g * rep + r;
-          dot_columns(w.sc, q + t * sq + (g * rep + r) * d, w.kt, lp, d, j + 1, scale, -INFINITY);
-          const float mx = max_of(w.sc, j + 1);
-          const float sum = exp_shifted(w.sc, j + 1, mx);
-          lse[row] = mx + logf(sum);
-          weighted_rows(out + row * d, w.sc, w.vrow, j + 1, d, 1.0f / sum);
+        for (int64_t r0 = 0; r0 < rep; r0 += MAXR) {
+          const int64_t head = g * rep + r0, R = rep - r0 < MAXR ? rep - r0 : MAXR;
+          switch (R) { /* a constant R for the compiler: the accumulators stay in registers */
+            case 1: forward_heads(&w, q + t * sq + head * d, out + (t * h + head) * d, lse + t * h + head, 1, lp, d, vis, scale); break;
+            case 2: forward_heads(&w, q + t * sq + head * d, out + (t * h + head) * d, lse + t * h + head, 2, lp, d, vis, scale); break;
+            case 3: forward_heads(&w, q + t * sq + head * d, out + (t * h + head) * d, lse + t * h + head, 3, lp, d, vis, scale); break;
+            default: forward_heads(&w, q + t * sq + head * d, out + (t * h + head) * d, lse + t * h + head, 4, lp, d, vis, scale);
+          }
         }
       }
     }
@@ -210,24 +284,19 @@ int rlfunc_packed_attention_backward(const float *q, const float *k, const float
       memset(w.dk, 0, (size_t)(li * d) * sizeof(float));
       memset(w.dv, 0, (size_t)(li * d) * sizeof(float));
       for (int64_t j = 0; j < li; j++) {
-        const int64_t t = owner[j];
+        const int64_t t = owner[j], vis = j + 1;
         if (t < 0) continue;
-        const int64_t vis = j + 1;
-        for (int64_t r = 0; r < rep; r++) {
-          const int64_t row = t * h + g * rep + r;
-          const float *qr = q + t * sq + (g * rep + r) * d, *dor = dout + row * d;
-          dot_columns(w.p, qr, w.kt, lp, d, vis, scale, -INFINITY);
-          exp_shifted(w.p, vis, lse[row]); /* probabilities, 0 past vis */
-          dot_columns(w.dp, dor, w.vt, lp, d, vis, 1.0f, 0.0f);
-          const __m512 D = _mm512_set1_ps(dot(dor, out + row * d, d));
-          for (int64_t s0 = 0; s0 < vis; s0 += 16) /* ds, into sc */
-            _mm512_storeu_ps(w.sc + s0, _mm512_mul_ps(_mm512_loadu_ps(w.p + s0),
-                                                       _mm512_sub_ps(_mm512_loadu_ps(w.dp + s0), D)));
-          weighted_rows(dq + t * sdq + (g * rep + r) * d, w.sc, w.krow, vis, d, scale);
-          for (int64_t s0 = 0; s0 < vis; s0 += 16)
-            _mm512_storeu_ps(w.sc + s0, _mm512_mul_ps(_mm512_loadu_ps(w.sc + s0), _mm512_set1_ps(scale)));
-          add_outer(w.dk, w.sc, qr, vis, d);
-          add_outer(w.dv, w.p, dor, vis, d);
+        for (int64_t r0 = 0; r0 < rep; r0 += MAXR) {
+          const int64_t head = g * rep + r0, R = rep - r0 < MAXR ? rep - r0 : MAXR;
+          const float *qh = q + t * sq + head * d, *oh = out + (t * h + head) * d, *doh = dout + (t * h + head) * d;
+          const float *lh = lse + t * h + head;
+          float *dqh = dq + t * sdq + head * d;
+          switch (R) { /* a constant R for the compiler: the accumulators stay in registers */
+            case 1: backward_heads(&w, qh, oh, doh, lh, dqh, 1, lp, d, vis, scale); break;
+            case 2: backward_heads(&w, qh, oh, doh, lh, dqh, 2, lp, d, vis, scale); break;
+            case 3: backward_heads(&w, qh, oh, doh, lh, dqh, 3, lp, d, vis, scale); break;
+            default: backward_heads(&w, qh, oh, doh, lh, dqh, 4, lp, d, vis, scale);
+          }
         }
       }
       for (int64_t s = 0; s < li; s++) {
