@@ -11,12 +11,12 @@ into a Hugging Face Llama / Qwen2 model:
 - :class:`FusedRMSNorm` and :class:`FusedSwiGLU`: drop-in replacements of the models' RMSNorm and MLP
   modules, holding the same parameters under the same names (state dicts, FSDP sharding and
   checkpoints are unchanged). :func:`use_fused_modules` swaps them in before sharding.
-- :class:`PrepackedLinear`: ``nn.Linear`` whose forward and input-gradient products run through
-  oneDNN with the weight reordered into its blocked layout (PyTorch's internal CPU inference path,
-  the one ``torch.compile`` uses after freezing), each call: at training sizes (3048 x 256 by
-  256 x 688, one thread) that is 11.7 / 11.5 ms for the forward / input gradient against 15.5 /
-  18.6 ms through ``F.linear`` and ``matmul`` (MKL), for a reorder of about 0.25 ms. The weight
-  gradient stays a ``matmul``. Used for products of at least :data:`PREPACK_MIN_MACS`.
+- :class:`OneDNNLinear`: ``nn.Linear`` whose forward and input-gradient products run through oneDNN's
+  linear (PyTorch's internal CPU inference op, the one ``torch.compile`` uses after freezing) instead
+  of MKL: at training sizes, one thread, 3048 x 256 by 256 x 688 took 10.3-11.7 ms forward and
+  10.3 ms for the input gradient (the weight passed as a transposed view), against 11.7-15.5 and
+  16.9-19.6 ms through ``F.linear`` and ``matmul``. The weight gradient stays a ``matmul`` (no faster
+  path measured). Used for products of at least :data:`ONEDNN_MIN_MACS`.
 
 All of them compute in float32 on the CPU; the fused paths run for float32 inputs (bf16 attention
 inputs are upcast, as PyTorch's CPU attention does) and otherwise, or when the kernels cannot run
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from backends.cpu_kernels import NormAct, PackedAttention, norm_act_kernel, packed_attention_kernel
 
-__all__ = ["FusedAttention", "FusedRMSNorm", "FusedSwiGLU", "PrepackedLinear", "onednn_linear_works", "packed_attention",
+__all__ = ["FusedAttention", "FusedRMSNorm", "FusedSwiGLU", "OneDNNLinear", "onednn_linear_works", "packed_attention",
            "use_fused_modules"]
 
 #: HF modules replaced by :func:`use_fused_modules` (their forward is exactly the math the kernels do:
@@ -127,7 +127,7 @@ class _FusedQKVAttention(torch.autograd.Function):
                         dq=grad_rotated[:, :heads], dk=grad_rotated[:, heads:], dv=grad_qkv[:, heads + kv_heads :])
         kernel.rope_backward(grad_rotated, cos, sin, grad_qkv[:, : heads + kv_heads])
         g = grad_qkv.view(T, width * d)
-        dx = _onednn_product(g, weight.detach().t().contiguous()) if ctx.needs_input_grad[0] else None
+        dx = _onednn_product(g, weight.detach().t()) if ctx.needs_input_grad[0] else None
         dweight = g.t() @ x if ctx.needs_input_grad[1] else None
         dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dweight, dbias, *([None] * 9)
@@ -268,32 +268,36 @@ class FusedSwiGLU(nn.Module):
 
 @functools.lru_cache(maxsize=None)
 def onednn_linear_works(dtype: torch.dtype) -> bool:
-    """Whether this torch build runs oneDNN linear with prepacked weights (PyTorch's internal CPU
-    inference kernels, the ones ``torch.compile`` uses after weight freezing) for ``dtype``."""
+    """Whether this torch build runs oneDNN's linear (PyTorch's internal CPU inference kernels, the
+    ones ``torch.compile`` uses after weight freezing) for ``dtype``: with prepacked weights, fused
+    SiLU and residual add (the native rollout), and with plain and transposed-view weights (training)."""
     try:
-        w = torch.ones(4, 8, dtype=dtype)
+        w = torch.arange(32, dtype=dtype).view(4, 8) / 32
         packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
         x = torch.ones(2, 8, dtype=dtype)
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "swish", [], "")
         z = torch.ops.mkldnn._linear_pointwise.binary(x, y[:, :4].contiguous(), packed, None, "add")
-        return bool(torch.allclose(z.float(), F.linear(x, w).float() + F.silu(F.linear(x, w)).float()[:, :4]))
+        prepacked = torch.allclose(z.float(), F.linear(x, w).float() + F.silu(F.linear(x, w)).float()[:, :4])
+        plain = torch.allclose(torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), F.linear(x, w))
+        g = torch.ones(2, 4, dtype=dtype)
+        transposed = torch.allclose(torch.ops.mkldnn._linear_pointwise(g, w.t(), None, "none", [], ""), g @ w)
+        return bool(prepacked and plain and transposed)
     except Exception:  # noqa: BLE001 - any failure means: use F.linear
         return False
 
 
-#: rows x in x out of a product below which :class:`PrepackedLinear` runs ``F.linear``: the two
-#: reorders (about 0.25 ms each, one thread) outweigh a 25-40% faster product under about 64M MACs
-#: (config A of the benchmarks, 1500 x 64 x 256, stays on ``F.linear``; config B's are 100-540M).
-PREPACK_MIN_MACS = 1 << 26
+#: rows x in x out of a product below which :class:`OneDNNLinear` runs ``F.linear``: oneDNN's lead
+#: over MKL holds at config B's sizes (100-540M multiply-adds per product); at config A's (1500 x 64 x
+#: 256, 25M) one op call more per product is not worth it.
+ONEDNN_MIN_MACS = 1 << 26
 
 
 def _onednn_product(x: Tensor, weight: Tensor) -> Tensor:
-    """``x @ weight.T`` through oneDNN with ``weight`` reordered for it (float32, CPU, 2-D)."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, x.shape[0])
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    """``x @ weight.T`` through oneDNN's linear (float32, CPU, 2-D; ``weight`` may be a transposed view)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
 
 
-class _PrepackedLinear(torch.autograd.Function):
+class _OneDNNLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
@@ -304,30 +308,30 @@ class _PrepackedLinear(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         dout = dout.contiguous()
-        dx = _onednn_product(dout, weight.detach().t().contiguous()) if ctx.needs_input_grad[0] else None
+        dx = _onednn_product(dout, weight.detach().t()) if ctx.needs_input_grad[0] else None
         dweight = dout.t() @ x if ctx.needs_input_grad[1] else None
         dbias = dout.sum(0) if ctx.needs_input_grad[2] else None
         return dx, dweight, dbias
 
 
-class PrepackedLinear(nn.Linear):
+class OneDNNLinear(nn.Linear):
     """``nn.Linear`` (the same parameters and state) whose large float32 CPU products run through
-    oneDNN with a reordered weight (see the module docstring); anything else is ``F.linear``.
+    oneDNN's linear (see the module docstring); anything else is ``F.linear``.
     :func:`use_fused_modules` turns a model's ``nn.Linear`` modules into this class in place."""
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and rows * w.numel() >= PREPACK_MIN_MACS
+        if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and rows * w.numel() >= ONEDNN_MIN_MACS
                 and onednn_linear_works(torch.float32)):
-            out = _PrepackedLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
+            out = _OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
             return out.view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, self.bias)
 
 
 def use_fused_modules(model: nn.Module) -> int:
     """Replace a Llama / Qwen2-family model's RMSNorm and SiLU-gated MLP modules by the fused ones, and
-    make its ``nn.Linear`` modules :class:`PrepackedLinear`, in place, before sharding; returns how
+    make its ``nn.Linear`` modules :class:`OneDNNLinear`, in place, before sharding; returns how
     many modules were changed (0 when the kernels cannot run here; other architectures' norms and
     MLPs are left as they are)."""
     if norm_act_kernel() is None:
@@ -337,7 +341,7 @@ def use_fused_modules(model: nn.Module) -> int:
     if onednn_linear_works(torch.float32):
         for module in model.modules():
             if type(module) is nn.Linear:
-                module.__class__ = PrepackedLinear  # a subclass with no state of its own: same parameters
+                module.__class__ = OneDNNLinear  # a subclass with no state of its own: same parameters
                 replaced += 1
             elif type(module).__name__ in ATTENTION_CLASSES and packed_attention_kernel(module.head_dim) is not None:
                 module.__class__ = _fused_attention_class(type(module))

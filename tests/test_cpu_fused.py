@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backends import cpu_fused, packing
-from backends.cpu_fused import (FusedAttention, FusedRMSNorm, FusedSwiGLU, PrepackedLinear, onednn_linear_works, packed_attention,
+from backends.cpu_fused import (FusedAttention, FusedRMSNorm, FusedSwiGLU, OneDNNLinear, onednn_linear_works, packed_attention,
                                 use_fused_modules)
 from backends.cpu_kernels import norm_act_kernel, packed_attention_kernel
 from backends.models import TinyModelConfig, build_tiny_model
@@ -163,7 +163,7 @@ def _fused_and_plain(arch="qwen2"):
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_fused_modules_keep_the_parameters_and_the_math(arch, monkeypatch):
     """use_fused_modules swaps every RMSNorm and MLP (2 norms + 1 MLP per layer, and the final norm) and
-    makes every nn.Linear a PrepackedLinear, keeps the state dict's names, and the model's logits and
+    makes every nn.Linear a OneDNNLinear, keeps the state dict's names, and the model's logits and
     gradients stay those of HF's modules (here with every product through oneDNN)."""
     plain, fused, replaced = _fused_and_plain(arch)
     layers = plain.config.num_hidden_layers
@@ -174,8 +174,8 @@ def test_fused_modules_keep_the_parameters_and_the_math(arch, monkeypatch):
     assert isinstance(fused.model.layers[0].input_layernorm, FusedRMSNorm)
     assert isinstance(fused.model.layers[0].mlp, FusedSwiGLU)
     if onednn_linear_works(torch.float32):
-        assert type(fused.model.layers[0].mlp.up_proj) is PrepackedLinear and type(fused.lm_head) is PrepackedLinear
-        monkeypatch.setattr(cpu_fused, "PREPACK_MIN_MACS", 0)
+        assert type(fused.model.layers[0].mlp.up_proj) is OneDNNLinear and type(fused.lm_head) is OneDNNLinear
+        monkeypatch.setattr(cpu_fused, "ONEDNN_MIN_MACS", 0)
     assert list(fused.state_dict()) == list(plain.state_dict())
     ids = torch.randint(3, 60, (3, 11), generator=torch.Generator().manual_seed(0))
     out_plain, out_fused = plain(input_ids=ids).logits, fused(input_ids=ids).logits
@@ -191,19 +191,19 @@ def test_fused_modules_keep_the_parameters_and_the_math(arch, monkeypatch):
 @needs_kernel
 @needs_kernel
 @pytest.mark.parametrize("rows,bias", [(3, True), (300, False)])
-def test_prepacked_linear_matches_float64(rows, bias, monkeypatch):
-    """PrepackedLinear's output and input / weight / bias gradients against float64, through oneDNN
+def test_onednn_linear_matches_float64(rows, bias, monkeypatch):
+    """OneDNNLinear's output and input / weight / bias gradients against float64, through oneDNN
     (threshold lowered) and through F.linear below the threshold; the parameters are nn.Linear's."""
     if not onednn_linear_works(torch.float32):
-        pytest.skip("this torch build has no oneDNN prepacked linear")
+        pytest.skip("this torch build has no oneDNN linear")
     gen = torch.Generator().manual_seed(rows)
     layer = torch.nn.Linear(48, 40, bias=bias)
     ref_layer = copy.deepcopy(layer).double()
-    layer.__class__ = PrepackedLinear
+    layer.__class__ = OneDNNLinear
     x = torch.randn(2, rows, 48, generator=gen)
     grad_out = torch.randn(2, rows, 40, generator=gen)
     for threshold in (0, 1 << 62):
-        monkeypatch.setattr(cpu_fused, "PREPACK_MIN_MACS", threshold)
+        monkeypatch.setattr(cpu_fused, "ONEDNN_MIN_MACS", threshold)
         layer.zero_grad()
         ref_layer.zero_grad()
         xf, xd = x.clone().requires_grad_(), x.double().requires_grad_()
@@ -244,7 +244,7 @@ def test_other_architectures_and_no_kernels_are_left_alone(monkeypatch):
 @pytest.mark.parametrize("kv_heads", [1, 2])
 def test_fused_model_packed_equals_hf_padded(tmp_path, share_prompts, kv_heads, monkeypatch):
     """A model with every fused module (q / k / v product, RoPE and attention in FusedAttention; fused
-    norms, SwiGLU, prepacked linears) on packed rows gives the log-probs, entropies, loss and gradients
+    norms, SwiGLU, oneDNN linears) on packed rows gives the log-probs, entropies, loss and gradients
     of the plain HF model on padded rows; the fused attention path is the one that ran."""
     from backends.fsdp_engine import _forward
     from backends.models import load_causal_lm, write_tiny_model
@@ -253,8 +253,8 @@ def test_fused_model_packed_equals_hf_padded(tmp_path, share_prompts, kv_heads, 
     from tests.test_fsdp_engine import make_batch
 
     if not onednn_linear_works(torch.float32):
-        pytest.skip("this torch build has no oneDNN prepacked linear")
-    monkeypatch.setattr(cpu_fused, "PREPACK_MIN_MACS", 0)  # the tiny model's products through oneDNN too
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(cpu_fused, "ONEDNN_MIN_MACS", 0)  # the tiny model's products through oneDNN too
     config = TinyModelConfig(hidden_size=64 * kv_heads, num_layers=2, num_heads=2 * kv_heads, num_kv_heads=kv_heads,
                              intermediate_size=128, max_position_embeddings=64, seed=1)
     model_dir = write_tiny_model(tmp_path / "model", config)
