@@ -189,7 +189,6 @@ def test_fused_modules_keep_the_parameters_and_the_math(arch, monkeypatch):
 
 
 @needs_kernel
-@needs_kernel
 @pytest.mark.parametrize("rows,bias", [(3, True), (300, False)])
 def test_onednn_linear_matches_float64(rows, bias, monkeypatch):
     """OneDNNLinear's output and input / weight / bias gradients against float64, through oneDNN
