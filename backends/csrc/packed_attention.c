@@ -164,6 +164,18 @@ static int unsupported(int64_t h, int64_t kv, int64_t d, int64_t L) {
   return d < 16 || d % 16 != 0 || kv < 1 || h % kv != 0 || L < 1;
 }
 
+/* Point w at the rows of kv head g of the sequence's li tokens (gi: their packed positions) and
+ * transpose its keys (and, for the backward, its values) into the (d, lp) tiles. */
+static void load_head(scratch *w, const float *k, const float *v, const int64_t *gi, int64_t li, int64_t g, int64_t sk,
+                      int64_t sv, int64_t lp, int64_t d, int with_values) {
+  for (int64_t s = 0; s < li; s++) {
+    w->krow[s] = k + gi[s] * sk + g * d;
+    w->vrow[s] = v + gi[s] * sv + g * d;
+  }
+  transpose_rows(w->kt, w->krow, li, lp, d);
+  if (with_values) transpose_rows(w->vt, w->vrow, li, lp, d);
+}
+
 /* Forward of R consecutive query heads of one token (q, out: R rows of d; lse: R values) over the
  * slots [0, vis) of the current (sequence, kv head) in w. */
 static inline __attribute__((always_inline)) void forward_heads(scratch *w, const float *q, float *out, float *lse,
@@ -227,11 +239,7 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
     const int64_t *gi = gather + i * L, *owner = slot_token + i * L;
     const int64_t li = len[i];
     for (int64_t g = 0; g < kv; g++) {
-      for (int64_t s = 0; s < li; s++) {
-        w.krow[s] = k + gi[s] * sk + g * d;
-        w.vrow[s] = v + gi[s] * sv + g * d;
-      }
-      transpose_rows(w.kt, w.krow, li, lp, d);
+      load_head(&w, k, v, gi, li, g, sk, sv, lp, d, 0);
       for (int64_t j = 0; j < li; j++) {
         const int64_t t = owner[j], vis = j + 1;
         if (t < 0) continue;
@@ -275,12 +283,7 @@ int rlfunc_packed_attention_backward(const float *q, const float *k, const float
     const int64_t *gi = gather + i * L, *owner = slot_token + i * L;
     const int64_t li = len[i];
     for (int64_t g = 0; g < kv; g++) {
-      for (int64_t s = 0; s < li; s++) {
-        w.krow[s] = k + gi[s] * sk + g * d;
-        w.vrow[s] = v + gi[s] * sv + g * d;
-      }
-      transpose_rows(w.kt, w.krow, li, lp, d);
-      transpose_rows(w.vt, w.vrow, li, lp, d);
+      load_head(&w, k, v, gi, li, g, sk, sv, lp, d, 1);
       memset(w.dk, 0, (size_t)(li * d) * sizeof(float));
       memset(w.dv, 0, (size_t)(li * d) * sizeof(float));
       for (int64_t j = 0; j < li; j++) {
