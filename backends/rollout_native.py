@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import os
 from typing import Any, Iterable, Sequence
 
