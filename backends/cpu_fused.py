@@ -6,8 +6,10 @@ into a Hugging Face Llama / Qwen2 model:
 - :func:`packed_attention`: causal attention over a packed micro-batch (:mod:`backends.packing`),
   forward and backward in one C pass each, reading the packed ``q, k, v`` in place (shared prompts
   included), where the PyTorch path gathers them into a padded block and runs batched matmuls, a
-  mask and a softmax (on config B of the benchmarks, about 110 ms of a 800 ms update). Called by
+  mask and a softmax (about 110 ms of a profiled config-B fp32 update). Called by
   :func:`backends.packing.varlen_sdpa_attention`.
+- :class:`FusedAttention`: mixed into a Llama / Qwen2 attention module's class; on packed rows one op
+  does the stacked q / k / v product, RoPE and that attention, forward and backward.
 - :class:`FusedRMSNorm` and :class:`FusedSwiGLU`: drop-in replacements of the models' RMSNorm and MLP
   modules, holding the same parameters under the same names (state dicts, FSDP sharding and
   checkpoints are unchanged). :func:`use_fused_modules` swaps them in before sharding.
@@ -15,8 +17,8 @@ into a Hugging Face Llama / Qwen2 model:
   linear (PyTorch's internal CPU inference op, the one ``torch.compile`` uses after freezing) instead
   of MKL: at training sizes, one thread, 3048 x 256 by 256 x 688 took 10.3-11.7 ms forward and
   10.3 ms for the input gradient (the weight passed as a transposed view), against 11.7-15.5 and
-  16.9-19.6 ms through ``F.linear`` and ``matmul``. The weight gradient stays a ``matmul`` (no faster
-  path measured). Used for products of at least :data:`ONEDNN_MIN_MACS`.
+  16.9-19.6 ms through ``F.linear`` and ``matmul``. The weight gradient stays a ``matmul`` (oneDNN was
+  no faster once its operands' transposes and reorders are counted). Used for products of at least :data:`ONEDNN_MIN_MACS`.
 
 All of them compute in float32 on the CPU; the fused paths run for float32 inputs (bf16 attention
 inputs are upcast, as PyTorch's CPU attention does) and otherwise, or when the kernels cannot run
