@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -28,7 +29,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # plain pickle bytes: torch.multiprocessing would share the result's tensors through file
+        # descriptors that the parent fetches from this process, which may have exited by then
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -53,7 +56,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, tim
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
