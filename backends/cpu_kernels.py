@@ -105,10 +105,10 @@ class DecodeAttention:
         lib = ctypes.CDLL(str(library))
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         self._fn = lib.rlfunc_decode_attention
-        self._fn.argtypes = [ptr] * 6 + [i64] * 5 + [i64] * 8 + [ctypes.c_float, ctypes.c_int]
+        self._fn.argtypes = [ptr] * 6 + [i64] * 5 + [i64] * 8 + [ctypes.c_float, ctypes.c_int, ptr, i64]
         self._fn.restype = ctypes.c_int
         self._step = lib.rlfunc_decode_step
-        self._step.argtypes = [ptr] * 9 + [i64] * 12 + [ctypes.c_float]
+        self._step.argtypes = [ptr] * 9 + [i64] * 12 + [ctypes.c_float, ptr, i64]
         self._step.restype = ctypes.c_int
         lib.rlfunc_decode_attention_support.restype = ctypes.c_int
         support = lib.rlfunc_decode_attention_support()
@@ -117,16 +117,19 @@ class DecodeAttention:
         self.library = library
 
     def __call__(self, q: Tensor, k_t: Tensor, v: Tensor, bias: Tensor, length: int, scale: float,
-                 out: Tensor, scratch: Tensor) -> Tensor:
+                 out: Tensor, scratch: Tensor, rows: Tensor | None = None) -> Tensor:
         """``out (b kv g d)`` = attention of ``q (b kv g d)`` over slots ``[0, length)`` of the caches.
 
-        ``k_t (b kv T/16 d 16)`` (keys transposed in blocks of 16 slots: :func:`key_blocks`) and
-        ``v (b kv T d)``: fp32, or bf16 if
-        :attr:`bf16_cache`; ``q``, ``out``, ``bias (b, >= length)`` (0 / -inf) and ``scratch`` (at least
+        ``k_t (R kv T/16 d 16)`` (keys transposed in blocks of 16 slots: :func:`key_blocks`) and
+        ``v (R kv T d)``: fp32, or bf16 if
+        :attr:`bf16_cache`; ``q``, ``out``, ``bias (R, >= length)`` (0 / -inf) and ``scratch`` (at least
         ``g * ceil(length / 16) * 16`` elements) fp32. All on the CPU with unit stride in their last
-        dim; ``q`` contiguous within a row, ``out`` contiguous.
+        dim; ``q`` contiguous within a row, ``out`` contiguous. Row ``i`` of ``q`` reads cache (and bias)
+        row ``rows[i]`` (``rows``: int64 ``(b,)``, each in ``[0, R)``), or row ``i`` without ``rows``
+        (then ``b == R``).
         """
         b, kv, g, d = q.shape
+        cache_rows = k_t.shape[0]
         bf16 = k_t.dtype == torch.bfloat16
         if not (q.dtype == out.dtype == bias.dtype == scratch.dtype == torch.float32 and k_t.dtype == v.dtype
                 and k_t.dtype in (torch.float32, torch.bfloat16)):
@@ -134,8 +137,9 @@ class DecodeAttention:
                             f"bfloat16, got q {q.dtype}, k {k_t.dtype}, v {v.dtype}")
         # the kernel trusts these layouts (it reads raw pointers): refuse anything else
         if not (q.stride()[1:] == (g * d, d, 1) and out.is_contiguous() and out.shape == q.shape
-                and _key_blocks_layout(k_t, b, kv, d, length) and v.stride(3) == 1 and bias.stride(1) == 1
-                and v.shape[0:2] == (b, kv) and v.shape[3] == d and min(v.shape[2], bias.shape[1]) >= length
+                and _key_blocks_layout(k_t, cache_rows, kv, d, length) and v.stride(3) == 1 and bias.stride(1) == 1
+                and v.shape[0:2] == (cache_rows, kv) and v.shape[3] == d and bias.shape[0] == cache_rows
+                and min(v.shape[2], bias.shape[1]) >= length and _row_index_ok(rows, b, cache_rows)
                 and scratch.is_contiguous() and scratch.numel() >= g * ((length + 15) // 16 * 16)):
             raise ValueError(
                 f"decode attention: unsupported layout (q {tuple(q.shape)} strides {q.stride()}, k_t {tuple(k_t.shape)}, "
@@ -145,31 +149,34 @@ class DecodeAttention:
             q.data_ptr(), k_t.data_ptr(), v.data_ptr(), bias.data_ptr(), out.data_ptr(), scratch.data_ptr(),
             b, kv, g, d, length, q.stride(0), k_t.stride(0), k_t.stride(1), k_t.stride(2),
             v.stride(0), v.stride(1), v.stride(2), bias.stride(0), scale, int(bf16),
+            None if rows is None else rows.data_ptr(), cache_rows,
         )
-        if rc != 0:
-            raise RuntimeError(f"decode attention kernel refused head_dim={d}, length={length}")
+        _check_rc(rc, "decode attention", f"head_dim={d}, length={length}", cache_rows)
         return out
 
 
     def step(self, qkv: Tensor, cos: Tensor, sin_signed: Tensor, positions: Tensor, k_t: Tensor, v: Tensor,
-             bias: Tensor, slot: int, scale: float, out: Tensor, scratch: Tensor) -> Tensor:
+             bias: Tensor, slot: int, scale: float, out: Tensor, scratch: Tensor, rows: Tensor | None = None) -> Tensor:
         """A float32 model's decode-step attention from its fused projection on: RoPE on the new queries
         and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to cache ``slot``, and
         ``out (b kv g d)`` = attention over slots ``[0, slot]``.
 
         ``cos``, ``sin_signed (P, d)``: RoPE tables (``sin_signed = cat(-sin[:d/2], sin[d/2:])``) read at
-        ``positions (b)`` (int64); caches, ``bias`` and ``scratch`` as in :meth:`__call__` (float32 caches).
+        ``positions (b)`` (int64); caches, ``bias``, ``scratch`` and ``rows`` as in :meth:`__call__` (float32
+        caches).
         """
         b, kv, g, d = out.shape
+        cache_rows = k_t.shape[0]
         _contiguous_f32("decode step", qkv, cos, sin_signed, out, scratch)
         if not (k_t.dtype == v.dtype == bias.dtype == torch.float32):
             raise TypeError(f"decode step: caches and bias must be float32, got {k_t.dtype}, {v.dtype}, {bias.dtype}")
         length = slot + 1
         if not (qkv.shape == (b, kv * g + 2 * kv, d) and cos.shape == sin_signed.shape and cos.dim() == 2
                 and cos.shape[1] == d and positions.dtype == torch.int64 and positions.shape == (b,)
-                and positions.is_contiguous() and _key_blocks_layout(k_t, b, kv, d, length) and v.stride(3) == 1
-                and bias.stride(1) == 1 and v.shape[:2] == (b, kv) and v.shape[3] == d and bias.shape[0] == b
-                and min(v.shape[2], bias.shape[1]) >= length and slot >= 0
+                and positions.is_contiguous() and _key_blocks_layout(k_t, cache_rows, kv, d, length)
+                and v.stride(3) == 1 and bias.stride(1) == 1 and v.shape[:2] == (cache_rows, kv) and v.shape[3] == d
+                and bias.shape[0] == cache_rows and min(v.shape[2], bias.shape[1]) >= length and slot >= 0
+                and _row_index_ok(rows, b, cache_rows)
                 and scratch.numel() >= g * ((length + 15) // 16 * 16)):
             raise ValueError(
                 f"decode step: unsupported layout (qkv {tuple(qkv.shape)}, out {tuple(out.shape)}, cos {tuple(cos.shape)}, "
@@ -182,10 +189,26 @@ class DecodeAttention:
             qkv.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), positions.data_ptr(), k_t.data_ptr(), v.data_ptr(),
             bias.data_ptr(), out.data_ptr(), scratch.data_ptr(), b, kv, g, d, slot, k_t.stride(0), k_t.stride(1),
             k_t.stride(2), v.stride(0), v.stride(1), v.stride(2), bias.stride(0), scale,
+            None if rows is None else rows.data_ptr(), cache_rows,
         )
-        if rc != 0:
-            raise RuntimeError(f"decode step kernel refused head_dim={d}, slot={slot}")
+        _check_rc(rc, "decode step", f"head_dim={d}, slot={slot}", cache_rows)
         return out
+
+
+def _row_index_ok(rows: Tensor | None, b: int, cache_rows: int) -> bool:
+    """``rows`` is None with one working row per cache row, or a contiguous int64 CPU ``(b,)`` index (the
+    kernel checks its values against the cache's rows)."""
+    if rows is None:
+        return b == cache_rows
+    return rows.dtype == torch.int64 and rows.device.type == "cpu" and rows.is_contiguous() and rows.shape == (b,)
+
+
+def _check_rc(rc: int, name: str, what: str, cache_rows: int) -> None:
+    if rc == -2:
+        raise ValueError(f"{name}: a row index lies outside the caches' {cache_rows} rows")
+    if rc != 0:
+        raise RuntimeError(f"{name} kernel refused {what}")
+
 
 def _contiguous_f32(name: str, *tensors: Tensor) -> None:
     for t in tensors:

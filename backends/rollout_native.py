@@ -6,8 +6,10 @@ decoder itself, straight from the HF module's parameters, with a preallocated KV
 1. prefill each distinct prompt once (left-padded, ``position_ids = cumsum(mask) - 1``) and copy its
    keys/values into the cache rows of its ``n`` samples;
 2. decode one token per step for the whole batch, computing only the last position's logits;
-3. drop finished rows from the working batch once enough of them have hit EOS (compaction), so the
-   work per step follows the number of sequences still running;
+3. drop finished rows from the working batch (compaction), so the work per step follows the number of
+   sequences still running: with the CPU kernels by index (the caches stay where they are, so it is free
+   and happens whenever the running rows fit a smaller multiple of 8 rows), else by copying the caches
+   once 1/8 of the working rows have finished;
 4. stop when every row has produced EOS or ``max_new_tokens`` tokens.
 
 ``sync_weights`` copies full HF-named tensors into the model's parameters in place, so the decoder
@@ -96,8 +98,9 @@ class NativeRollout:
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
     max_context: int  #: prompt + response tokens must fit in this many positions
-    #: drop finished rows from the working batch once this fraction of it has finished (0 = at once)
-    compact_fraction: float = 0.125
+    #: drop finished rows from the working batch once this fraction of it has finished (0 = at once);
+    #: None: automatic (see the module docstring, step 3)
+    compact_fraction: float | None = None
     #: on CPU, run linears through oneDNN with weights prepacked once per ``generate`` call
     prepack_cpu_weights: bool = True
     weights_version: int = 0
@@ -158,7 +161,7 @@ def build_native_rollout(
     device: str | torch.device | None = None,
     max_context: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
-    compact_fraction: float = 0.125,
+    compact_fraction: float | None = None,
 ) -> NativeRollout:
     """A rollout engine over a local HF dir, or over a private deep copy of an (unsharded) HF module.
 
@@ -183,8 +186,8 @@ def build_native_rollout(
     eos = tuple(int(i) for i in eos_token_ids) if eos_token_ids is not None else _eos_ids(model, tokenizer)
     if pad is None:
         pad = eos[0]
-    if not 0.0 <= compact_fraction <= 1.0:
-        raise ValueError(f"compact_fraction must be in [0, 1], got {compact_fraction}")
+    if compact_fraction is not None and not 0.0 <= compact_fraction <= 1.0:
+        raise ValueError(f"compact_fraction must be in [0, 1] or None, got {compact_fraction}")
     return NativeRollout(
         model=model,
         pad_token_id=int(pad),
@@ -235,14 +238,16 @@ def sync_weights(
 # Sampling
 
 
-def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> Tensor:
+def sample_tokens(
+    logits: Tensor, sampling: SamplingConfig, generator: torch.Generator | None, *, uniform: Tensor | None = None
+) -> Tensor:
     """Draw one token per row from ``logits`` ``(b v)``: temperature, then top-k, then top-p (HF order).
 
     ``temperature == 0`` is greedy (``argmax``, first index on ties; top-k / top-p are then moot).
     Top-k keeps every token whose logit reaches the k-th largest (ties kept, like HF); top-p keeps the
     smallest set of most likely tokens whose mass reaches ``top_p`` (always at least one). Drawing is
-    inverse-CDF sampling with one uniform per row from ``generator`` (same distribution as
-    ``torch.multinomial``, cheaper on CPU).
+    inverse-CDF sampling with one uniform per row (same distribution as ``torch.multinomial``, cheaper
+    on CPU): ``uniform (b 1)`` in [0, 1) if given, else drawn from ``generator``.
     """
     logits = logits.float()
     if sampling.temperature == 0.0:
@@ -261,7 +266,7 @@ def sample_tokens(logits: Tensor, sampling: SamplingConfig, generator: torch.Gen
     else:
         probs = torch.softmax(scaled, dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)
+    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype) if uniform is None else uniform
     choice = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
     if order is not None:
         choice = order.gather(-1, choice)
@@ -377,6 +382,10 @@ class _Decoder:
     With the CPU decode-attention kernel (:mod:`backends.cpu_kernels`) the key cache is stored
     transposed in blocks of 16 slots, ``(rows, kv_heads, ceil(total_len / 16), head_dim, 16)``, so that the
     kernel reads 16 slots per load and a row's first slots are contiguous.
+
+    The working batch (the rows a step computes) shrinks through :meth:`keep_rows`. With the kernel its
+    rows address the caches and ``key_bias`` by index (``rows``), so nothing is copied; without it the
+    caches and ``key_bias`` are copied down to the kept rows.
     """
 
     def __init__(self, model: Any, rows: int, total_len: int, prepack: bool) -> None:
@@ -420,6 +429,15 @@ class _Decoder:
         # its RMSNorms in another (one pass each, where PyTorch runs several small elementwise kernels)
         self.fused_step = self.kernel is not None and self.dtype == torch.float32
         self.norm_kernel = norm_act_kernel() if self.fused_step else None
+        #: the cache row of each working row (kernel path; None = working row i is cache row i)
+        self.rows: Tensor | None = None
+        #: (cache rows, total_len) 0 for keys to attend to, -inf for prompt padding; set by prefill
+        self.key_bias = torch.zeros((rows, total_len), dtype=self.att_dtype, device=self.device)
+
+    @property
+    def drops_rows_by_index(self) -> bool:
+        """Whether :meth:`keep_rows` is free (an index into the caches) rather than a copy of them."""
+        return self.kernel is not None
 
     def _rms(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         if self.norm_kernel is not None and x.dim() == 2 and x.is_contiguous():
@@ -431,12 +449,14 @@ class _Decoder:
         return lw.down.add_to(x, lw.gate.silu(h).mul_(lw.up(h)))
 
     def prefill(self, ids: Tensor, mask: Tensor, copies: int) -> Tensor:
-        """Run ``(b0 p)`` left-padded prompts; fill cache rows ``[i*copies, (i+1)*copies)`` with prompt i.
+        """Run ``(b0 p)`` left-padded prompts; fill cache rows ``[i*copies, (i+1)*copies)`` with prompt i
+        (and their ``key_bias`` with the prompt's padding).
 
         Returns the last position's logits ``(b0 v)``.
         """
         b0, p = ids.shape
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
+        self.key_bias[:, :p].masked_fill_(~mask.repeat_interleave(copies, dim=0), float("-inf"))
         pos = (mask.long().cumsum(-1) - 1).clamp_(min=0)
         cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # (b0 p 1 d)
         causal = torch.ones(p, p, dtype=torch.bool, device=ids.device).tril_()
@@ -462,11 +482,8 @@ class _Decoder:
         last = x.view(b0, p, -1)[:, -1]
         return self.lm_head(self._rms(last, self.norm_w, self.norm_eps))
 
-    def step(self, tokens: Tensor, positions: Tensor, slot: int, key_bias: Tensor) -> Tensor:
-        """One new token per row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``.
-
-        ``key_bias (b, slot + 1)`` is 0 for keys to attend to and -inf for prompt padding.
-        """
+    def step(self, tokens: Tensor, positions: Tensor, slot: int) -> Tensor:
+        """One new token per working row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``."""
         b = tokens.shape[0]
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # (b hidden)
@@ -474,20 +491,22 @@ class _Decoder:
             positions = positions.contiguous()
             for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
                 qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
-                att = self.kernel.step(qkv, self.cos, self.sin, positions, kc, vc, key_bias, slot, self.scale,
-                                       qkv.new_empty(b, kv, h // kv, d), self.scratch)
+                att = self.kernel.step(qkv, self.cos, self.sin, positions, kc, vc, self.key_bias, slot, self.scale,
+                                       qkv.new_empty(b, kv, h // kv, d), self.scratch, self.rows)
                 x = self._mlp(lw.o.add_to(x, att.view(b, h * d)), lw)
             return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (b 1 d)
-        bias = key_bias[:, None, None, :]
+        bias = self.key_bias[:, None, None, : slot + 1]
+        rows = slice(None) if self.rows is None else self.rows
         for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
             qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
             qk = _rope(qkv[:, : h + kv], cos, sin)
-            vc[:, :, slot] = qkv[:, h + kv :]
+            vc[rows, :, slot] = qkv[:, h + kv :]
             q = qk[:, :h].view(b, kv, h // kv, d).to(self.att_dtype)
             if self.kernel is not None:
-                kc[:, :, slot // 16, :, slot % 16] = qk[:, h:]
-                att = self.kernel(q, kc, vc, key_bias, slot + 1, self.scale, q.new_empty(q.shape), self.scratch)
+                kc[rows, :, slot // 16, :, slot % 16] = qk[:, h:]
+                att = self.kernel(q, kc, vc, self.key_bias, slot + 1, self.scale, q.new_empty(q.shape), self.scratch,
+                                  self.rows)
             else:
                 kc[:, :, slot] = qk[:, h:]
                 scores = torch.matmul(q, kc[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scale).add_(bias)
@@ -497,8 +516,13 @@ class _Decoder:
         return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
 
     def keep_rows(self, index: Tensor) -> None:
+        """Keep working rows ``index`` (int64, into the current working batch), in that order."""
+        if self.drops_rows_by_index:
+            self.rows = index if self.rows is None else self.rows[index]
+            return
         self.k_cache = [c.index_select(0, index) for c in self.k_cache]
         self.v_cache = [c.index_select(0, index) for c in self.v_cache]
+        self.key_bias = self.key_bias.index_select(0, index)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -646,10 +670,7 @@ def _generate_tokens(
     decoder = _Decoder(rollout.model, rows, total, rollout.prepack_cpu_weights)
     logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
 
-    row_mask = prompt_mask.repeat_interleave(n, dim=0)
-    key_bias = torch.zeros((rows, total), dtype=decoder.att_dtype, device=device)
-    key_bias[:, :p].masked_fill_(~row_mask, float("-inf"))
-    next_pos = row_mask.sum(-1)  # RoPE position of the first response token
+    next_pos = prompt_mask.sum(-1).repeat_interleave(n)  # RoPE position of each row's first response token
     eos = torch.tensor(rollout.eos_token_ids, device=device)
 
     out_tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
@@ -658,7 +679,13 @@ def _generate_tokens(
     running = torch.ones(rows, dtype=torch.bool, device=device)  # per working row: no EOS yet
     steps = 0
     for s in range(max_new):
-        token = sample_tokens(logits, sampling, generator)
+        # one uniform per row of the whole batch every step, so a row's samples do not depend on which
+        # rows share its working batch (compaction, by index or by copy, changes nothing)
+        uniform = None
+        if sampling.temperature > 0.0:
+            uniform = torch.rand((rows, 1), generator=generator, device=device)
+            uniform = uniform if active is None else uniform[active]
+        token = sample_tokens(logits, sampling, generator, uniform=uniform)
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         if active is None:
             out_tokens[:, s] = token
@@ -671,15 +698,43 @@ def _generate_tokens(
         num_running = int(running.sum())
         if num_running == 0 or s == max_new - 1:
             break
-        num_done = running.shape[0] - num_running
-        if num_done > 0 and num_done >= rollout.compact_fraction * running.shape[0]:
-            keep = running.nonzero().squeeze(-1)
+        keep = _rows_to_keep(running, num_running, rollout.compact_fraction, decoder.drops_rows_by_index)
+        if keep is not None:
             decoder.keep_rows(keep)
             active = keep if active is None else active[keep]
-            token, key_bias, next_pos = token[keep], key_bias[keep], next_pos[keep]
-            running = running[keep]
-        logits = decoder.step(token, next_pos + s, p + s, key_bias[:, : p + s + 1]).float()
+            token, next_pos, running = token[keep], next_pos[keep], running[keep]
+        logits = decoder.step(token, next_pos + s, p + s).float()
     return out_tokens[:, :steps], out_logprobs[:, :steps], prompt_ids, prompt_mask
+
+
+#: copying compaction (the PyTorch path) waits until this fraction of the working rows has finished
+COPY_COMPACT_FRACTION = 0.125
+#: compaction by index keeps the running rows padded with finished ones to a multiple of this many rows:
+#: oneDNN builds a GEMM kernel for every new row count (about 0.3 ms per weight shape, measured), so the
+#: working batch takes few distinct sizes
+INDEX_COMPACT_MULTIPLE = 8
+
+
+def _rows_to_keep(running: Tensor, num_running: int, fraction: float | None, by_index: bool) -> Tensor | None:
+    """The working rows to keep for the next step (ascending indices), or None to keep them all.
+
+    ``fraction`` (``NativeRollout.compact_fraction``): drop every finished row once that fraction of the
+    working rows has finished. None: by index, whenever the running rows fit a smaller multiple of
+    :data:`INDEX_COMPACT_MULTIPLE` (the finished rows kept to fill it are the first ones); by copy, at
+    :data:`COPY_COMPACT_FRACTION`.
+    """
+    rows = running.shape[0]
+    if fraction is None and by_index:
+        target = min(rows, -(-num_running // INDEX_COMPACT_MULTIPLE) * INDEX_COMPACT_MULTIPLE)
+        if target == rows:
+            return None
+        finished = (~running).nonzero().squeeze(-1)[: target - num_running]
+        return torch.cat([running.nonzero().squeeze(-1), finished]).sort().values
+    fraction = COPY_COMPACT_FRACTION if fraction is None else fraction
+    num_done = rows - num_running
+    if num_done > 0 and num_done >= fraction * rows:
+        return running.nonzero().squeeze(-1)
+    return None
 
 
 def decode_responses(tokenizer: Any, batch: RolloutBatch, *, skip_special_tokens: bool = True) -> list[str]:

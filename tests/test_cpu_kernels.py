@@ -160,6 +160,51 @@ def test_fused_decode_step_matches_rope_cache_write_and_attention(kv, g, d, slot
                     torch.empty(b, kv, g, d), torch.empty(g * total))
 
 
+@needs_kernel
+def test_working_rows_address_the_caches_by_index():
+    """With ``rows``, working row i reads (and the step writes) cache and bias row rows[i]: the same as
+    the kernel on caches gathered to those rows, and cache rows outside the index are left as they were."""
+    kv, g, d, total, cache_rows, slot = 2, 2, 64, 40, 7, 21
+    rows = torch.tensor([5, 0, 3])
+    q, k, v, bias = _case(cache_rows, kv, g, d, total, seed=11)
+    bias[1, :4] = float("-inf")
+    kernel = decode_attention_kernel(d)
+    scratch = torch.empty(g * 48)
+    out = kernel(q[rows], key_blocks(k), v, bias, slot + 1, 0.125, torch.empty(3, kv, g, d), scratch, rows)
+    gathered = kernel(q[rows], key_blocks(k[rows]), v[rows], bias[rows], slot + 1, 0.125, torch.empty(3, kv, g, d),
+                      scratch)
+    assert torch.equal(out, gathered)
+
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(3, kv * g + 2 * kv, d, generator=gen)
+    angles = torch.rand(64, d // 2, generator=gen)
+    cos = torch.cat([angles.cos()] * 2, -1)
+    sin = torch.cat([angles.sin()] * 2, -1)
+    sin_signed = torch.cat([-sin[:, : d // 2], sin[:, d // 2 :]], -1).contiguous()
+    positions = torch.tensor([30, 4, 17])
+    k_cache, v_cache = key_blocks(k, length=total), v.clone()
+    k_rows, v_rows = k_cache[rows].clone(), v_cache[rows].clone()
+    by_index = kernel.step(qkv, cos, sin_signed, positions, k_cache, v_cache, bias, slot, 0.125,
+                           torch.empty(3, kv, g, d), scratch, rows)
+    on_gathered = kernel.step(qkv, cos, sin_signed, positions, k_rows, v_rows, bias[rows].contiguous(), slot, 0.125,
+                              torch.empty(3, kv, g, d), scratch)
+    assert torch.equal(by_index, on_gathered)
+    assert torch.equal(k_cache[rows], k_rows) and torch.equal(v_cache[rows], v_rows)  # the step's writes
+    untouched = torch.tensor([1, 2, 4, 6])
+    assert torch.equal(k_cache[untouched], key_blocks(k, length=total)[untouched])
+    assert torch.equal(v_cache[untouched], v[untouched])
+
+    with pytest.raises(ValueError, match="outside the caches' 7 rows"):
+        kernel(q[:2], key_blocks(k), v, bias, slot + 1, 0.125, torch.empty(2, kv, g, d), scratch, torch.tensor([0, 7]))
+    with pytest.raises(ValueError, match="outside the caches' 7 rows"):
+        kernel.step(qkv, cos, sin_signed, positions, k_cache, v_cache, bias, slot, 0.125, torch.empty(3, kv, g, d),
+                    scratch, torch.tensor([0, -1, 2]))
+    with pytest.raises(ValueError, match="unsupported layout"):  # an int32 index
+        kernel(q[rows], key_blocks(k), v, bias, slot + 1, 0.125, torch.empty(3, kv, g, d), scratch, rows.int())
+    with pytest.raises(ValueError, match="unsupported layout"):  # no index, but fewer working rows than cache rows
+        kernel(q[rows], key_blocks(k), v, bias, slot + 1, 0.125, torch.empty(3, kv, g, d), scratch)
+
+
 def test_head_dim_not_a_multiple_of_16_uses_pytorch():
     assert decode_attention_kernel(24) is None
 

@@ -177,15 +177,37 @@ def test_rollout_logprobs_match_a_trainer_forward(setup, many_eos, sampling):
 
 
 @QWEN2_ONLY
-def test_compaction_does_not_change_results(setup, many_eos):
-    """Dropping finished rows from the working batch (at once, or never) gives the same tokens."""
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compaction_does_not_change_results(setup, many_eos, temperature):
+    """Dropping finished rows from the working batch (automatic, at once, halfway or never) gives the same
+    samples: each row draws its own uniform every step, whichever rows share its working batch."""
     _, _, _, tok, _ = setup
-    sampling = SamplingConfig(n=2, temperature=0.0, max_new_tokens=12)
-    outs = [generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling) for f in (0.0, 0.5, 1.0)]
+    sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=12)
+    outs = [generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling, seed=9)
+            for f in (None, 0.0, 0.5, 1.0)]
+    assert (~outs[0].response_mask).any()  # some rows finished early, so compaction ran
     for other in outs[1:]:
         assert torch.equal(outs[0].response_ids, other.response_ids)
         assert torch.equal(outs[0].response_mask, other.response_mask)
         torch.testing.assert_close(outs[0].rollout_logprobs, other.rollout_logprobs, rtol=0, atol=1e-5)
+
+
+def test_rows_to_keep():
+    """By index: the running rows plus the first finished ones, to a multiple of 8 rows, in row order;
+    None while that is no smaller. By copy (or an explicit fraction): the running rows, once enough finished."""
+    from backends.rollout_native import _rows_to_keep
+
+    running = torch.ones(20, dtype=torch.bool)
+    running[[1, 4, 9, 10]] = False  # 16 running: exactly 16 rows
+    assert _rows_to_keep(running, 16, None, by_index=True).tolist() == [i for i in range(20) if i not in (1, 4, 9, 10)]
+    running[[2, 3, 5, 6]] = False  # 12 running: padded to 16 with the finished rows 1, 2, 3, 4
+    keep = _rows_to_keep(running, 12, None, by_index=True)
+    assert keep.tolist() == sorted([i for i in range(20) if running[i]] + [1, 2, 3, 4])
+    assert _rows_to_keep(running[:8], int(running[:8].sum()), None, by_index=True) is None  # 8 rows is the floor
+    assert _rows_to_keep(running, 12, None, by_index=False).tolist() == running.nonzero().squeeze(-1).tolist()
+    assert _rows_to_keep(running, 12, 0.5, by_index=True) is None  # 8 of 20 finished, under half
+    assert _rows_to_keep(running, 12, 0.4, by_index=True).tolist() == running.nonzero().squeeze(-1).tolist()
+    assert _rows_to_keep(torch.ones(5, dtype=torch.bool), 5, 0.0, by_index=False) is None
 
 
 def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):

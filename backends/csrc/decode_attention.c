@@ -15,6 +15,9 @@
  *   bias  (b, >= L): bias[i*bsb + l], 0 or -inf (prompt padding); slot L-1 (the new token) is never -inf
  *   out   (b, kv, g, d) contiguous
  *   scratch  g * Lp floats, Lp = L rounded up to a multiple of 16
+ *   rows  optional (b) int64: working row i reads (and the step writes) cache row rows[i] of the caches
+ *         and bias, so the rollout drops finished rows by index without copying caches; NULL means
+ *         rows[i] = i. Every entry must lie in [0, cache_rows) (checked: -2 and nothing written if not).
  *
  * The keys are stored transposed so that the scores of 16 slots come from one vector FMA per feature
  * (no horizontal sums), in blocks of 16 slots so that the first L slots of a (row, kv head) are
@@ -143,25 +146,37 @@ static void rope_head(float *out, const float *x, const float *cos, const float 
 }
 #endif
 
-/* cache_bf16: 0 for float32 caches, 1 for bfloat16. Returns 0, or -1 (nothing written) for what this
- * build cannot run. */
+/* 1 if every rows[i] lies in [0, cache_rows) (or rows is NULL and b <= cache_rows), else 0. */
+static int rows_in_range(const int64_t *rows, int64_t b, int64_t cache_rows) {
+  if (!rows) return b <= cache_rows;
+  for (int64_t i = 0; i < b; i++)
+    if (rows[i] < 0 || rows[i] >= cache_rows) return 0;
+  return 1;
+}
+
+/* cache_bf16: 0 for float32 caches, 1 for bfloat16. Returns 0, -1 (nothing written) for what this
+ * build cannot run, or -2 (nothing written) for a row index outside the caches. */
 int rlfunc_decode_attention(const float *q, const void *kt, const void *v, const float *bias, float *out,
                             float *scratch, int64_t b, int64_t kv, int64_t g, int64_t d, int64_t L,
                             int64_t qsb, int64_t ksb, int64_t ksh, int64_t ksblk, int64_t vsb, int64_t vsh,
-                            int64_t vsl, int64_t bsb, float scale, int cache_bf16) {
+                            int64_t vsl, int64_t bsb, float scale, int cache_bf16, const int64_t *rows,
+                            int64_t cache_rows) {
 #if defined(__AVX512F__)
   if (d % 16 != 0 || L < 1 || (cache_bf16 && !RLFUNC_BF16_CACHE)) return -1;
+  if (!rows_in_range(rows, b, cache_rows)) return -2;
   const int64_t esize = cache_bf16 ? 2 : 4;
-  for (int64_t i = 0; i < b; i++)
+  for (int64_t i = 0; i < b; i++) {
+    const int64_t r = rows ? rows[i] : i;
     for (int64_t j = 0; j < kv; j++)
-      one_head(q + i * qsb + j * g * d, (const char *)kt + (i * ksb + j * ksh) * esize,
-               (const char *)v + (i * vsb + j * vsh) * esize, bias + i * bsb, out + (i * kv + j) * g * d, scratch,
+      one_head(q + i * qsb + j * g * d, (const char *)kt + (r * ksb + j * ksh) * esize,
+               (const char *)v + (r * vsb + j * vsh) * esize, bias + r * bsb, out + (i * kv + j) * g * d, scratch,
                g, d, L, ksblk, vsl, scale, cache_bf16);
+  }
   return 0;
 #else
   (void)q; (void)kt; (void)v; (void)bias; (void)out; (void)scratch; (void)b; (void)kv; (void)g; (void)d; (void)L;
   (void)qsb; (void)ksb; (void)ksh; (void)ksblk; (void)vsb; (void)vsh; (void)vsl; (void)bsb; (void)scale;
-  (void)cache_bf16;
+  (void)cache_bf16; (void)rows; (void)cache_rows; (void)rows_in_range;
   return -1;
 #endif
 }
@@ -171,34 +186,38 @@ int rlfunc_decode_attention(const float *q, const void *kt, const void *v, const
  * queries and keys, the new key and value written to cache slot `slot`, and attention over slots
  * [0, slot]. qkv (b, kv * g + 2 kv, d) contiguous (query heads, then key heads, then value heads);
  * cos and sin_signed (P, d) contiguous, rows indexed by positions (b) (the caller checks the range);
- * caches and bias as in rlfunc_decode_attention (float32); out (b, kv, g, d) contiguous, which also
- * holds the rotated queries on the way. Returns 0, or -1 for what this build cannot run. */
+ * caches, bias and rows as in rlfunc_decode_attention (float32); out (b, kv, g, d) contiguous, which
+ * also holds the rotated queries on the way. Returns 0, -1 for what this build cannot run, or -2 for a
+ * row index outside the caches. */
 int rlfunc_decode_step(const float *qkv, const float *cos, const float *sin_signed, const int64_t *positions,
                        float *kt, float *v, const float *bias, float *out, float *scratch, int64_t b, int64_t kv,
                        int64_t g, int64_t d, int64_t slot, int64_t ksb, int64_t ksh, int64_t ksblk, int64_t vsb,
-                       int64_t vsh, int64_t vsl, int64_t bsb, float scale) {
+                       int64_t vsh, int64_t vsl, int64_t bsb, float scale, const int64_t *rows,
+                       int64_t cache_rows) {
 #if defined(__AVX512F__)
   if (d % 16 != 0 || d > 1024 || slot < 0) return -1;
+  if (!rows_in_range(rows, b, cache_rows)) return -2;
   const int64_t h = kv * g, width = (h + 2 * kv) * d;
   float krot[1024];
   for (int64_t i = 0; i < b; i++) {
+    const int64_t r = rows ? rows[i] : i;
     const float *x = qkv + i * width, *c = cos + positions[i] * d, *sn = sin_signed + positions[i] * d;
     for (int64_t j = 0; j < kv; j++) {
-      float *kcol = kt + i * ksb + j * ksh + slot / 16 * ksblk + slot % 16;
+      float *kh = kt + r * ksb + j * ksh, *vh = v + r * vsb + j * vsh;
+      float *kcol = kh + slot / 16 * ksblk + slot % 16;
       rope_head(krot, x + (h + j) * d, c, sn, d);
       for (int64_t t = 0; t < d; t++) kcol[t * 16] = krot[t];
-      memcpy(v + i * vsb + j * vsh + slot * vsl, x + (h + kv + j) * d, (size_t)d * sizeof(float));
+      memcpy(vh + slot * vsl, x + (h + kv + j) * d, (size_t)d * sizeof(float));
       float *o = out + (i * kv + j) * g * d;
       for (int64_t gi = 0; gi < g; gi++) rope_head(o + gi * d, x + (j * g + gi) * d, c, sn, d);
-      one_head(o, kt + i * ksb + j * ksh, v + i * vsb + j * vsh, bias + i * bsb, o, scratch, g, d, slot + 1, ksblk,
-               vsl, scale, 0);
+      one_head(o, kh, vh, bias + r * bsb, o, scratch, g, d, slot + 1, ksblk, vsl, scale, 0);
     }
   }
   return 0;
 #else
   (void)qkv; (void)cos; (void)sin_signed; (void)positions; (void)kt; (void)v; (void)bias; (void)out; (void)scratch;
   (void)b; (void)kv; (void)g; (void)d; (void)slot; (void)ksb; (void)ksh; (void)ksblk; (void)vsb; (void)vsh; (void)vsl;
-  (void)bsb; (void)scale;
+  (void)bsb; (void)scale; (void)rows; (void)cache_rows;
   return -1;
 #endif
 }
