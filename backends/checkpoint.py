@@ -481,6 +481,22 @@ def _all_ok(ok: bool) -> bool:
     return int(flag) == 0
 
 
+def _all_state_meta(state_meta: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's ``{state name: metadata}`` merged, in rank order (a state held by several ranks is
+    described alike by each). Under split placement a rank holds only its pool's states, and rank 0
+    writes the marker for all of them."""
+    world = _world()[1]
+    if world == 1:
+        return state_meta
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, json.dumps(state_meta), group=_gloo_group())
+    merged: dict[str, Any] = {}
+    for text in gathered:
+        for name, meta in json.loads(text).items():
+            merged.setdefault(name, meta)
+    return merged
+
+
 @contextlib.contextmanager
 def _quiet_no_dist() -> Iterator[None]:
     """Silence DCP's "assuming the intent is to save in a single process" (that is the intent here)."""
@@ -756,7 +772,9 @@ def save_checkpoint(
 ) -> Path | PendingCheckpoint:
     """Save ``states`` (model + optimizer, sharded), ``extra`` and every rank's RNG as ``ckpt_dir/step_<step>``.
 
-    Call on every rank. Returns the checkpoint path (all ranks, after the rename), or with
+    Call on every rank, each with the states it holds: all of them, or under split placement its pool's
+    roles (the checkpoint then holds every pool's, and each rank loads its own). ``extra`` must be the
+    same on every rank. Returns the checkpoint path (all ranks, after the rename), or with
     ``async_save=True`` a :class:`PendingCheckpoint` whose ``wait()`` returns it. ``keep_last``: keep
     only the newest K complete checkpoints (None: keep all). ``config``: the settings a resume must
     match (see :func:`load_checkpoint`). Any earlier async save is waited for first; leftover temp dirs
@@ -817,6 +835,7 @@ def save_checkpoint(
         }
     for key, tensor in extra_tensors.items():
         flat[f"extra/{key}"] = tensor
+    state_meta = _all_state_meta(state_meta)
 
     marker = {
         "format": FORMAT,

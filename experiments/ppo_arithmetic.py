@@ -11,7 +11,8 @@ Placement (where the roles run):
           placement.actor_pool=2 placement.critic_pool=2
 actor + rollout on ranks 0-1, critic + reference on ranks 2-3: batches cross between the pools, and the
 critic update runs at the same time as the actor update and weight sync. Colocated (the default) runs
-every role on every rank. Split runs do not checkpoint yet (checkpoint.every / resume / export.orbax).
+every role on every rank. Split runs checkpoint and resume too (each pool saves its own roles); they do
+not export orbax yet.
 
 Checkpoints and exact resume:
       ... checkpoint.every=10 checkpoint.dir=/ckpt/ppo run_dir=runs/ppo-1     (save every 10 steps)
@@ -36,6 +37,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -146,8 +148,8 @@ def main(argv: list[str]) -> dict:
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
     if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
         raise ValueError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
-    if cfg.placement.mode == "split" and (cfg.checkpoint.every or cfg.resume != "never" or cfg.export.orbax):
-        raise ValueError("placement.mode=split does not checkpoint yet: leave checkpoint.every=0, resume=never, export.orbax=false")
+    if cfg.placement.mode == "split" and cfg.export.orbax:
+        raise ValueError("placement.mode=split does not export orbax yet: leave export.orbax=false (checkpoints work)")
     if cfg.placement.mode == "split" and cfg.reference.ref_in_actor:  # every rank fails here, before any model
         raise ValueError(
             "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
@@ -184,7 +186,7 @@ def main(argv: list[str]) -> dict:
     elif on_actor:
         log.info(f"resuming from {resume_from} (run dir {run_dir})")
         tokenizer = load_tokenizer(warm_path)
-        actor = build_actor(warm_path, env, rl_optim, cfg.actor.fsdp, mesh=placement.mesh("actor"))
+        actor = build_actor(warm_path, actor_env, rl_optim, cfg.actor.fsdp, mesh=placement.mesh("actor"))
     barrier()  # the warm-started model is on disk for every pool
 
     # The critic starts from the warm-started backbone with a fresh (seeded) value head; the frozen
@@ -209,14 +211,15 @@ def main(argv: list[str]) -> dict:
         first_step, wall_before = 1, 0.0
         eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env) if on_actor else None
         greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, actor_env) if on_actor else None
-    else:
-        states, extra = load_checkpoint(resume_from, {"actor": actor, "critic": critic}, config=must_match)
-        actor, critic = states["actor"], states["critic"]
+    else:  # each rank loads the roles it holds (split placement: one pool's)
+        states, extra = load_checkpoint(resume_from, _held(actor=actor, critic=critic), config=must_match)
+        actor, critic = states.get("actor"), states.get("critic")
         stream = cfg.task.train_stream(seed=cfg.seed, drawn=extra["drawn"])
         kl_ctrl = rf.KLControllerState(**extra["kl_ctrl"])
         eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
         first_step = extra["step"] + 1
-        rollout = sync_weights(rollout, full_state_dict(actor))
+        if on_actor:
+            rollout = sync_weights(rollout, full_state_dict(actor))
     if on_actor:
         log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
 
@@ -274,44 +277,46 @@ def main(argv: list[str]) -> dict:
             # 6. weight sync: stream full tensors from the FSDP shards into the rollout engine
             with _timed(times, "weight_sync"):
                 rollout = sync_weights(rollout, full_state_dict(actor))
-        # the critic pool's metrics reach rank 0, which logs (colocated: already here)
-        kl_stats, critic_metrics, critic_times = placement.share((kl_stats, critic_metrics, dict(times)), "critic")
+        # the critic pool's metrics reach rank 0, which logs, and its KL controller the actor pool, which
+        # checkpoints it (colocated: already here)
+        kl_stats, critic_metrics, critic_times, kl_ctrl = placement.share(
+            (kl_stats, critic_metrics, dict(times), kl_ctrl), "critic"
+        )
         times = {**critic_times, **times}
-        if not on_actor:
-            continue
+        if on_actor:
+            dt = time.time() - t0
+            local = torch.stack([
+                batch.scores.mean(), (batch.scores > 0.5).float().mean(), batch.response_mask.sum(-1).float().mean(),
+                rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(batch.returns, batch.response_mask),
+                (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
+            ])
+            reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (
+                all_reduce_sum(local, actor_env.group) / actor_env.world_size
+            ).tolist()
+            stats = {
+                "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
+                "values_mean": values_mean, "returns_mean": returns_mean, **kl_stats,
+                **_mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in _mean_metrics(critic_metrics).items()},
+                "tokens_per_s": num_tokens * actor_env.world_size / dt, "step_time_s": dt,
+                **{f"time/{k}_s": v for k, v in times.items()},
+            }
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env)
+            metrics_log.log(step, stats)
+            if env.is_main and (step % 10 == 0 or step == cfg.steps):
+                keys = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm", "step_time_s")
+                tqdm.write(f"step {step:4d} " + " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats))
 
-        dt = time.time() - t0
-        local = torch.stack([
-            batch.scores.mean(), (batch.scores > 0.5).float().mean(), batch.response_mask.sum(-1).float().mean(),
-            rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(batch.returns, batch.response_mask),
-            (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
-        ])
-        reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (
-            all_reduce_sum(local, actor_env.group) / actor_env.world_size
-        ).tolist()
-        stats = {
-            "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
-            "values_mean": values_mean, "returns_mean": returns_mean, **kl_stats,
-            **_mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in _mean_metrics(critic_metrics).items()},
-            "tokens_per_s": num_tokens * actor_env.world_size / dt, "step_time_s": dt,
-            **{f"time/{k}_s": v for k, v in times.items()},
-        }
-        if cfg.eval_every and step % cfg.eval_every == 0:
-            stats["eval_success"] = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env)
-        metrics_log.log(step, stats)
-        if env.is_main and (step % 10 == 0 or step == cfg.steps):
-            keys = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm", "step_time_s")
-            tqdm.write(f"step {step:4d} " + " ".join(f"{k}={stats[k]:.4g}" for k in keys if k in stats))
-
-        # 7. checkpoint: actor + critic (sharded, with AdamW), RNG, and what the loop carries
+        # 7. checkpoint (every rank): actor + critic (sharded, with AdamW), RNG, and what the loop carries,
+        # as the actor pool's leader knows it (split placement: the critic pool saves its role alongside)
         if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == cfg.steps):
-            extra = {
-                "step": step, "drawn": stream.drawn, "run_dir": str(run_dir),
+            extra = placement.share({
+                "step": step, "drawn": stream.drawn if on_actor else None, "run_dir": str(run_dir),
                 "kl_ctrl": {"beta": kl_ctrl.beta, "target_kl": kl_ctrl.target_kl, "horizon": kl_ctrl.horizon},
                 "eval_before": eval_before, "greedy_before": greedy_before,
                 "wall_seconds": wall_before + time.time() - t_start,
-            }
-            save_checkpoint(ckpt_dir, step, {"actor": actor, "critic": critic}, extra,
+            }, "actor")
+            save_checkpoint(ckpt_dir, step, _held(actor=actor, critic=critic), extra,
                             keep_last=cfg.checkpoint.keep_last, config=must_match)
 
     eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env) if on_actor else None
@@ -421,6 +426,11 @@ def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: Opt
         actor = fresh_optimizer(actor, rl_optim)
         export_hf(actor, warm_path, tokenizer=tokenizer, overwrite=True)
     return actor, stream, tokenizer
+
+
+def _held(**states: Any) -> dict[str, Any]:
+    """The roles this rank holds (all of them when colocated; one pool's under split placement)."""
+    return {name: state for name, state in states.items() if state is not None}
 
 
 def _num_mini_batches(cfg: Config, world_size: int) -> int:

@@ -1,4 +1,5 @@
-"""Kill-and-resume exactness of the PPO and GRPO recipes on 2 ranks (real torchrun processes).
+"""Kill-and-resume exactness of the PPO (colocated and split placement) and GRPO recipes on 2 ranks (real
+torchrun processes).
 
 For each recipe:
 1. run it uninterrupted (it also saves checkpoints: saving consumes no randomness);
@@ -44,6 +45,14 @@ RECIPES = {
          "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false"],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
     ),
+    # split placement: the actor on rank 0, the critic and the reference on rank 1, each pool saving and
+    # loading its own roles (and the KL controller, which lives on the critic pool, kept exact)
+    "ppo-split": Recipe(
+        ROOT / "experiments" / "ppo_arithmetic.py",
+        [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
+         "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false", "placement.mode=split"],
+        frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
+    ),
     # a KL term to the reference, and two optimizer steps per RL step (so the trainer's old log-probs are used)
     "grpo": Recipe(
         ROOT / "experiments" / "grpo_arithmetic.py",
@@ -63,6 +72,13 @@ def _env():
 
 def _torchrun(recipe: Recipe, *args):
     return [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(recipe.path), *recipe.args, *args]
+
+
+def _direct(recipe: Recipe, *args):
+    """The recipe in one process, or on 2 torchrun ranks where its placement needs 2 (split)."""
+    if "placement.mode=split" in recipe.args:
+        return _torchrun(recipe, *args)
+    return [sys.executable, str(recipe.path), *recipe.args, *args]
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -163,7 +179,7 @@ def test_sigkill_and_resume_is_exact(recipe, uninterrupted, tmp_path):
 def test_resume_with_another_model_size_fails_before_any_work(recipe, uninterrupted, tmp_path):
     ckpt = uninterrupted / "ckpt" / f"step_{KILL_AFTER}"
     out = subprocess.run(
-        [sys.executable, str(recipe.path), *recipe.args, "tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"],
+        _direct(recipe, "tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"),
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
@@ -175,7 +191,7 @@ def test_resume_with_another_model_size_fails_before_any_work(recipe, uninterrup
 def test_resume_from_missing_path_fails_clearly(recipe, tmp_path):
     missing = tmp_path / "nowhere" / "step_3"
     out = subprocess.run(
-        [sys.executable, str(recipe.path), *recipe.args, f"resume={missing}", f"run_dir={tmp_path / 'run'}"],
+        _direct(recipe, f"resume={missing}", f"run_dir={tmp_path / 'run'}"),
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
