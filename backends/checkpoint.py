@@ -814,6 +814,8 @@ def save_checkpoint(
         msd, osd = _state_dicts(state, with_optimizer=status == "saved")
         optim_json = {}
         for k, v in msd.items():
+            if v is None:  # an empty extra state (megatron's ``_extra_state`` without TransformerEngine)
+                continue
             if not isinstance(v, Tensor):
                 raise TypeError(f"model state of {name!r} has a non-tensor entry {k!r} ({type(v).__name__})")
             flat[f"{name}/model/{k}"] = v
@@ -981,7 +983,8 @@ def load_checkpoint(
         else:
             msd, osd = model_sds[name], {}
         for k, v in msd.items():
-            flat[f"{name}/model/{k}"] = v
+            if v is not None:  # empty extra states were not saved, and stay empty
+                flat[f"{name}/model/{k}"] = v
         saved_values = saved_states[name]["optimizer_values"]
         for k, v in osd.items():
             if isinstance(v, Tensor):

@@ -33,6 +33,8 @@ class Engine:
     fresh_optimizer: Callable[..., Any]
     data_parallel: Callable[[Any], "tuple[int, int]"]  #: state -> (data-parallel rank, size)
     share_batch: Callable[[Any, Any], Any]  #: (state, batch) -> the batch every rank of the replica trains on
+    #: (state, role) -> the name this rank's part of the role has in a checkpoint (megatron: one per shard)
+    checkpoint_name: Callable[[Any, str], str]
 
 
 def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None) -> Engine:
@@ -52,6 +54,7 @@ def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, m
             build_reference=F.build_reference, compute_logprobs=F.compute_logprobs, update=F.update,
             full_state_dict=F.full_state_dict, export_hf=export_hf, fresh_optimizer=fresh_optimizer,
             data_parallel=lambda state: (state.env.rank, state.env.world_size), share_batch=lambda state, batch: batch,
+            checkpoint_name=lambda state, role: role,
         )
     from backends.megatron import engine as M
 
@@ -62,4 +65,5 @@ def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, m
         compute_logprobs=M.compute_logprobs, update=M.update, full_state_dict=M.full_state_dict,
         export_hf=M.export_hf, fresh_optimizer=M.fresh_optimizer,
         data_parallel=lambda state: (state.dims.dp_rank, state.dims.dp), share_batch=M.broadcast_batch,
+        checkpoint_name=M.checkpoint_name,
     )

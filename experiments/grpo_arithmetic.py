@@ -6,7 +6,7 @@ Run:  python experiments/grpo_arithmetic.py                                     
       ... actor.backend=megatron actor.tp=2 (or actor.pp=2): megatron-core tensor / pipeline parallel
       --help lists every key.
 
-Checkpoints and exact resume (FSDP backend):
+Checkpoints and exact resume (FSDP, or megatron's CPU schedule with the same tp / pp):
       ... checkpoint.every=50 checkpoint.dir=/ckpt/grpo      (save every 50 steps and at the last)
       ... resume=auto checkpoint.dir=/ckpt/grpo              (after a crash: continue from the newest complete
                                                               checkpoint, in the same run dir)
@@ -113,8 +113,6 @@ def main(argv: list[str]) -> dict:
         print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
         return {}
     cfg = apply_overrides(Config(), argv)  # an unknown key fails here, before any work
-    if cfg.actor.backend != "fsdp" and (cfg.checkpoint.every or cfg.resume != "never"):
-        raise ValueError(f"actor.backend={cfg.actor.backend} does not checkpoint yet: leave checkpoint.every=0 and resume=never")
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     env = init_distributed()
     log = get_logger("grpo", env)
@@ -161,6 +159,9 @@ def main(argv: list[str]) -> dict:
         log.info(f"resuming from {resume_from} (run dir {run_dir})")
         actor = engine.build_actor(warm_path, env, rl_optim, engine.config)
         dp_rank, dp_size = engine.data_parallel(actor)
+    # this rank's name for the actor in checkpoints (megatron: one per tensor / pipeline shard); an engine
+    # that cannot checkpoint says so here, before any RL work
+    ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or resume_from else "actor"
     rollout = build_rollout(cfg.rollout, warm_path, tokenizer, seed=cfg.seed)
     reference = None
     if cfg.algo.kl_coef > 0:
@@ -174,8 +175,8 @@ def main(argv: list[str]) -> dict:
         eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
         greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, env)
     else:  # the actor's weights, AdamW state and step, every rank's RNG, and what the loop carries
-        states, extra = load_checkpoint(resume_from, {"actor": actor}, config=must_match)
-        actor = states["actor"]
+        states, extra = load_checkpoint(resume_from, {ckpt_name: actor}, config=must_match)
+        actor = states[ckpt_name]
         stream = cfg.task.train_stream(seed=cfg.seed, drawn=extra["drawn"])
         eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
         first_step = extra["step"] + 1
@@ -253,7 +254,7 @@ def main(argv: list[str]) -> dict:
                 "eval_before": eval_before, "greedy_before": greedy_before,
                 "wall_seconds": wall_before + time.time() - t_start,
             }
-            save_checkpoint(ckpt_dir, step, {"actor": actor}, extra, keep_last=cfg.checkpoint.keep_last, config=must_match)
+            save_checkpoint(ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last, config=must_match)
 
     eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, env)
     greedy_after = evaluate(rollout, tokenizer, heldout, greedy_eval, env)

@@ -1,5 +1,5 @@
-"""Kill-and-resume exactness of the PPO (colocated and split placement) and GRPO recipes on 2 ranks (real
-torchrun processes).
+"""Kill-and-resume exactness of the PPO (colocated and split placement) and GRPO (FSDP and megatron
+pipeline-parallel) recipes on 2 ranks (real torchrun processes).
 
 For each recipe:
 1. run it uninterrupted (it also saves checkpoints: saving consumes no randomness);
@@ -31,6 +31,12 @@ COMMON = [
 ]
 
 
+def _with(args: list[str], *overrides: str) -> list[str]:
+    """``args`` with the ``key=value`` entries of ``overrides`` replacing those of the same key (or added)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [a for a in args if a.split("=", 1)[0] not in keys] + list(overrides)
+
+
 @attrs.frozen
 class Recipe:
     path: Path
@@ -59,6 +65,17 @@ RECIPES = {
         [*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"],
         frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
     ),
+    # the actor (and the reference) on megatron, 2 pipeline stages (different tensors per rank) or 2
+    # tensor-parallel ranks (the same names, different shards): each rank saves and loads its own shard
+    **{
+        f"grpo-megatron-{layout}": Recipe(
+            ROOT / "experiments" / "grpo_arithmetic.py",
+            _with([*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"], "tiny.num_layers=2", "tiny.num_kv_heads=2",
+                  "actor.backend=megatron", f"actor.{layout[:2]}=2"),
+            frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
+        )
+        for layout in ("pp2", "tp2")
+    },
 }
 #: metrics that depend on the clock, not on the computation
 TIMING = ("tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "sync_time_s")

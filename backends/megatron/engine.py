@@ -84,6 +84,7 @@ __all__ = [
     "export_hf",
     "fresh_optimizer",
     "broadcast_batch",
+    "checkpoint_name",
 ]
 
 
@@ -676,6 +677,25 @@ def export_hf(state: MegatronState, out_dir: str | os.PathLike, *, tokenizer: An
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return out
+
+
+def checkpoint_name(state: MegatronState, role: str) -> str:
+    """The name under which this rank saves and loads its part of ``role`` with
+    :func:`backends.checkpoint.save_checkpoint` / ``load_checkpoint``.
+
+    ``role`` when one rank holds the whole model (tp = pp = 1); else ``<role>.tp<i>.pp<j>``: each
+    tensor- / pipeline-parallel shard (its stage's parameters and AdamW state) is a state of its own,
+    which its data-parallel replicas save once, so a resume needs the same tp and pp (the recipes'
+    config check names a change). Megatron's own schedule (GPU) keeps the optimizer state in its
+    distributed optimizer's buffers, which this format does not read: refused, before any work.
+    """
+    if state.uses_megatron_schedule:
+        raise NotImplementedError(
+            "checkpoints of megatron's GPU schedule (its distributed optimizer) are not implemented: use "
+            "actor.backend=fsdp, or checkpoint.every=0 and resume=never"
+        )
+    dims = state.dims
+    return role if dims.tp * dims.pp == 1 else f"{role}.tp{dims.tp_rank}.pp{dims.pp_rank}"
 
 
 def broadcast_batch(state: MegatronState, batch: RolloutBatch) -> RolloutBatch:
