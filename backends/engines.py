@@ -26,7 +26,9 @@ class Engine:
     config: Any  #: FSDPConfig or MegatronConfig: the engine-specific argument of build_actor / build_reference
     build_actor: Callable[..., Any]
     build_reference: Callable[..., Any]
+    build_critic: Callable[..., Any]
     compute_logprobs: Callable[..., Any]
+    compute_values: Callable[..., Any]
     update: Callable[..., Any]
     full_state_dict: Callable[..., Any]
     export_hf: Callable[..., Any]
@@ -51,7 +53,8 @@ def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, m
 
         return Engine(
             name="fsdp", config=fsdp if fsdp is not None else F.FSDPConfig(), build_actor=F.build_actor,
-            build_reference=F.build_reference, compute_logprobs=F.compute_logprobs, update=F.update,
+            build_reference=F.build_reference, build_critic=F.build_critic, compute_logprobs=F.compute_logprobs,
+            compute_values=F.compute_values, update=F.update,
             full_state_dict=F.full_state_dict, export_hf=export_hf, fresh_optimizer=fresh_optimizer,
             data_parallel=lambda state: (state.env.rank, state.env.world_size), share_batch=lambda state, batch: batch,
             checkpoint_name=lambda state, role: role,
@@ -62,7 +65,8 @@ def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, m
     cfg = M.MegatronConfig(tp=tp, pp=pp, micro_batch_size=mbs)
     return Engine(
         name="megatron", config=cfg, build_actor=M.build_actor, build_reference=M.build_reference,
-        compute_logprobs=M.compute_logprobs, update=M.update, full_state_dict=M.full_state_dict,
+        build_critic=M.build_critic, compute_logprobs=M.compute_logprobs, compute_values=M.compute_values,
+        update=M.update, full_state_dict=M.full_state_dict,
         export_hf=M.export_hf, fresh_optimizer=M.fresh_optimizer,
         data_parallel=lambda state: (state.dims.dp_rank, state.dims.dp), share_batch=M.broadcast_batch,
         checkpoint_name=M.checkpoint_name,

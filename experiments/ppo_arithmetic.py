@@ -5,6 +5,8 @@ Run:  python experiments/ppo_arithmetic.py                                      
       ... key=value overrides, e.g. steps=100 algo.kl_ctrl=adaptive algo.use_kl_loss=true
       --help lists every key and the config presets.
       ... preset=ref/dp_ref actor.optim=@optim/fsdp actor.optim.lr=1e-5     (presets, then overrides)
+      ... actor.backend=megatron actor.tp=2 (or actor.pp=2): the actor and the critic on megatron-core
+          tensor / pipeline parallel (colocated placement)
 
 Placement (where the roles run):
       torchrun --standalone --nproc_per_node 4 experiments/ppo_arithmetic.py placement.mode=split \
@@ -51,11 +53,8 @@ from backends.config import apply_overrides, available_presets, config_keys, con
 from backends.distributed import (
     all_reduce_sum, barrier, get_logger, global_masked_whiten, init_distributed, seed_everything, shutdown,
 )
-from backends.fsdp_engine import (
-    FSDPConfig, build_actor, build_critic, compute_logprobs, compute_values,
-    full_state_dict, update, value_loss_fn,
-)
-from backends.hf_export import export_hf
+from backends.engines import Engine, select_engine
+from backends.fsdp_engine import FSDPConfig, value_loss_fn
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
 from backends.optim import OptimConfig, with_total_steps
@@ -64,7 +63,7 @@ from backends.placement import PlacementConfig, build_placement
 from backends.reference import ReferenceConfig, build_reference_role, reference_logprobs
 from backends.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
-from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
+from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -96,6 +95,11 @@ class AlgoConfig:
 class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=3e-4, weight_decay=0.0, clip_grad=1.0)
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
+    #: "fsdp" or "megatron" for the actor *and the critic* (megatron keeps one tp / pp layout per process);
+    #: tp / pp: megatron's tensor / pipeline-parallel sizes (data parallel = world / (tp * pp))
+    backend: str = "fsdp"
+    tp: int = 1
+    pp: int = 1
 
 
 @attrs.frozen
@@ -150,6 +154,14 @@ def main(argv: list[str]) -> dict:
         raise ValueError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
     if cfg.placement.mode == "split" and cfg.export.orbax:
         raise ValueError("placement.mode=split does not export orbax yet: leave export.orbax=false (checkpoints work)")
+    # the training engine of the actor and the critic (a bad name or size fails here, before any work)
+    engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
+    critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
+    if engine.name == "megatron" and (cfg.placement.mode == "split" or cfg.export.orbax or cfg.reference.ref_in_actor):
+        raise ValueError(
+            "actor.backend=megatron needs placement.mode=colocated (megatron's parallel layout spans every rank), "
+            "export.orbax=false and reference.ref_in_actor=false (FSDP features)"
+        )
     if cfg.placement.mode == "split" and cfg.reference.ref_in_actor:  # every rank fails here, before any model
         raise ValueError(
             "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
@@ -163,7 +175,11 @@ def main(argv: list[str]) -> dict:
     on_actor, on_critic = placement.has("actor"), placement.has("critic")
     actor_env = placement.env("actor") if on_actor else None
     critic_env = placement.env("critic") if on_critic else None
-    num_mini = _num_mini_batches(cfg, len(placement.pools["actor"]))
+    # data-parallel size of the actor pool: prompts are split over it (megatron's TP / PP peers share rows)
+    actor_ranks, model_parallel = len(placement.pools["actor"]), cfg.actor.tp * cfg.actor.pp
+    if actor_ranks % model_parallel:
+        raise ValueError(f"actor.tp * actor.pp = {model_parallel} must divide the actor's {actor_ranks} rank(s)")
+    num_mini = _num_mini_batches(cfg, actor_ranks // model_parallel)
 
     # Where to resume from, checked against this config before anything is built.
     must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in _RESUMABLE_KEYS}
@@ -182,11 +198,12 @@ def main(argv: list[str]) -> dict:
     metrics_log = MetricsLog(run_dir, enabled=env.is_main)
     actor = rollout = critic = reference = stream = None
     if on_actor and resume_from is None:
-        actor, stream, tokenizer = _fresh_start(cfg, actor_env, run_dir, warm_path, rl_optim, metrics_log, placement.mesh("actor"))
+        actor, stream, tokenizer = _fresh_start(cfg, engine, actor_env, run_dir, warm_path, rl_optim, metrics_log,
+                                                _mesh(engine, placement, "actor"))
     elif on_actor:
         log.info(f"resuming from {resume_from} (run dir {run_dir})")
         tokenizer = load_tokenizer(warm_path)
-        actor = build_actor(warm_path, actor_env, rl_optim, cfg.actor.fsdp, mesh=placement.mesh("actor"))
+        actor = engine.build_actor(warm_path, actor_env, rl_optim, engine.config, **_mesh(engine, placement, "actor"))
     barrier()  # the warm-started model is on disk for every pool
 
     # The critic starts from the warm-started backbone with a fresh (seeded) value head; the frozen
@@ -194,11 +211,19 @@ def main(argv: list[str]) -> dict:
     if not on_actor:  # split placement: the critic pool reads the tokenizer the actor pool saved
         tokenizer = load_tokenizer(warm_path)
     if on_critic:
-        critic = build_critic(warm_path, env, critic_optim, cfg.critic.fsdp, seed=cfg.seed, mesh=placement.mesh("critic"))
+        critic = critic_engine.build_critic(warm_path, env, critic_optim, critic_engine.config, seed=cfg.seed,
+                                            **_mesh(critic_engine, placement, "critic"))
         if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
             reference = build_reference_role(cfg.reference, warm_path, env, cfg.actor.fsdp, mesh=placement.mesh("reference"), actor=actor)
     if on_actor:
         rollout = build_native_rollout(warm_path, tokenizer)
+    # this rank's names for its roles in checkpoints (megatron: one per tensor / pipeline shard); an engine
+    # that cannot checkpoint says so here, before any RL work
+    checkpointing = bool(cfg.checkpoint.every or resume_from)
+    names = {
+        "actor": engine.checkpoint_name(actor, "actor") if on_actor and checkpointing else "actor",
+        "critic": critic_engine.checkpoint_name(critic, "critic") if on_critic and checkpointing else "critic",
+    }
     kl_ctrl = (
         rf.adaptive_kl_controller(cfg.algo.kl_coef, cfg.algo.target_kl, cfg.algo.horizon)
         if cfg.algo.kl_ctrl == "adaptive" else rf.fixed_kl_controller(cfg.algo.kl_coef)
@@ -212,14 +237,15 @@ def main(argv: list[str]) -> dict:
         eval_before = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env) if on_actor else None
         greedy_before = evaluate(rollout, tokenizer, heldout, greedy_eval, actor_env) if on_actor else None
     else:  # each rank loads the roles it holds (split placement: one pool's)
-        states, extra = load_checkpoint(resume_from, _held(actor=actor, critic=critic), config=must_match)
-        actor, critic = states.get("actor"), states.get("critic")
+        states, extra = load_checkpoint(resume_from, _held({names["actor"]: actor, names["critic"]: critic}),
+                                        config=must_match)
+        actor, critic = states.get(names["actor"]), states.get(names["critic"])
         stream = cfg.task.train_stream(seed=cfg.seed, drawn=extra["drawn"])
         kl_ctrl = rf.KLControllerState(**extra["kl_ctrl"])
         eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
         first_step = extra["step"] + 1
         if on_actor:
-            rollout = sync_weights(rollout, full_state_dict(actor))
+            rollout = sync_weights(rollout, engine.full_state_dict(actor))
     if on_actor:
         log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
 
@@ -230,17 +256,19 @@ def main(argv: list[str]) -> dict:
         t0, times = time.time(), {}
         batch = None
         if on_actor:
-            # 1. rollout: n samples per prompt, for this rank's share of the prompts (explicit per-step seed)
+            # 1. rollout: n samples per prompt, for this data-parallel rank's share of the prompts (explicit
+            #    per-step seed); megatron's TP / PP peers train on their replica's first rank's batch
             with _timed(times, "rollout"):
-                problems = stream.take(cfg.prompts_per_step)[actor_env.rank :: actor_env.world_size]
+                dp_rank, dp_size = engine.data_parallel(actor)
+                problems = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
                 prompts = [tokenizer.encode(p.prompt) for p in problems]
-                seed = (cfg.seed * 1_000_003 + step) * actor_env.world_size + actor_env.rank
-                batch = generate(rollout, prompts, cfg.rollout, seed=seed)
+                seed = (cfg.seed * 1_000_003 + step) * dp_size + dp_rank
+                batch = engine.share_batch(actor, generate(rollout, prompts, cfg.rollout, seed=seed))
                 # 2. verifiable reward: one score per sequence, parsed from the text
                 batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
             # 3. log-probs of the sampled tokens under the current policy
             with _timed(times, "old_logprob"):
-                batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
+                batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)
         # split placement: the batch crosses to the critic pool (colocated: nothing moves)
         with _timed(times, "to_critic_pool"):
             critic_batch = placement.move(batch, "actor", "critic")
@@ -251,7 +279,7 @@ def main(argv: list[str]) -> dict:
                 with _timed(times, "reference"):
                     critic_batch = critic_batch.replace(ref_logprobs=reference_logprobs(reference, critic_batch))
             with _timed(times, "values"):
-                values = compute_values(critic, critic_batch)
+                values = critic_engine.compute_values(critic, critic_batch)
                 critic_batch = critic_batch.replace(values=values, old_values=values)
             # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
             with _timed(times, "advantages"):
@@ -266,17 +294,17 @@ def main(argv: list[str]) -> dict:
             with _timed(times, "critic_update"):
                 for _ in range(cfg.algo.ppo_epochs):
                     for mini_batch in rf.split(critic_batch, num_mini):
-                        critic, m = update(critic, mini_batch, critic_loss)
+                        critic, m = critic_engine.update(critic, mini_batch, critic_loss)
                         critic_metrics.append(m)
         if on_actor and step > cfg.algo.critic_warmup:
             with _timed(times, "actor_update"):
                 for _ in range(cfg.algo.ppo_epochs):
                     for mini_batch in rf.split(batch, num_mini):
-                        actor, m = update(actor, mini_batch, actor_loss, with_entropy=True)
+                        actor, m = engine.update(actor, mini_batch, actor_loss, with_entropy=True)
                         actor_metrics.append(m)
-            # 6. weight sync: stream full tensors from the FSDP shards into the rollout engine
+            # 6. weight sync: stream full tensors from the FSDP / megatron shards into the rollout engine
             with _timed(times, "weight_sync"):
-                rollout = sync_weights(rollout, full_state_dict(actor))
+                rollout = sync_weights(rollout, engine.full_state_dict(actor))
         # the critic pool's metrics reach rank 0, which logs, and its KL controller the actor pool, which
         # checkpoints it (colocated: already here)
         kl_stats, critic_metrics, critic_times, kl_ctrl = placement.share(
@@ -297,7 +325,7 @@ def main(argv: list[str]) -> dict:
                 "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
                 "values_mean": values_mean, "returns_mean": returns_mean, **kl_stats,
                 **_mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in _mean_metrics(critic_metrics).items()},
-                "tokens_per_s": num_tokens * actor_env.world_size / dt, "step_time_s": dt,
+                "tokens_per_s": num_tokens * dp_size / dt, "step_time_s": dt,
                 **{f"time/{k}_s": v for k, v in times.items()},
             }
             if cfg.eval_every and step % cfg.eval_every == 0:
@@ -316,7 +344,7 @@ def main(argv: list[str]) -> dict:
                 "eval_before": eval_before, "greedy_before": greedy_before,
                 "wall_seconds": wall_before + time.time() - t_start,
             }, "actor")
-            save_checkpoint(ckpt_dir, step, _held(actor=actor, critic=critic), extra,
+            save_checkpoint(ckpt_dir, step, _held({names["actor"]: actor, names["critic"]: critic}), extra,
                             keep_last=cfg.checkpoint.keep_last, config=must_match)
 
     eval_after = evaluate(rollout, tokenizer, heldout, sampled_eval, actor_env) if on_actor else None
@@ -324,9 +352,9 @@ def main(argv: list[str]) -> dict:
     # Export: HF dirs of the actor (a causal LM) and the critic (a value model), orbax of the actor state.
     if cfg.export.hf:
         if on_actor:
-            export_hf(actor, run_dir / "actor_hf", tokenizer=tokenizer, overwrite=True)
+            engine.export_hf(actor, run_dir / "actor_hf", tokenizer=tokenizer, overwrite=True)
         if on_critic:
-            export_hf(critic, run_dir / "critic_hf", tokenizer=tokenizer, overwrite=True)
+            critic_engine.export_hf(critic, run_dir / "critic_hf", tokenizer=tokenizer, overwrite=True)
     if cfg.export.orbax:
         save_orbax(actor, run_dir / "actor_orbax", overwrite=True)
     wall = wall_before + time.time() - t_start
@@ -408,7 +436,8 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
 # Plumbing.
 
 
-def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: OptimConfig, metrics_log: MetricsLog, mesh):
+def _fresh_start(cfg: Config, engine: Engine, env, run_dir: Path, warm_path: Path, rl_optim: OptimConfig,
+                 metrics_log: MetricsLog, mesh_kwargs: dict[str, Any]):
     """Base model and supervised warm start on the actor's ranks (``env``: the actor pool's);
     returns (actor with a fresh RL optimizer, stream, tokenizer)."""
     model_path = Path(cfg.model_path) if cfg.model_path else run_dir / "base_model"
@@ -419,18 +448,24 @@ def _fresh_start(cfg: Config, env, run_dir: Path, warm_path: Path, rl_optim: Opt
     dist.barrier(group=env.group)
     tokenizer = load_tokenizer(model_path)
     optim = warm_start_optim(cfg.warm_start) if cfg.warm_start.steps else rl_optim
-    actor = build_actor(model_path, env, optim, cfg.actor.fsdp, mesh=mesh)
+    actor = engine.build_actor(model_path, env, optim, engine.config, **mesh_kwargs)
     stream = cfg.task.train_stream(seed=cfg.seed)
     if cfg.warm_start.steps:
-        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log)
-        actor = fresh_optimizer(actor, rl_optim)
-        export_hf(actor, warm_path, tokenizer=tokenizer, overwrite=True)
+        actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env, metrics_log,
+                                      update_fn=engine.update, data_parallel=engine.data_parallel(actor))
+        actor = engine.fresh_optimizer(actor, rl_optim)
+        engine.export_hf(actor, warm_path, tokenizer=tokenizer, overwrite=True)
     return actor, stream, tokenizer
 
 
-def _held(**states: Any) -> dict[str, Any]:
+def _held(states: dict[str, Any]) -> dict[str, Any]:
     """The roles this rank holds (all of them when colocated; one pool's under split placement)."""
     return {name: state for name, state in states.items() if state is not None}
+
+
+def _mesh(engine: Engine, placement: Any, role: str) -> dict[str, Any]:
+    """``build_*``'s keyword for the role's pool mesh (FSDP); megatron builds its own groups."""
+    return {"mesh": placement.mesh(role)} if engine.name == "fsdp" else {}
 
 
 def _num_mini_batches(cfg: Config, world_size: int) -> int:

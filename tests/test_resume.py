@@ -1,5 +1,5 @@
-"""Kill-and-resume exactness of the PPO (colocated and split placement) and GRPO (FSDP and megatron
-pipeline-parallel) recipes on 2 ranks (real torchrun processes).
+"""Kill-and-resume exactness of the PPO (FSDP colocated and split, megatron TP) and GRPO (FSDP, megatron
+PP and TP) recipes on 2 ranks (real torchrun processes).
 
 For each recipe:
 1. run it uninterrupted (it also saves checkpoints: saving consumes no randomness);
@@ -42,6 +42,7 @@ class Recipe:
     path: Path
     args: list
     logged: frozenset  #: metrics the comparison must cover (besides every other logged one)
+    min_ranks: int = 1  #: 2 where the layout needs them (split placement, megatron TP / PP)
 
 
 RECIPES = {
@@ -51,6 +52,15 @@ RECIPES = {
          "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false"],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
     ),
+    # the actor and the critic on megatron with 2 tensor-parallel ranks (one data-parallel replica)
+    "ppo-megatron-tp2": Recipe(
+        ROOT / "experiments" / "ppo_arithmetic.py",
+        _with([*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
+               "algo.target_kl=0.001", "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false"],
+              "tiny.num_kv_heads=2", "actor.backend=megatron", "actor.tp=2"),
+        frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
+        min_ranks=2,
+    ),
     # split placement: the actor on rank 0, the critic and the reference on rank 1, each pool saving and
     # loading its own roles (and the KL controller, which lives on the critic pool, kept exact)
     "ppo-split": Recipe(
@@ -58,6 +68,7 @@ RECIPES = {
         [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
          "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false", "placement.mode=split"],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
+        min_ranks=2,
     ),
     # a KL term to the reference, and two optimizer steps per RL step (so the trainer's old log-probs are used)
     "grpo": Recipe(
@@ -73,6 +84,7 @@ RECIPES = {
             _with([*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"], "tiny.num_layers=2", "tiny.num_kv_heads=2",
                   "actor.backend=megatron", f"actor.{layout[:2]}=2"),
             frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
+            min_ranks=2,
         )
         for layout in ("pp2", "tp2")
     },
@@ -92,8 +104,8 @@ def _torchrun(recipe: Recipe, *args):
 
 
 def _direct(recipe: Recipe, *args):
-    """The recipe in one process, or on 2 torchrun ranks where its placement needs 2 (split)."""
-    if "placement.mode=split" in recipe.args:
+    """The recipe in one process, or on 2 torchrun ranks where its layout needs 2."""
+    if recipe.min_ranks > 1:
         return _torchrun(recipe, *args)
     return [sys.executable, str(recipe.path), *recipe.args, *args]
 

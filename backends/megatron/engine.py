@@ -670,8 +670,11 @@ def full_state_dict(state: MegatronState, *, dtype: torch.dtype | None = None,
 
 
 def export_hf(state: MegatronState, out_dir: str | os.PathLike, *, tokenizer: Any = None,
-              dtype: torch.dtype | None = None) -> Path:
-    """Write the model as an HF dir (rank 0 writes; every rank must call); returns ``out_dir``."""
+              dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+    """Write the model as an HF dir (rank 0 writes; every rank must call); returns ``out_dir``. An
+    existing ``out_dir`` is an error unless ``overwrite`` (as :func:`backends.hf_export.export_hf`)."""
+    if Path(out_dir).exists() and not overwrite:
+        raise FileExistsError(f"export dir {str(out_dir)!r} already exists (pass overwrite=True to replace it)")
     out = save_hf(full_state_dict(state, dtype=dtype, device="cpu"), state.hf_config, out_dir,
                   value_head=state.role == "critic", tokenizer=tokenizer, write=state.env.is_main)
     if dist.is_initialized() and dist.get_world_size() > 1:
