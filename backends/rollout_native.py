@@ -16,12 +16,12 @@ decoder itself, straight from the HF module's parameters, with a preallocated KV
 always reads the newest weights.
 
 Speed (benchmarks/bench_rollout.py, config B, 128 prompts, 32 new tokens, 1 CPU thread): the decode
-GEMMs run near the CPU's peak and take about half of an fp32 run; the engine gains on
-``model.generate`` (1.8x in fp32, 2.3-2.4x in bf16) by doing less around them (no per-step mask
-building or cache concatenation, one fused QKV GEMM, oneDNN prepacked weights with fused SiLU /
-residual add, only last-position logits, inverse-CDF sampling with one uniform per row, prefill once
-per distinct prompt, finished rows dropped, and on AVX-512 CPUs a C kernel for the decode step's
-attention, ``backends/cpu_kernels.py``, with the keys cached transposed). A bfloat16 engine
+GEMMs run near the CPU's peak and take about 70% of an fp32 run; the engine gains on
+``model.generate`` (1.8-1.9x in fp32, 2.0-2.1x in bf16, BUILD.md) by doing less around them (no
+per-step mask building or cache concatenation, one fused QKV GEMM, oneDNN prepacked weights with fused
+SiLU / residual add, only last-position logits, inverse-CDF sampling with one uniform per row, prefill
+once per distinct prompt, finished rows dropped by index, and on AVX-512 CPUs a C kernel for the
+decode step's attention, ``backends/cpu_kernels.py``, with the keys cached transposed). A bfloat16 engine
 (``build_native_rollout(..., dtype=torch.bfloat16)``) halves GEMM time and weight traffic at the price
 of log-probs that differ from an fp32 trainer's by about 1e-2.
 
@@ -266,8 +266,9 @@ def sample_tokens(
     else:
         probs = torch.softmax(scaled, dim=-1)
     cdf = torch.cumsum(probs, dim=-1)
-    u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype) if uniform is None else uniform
-    choice = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+    if uniform is None:
+        uniform = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=cdf.dtype)
+    choice = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
     if order is not None:
         choice = order.gather(-1, choice)
     return choice.squeeze(-1)

@@ -118,8 +118,10 @@ class ExportConfig:
 class Config:
     name: str = "ppo_arithmetic"
     seed: int = 0
-    steps: int = 150  # RL steps
-    prompts_per_step: int = 16  # global, split over ranks
+    #: 400 x 32 prompts x 8 samples: on 2 CPU ranks held-out success rose from 43.8% to 60.2% in 197 s;
+    #: the earlier 150 x 16 moved it from 43.8% to 41.8% (too few samples for the critic and the policy)
+    steps: int = 400  # RL steps
+    prompts_per_step: int = 32  # global, split over ranks
     eval_every: int = 0  # 0: only before and after
     eval_samples: int = 4  # samples per held-out prompt for the sampled success rate
     run_root: str = "runs"
