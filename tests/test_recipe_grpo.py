@@ -91,16 +91,6 @@ def test_unknown_config_key_fails_before_any_work(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_checkpoint_with_megatron_backend_fails_before_any_work(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "actor.backend=megatron", "checkpoint.every=10"],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode != 0
-    assert "actor.backend=megatron does not checkpoint yet" in out.stderr
-    assert not list(tmp_path.iterdir())
-
-
 def test_help_lists_keys():
     out = subprocess.run([sys.executable, str(RECIPE), "--help"], env=_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "actor.optim.lr" in out.stdout and "rollout.n" in out.stdout

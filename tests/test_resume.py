@@ -43,6 +43,8 @@ class Recipe:
     args: list
     logged: frozenset  #: metrics the comparison must cover (besides every other logged one)
     min_ranks: int = 1  #: 2 where the layout needs them (split placement, megatron TP / PP)
+    #: the states a checkpoint holds: one per role, megatron one per tensor / pipeline shard
+    states: tuple = ("actor", "critic")
 
 
 RECIPES = {
@@ -60,6 +62,7 @@ RECIPES = {
               "tiny.num_kv_heads=2", "actor.backend=megatron", "actor.tp=2"),
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
         min_ranks=2,
+        states=("actor.tp0.pp0", "actor.tp1.pp0", "critic.tp0.pp0", "critic.tp1.pp0"),
     ),
     # split placement: the actor on rank 0, the critic and the reference on rank 1, each pool saving and
     # loading its own roles (and the KL controller, which lives on the critic pool, kept exact)
@@ -75,6 +78,7 @@ RECIPES = {
         ROOT / "experiments" / "grpo_arithmetic.py",
         [*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"],
         frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
+        states=("actor",),
     ),
     # the actor (and the reference) on megatron, 2 pipeline stages (different tensors per rank) or 2
     # tensor-parallel ranks (the same names, different shards): each rank saves and loads its own shard
@@ -85,6 +89,7 @@ RECIPES = {
                   "actor.backend=megatron", f"actor.{layout[:2]}=2"),
             frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
             min_ranks=2,
+            states=("actor.tp0.pp0", "actor.tp0.pp1") if layout == "pp2" else ("actor.tp0.pp0", "actor.tp1.pp0"),
         )
         for layout in ("pp2", "tp2")
     },
@@ -179,6 +184,9 @@ def test_sigkill_and_resume_is_exact(recipe, uninterrupted, tmp_path):
         proc.wait()
     newest = max(int(p.name.split("_")[1]) for p in ckpt_dir.glob("step_*") if _complete(ckpt_dir, int(p.name.split("_")[1])))
     assert newest < STEPS and not (run_dir / "summary.json").exists(), "the run finished before it was killed"
+    # every rank's part is in the checkpoint, under its own name (split: each pool's roles; megatron: each shard)
+    marker = json.loads((ckpt_dir / f"step_{newest}" / "COMPLETE").read_text())
+    assert sorted(marker["states"]) == sorted(recipe.states)
 
     # resume=auto: the run dir comes from the checkpoint, the metrics log is cut back to the checkpoint's step
     out = subprocess.run(_torchrun(recipe, "resume=auto", f"checkpoint.dir={ckpt_dir}"), env=_env(), capture_output=True, text=True, timeout=600)
