@@ -163,6 +163,12 @@ def _parity_worker(rank, world_size, dirs):
                 sd = AutoModelForCausalLM.from_pretrained(out_dir, local_files_only=True).state_dict()
                 r["roundtrip_exact"] = set(sd) == set(original) and all(torch.equal(sd[k], original[k]) for k in sd)
                 r["roundtrip_config"] = json.load(open(f"{out_dir}/config.json"))["architectures"]
+            try:  # every rank refuses to export over the dir (none writes, none waits for the others)
+                E.export_hf(state, out_dir)
+                r["export_again"] = "written"
+            except FileExistsError:
+                r["export_again"] = "refused"
+            E.export_hf(state, out_dir, overwrite=True)
             metrics = []
             for b in (batch, make_batch(1)):
                 b_local = b if tp * pp == 2 else rank_rows(b, rank, world_size)
@@ -293,6 +299,7 @@ def test_hf_round_trip_is_exact_and_loads_in_transformers(parity, arch):
     for key in _keys(arch):
         assert parity[0][key]["roundtrip_exact"] is True, key
         assert parity[0][key]["roundtrip_config"] == [want]
+        assert [r[key]["export_again"] for r in parity] == ["refused", "refused"], key  # an existing dir, no overwrite
 
 
 def test_critic_values_update_and_export(roles):

@@ -673,7 +673,10 @@ def export_hf(state: MegatronState, out_dir: str | os.PathLike, *, tokenizer: An
               dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
     """Write the model as an HF dir (rank 0 writes; every rank must call); returns ``out_dir``. An
     existing ``out_dir`` is an error unless ``overwrite`` (as :func:`backends.hf_export.export_hf`)."""
-    if Path(out_dir).exists() and not overwrite:
+    exists = Path(out_dir).exists()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank has looked before rank 0 writes (tp = pp = 1 gathers nothing in between)
+    if exists and not overwrite:
         raise FileExistsError(f"export dir {str(out_dir)!r} already exists (pass overwrite=True to replace it)")
     out = save_hf(full_state_dict(state, dtype=dtype, device="cpu"), state.hf_config, out_dir,
                   value_head=state.role == "critic", tokenizer=tokenizer, write=state.env.is_main)
