@@ -395,6 +395,37 @@ def test_sync_weights_makes_the_engine_the_other_model(setup):
 
 
 @QWEN2_ONLY
+def test_workspace_is_reused_until_the_weights_change(setup):
+    """generate keeps its KV caches and prepacked weights between calls: the same buffers come back for
+    the same shapes, stale cache contents from a longer call change nothing, and a parameter changed in
+    place (no sync_weights) is seen at the next call."""
+    _, path, _, tok, _ = setup
+    rollout = build_native_rollout(path)  # private: this test changes its weights
+    greedy = SamplingConfig(n=2, temperature=1.0, max_new_tokens=10)
+    short = _prompts(tok, ["1+2=", "3+4="])
+    long = _prompts(tok, ["12+34=", "56+78="])
+    first = generate(rollout, long, greedy, seed=1)
+    caches = {k: [t.data_ptr() for t in v] for k, v in rollout.workspace._buffers.items()}
+    weights = rollout.workspace.weights(rollout.model, 4, rollout.prepack_cpu_weights)
+    again = generate(rollout, long, greedy, seed=1)
+    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(first.rollout_logprobs, again.rollout_logprobs)
+    assert {k: [t.data_ptr() for t in v] for k, v in rollout.workspace._buffers.items()} == caches
+    assert rollout.workspace.weights(rollout.model, 4, rollout.prepack_cpu_weights) is weights
+    # shorter prompts in caches that hold a longer call's keys and values: as from a fresh engine
+    reused = generate(rollout, short, greedy, seed=2)
+    fresh = generate(build_native_rollout(path), short, greedy, seed=2)
+    assert torch.equal(reused.response_ids, fresh.response_ids) and torch.equal(reused.rollout_logprobs, fresh.rollout_logprobs)
+    # an in-place change of a parameter rebuilds the decoder's weights
+    with torch.no_grad():
+        rollout.model.model.layers[0].mlp.up_proj.weight.mul_(-3.0)
+    assert rollout.workspace.weights(rollout.model, 4, rollout.prepack_cpu_weights) is not weights
+    changed = generate(rollout, long, greedy, seed=1)
+    expected = generate(build_native_rollout(rollout.model), long, greedy, seed=1)
+    assert torch.equal(changed.response_ids, expected.response_ids)
+    assert not torch.equal(changed.rollout_logprobs, first.rollout_logprobs)
+
+
+@QWEN2_ONLY
 def test_sync_weights_errors(setup):
     _, path, model, _, _ = setup
     rollout = build_native_rollout(path)
