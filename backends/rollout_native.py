@@ -17,10 +17,11 @@ always reads the newest weights.
 
 Speed (benchmarks/bench_rollout.py, config B, 128 prompts, 32 new tokens, 1 CPU thread): the decode
 GEMMs run near the CPU's peak and take about 70% of an fp32 run; the engine gains on
-``model.generate`` (1.8-1.9x in fp32, 2.0-2.1x in bf16, BUILD.md) by doing less around them (no
+``model.generate`` (1.9-2.1x in fp32, 2.3x in bf16, BUILD.md) by doing less around them (no
 per-step mask building or cache concatenation, one fused QKV GEMM, oneDNN prepacked weights with fused
 SiLU / residual add, only last-position logits, inverse-CDF sampling with one uniform per row, prefill
-once per distinct prompt, finished rows dropped by index, and on AVX-512 CPUs a C kernel for the
+once per distinct prompt, finished rows dropped by index, weights and caches kept between calls
+(:class:`_Workspace`), and on AVX-512 CPUs a C kernel for the
 decode step's attention, ``backends/cpu_kernels.py``, with the keys cached transposed). A bfloat16 engine
 (``build_native_rollout(..., dtype=torch.bfloat16)``) halves GEMM time and weight traffic at the price
 of log-probs that differ from an fp32 trainer's by about 1e-2.
@@ -103,7 +104,7 @@ class NativeRollout:
     #: drop finished rows from the working batch once this fraction of it has finished (0 = at once);
     #: None: automatic (see the module docstring, step 3)
     compact_fraction: float | None = None
-    #: on CPU, run linears through oneDNN with weights prepacked once per ``generate`` call
+    #: on CPU, run linears through oneDNN with prepacked weights (repacked when a parameter changes)
     prepack_cpu_weights: bool = True
     weights_version: int = 0
     #: what :func:`generate` keeps between calls (decoder weights, KV caches); shared by evolved copies
@@ -293,8 +294,8 @@ PREPACK_MIN_FP32_WEIGHT = 65536
 class _Linear:
     """``x @ W.T + b`` with an optional fused SiLU or residual add; oneDNN-prepacked on CPU.
 
-    On CPU with one thread, prepacking (a one-off reorder per :func:`generate` call, so it always sees
-    the current weights) runs the decoder's GEMMs 5-15% faster than ``F.linear`` for bf16 weights and
+    On CPU with one thread, prepacking (a one-off reorder, redone by the rollout's :class:`_Workspace`
+    whenever a parameter has changed, so it always sees the current weights) runs the decoder's GEMMs 5-15% faster than ``F.linear`` for bf16 weights and
     for fp32 weights of at least :data:`PREPACK_MIN_FP32_WEIGHT` elements; otherwise, elsewhere, or
     if the internal ops are missing, it is plain ``F.linear``.
     """
