@@ -387,9 +387,14 @@ class _Workspace:
       parameter has changed, tracked by each parameter's storage and version counter (``sync_weights``
       copies in place, which bumps the versions). Rebuilding them took about 9 ms of a 450 ms config-B
       rollout of 128 rows.
-    - The KV caches of the most recent shapes, reused as they are: prefill and every step write a slot
-      before anything reads it. Fresh caches (24 MiB for 128 rows of config B) page-fault in again on
-      every call: 4k-10k minor faults and 12-32 ms of system time per rollout, measured.
+    - On the CPU, the KV caches of the most recent shapes, reused as they are: prefill and every step
+      write a slot before anything reads it. Fresh caches (24 MiB for 128 rows of config B) page-fault in
+      again on every call: 4k-10k minor faults and 12-32 ms of system time per rollout, measured. On a
+      GPU, PyTorch's caching allocator already reuses freed blocks, and a colocated trainer needs the
+      memory back between rollouts, so nothing is kept there.
+
+    Parameters created under ``torch.inference_mode`` have no version counter: their weights are then
+    rebuilt at every call, as without a workspace.
     """
 
     #: distinct cache shapes kept (a recipe generates training rollouts and evaluations of other sizes)
@@ -402,8 +407,9 @@ class _Workspace:
 
     def weights(self, model: Any, rows_hint: int, prepack: bool) -> tuple[list[_Layer], _Linear]:
         """The decoder layers and LM head of ``model``'s current parameters."""
-        key = tuple((p.data_ptr(), p._version) for p in model.parameters())
-        if key != self._weights_key:
+        params = list(model.parameters())
+        key = None if any(p.is_inference() for p in params) else tuple((p.data_ptr(), p._version) for p in params)
+        if key is None or key != self._weights_key:
             self._weights_key, self._weights = key, {}
         if (rows_hint, prepack) not in self._weights:
             self._weights[rows_hint, prepack] = (
@@ -413,7 +419,10 @@ class _Workspace:
         return self._weights[rows_hint, prepack]
 
     def buffers(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int) -> list[Tensor]:
-        """``count`` uninitialised tensors of ``shape``: the same ones as the last call with these arguments."""
+        """``count`` uninitialised tensors of ``shape``: on the CPU the same ones as the last call with these
+        arguments, elsewhere new ones."""
+        if torch.device(device).type != "cpu":
+            return [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         key = (name, tuple(shape), dtype, str(device), count)
         found = self._buffers.pop(key, None)
         if found is None:

@@ -426,6 +426,22 @@ def test_workspace_is_reused_until_the_weights_change(setup):
 
 
 @QWEN2_ONLY
+def test_engine_built_under_inference_mode_rebuilds_its_weights(setup):
+    """Inference tensors have no version counter: the workspace then repacks at every call, and an
+    in-place change made under inference mode is still seen."""
+    _, path, _, tok, _ = setup
+    greedy = SamplingConfig(n=1, temperature=0.0, max_new_tokens=8)
+    with torch.inference_mode():
+        rollout = build_native_rollout(path)
+        before = generate(rollout, _prompts(tok), greedy)
+        rollout.model.model.layers[0].mlp.up_proj.weight.mul_(-3.0)
+        after = generate(rollout, _prompts(tok), greedy)
+        expected = generate(build_native_rollout(rollout.model), _prompts(tok), greedy)
+    assert torch.equal(after.response_ids, expected.response_ids)
+    assert not torch.equal(after.rollout_logprobs, before.rollout_logprobs)
+
+
+@QWEN2_ONLY
 def test_sync_weights_errors(setup):
     _, path, model, _, _ = setup
     rollout = build_native_rollout(path)
