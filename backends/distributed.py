@@ -103,6 +103,27 @@ def reuse_freed_cpu_memory() -> bool:
     return libc.mallopt(m_trim_threshold, 2**30) == 1 and ok
 
 
+#: entries kept by each of oneDNN's two shape-keyed caches (see :func:`bound_onednn_caches`)
+ONEDNN_CACHE_CAPACITY = 128
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Keep at most ``capacity`` entries in oneDNN's primitive cache and in ideep's LRU cache (PyTorch's
+    CPU linear), where each defaults to 1024.
+
+    Both are keyed by the full shape, and RL changes the token count of a packed micro-batch at every
+    step, so every update adds about ten new GEMM primitives, each holding 0.3-0.6 MiB until 1024 are
+    cached. Measured on a config-B GRPO run: the heap grew by 20-70 MiB per step, 477 MiB -> 1138 MiB in
+    30 steps (5 MiB/step of it retained primitives, the rest glibc fragmentation around them), and an
+    update that grew it was 100-300 ms slower (page faults on fresh memory). Capped at 128 (the rollout
+    reuses about 40 shapes per step, which stay cached) the heap levelled off near 785 MiB. The
+    variables are read when oneDNN first creates a primitive, so this must run before the first CPU
+    linear; a value the user has set is kept.
+    """
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))
+
+
 def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
     """Join (or create) the default process group and return this process's :class:`DistEnv`.
 
@@ -120,6 +141,7 @@ def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) ->
     dev, backend = _pick_device(local_rank, device)
     if dev.type == "cpu":
         reuse_freed_cpu_memory()
+        bound_onednn_caches()
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")

@@ -181,3 +181,56 @@ def test_global_masked_whiten_on_two_ranks_equals_whitening_the_whole_batch():
     for gap, per_rank_gap in run_distributed(_global_whiten_worker, 2):
         assert gap < 1e-6
         assert per_rank_gap > 1e-3  # per-rank whitening would differ: the test can tell them apart
+
+
+_ONEDNN_GROWTH = r"""
+import ctypes, json, sys
+import torch
+from backends.cpu_fused import onednn_linear_works
+from backends.distributed import bound_onednn_caches
+if sys.argv[1] == "bounded":
+    bound_onednn_caches(16)
+torch.set_num_threads(1)
+libc = ctypes.CDLL("libc.so.6")
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+libc.mallinfo2.restype = Info
+in_use = lambda: (libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd) / 2**20
+w = torch.randn(64, 32)
+base = in_use()
+for rows in range(100, 160):  # a new shape every call, as a packed micro-batch's token count
+    torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 32), w, None, "none", [], "")
+print(json.dumps({"works": onednn_linear_works(torch.float32), "grew_mib": in_use() - base}))
+"""
+
+
+def test_bounded_onednn_caches_stop_the_heap_growing_with_new_shapes():
+    """Every new row count of a CPU linear leaves a oneDNN primitive in two 1024-entry caches; with
+    bound_onednn_caches the memory they hold stops growing (glibc's mallinfo2, in fresh processes)."""
+    import json
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallinfo2 is Linux-only")
+    grew = {}
+    for mode in ("default", "bounded"):
+        env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+        out = subprocess.run([sys.executable, "-c", _ONEDNN_GROWTH, mode], capture_output=True, text=True, env=env,
+                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if not result["works"]:
+            pytest.skip("this torch build has no oneDNN linear")
+        grew[mode] = result["grew_mib"]
+    assert grew["default"] > 3 * grew["bounded"] and grew["default"] > 10, grew
+
+
+def test_bound_onednn_caches_keeps_a_value_the_user_set(monkeypatch):
+    from backends.distributed import bound_onednn_caches
+
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    bound_onednn_caches(64)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
