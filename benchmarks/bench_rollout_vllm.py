@@ -93,7 +93,7 @@ def main() -> None:
     print(f"ratio vllm / native : {v / nat:.2f}x of medians, {paired:.2f}x median of paired runs")
 
     # ---- part 2: weight sync as a share of a GRPO-shaped step ---------------------------------------
-    del native
+    native = engines = None  # frees the native engine (the lambdas hold it too)
     actor = build_actor(model_dir, env, OptimConfig(lr=1e-4, lr_warmup_steps=0), FSDPConfig(micro_batch_size=64))
     task = ArithmeticTask()
     stream = task.train_stream(seed=0)
