@@ -136,6 +136,21 @@ static void one_head(const float *q, const void *kt, const void *v, const float 
   }
 }
 
+/* Prefetch into L2 the first L slots of a (row, kv head)'s keys (blocks of 16 slots, each (d, 16)
+ * contiguous) and values (L rows of d): issued for the head PREFETCH_AHEAD places ahead of the one being
+ * computed, so its cache lines stream in while this head's FMAs run (each head's K and V start new
+ * streams that the hardware prefetcher only picks up after a few misses). Measured on 128-row float32
+ * rollouts, paired in one process: 0.96-1.0 of the time without (median about 0.98), same tokens bitwise. */
+#define PREFETCH_AHEAD 2
+static inline void prefetch_head(const char *k, const char *v, int64_t L, int64_t d, int64_t ksblk, int64_t vsl,
+                                 int64_t esize) {
+  const int64_t block_bytes = d * 16 * esize, row_bytes = d * esize;
+  for (int64_t blk = 0; blk * 16 < L; blk++)
+    for (int64_t off = 0; off < block_bytes; off += 64) _mm_prefetch(k + blk * ksblk * esize + off, _MM_HINT_T1);
+  for (int64_t l = 0; l < L; l++)
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(v + l * vsl * esize + off, _MM_HINT_T1);
+}
+
 /* x * cos + rotate_half(x) * sin for one head: rotate_half(x) = (-x[half:], x[:half]), and sin_signed is
  * (-sin[:half], sin[half:]), so out[t] = x[t] * cos[t] + x[(t + half) % d] * sin_signed[t]. Two products
  * and a sum, each rounded (the C11 build does not contract them into an FMA), as PyTorch computes it. */
@@ -167,10 +182,17 @@ int rlfunc_decode_attention(const float *q, const void *kt, const void *v, const
   const int64_t esize = cache_bf16 ? 2 : 4;
   for (int64_t i = 0; i < b; i++) {
     const int64_t r = rows ? rows[i] : i;
-    for (int64_t j = 0; j < kv; j++)
+    for (int64_t j = 0; j < kv; j++) {
+      const int64_t ahead = i * kv + j + PREFETCH_AHEAD, ai = ahead / kv, aj = ahead % kv;
+      if (ai < b) {
+        const int64_t ar = rows ? rows[ai] : ai;
+        prefetch_head((const char *)kt + (ar * ksb + aj * ksh) * esize, (const char *)v + (ar * vsb + aj * vsh) * esize,
+                      L, d, ksblk, vsl, esize);
+      }
       one_head(q + i * qsb + j * g * d, (const char *)kt + (r * ksb + j * ksh) * esize,
                (const char *)v + (r * vsb + j * vsh) * esize, bias + r * bsb, out + (i * kv + j) * g * d, scratch,
                g, d, L, ksblk, vsl, scale, cache_bf16);
+    }
   }
   return 0;
 #else
@@ -204,6 +226,12 @@ int rlfunc_decode_step(const float *qkv, const float *cos, const float *sin_sign
     const float *x = qkv + i * width, *c = cos + positions[i] * d, *sn = sin_signed + positions[i] * d;
     for (int64_t j = 0; j < kv; j++) {
       float *kh = kt + r * ksb + j * ksh, *vh = v + r * vsb + j * vsh;
+      const int64_t ahead = i * kv + j + PREFETCH_AHEAD, ai = ahead / kv, aj = ahead % kv;
+      if (ai < b) {
+        const int64_t ar = rows ? rows[ai] : ai;
+        prefetch_head((const char *)(kt + ar * ksb + aj * ksh), (const char *)(v + ar * vsb + aj * vsh), slot + 1, d,
+                      ksblk, vsl, 4);
+      }
       float *kcol = kh + slot / 16 * ksblk + slot % 16;
       rope_head(krot, x + (h + j) * d, c, sn, d);
       for (int64_t t = 0; t < d; t++) kcol[t * 16] = krot[t];
