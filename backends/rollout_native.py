@@ -17,7 +17,7 @@ always reads the newest weights.
 
 Speed (benchmarks/bench_rollout.py, config B, 128 prompts, 32 new tokens, 1 CPU thread): the decode
 GEMMs run near the CPU's peak and take about 70% of an fp32 run; the engine gains on
-``model.generate`` (1.9-2.1x in fp32, 2.3x in bf16, BUILD.md) by doing less around them (no
+``model.generate`` (1.9-2.1x in fp32, 2.3x in bf16 over sessions 9-10, BUILD.md) by doing less around them (no
 per-step mask building or cache concatenation, one fused QKV GEMM, oneDNN prepacked weights with fused
 SiLU / residual add, only last-position logits, inverse-CDF sampling with one uniform per row, prefill
 once per distinct prompt, finished rows dropped by index, weights and caches kept between calls
