@@ -113,20 +113,38 @@ def _json(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------- gather
 
 
+def _state_group(state: Any) -> Any:
+    """The process group of the ranks that hold ``state`` (its mesh's: a role's pool under split
+    placement), or None for the whole world."""
+    mesh = getattr(state, "mesh", None)
+    return mesh.get_group() if mesh is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def _group_rank_size(group: Any) -> tuple[int, int]:
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else _world()
+
+
 def _full_state(state: Any) -> tuple[dict[str, Tensor], dict | None]:
-    """Full model (and optimizer) state dicts; on rank 0 only when distributed (others get empty dicts)."""
+    """Full model (and optimizer) state dicts, gathered over the ranks that hold ``state``; complete on
+    the first of them (others may get empty dicts)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     optimizer = getattr(state, "optimizer", None)
     with_optim = optimizer is not None and len(optimizer.state) > 0  # never stepped: nothing to save (and
     # get_state_dict would initialise it with a zero step)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=_world()[1] > 1)
+    group = _state_group(state)
+    size = _group_rank_size(group)[1]
+    # cpu_offload keeps the gathered tensors on global rank 0 only: right when the state's first rank is
+    # global rank 0 (the world, or the actor pool), else every rank of the group keeps them
+    leader_is_rank0 = group is None or dist.get_global_rank(group, 0) == 0
+    options = StateDictOptions(full_state_dict=True, cpu_offload=size > 1 and leader_is_rank0)
     msd, osd = get_state_dict(state.module, [optimizer] if with_optim else [], options=options)
     return dict(msd), (osd if with_optim else None)
 
 
 def train_state_tree(state: Any) -> tuple[dict, dict]:
-    """``(tree, metadata)`` of a train state as numpy (collective when distributed: valid on rank 0 only)."""
+    """``(tree, metadata)`` of a train state as numpy (collective over the ranks that hold the state: valid
+    on the first of them only)."""
     msd, osd = _full_state(state)
     tree: dict[str, Any] = {"params": _nest({k: to_numpy(v) for k, v in msd.items()})}
     meta: dict[str, Any] = {
@@ -157,23 +175,28 @@ def train_state_tree(state: Any) -> tuple[dict, dict]:
 
 
 def save_orbax(state: Any, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
-    """Gather ``state`` (model, optimizer, step) and write it on rank 0 as an orbax PyTree checkpoint.
+    """Gather ``state`` (model, optimizer, step) and write it as an orbax PyTree checkpoint from the first
+    of the ranks that hold it (its mesh's group: the whole world when colocated, the role's pool under
+    split placement).
 
-    Call on every rank. ``path`` must not exist unless ``overwrite``. Returns the absolute path on
-    every rank once written. Orbax writes into a temp dir and renames it when complete.
+    Call on every rank that holds ``state`` (and only those). ``path`` must not exist unless
+    ``overwrite``. Returns the absolute path on each of them once written. Orbax writes into a temp dir
+    and renames it when complete.
     """
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"orbax checkpoint {str(path)!r} already exists (pass overwrite=True to replace it)")
+    group = _state_group(state)
+    rank, size = _group_rank_size(group)
     tree, meta = train_state_tree(state)
-    if _world()[0] == 0:
+    if rank == 0:
         import orbax.checkpoint as ocp
 
         path.parent.mkdir(parents=True, exist_ok=True)
         with ocp.PyTreeCheckpointer() as checkpointer:
             checkpointer.save(path, args=ocp.args.PyTreeSave(tree, custom_metadata=meta), force=overwrite)
-    if _world()[1] > 1:
-        dist.barrier()
+    if size > 1:
+        dist.barrier(group=group)
     return path
 
 

@@ -13,8 +13,8 @@ Placement (where the roles run):
           placement.actor_pool=2 placement.critic_pool=2
 actor + rollout on ranks 0-1, critic + reference on ranks 2-3: batches cross between the pools, and the
 critic update runs at the same time as the actor update and weight sync. Colocated (the default) runs
-every role on every rank. Split runs checkpoint and resume too (each pool saves its own roles); they do
-not export orbax yet.
+every role on every rank. Split runs checkpoint and resume too (each pool saves its own roles), and export
+HF dirs and orbax (the actor pool gathers and writes the actor's).
 
 Checkpoints and exact resume:
       ... checkpoint.every=10 checkpoint.dir=/ckpt/ppo run_dir=runs/ppo-1     (save every 10 steps)
@@ -154,8 +154,6 @@ def main(argv: list[str]) -> dict:
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
     if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
         raise ValueError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
-    if cfg.placement.mode == "split" and cfg.export.orbax:
-        raise ValueError("placement.mode=split does not export orbax yet: leave export.orbax=false (checkpoints work)")
     # the training engine of the actor and the critic (a bad name or size fails here, before any work)
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
@@ -357,7 +355,7 @@ def main(argv: list[str]) -> dict:
             engine.export_hf(actor, run_dir / "actor_hf", tokenizer=tokenizer, overwrite=True)
         if on_critic:
             critic_engine.export_hf(critic, run_dir / "critic_hf", tokenizer=tokenizer, overwrite=True)
-    if cfg.export.orbax:
+    if cfg.export.orbax and on_actor:  # gathered over the actor's ranks (its pool under split placement)
         save_orbax(actor, run_dir / "actor_orbax", overwrite=True)
     wall = wall_before + time.time() - t_start
     summary = {

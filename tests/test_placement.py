@@ -211,11 +211,22 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     critic after 3 PPO steps (2 epochs x 2 mini-batches each, critic warm-up 1) must match.
 
     Tolerance: 1e-6 absolute on every parameter (each role is sharded over 2 ranks in both runs, so the
-    arithmetic is the same; the runs measured here agree exactly)."""
+    arithmetic is the same; the runs measured here agree exactly). Both export the actor's train state
+    as orbax (under split the actor pool gathers and writes it): the same params, AdamW state and step."""
     from safetensors.torch import load_file
 
-    colocated = _run_recipe(tmp_path / "colocated", 2)
-    split = _run_recipe(tmp_path / "split", 4, "placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2")
+    colocated = _run_recipe(tmp_path / "colocated", 2, "export.orbax=true")
+    split = _run_recipe(tmp_path / "split", 4, "placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2",
+                        "export.orbax=true")
+    from backends.orbax_io import _flatten, read_orbax
+
+    (tree_c, meta_c), (tree_s, meta_s) = read_orbax(colocated / "actor_orbax"), read_orbax(split / "actor_orbax")
+    flat_c, flat_s = _flatten(tree_c), _flatten(tree_s)
+    assert flat_c.keys() == flat_s.keys() and any(k.startswith("opt_state") for k in flat_c)
+    assert meta_s["optimizer_state"] == "saved" and meta_s["param_shapes"] == meta_c["param_shapes"]
+    assert int(tree_s["step"]) == int(tree_c["step"]) > 0
+    for key in flat_c:
+        torch.testing.assert_close(torch.as_tensor(flat_s[key]), torch.as_tensor(flat_c[key]), atol=1e-6, rtol=0, msg=key)
     for role in ("actor_hf", "critic_hf"):
         a, b = load_file(colocated / role / "model.safetensors"), load_file(split / role / "model.safetensors")
         assert a.keys() == b.keys()
