@@ -87,10 +87,11 @@ static void transpose_rows(float *tile, const float *const *rows, int64_t len, i
 }
 
 /* Scratch of one sequence: the (d, lp) key and value tiles, the (L) key / value row pointers, and
- * per query row (at most L * rep): its input / output row pointers, visible slots, lse and D, and two
- * (rows, lp) score matrices. first[s] (L + 1 entries) is the first row whose slot is at least s. */
+ * per query row (at most L * rep): its input / output row pointers, visible slots, the forward's
+ * 1 / normaliser, and two (rows, lp) score matrices. first[s] (L + 1 entries) is the first row whose
+ * slot is at least s. */
 typedef struct {
-  float *kt, *vt, *pm, *dsm, *lse, *dd;
+  float *kt, *vt, *pm, *dsm, *inv;
   const float **krow, **vrow, **qr, **dor, **orow;
   float **dqr, **outr;
   int64_t *vis, *first;
@@ -99,7 +100,8 @@ typedef struct {
 
 static int scratch_alloc(scratch *w, int64_t L, int64_t rep, int64_t d) {
   const int64_t lp = (L + 15) / 16 * 16, rows = L * rep;
-  const size_t floats = (size_t)(2 * d * lp + 2 * rows * lp + 2 * rows);
+  const int64_t inv_floats = (rows + 1) / 2 * 2; /* an even float count keeps the pointers after it aligned */
+  const size_t floats = (size_t)(2 * d * lp + 2 * rows * lp + inv_floats);
   const size_t ptrs = (size_t)(2 * L + 5 * rows), ints = (size_t)(rows + L + 1);
   w->block = aligned_alloc(64, ((floats * sizeof(float) + ptrs * sizeof(void *) + ints * sizeof(int64_t)) + 63) / 64 * 64);
   if (!w->block) return -1;
@@ -108,8 +110,7 @@ static int scratch_alloc(scratch *w, int64_t L, int64_t rep, int64_t d) {
   w->vt = f; f += d * lp;
   w->pm = f; f += rows * lp;
   w->dsm = f; f += rows * lp;
-  w->lse = f; f += rows;
-  w->dd = f; f += rows;
+  w->inv = f; f += inv_floats;
   void **p = (void **)f;
   w->krow = (const float **)p; p += L;
   w->vrow = (const float **)p; p += L;
@@ -317,16 +318,16 @@ int rlfunc_packed_attention_forward(const float *q, const float *k, const float 
       load_head(&w, k, v, gi, li, g, sk, sv, lp, d, 0);
       for (int64_t r0 = 0; r0 < nr; r0 += 8)
         score_block(w.pm + r0 * lp, w.qr + r0, w.vis + r0, (int)(nr - r0 < 8 ? nr - r0 : 8), w.kt, lp, d, scale, -INFINITY);
-      for (int64_t r = 0; r < nr; r++) { /* softmax; dd holds 1 / normaliser */
+      for (int64_t r = 0; r < nr; r++) { /* softmax */
         float *p = w.pm + r * lp;
         const int64_t vis = w.vis[r];
         const float mx = max_of(p, vis), sum = exp_shifted(p, vis, mx);
         zero_tail(p, (vis + 15) / 16 * 16, lp);
         lse[(w.outr[r] - out) / d] = mx + logf(sum);
-        w.dd[r] = 1.0f / sum;
+        w.inv[r] = 1.0f / sum;
       }
       for (int64_t r0 = 0; r0 < nr; r0 += 4)
-        mix_block(w.outr + r0, w.pm + r0 * lp, w.vis + r0, (int)(nr - r0 < 4 ? nr - r0 : 4), lp, w.vrow, d, w.dd + r0);
+        mix_block(w.outr + r0, w.pm + r0 * lp, w.vis + r0, (int)(nr - r0 < 4 ? nr - r0 : 4), lp, w.vrow, d, w.inv + r0);
     }
   }
   free(w.block);
