@@ -103,6 +103,17 @@ def reuse_freed_cpu_memory() -> bool:
     return libc.mallopt(m_trim_threshold, 2**30) == 1 and ok
 
 
+def state_ranks(state: Any) -> tuple[Any, int, int]:
+    """``(group, rank, size)`` of the ranks that hold ``state``: its mesh's process group (a role's pool
+    under split placement, the world when colocated), this process's rank in it and their count. With
+    no mesh: ``(None, world rank, world size)``; without a process group: ``(None, 0, 1)``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    mesh = getattr(state, "mesh", None)
+    group = mesh.get_group() if mesh is not None else None
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
 #: entries kept by each of oneDNN's two shape-keyed caches (see :func:`bound_onednn_caches`)
 ONEDNN_CACHE_CAPACITY = 128
 

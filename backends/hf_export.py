@@ -30,13 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from backends.distributed import state_ranks
+
 __all__ = ["export_hf", "hf_model_class"]
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def hf_model_class(module: torch.nn.Module) -> type:
@@ -89,8 +85,7 @@ def export_hf(
         raise ValueError(f"dtype must be a floating torch.dtype, got {dtype!r}")
 
     # the writer is the first rank of the state's own ranks (a role's pool under split placement)
-    group = state.mesh.get_group() if getattr(state, "mesh", None) is not None else None
-    rank = dist.get_rank(group) if group is not None else _world()[0]
+    group, rank, size = state_ranks(state)
     tensors: dict[str, torch.Tensor] = {}
     shared: dict[int, torch.Tensor] = {}
     stream_state = state if hasattr(state, "module") else _ModuleOnly(module)
@@ -101,7 +96,7 @@ def export_hf(
 
     if rank == 0:
         _write(module, tensors, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size)
-    if _world()[1] > 1:
+    if size > 1:
         dist.barrier(group=group)
     return out
 

@@ -39,16 +39,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from backends.distributed import state_ranks
+
 __all__ = ["save_orbax", "read_orbax", "load_orbax", "train_state_tree", "tree_to_torch", "to_numpy", "to_torch"]
 
 FORMAT = "rlfunc.orbax-train-state"
 FORMAT_VERSION = 1
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 # ------------------------------------------------------------------------------------ array conversion
@@ -113,17 +109,6 @@ def _json(value: Any) -> Any:
 # ------------------------------------------------------------------------------------------- gather
 
 
-def _state_group(state: Any) -> Any:
-    """The process group of the ranks that hold ``state`` (its mesh's: a role's pool under split
-    placement), or None for the whole world."""
-    mesh = getattr(state, "mesh", None)
-    return mesh.get_group() if mesh is not None and dist.is_available() and dist.is_initialized() else None
-
-
-def _group_rank_size(group: Any) -> tuple[int, int]:
-    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else _world()
-
-
 def _full_state(state: Any) -> tuple[dict[str, Tensor], dict | None]:
     """Full model (and optimizer) state dicts, gathered over the ranks that hold ``state``; complete on
     the first of them (others may get empty dicts)."""
@@ -132,8 +117,7 @@ def _full_state(state: Any) -> tuple[dict[str, Tensor], dict | None]:
     optimizer = getattr(state, "optimizer", None)
     with_optim = optimizer is not None and len(optimizer.state) > 0  # never stepped: nothing to save (and
     # get_state_dict would initialise it with a zero step)
-    group = _state_group(state)
-    size = _group_rank_size(group)[1]
+    group, _, size = state_ranks(state)
     # cpu_offload keeps the gathered tensors on global rank 0 only: right when the state's first rank is
     # global rank 0 (the world, or the actor pool), else every rank of the group keeps them
     leader_is_rank0 = group is None or dist.get_global_rank(group, 0) == 0
@@ -186,8 +170,7 @@ def save_orbax(state: Any, path: str | os.PathLike, *, overwrite: bool = False) 
     path = Path(path).absolute()
     if path.exists() and not overwrite:
         raise FileExistsError(f"orbax checkpoint {str(path)!r} already exists (pass overwrite=True to replace it)")
-    group = _state_group(state)
-    rank, size = _group_rank_size(group)
+    group, rank, size = state_ranks(state)
     tree, meta = train_state_tree(state)
     if rank == 0:
         import orbax.checkpoint as ocp
