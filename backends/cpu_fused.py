@@ -20,11 +20,13 @@ into a Hugging Face Llama / Qwen2 model:
   16.9-19.6 ms through ``F.linear`` and ``matmul``. The weight gradient stays a ``matmul`` (oneDNN was
   no faster once its operands' transposes and reorders are counted). Used for products of at least :data:`ONEDNN_MIN_MACS`.
 
-All of them compute in float32 on the CPU; the fused paths run for float32 inputs (bf16 attention
-inputs are upcast, as PyTorch's CPU attention does) and otherwise, or when the kernels cannot run
-here (:mod:`backends.cpu_kernels`: no compiler, no AVX-512, ``RLFUNC_CPU_KERNELS=0``), the modules run
-Hugging Face's own math. Results equal the PyTorch path's to float32 rounding (the sums run in a
-different order), which the tests check against float64 references.
+All of them compute in float32 on the CPU. The attention and linear paths run for float32 inputs (bf16
+attention inputs are upcast, as PyTorch's CPU attention does); RMSNorm and SwiGLU also for bfloat16
+ones (FSDP2's bf16 mixed precision), rounding their outputs where Hugging Face's bf16 modules round.
+Otherwise, or when the kernels cannot run here (:mod:`backends.cpu_kernels`: no compiler, no AVX-512,
+``RLFUNC_CPU_KERNELS=0``), the modules run Hugging Face's own math. Results equal the PyTorch path's
+to float32 rounding (the sums run in a different order), which the tests check against float64
+references; in bf16 to bf16 rounding.
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx: Any, dy: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         dx, dweight = ctx.kernel.rms_norm_backward(x, weight, rstd, dy.contiguous())
-        return dx, dweight, None, None
+        return dx, dweight.to(weight.dtype), None, None
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -217,14 +219,15 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def _fused_kernel(*tensors: Tensor) -> NormAct | None:
-    if all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors):
-        return norm_act_kernel()
-    return None
+    """The RMSNorm / SwiGLU kernels if they run these tensors (CPU, all float32 or all bfloat16)."""
+    kernel = norm_act_kernel()
+    return kernel if kernel is not None and kernel.supports(*tensors) else None
 
 
 class FusedRMSNorm(nn.Module):
     """Llama / Qwen2 RMSNorm, ``weight * (x * rsqrt(mean(x^2) + eps))``: one C pass each way for float32
-    CPU input, Hugging Face's math otherwise. Holds the replaced module's ``weight`` Parameter."""
+    or bfloat16 CPU input and weight, Hugging Face's math otherwise. Holds the replaced module's
+    ``weight`` Parameter."""
 
     def __init__(self, weight: nn.Parameter, eps: float) -> None:
         super().__init__()
@@ -248,7 +251,7 @@ class FusedRMSNorm(nn.Module):
 
 class FusedSwiGLU(nn.Module):
     """The gated MLP ``down(silu(gate(x)) * up(x))`` with ``silu(g) * u`` fused (one C pass each way for
-    float32 CPU activations; it also saves no ``silu(g)`` for the backward). Holds the replaced
+    float32 or bfloat16 CPU activations; it also saves no ``silu(g)`` for the backward). Holds the replaced
     module's ``gate_proj``, ``up_proj`` and ``down_proj``."""
 
     def __init__(self, gate_proj: nn.Module, up_proj: nn.Module, down_proj: nn.Module) -> None:

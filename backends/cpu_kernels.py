@@ -6,8 +6,9 @@
   values, stored exactly, at half the bytes).
 - ``csrc/packed_attention.c``: causal attention over a packed training micro-batch, forward and
   backward, reading the packed q, k, v in place (shared prompts included); see backends/cpu_fused.py.
-- ``csrc/norm_act.c``: fused RMSNorm and SwiGLU, forward and backward, for training (one pass over the
-  activations each, where PyTorch runs Hugging Face's modules as several elementwise kernels).
+- ``csrc/norm_act.c``: fused RMSNorm and SwiGLU, forward and backward, for training and for the native
+  rollout's decode steps (one pass over the activations each, where PyTorch runs Hugging Face's modules as
+  several elementwise kernels), on float32 or bfloat16 tensors (float32 math either way).
 
 Nothing here is needed: when there is no compiler, no AVX-512, an unsupported size, or
 ``RLFUNC_CPU_KERNELS=0``, the accessors (:func:`decode_attention_kernel`, :func:`packed_attention_kernel`,
@@ -327,19 +328,37 @@ class PackedAttention:
 
 
 class NormAct:
-    """The loaded RMSNorm / SwiGLU kernels; see ``csrc/norm_act.c``. float32, contiguous, CPU."""
+    """The loaded RMSNorm / SwiGLU kernels; see ``csrc/norm_act.c``. Contiguous CPU tensors, float32 or
+    (where :attr:`bf16` says so) bfloat16, one dtype per call; ``rstd`` and ``dweight`` are float32."""
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
-        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-        for name, args in (("rms_norm_forward", [ptr] * 4 + [i64, i64, f32]), ("rms_norm_backward", [ptr] * 6 + [i64, i64]),
-                           ("swiglu_forward", [ptr] * 3 + [i64]), ("swiglu_backward", [ptr] * 5 + [i64])):
+        i64, ptr, f32, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        for name, args in (("rms_norm_forward", [ptr] * 4 + [i64, i64, f32, flag]),
+                           ("rms_norm_backward", [ptr] * 6 + [i64, i64, flag]),
+                           ("swiglu_forward", [ptr] * 3 + [i64, flag]), ("swiglu_backward", [ptr] * 5 + [i64, flag])):
             fn = getattr(lib, f"rlfunc_{name}")
             fn.argtypes, fn.restype = args, ctypes.c_int
             setattr(self, f"_{name}", fn)
         lib.rlfunc_norm_act_support.restype = ctypes.c_int
-        self.available = bool(lib.rlfunc_norm_act_support() & 1)  #: built with AVX-512F
+        support = lib.rlfunc_norm_act_support()
+        self.available = bool(support & 1)  #: built with AVX-512F: float32 tensors
+        self.bf16 = bool(support & 2)  #: also AVX-512BW/VL: bfloat16 tensors
         self.library = library
+
+    def supports(self, *tensors: Tensor) -> bool:
+        """Whether these tensors (one dtype, on the CPU) are a dtype this build runs."""
+        dtypes = {t.dtype for t in tensors}
+        return (all(t.device.type == "cpu" for t in tensors)
+                and (dtypes == {torch.float32} or (dtypes == {torch.bfloat16} and self.bf16)))
+
+    def _flag(self, name: str, *tensors: Tensor) -> int:
+        """1 for bfloat16 tensors, 0 for float32; anything else (or non-contiguous) is refused."""
+        if not self.supports(*tensors) or not all(t.is_contiguous() for t in tensors):
+            raise TypeError(f"{name}: every tensor must be a contiguous CPU tensor of one dtype, float32"
+                            f"{' or bfloat16' if self.bf16 else ''}; got "
+                            + ", ".join(f"{t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}" for t in tensors))
+        return int(tensors[0].dtype == torch.bfloat16)
 
     @staticmethod
     def _rc(rc: int, what: str) -> None:
@@ -347,43 +366,44 @@ class NormAct:
             raise RuntimeError(f"{what} kernel failed (code {rc})")
 
     def rms_norm_forward(self, x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-        """``y, rstd (rows)`` for ``x (rows, hidden)``."""
-        _contiguous_f32("rms_norm", x, weight)
+        """``y`` (x's dtype), ``rstd (rows)`` (float32) for ``x (rows, hidden)``."""
+        bf16 = self._flag("rms_norm", x, weight)
         if x.dim() != 2 or weight.shape != (x.shape[1],):
             raise ValueError(f"rms_norm: x must be (rows, hidden) and weight (hidden), got {tuple(x.shape)}, {tuple(weight.shape)}")
         y, rstd = torch.empty_like(x), torch.empty(x.shape[0], dtype=torch.float32)
         self._rc(self._rms_norm_forward(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.shape[0],
-                                        x.shape[1], eps), "rms_norm forward")
+                                        x.shape[1], eps, bf16), "rms_norm forward")
         return y, rstd
 
     def rms_norm_backward(self, x: Tensor, weight: Tensor, rstd: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
-        """``dx, dweight``."""
-        _contiguous_f32("rms_norm", x, weight, rstd, dy)
+        """``dx`` (x's dtype), ``dweight`` (float32)."""
+        bf16 = self._flag("rms_norm backward", x, weight, dy)
+        _contiguous_f32("rms_norm backward", rstd)
         if x.dim() != 2 or dy.shape != x.shape or weight.shape != (x.shape[1],) or rstd.shape != (x.shape[0],):
             raise ValueError(f"rms_norm backward: shapes disagree: x {tuple(x.shape)}, dy {tuple(dy.shape)}, "
                              f"weight {tuple(weight.shape)}, rstd {tuple(rstd.shape)}")
-        dx, dw = torch.empty_like(x), torch.empty_like(weight)
+        dx, dw = torch.empty_like(x), torch.empty(weight.shape, dtype=torch.float32)
         self._rc(self._rms_norm_backward(x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dy.data_ptr(), dx.data_ptr(),
-                                         dw.data_ptr(), x.shape[0], x.shape[1]), "rms_norm backward")
+                                         dw.data_ptr(), x.shape[0], x.shape[1], bf16), "rms_norm backward")
         return dx, dw
 
     def swiglu_forward(self, gate: Tensor, up: Tensor) -> Tensor:
         """``silu(gate) * up``."""
-        _contiguous_f32("swiglu", gate, up)
+        bf16 = self._flag("swiglu", gate, up)
         if gate.shape != up.shape:
             raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
         out = torch.empty_like(gate)
-        self._rc(self._swiglu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel()), "swiglu forward")
+        self._rc(self._swiglu_forward(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), bf16), "swiglu forward")
         return out
 
     def swiglu_backward(self, gate: Tensor, up: Tensor, dout: Tensor) -> tuple[Tensor, Tensor]:
         """``dgate, dup``."""
-        _contiguous_f32("swiglu", gate, up, dout)
+        bf16 = self._flag("swiglu backward", gate, up, dout)
         if not gate.shape == up.shape == dout.shape:
             raise ValueError(f"swiglu backward: shapes differ: {tuple(gate.shape)}, {tuple(up.shape)}, {tuple(dout.shape)}")
         dgate, dup = torch.empty_like(gate), torch.empty_like(up)
         self._rc(self._swiglu_backward(gate.data_ptr(), up.data_ptr(), dout.data_ptr(), dgate.data_ptr(), dup.data_ptr(),
-                                       gate.numel()), "swiglu backward")
+                                       gate.numel(), bf16), "swiglu backward")
         return dgate, dup
 
 

@@ -498,7 +498,9 @@ class _Decoder:
         # a float32 model's decode step runs RoPE, the cache writes and attention in one kernel call, and
         # its RMSNorms in another (one pass each, where PyTorch runs several small elementwise kernels)
         self.fused_step = self.kernel is not None and self.dtype == torch.float32
-        self.norm_kernel = norm_act_kernel() if self.fused_step else None
+        # and RMSNorm is one C pass (float32 or bfloat16 activations) wherever the decode kernel runs
+        norm_kernel = norm_act_kernel() if self.kernel is not None else None
+        self.norm_kernel = norm_kernel if norm_kernel is not None and norm_kernel.supports(self.embed) else None
         #: the cache row of each working row (kernel path; None = working row i is cache row i)
         self.rows: Tensor | None = None
         #: (cache rows, total_len) 0 for keys to attend to, -inf for prompt padding; set by prefill
