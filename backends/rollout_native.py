@@ -536,7 +536,8 @@ class _Decoder:
         bias = torch.zeros(allowed.shape, dtype=self.att_dtype, device=ids.device).masked_fill_(~allowed, float("-inf"))
         bias = bias[:, None]  # (b0 1 p p); a pad query sees itself only, so no row is empty (no NaN)
         x = F.embedding(ids, self.embed).view(b0 * p, -1)
-        for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
+        last_layer = len(self.layers) - 1
+        for i, (lw, kc, vc) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
             qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b0, p, h + 2 * kv, d)
             qk = _rope(qkv[:, :, : h + kv], cos, sin).to(self.att_dtype)
             q = qk[:, :, :h].transpose(1, 2)
@@ -550,11 +551,15 @@ class _Decoder:
             else:
                 kc.view(b0, copies, *kc.shape[1:])[:, :, :, :p] = k[:, None]
             vc.view(b0, copies, *vc.shape[1:])[:, :, :, :p] = v[:, None]
+            if i == last_layer:
+                # past the last layer's keys and values only the last position's output is read (its
+                # logits): its query alone attends, and o_proj and the MLP run on its row alone
+                q, bias, x = q[:, :, -1:], bias[:, :, -1:], x.view(b0, p, -1)[:, -1].contiguous()
+            rows = x.shape[0]
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=True)
-            x = lw.o.add_to(x, att.transpose(1, 2).reshape(b0 * p, h * d).to(self.dtype))
+            x = lw.o.add_to(x, att.transpose(1, 2).reshape(rows, h * d).to(self.dtype))
             x = self._mlp(x, lw)
-        last = x.view(b0, p, -1)[:, -1]
-        return self.lm_head(self._rms(last, self.norm_w, self.norm_eps))
+        return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
 
     def step(self, tokens: Tensor, positions: Tensor, slot: int) -> Tensor:
         """One new token per working row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``."""
