@@ -425,6 +425,23 @@ def test_workspace_is_reused_until_the_weights_change(setup):
     assert not torch.equal(changed.rollout_logprobs, first.rollout_logprobs)
 
 
+def test_large_cache_buffers_lie_on_aligned_huge_page_memory():
+    """Buffers of at least one huge page start on a 2 MiB boundary of memory advised for huge pages
+    (wherever Linux's madvise exists), hold what is written to them, and are views of one region."""
+    from backends.rollout_native import HUGE_PAGE_BYTES, _empty_on_huge_pages
+
+    small = _empty_on_huge_pages((3, 5), torch.float32)
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+    big = _empty_on_huge_pages((2, 1024, 1024), torch.float32)  # 8 MiB
+    assert big.shape == (2, 1024, 1024) and big.dtype == torch.float32 and big.is_contiguous()
+    big.copy_(torch.arange(big.numel(), dtype=torch.float32).view_as(big))
+    assert big[1, 1023, 1023].item() == big.numel() - 1
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert big.data_ptr() % HUGE_PAGE_BYTES == 0
+    bf16 = _empty_on_huge_pages((4, HUGE_PAGE_BYTES // 2), torch.bfloat16)
+    assert bf16.shape == (4, HUGE_PAGE_BYTES // 2) and bf16.dtype == torch.bfloat16
+
+
 @QWEN2_ONLY
 def test_engine_built_under_inference_mode_rebuilds_its_weights(setup):
     """Inference tensors have no version counter: the workspace then repacks at every call, and an
