@@ -435,7 +435,7 @@ class _Workspace:
         return found
 
 
-#: the x86-64 / aarch64 (4k base pages) transparent huge page size
+#: the transparent huge page size on x86-64 (and on aarch64 with 4 KiB base pages)
 HUGE_PAGE_BYTES = 2 << 20
 
 
