@@ -91,6 +91,7 @@ class PackedRows:
     cols: Tensor  # (N): response column of each kept response token
     labels: Tensor  # (N): the kept response token ids
     shape: tuple[int, int]  # (b, t) of the micro-batch's response block
+    token_rows: Tensor  # (T): the micro-batch row of each packed token (a shared prompt's: its first row)
     layout: BlockLayout | None = None  # set when prompts are shared (pack_rows(share_prompts=True))
 
     @property
@@ -166,6 +167,7 @@ def pack_rows(
     common = dict(
         input_ids=packed_input_ids, position_ids=packed_position_ids, max_seqlen=int(seqlens.max()),
         predict_index=predict_index, rows=rows, cols=resp_cols, labels=response_ids[response_keep], shape=(b, t),
+        token_rows=order.repeat_interleave(p + t)[flat_keep],
     )
     if not share_prompts:
         cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)

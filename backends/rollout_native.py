@@ -53,9 +53,11 @@ from rlfunc.batch import RolloutBatch, validate
 __all__ = [
     "SamplingConfig",
     "NativeRollout",
+    "RolloutActivations",
     "build_native_rollout",
     "sync_weights",
     "generate",
+    "generate_recording",
     "sample_tokens",
     "decode_responses",
 ]
@@ -108,6 +110,9 @@ class NativeRollout:
     #: on CPU, run linears through oneDNN with prepacked weights (repacked when a parameter changes)
     prepack_cpu_weights: bool = True
     weights_version: int = 0
+    #: what the last :func:`sync_weights` said its weights are (``tag=``, e.g. the actor's optimizer step;
+    #: None if it said nothing): stamped on :class:`RolloutActivations`, checked by the trainer that reuses them
+    weights_tag: int | None = None
     #: what :func:`generate` keeps between calls (decoder weights, KV caches); shared by evolved copies
     workspace: _Workspace = attrs.field(factory=lambda: _Workspace(), eq=False, repr=False)
 
@@ -204,14 +209,15 @@ def build_native_rollout(
 
 
 def sync_weights(
-    rollout: NativeRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True
+    rollout: NativeRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True, tag: int | None = None
 ) -> NativeRollout:
     """Copy full tensors with HF names (``model.layers.0.self_attn.q_proj.weight``...) into the model.
 
     Tensors are consumed one at a time (a generator of gathered FSDP tensors works), cast to the
     rollout's dtype and device, ``DTensor`` values are gathered with ``full_tensor()``. Unknown names
     and shape mismatches raise; with ``strict`` every parameter must have been received (tied weights
-    count once). Returns the rollout with ``weights_version`` bumped.
+    count once). Returns the rollout with ``weights_version`` bumped and ``weights_tag`` set to ``tag``
+    (what these weights are, e.g. the trainer's optimizer step; see :func:`generate_recording`).
     """
     model = rollout.model
     targets: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
@@ -237,7 +243,7 @@ def sync_weights(
         missing = sorted({n for n, p in targets.items() if id(p) not in written})
         if missing:
             raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}")
-    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1)
+    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1, weights_tag=tag)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,6 +284,122 @@ def sample_tokens(
     if order is not None:
         choice = order.gather(-1, choice)
     return choice.squeeze(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Recorded activations: what a trainer can reuse instead of recomputing its forward pass
+
+
+@attrs.frozen(eq=False)
+class RolloutActivations:
+    """The output of every linear layer for every token a recording rollout ran (:func:`generate_recording`).
+
+    ``outputs[name]`` is ``(N, width)``: the output of the Hugging Face module ``name`` of the model,
+    bias included, before any activation, RoPE or residual add. ``model.layers.<i>.self_attn`` holds
+    the stacked q / k / v projections (q, then k, then v, before RoPE); ``model.layers.<i>.self_attn.o_proj``,
+    ``model.layers.<i>.mlp.gate_proj`` / ``up_proj`` / ``down_proj`` and the LM head (``lm_head_name``) their
+    own outputs. A trainer whose weights are those the rollout ran with (``weights_tag``) gets the same
+    numbers from its forward pass, to float rounding (the products see different row counts), and
+    only needs the backward (``backends.cpu_fused.replay_linear_outputs``).
+
+    ``slots (rows, positions)`` gives the record row of the token at RoPE position ``pos`` of rollout
+    row ``R`` (``batch.rollout_rows``), -1 for tokens the rollout did not run: prompt padding, and the
+    last sampled token of each row, which no step reads. The ``n`` rows of a prompt share its
+    prompt's record rows. ``logit_slots`` does the same for the LM head, which ran on the last prompt
+    token and on each step's input token only, the tokens whose outputs predict a response token.
+
+    On the CPU the outputs live in the engine's workspace (reused memory, as the KV caches): the next
+    recording rollout on the same engine overwrites them, after which :meth:`record_rows` refuses them.
+    """
+
+    outputs: dict[str, Tensor]
+    slots: Tensor
+    logit_slots: Tensor
+    lm_head_name: str
+    weights_tag: int | None
+    #: the workspace whose buffers hold ``outputs`` and its recording count when they were written (None: own memory)
+    workspace: _Workspace | None = attrs.field(default=None, repr=False)
+    recording: int = 0
+
+    def record_rows(self, rows: Tensor, positions: Tensor, *, logits: bool = False) -> Tensor:
+        """The record rows of the tokens at ``positions`` of rollout rows ``rows`` (same shapes, int64);
+        a token the rollout did not run is an error naming it."""
+        if self.workspace is not None and self.workspace.recordings != self.recording:
+            raise ValueError(
+                "these rollout activations were overwritten by a later recording rollout on the same engine "
+                f"(recording {self.recording}, the engine is at {self.workspace.recordings}): use them before the next one"
+            )
+        table = self.logit_slots if logits else self.slots
+        if bool(((rows < 0) | (rows >= table.shape[0]) | (positions < 0) | (positions >= table.shape[1])).any()):
+            raise IndexError(f"RolloutActivations: rows / positions outside the recorded ({table.shape[0]}, {table.shape[1]})")
+        found = table[rows, positions]
+        missing = (found < 0).nonzero()
+        if missing.numel():
+            i = missing[0, 0]
+            what = "LM-head output" if logits else "activations"
+            raise ValueError(
+                f"RolloutActivations: no recorded {what} for rollout row {int(rows.reshape(-1)[i])} at position "
+                f"{int(positions.reshape(-1)[i])} ({missing.shape[0]} tokens missing); were these rows sampled by this rollout?"
+            )
+        return found
+
+
+class _Recorder:
+    """Collects a recording rollout's linear outputs, chunk by chunk (the prefill, then each step), into
+    one buffer per module from the workspace (CPU: kept between calls, on huge pages: fresh buffers of
+    about 150 MB page-faulted in for 60-75 ms per config-B GRPO rollout, measured)."""
+
+    #: buffers are sized in whole multiples of this many rows, so that calls with slightly different
+    #: prompt lengths reuse them
+    CAPACITY_STEP = 1024
+
+    def __init__(self, model: Any, rows: int, positions: int, *, workspace: _Workspace, layer_rows: int,
+                 logit_rows: int) -> None:
+        names = {id(m): n for n, m in model.named_modules()}
+        self.layer_names = [
+            (names[id(layer.self_attn)], names[id(layer.self_attn.o_proj)], names[id(layer.mlp.gate_proj)],
+             names[id(layer.mlp.up_proj)], names[id(layer.mlp.down_proj)])
+            for layer in model.model.layers
+        ]
+        self.lm_head_name = names[id(model.get_output_embeddings())]
+        self.workspace = workspace
+        workspace.recordings += 1
+        self.recording = workspace.recordings
+        step = self.CAPACITY_STEP
+        self.capacity = {False: -(-layer_rows // step) * step, True: -(-logit_rows // step) * step}
+        self.buffers: dict[str, Tensor] = {}
+        self.filled: dict[str, int] = {}
+        self.slots = torch.full((rows, positions), -1, dtype=torch.long)
+        self.logit_slots = torch.full((rows, positions), -1, dtype=torch.long)
+        self.next_slot = self.next_logit_slot = 0
+
+    def add(self, name: str, output: Tensor) -> None:
+        output = output.reshape(-1, output.shape[-1])
+        buffer = self.buffers.get(name)
+        if buffer is None:
+            shape = (self.capacity[name == self.lm_head_name], output.shape[1])
+            buffer = self.buffers[name] = self.workspace.buffers(f"record {name}", shape, output.dtype, output.device, 1)[0]
+            self.filled[name] = 0
+        start = self.filled[name]
+        buffer[start : start + output.shape[0]].copy_(output)
+        self.filled[name] = start + output.shape[0]
+
+    def place(self, rows: Tensor, positions: Tensor, chunk_rows: Tensor, *, logits: bool) -> None:
+        """The current chunk holds tokens (``rows``, ``positions``) at its rows ``chunk_rows``."""
+        table = self.logit_slots if logits else self.slots
+        base = self.next_logit_slot if logits else self.next_slot
+        table[rows.cpu(), positions.cpu()] = base + chunk_rows.cpu()
+
+    def advance(self, layer_rows: int, logit_rows: int) -> None:
+        self.next_slot += layer_rows
+        self.next_logit_slot += logit_rows
+
+    def finish(self, weights_tag: int | None) -> RolloutActivations:
+        outputs = {name: buffer[: self.filled[name]] for name, buffer in self.buffers.items()}
+        on_cpu = all(t.device.type == "cpu" for t in outputs.values())
+        return RolloutActivations(outputs=outputs, slots=self.slots, logit_slots=self.logit_slots,
+                                  lm_head_name=self.lm_head_name, weights_tag=weights_tag,
+                                  workspace=self.workspace if on_cpu else None, recording=self.recording)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -402,6 +524,8 @@ class _Workspace:
     MAX_CACHE_SHAPES = 2
 
     def __init__(self) -> None:
+        #: recording rollouts run so far (:class:`RolloutActivations` in its buffers are the last one's)
+        self.recordings = 0
         self._weights_key: tuple | None = None
         self._weights: dict[tuple[int, bool], tuple[list[_Layer], _Linear]] = {}
         self._buffers: dict[tuple, list[Tensor]] = {}
@@ -526,6 +650,8 @@ class _Decoder:
         self.norm_kernel = norm_kernel if norm_kernel is not None and norm_kernel.supports(self.embed) else None
         #: the cache row of each working row (kernel path; None = working row i is cache row i)
         self.rows: Tensor | None = None
+        #: set by a recording rollout: every linear output goes there, unfused (no fused SiLU / residual add)
+        self.recorder: _Recorder | None = None
         #: (cache rows, total_len) 0 for keys to attend to, -inf for prompt padding; set by prefill
         self.key_bias = torch.zeros((rows, total_len), dtype=self.att_dtype, device=self.device)
 
@@ -539,9 +665,32 @@ class _Decoder:
             return self.norm_kernel.rms_norm_forward(x, weight, eps)[0]
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
-    def _mlp(self, x: Tensor, lw: _Layer) -> Tensor:
+    def _mlp(self, x: Tensor, lw: _Layer, names: tuple[str, ...] | None = None) -> Tensor:
         h = self._rms(x, lw.ln2, lw.eps2)
-        return lw.down.add_to(x, lw.gate.silu(h).mul_(lw.up(h)))
+        if names is None:
+            return lw.down.add_to(x, lw.gate.silu(h).mul_(lw.up(h)))
+        gate, up = lw.gate(h), lw.up(h)
+        down = lw.down(F.silu(gate).mul_(up))
+        for name, out in zip(names[2:], (gate, up, down)):
+            self.recorder.add(name, out)
+        return x + down
+
+    def _attention_out(self, x: Tensor, att: Tensor, lw: _Layer, names: tuple[str, ...] | None) -> Tensor:
+        """``x + o_proj(att)``, recording ``o_proj``'s output when recording."""
+        if names is None:
+            return lw.o.add_to(x, att)
+        out = lw.o(att)
+        self.recorder.add(names[1], out)
+        return x + out
+
+    def _logits(self, x: Tensor) -> Tensor:
+        logits = self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
+        if self.recorder is not None:
+            self.recorder.add(self.recorder.lm_head_name, logits)
+        return logits
+
+    def _names(self, i: int) -> tuple[str, ...] | None:
+        return None if self.recorder is None else self.recorder.layer_names[i]
 
     def prefill(self, ids: Tensor, mask: Tensor, copies: int) -> Tensor:
         """Run ``(b0 p)`` left-padded prompts; fill cache rows ``[i*copies, (i+1)*copies)`` with prompt i
@@ -561,7 +710,11 @@ class _Decoder:
         x = F.embedding(ids, self.embed).view(b0 * p, -1)
         last_layer = len(self.layers) - 1
         for i, (lw, kc, vc) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
-            qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b0, p, h + 2 * kv, d)
+            names = self._names(i)
+            qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1))
+            if names is not None:
+                self.recorder.add(names[0], qkv)
+            qkv = qkv.view(b0, p, h + 2 * kv, d)
             qk = _rope(qkv[:, :, : h + kv], cos, sin).to(self.att_dtype)
             q = qk[:, :, :h].transpose(1, 2)
             k = qk[:, :, h:].transpose(1, 2)
@@ -574,15 +727,18 @@ class _Decoder:
             else:
                 kc.view(b0, copies, *kc.shape[1:])[:, :, :, :p] = k[:, None]
             vc.view(b0, copies, *vc.shape[1:])[:, :, :, :p] = v[:, None]
-            if i == last_layer:
+            if i == last_layer and names is None:
                 # past the last layer's keys and values only the last position's output is read (its
-                # logits): its query alone attends, and o_proj and the MLP run on its row alone
+                # logits): its query alone attends, and o_proj and the MLP run on its row alone (a
+                # recording rollout runs every position: a trainer reads them all)
                 q, bias, x = q[:, :, -1:], bias[:, :, -1:], x.view(b0, p, -1)[:, -1].contiguous()
             rows = x.shape[0]
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=self.scale, enable_gqa=True)
-            x = lw.o.add_to(x, att.transpose(1, 2).reshape(rows, h * d).to(self.dtype))
-            x = self._mlp(x, lw)
-        return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
+            x = self._attention_out(x, att.transpose(1, 2).reshape(rows, h * d).to(self.dtype), lw, names)
+            x = self._mlp(x, lw, names)
+        if x.shape[0] != b0:
+            x = x.view(b0, p, -1)[:, -1].contiguous()
+        return self._logits(x)
 
     def step(self, tokens: Tensor, positions: Tensor, slot: int) -> Tensor:
         """One new token per working row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``."""
@@ -591,17 +747,25 @@ class _Decoder:
         x = F.embedding(tokens, self.embed)  # (b hidden)
         if self.fused_step:
             positions = positions.contiguous()
-            for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-                qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
+            for i, (lw, kc, vc) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
+                names = self._names(i)
+                qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1))
+                if names is not None:
+                    self.recorder.add(names[0], qkv)
+                qkv = qkv.view(b, h + 2 * kv, d)
                 att = self.kernel.step(qkv, self.cos, self.sin, positions, kc, vc, self.key_bias, slot, self.scale,
                                        qkv.new_empty(b, kv, h // kv, d), self.scratch, self.rows)
-                x = self._mlp(lw.o.add_to(x, att.view(b, h * d)), lw)
-            return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
+                x = self._mlp(self._attention_out(x, att.view(b, h * d), lw, names), lw, names)
+            return self._logits(x)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # (b 1 d)
         bias = self.key_bias[:, None, None, : slot + 1]
         rows = slice(None) if self.rows is None else self.rows
-        for lw, kc, vc in zip(self.layers, self.k_cache, self.v_cache):
-            qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
+        for i, (lw, kc, vc) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
+            names = self._names(i)
+            qkv = lw.qkv(self._rms(x, lw.ln1, lw.eps1))
+            if names is not None:
+                self.recorder.add(names[0], qkv)
+            qkv = qkv.view(b, h + 2 * kv, d)
             qk = _rope(qkv[:, : h + kv], cos, sin)
             vc[rows, :, slot] = qkv[:, h + kv :]
             q = qk[:, :h].view(b, kv, h // kv, d).to(self.att_dtype)
@@ -613,9 +777,9 @@ class _Decoder:
                 kc[:, :, slot] = qk[:, h:]
                 scores = torch.matmul(q, kc[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scale).add_(bias)
                 att = torch.matmul(_softmax(scores), vc[:, :, : slot + 1])  # (b kv g d)
-            x = lw.o.add_to(x, att.view(b, h * d).to(self.dtype))
-            x = self._mlp(x, lw)
-        return self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
+            x = self._attention_out(x, att.view(b, h * d).to(self.dtype), lw, names)
+            x = self._mlp(x, lw, names)
+        return self._logits(x)
 
     def keep_rows(self, index: Tensor) -> None:
         """Keep working rows ``index`` (int64, into the current working batch), in that order."""
@@ -685,6 +849,36 @@ def generate(
     Randomness comes only from ``generator`` if given, else from a fresh generator seeded with ``seed``
     (default ``sampling.seed``): the same seed and inputs give the same samples.
     """
+    return _generate(rollout, prompts, sampling, group_ids=group_ids, seed=seed, generator=generator, record=False)[0]
+
+
+def generate_recording(
+    rollout: NativeRollout,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig = SamplingConfig(),
+    *,
+    group_ids: Tensor | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[RolloutBatch, RolloutActivations]:
+    """:func:`generate` (the same tokens and log-probs for the same seed), plus the output of every linear
+    layer for every token it ran, for a trainer to reuse instead of recomputing its forward pass
+    (``backends.fsdp_engine.update(..., activations=)``); the batch's ``rollout_rows`` say which
+    rollout row each batch row is.
+
+    The activations take about ``4 * tokens * layers * (width of q/k/v + hidden * 2 + intermediate * 2)``
+    bytes (about 130 MB for 16 x 8 responses of 32 tokens on PLATFORM.md's config B), and the rollout
+    runs its residual adds and SiLU outside the linear layers (it records their outputs before them).
+    They carry the rollout's ``weights_tag`` (:func:`sync_weights`): a trainer reuses them only while its
+    weights are those. The trainer that reads them (``backends.cpu_fused``'s fused modules) runs on the CPU.
+    """
+    return _generate(rollout, prompts, sampling, group_ids=group_ids, seed=seed, generator=generator, record=True)
+
+
+def _generate(
+    rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, group_ids: Tensor | None,
+    seed: int | None, generator: torch.Generator | None, record: bool,
+) -> tuple[RolloutBatch, RolloutActivations | None]:
     prompts = _prepare_prompts(rollout, prompts, sampling)
     device = rollout.device
     num_prompts, n = len(prompts), sampling.n
@@ -693,8 +887,15 @@ def generate(
         generator = torch.Generator(device=device)
         generator.manual_seed(sampling.seed if seed is None else seed)
 
+    recorder = None
+    if record:
+        p = max(len(x) for x in prompts)
+        recorder = _Recorder(rollout.model, num_prompts * n, rollout.max_context, workspace=rollout.workspace,
+                             layer_rows=num_prompts * p + num_prompts * n * sampling.max_new_tokens,
+                             logit_rows=num_prompts + num_prompts * n * sampling.max_new_tokens)
     with torch.inference_mode():
-        tokens, logprobs, prompt_ids, prompt_mask = _generate_tokens(rollout, prompts, sampling, generator)
+        tokens, logprobs, prompt_ids, prompt_mask = _generate_tokens(rollout, prompts, sampling, generator, recorder)
+    recorded = recorder.finish(rollout.weights_tag) if recorder is not None else None
     # fresh (non-inference) tensors, so the trainer may use them in autograd
     tokens, logprobs = tokens.clone(), logprobs.clone()
     prompt_ids, prompt_mask = prompt_ids.clone(), prompt_mask.clone()
@@ -709,7 +910,10 @@ def generate(
     response_ids = tokens[:, :t].masked_fill(~response_mask, rollout.pad_token_id)
     rollout_logprobs = logprobs[:, :t].masked_fill(~response_mask, 0.0)
 
-    return _rollout_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n, group_ids)
+    batch = _rollout_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n, group_ids)
+    if recorded is not None:
+        batch = batch.replace(rollout_rows=torch.arange(num_prompts * n, device=device))
+    return batch, recorded
 
 
 def _check_group_ids(group_ids: Tensor | None, num_prompts: int) -> Tensor | None:
@@ -757,9 +961,11 @@ def _rollout_batch(
 
 
 def _generate_tokens(
-    rollout: NativeRollout, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator
+    rollout: NativeRollout, prompts: list[list[int]], sampling: SamplingConfig, generator: torch.Generator,
+    recorder: _Recorder | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The decoding loop. Returns raw tokens and log-probs ``(b steps)`` (garbage after EOS) and the prompts."""
+    """The decoding loop. Returns raw tokens and log-probs ``(b steps)`` (garbage after EOS) and the prompts.
+    ``recorder``: where the decoder's linear outputs go, and which token each of them belongs to."""
     device = rollout.device
     num_prompts, n = len(prompts), sampling.n
     rows = num_prompts * n
@@ -770,9 +976,19 @@ def _generate_tokens(
     total = p + max_new
 
     decoder = _Decoder(rollout.model, rows, total, rollout.prepack_cpu_weights, rollout.workspace)
+    decoder.recorder = recorder
     logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
 
     next_pos = prompt_mask.sum(-1).repeat_interleave(n)  # RoPE position of each row's first response token
+    if recorder is not None:  # the prefill's record rows: prompt i's padded column j is row i * p + j
+        row_mask = prompt_mask.repeat_interleave(n, dim=0)
+        row_of = torch.arange(rows, device=device)[:, None].expand(rows, p)
+        columns = (torch.arange(num_prompts, device=device) * p)[:, None] + torch.arange(p, device=device)
+        positions = (prompt_mask.long().cumsum(-1) - 1).repeat_interleave(n, dim=0)
+        recorder.place(row_of[row_mask], positions[row_mask], columns.repeat_interleave(n, dim=0)[row_mask], logits=False)
+        recorder.place(torch.arange(rows, device=device), next_pos - 1,
+                       torch.arange(num_prompts, device=device).repeat_interleave(n), logits=True)
+        recorder.advance(num_prompts * p, num_prompts)
     eos = torch.tensor(rollout.eos_token_ids, device=device)
 
     out_tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
@@ -805,6 +1021,12 @@ def _generate_tokens(
             decoder.keep_rows(keep)
             active = keep if active is None else active[keep]
             token, next_pos, running = token[keep], next_pos[keep], running[keep]
+        if recorder is not None:  # this step's record rows are its working rows, in order
+            working = torch.arange(token.shape[0], device=device)
+            full_rows = working if active is None else active
+            recorder.place(full_rows, next_pos + s, working, logits=False)
+            recorder.place(full_rows, next_pos + s, working, logits=True)
+            recorder.advance(token.shape[0], token.shape[0])
         logits = decoder.step(token, next_pos + s, p + s).float()
     return out_tokens[:, :steps], out_logprobs[:, :steps], prompt_ids, prompt_mask
 
