@@ -19,6 +19,10 @@ into a Hugging Face Llama / Qwen2 model:
   10.3 ms for the input gradient (the weight passed as a transposed view), against 11.7-15.5 and
   16.9-19.6 ms through ``F.linear`` and ``matmul``. The weight gradient stays a ``matmul`` (oneDNN was
   no faster once its operands' transposes and reorders are counted). Used for products of at least :data:`ONEDNN_MIN_MACS`.
+- :func:`replay_linear_outputs`: within it, :class:`OneDNNLinear` modules and the stacked q / k / v
+  product of :class:`FusedAttention` return outputs recorded earlier (by a rollout that ran the same
+  weights: ``backends.rollout_native.generate_recording``) instead of computing their products; their
+  backward is unchanged. A training step then runs no forward GEMM.
 
 All of them compute in float32 on the CPU. The attention and linear paths run for float32 inputs (bf16
 attention inputs are upcast, as PyTorch's CPU attention does); RMSNorm and SwiGLU also for bfloat16
@@ -31,8 +35,10 @@ references; in bf16 to bf16 rounding.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +47,7 @@ from torch import Tensor, nn
 from backends.cpu_kernels import NormAct, PackedAttention, norm_act_kernel, packed_attention_kernel
 
 __all__ = ["FusedAttention", "FusedRMSNorm", "FusedSwiGLU", "OneDNNLinear", "onednn_linear_works", "packed_attention",
-           "use_fused_modules"]
+           "replay_linear_outputs", "use_fused_modules"]
 
 #: HF modules replaced by :func:`use_fused_modules` (their forward is exactly the math the kernels do:
 #: Gemma's RMSNorm, for one, scales by ``1 + weight`` and is not here)
@@ -99,16 +105,21 @@ def _layout_tensors(layout: Any, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
 
 class _FusedQKVAttention(torch.autograd.Function):
     """``x (T H)`` -> attention output ``(T h d)``: one product with the stacked q / k / v weight
-    (oneDNN), RoPE on q and k, and the packed causal attention (C kernels), forward and backward."""
+    (oneDNN), RoPE on q and k, and the packed causal attention (C kernels), forward and backward.
+    ``recorded``: that product's output (bias included) from a rollout with these weights, used instead
+    of computing it."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, gather: Tensor,
                 lengths: Tensor, slot_token: Tensor, heads: int, kv_heads: int, scale: float,
-                kernel: PackedAttention) -> Tensor:
+                kernel: PackedAttention, recorded: Tensor | None = None) -> Tensor:
         T, width = x.shape[0], heads + 2 * kv_heads
-        qkv = _onednn_product(x, weight.detach())
-        if bias is not None:
-            qkv.add_(bias)
+        if recorded is not None:
+            qkv = recorded
+        else:
+            qkv = _onednn_product(x, weight.detach())
+            if bias is not None:
+                qkv.add_(bias)
         qkv = qkv.view(T, width, -1)
         rotated = torch.empty_like(qkv)  # RoPE'd q and k, then v: what the backward reads
         kernel.rope_forward(qkv[:, : heads + kv_heads], cos, sin, rotated[:, : heads + kv_heads])
@@ -134,7 +145,7 @@ class _FusedQKVAttention(torch.autograd.Function):
         dx = _onednn_product(g, weight.detach().t()) if ctx.needs_input_grad[0] else None
         dweight = g.t() @ x if ctx.needs_input_grad[1] else None
         dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dweight, dbias, *([None] * 9)
+        return dx, dweight, dbias, *([None] * 10)
 
 
 class FusedAttention:
@@ -176,8 +187,9 @@ class FusedAttention:
             [b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, projections)])
         cos, sin = (t.reshape(-1, self.head_dim).to(torch.float32).contiguous() for t in position_embeddings)
         T = x.shape[1]
+        recorded = _check_recorded(self, _replayed_output(self, (T, weight.shape[0])), (T, weight.shape[0]), x.dtype)
         out = _FusedQKVAttention.apply(x.reshape(T, -1), weight, bias, cos, sin, *_layout_tensors(layout, T), heads,
-                                       kv_heads, float(self.scaling), kernel)
+                                       kv_heads, float(self.scaling), kernel, recorded)
         return self.o_proj(out.view(1, T, heads * self.head_dim))
 
 
@@ -332,11 +344,84 @@ class OneDNNLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
+        out_shape = (*x.shape[:-1], w.shape[0])
+        recorded = _check_recorded(self, _replayed_output(self, out_shape), out_shape, x.dtype)
+        if recorded is not None:
+            return _ReplayedLinear.apply(x, w, self.bias, [recorded])
         if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and rows * w.numel() >= ONEDNN_MIN_MACS
                 and onednn_linear_works(torch.float32)):
             out = _OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
             return out.view(*x.shape[:-1], w.shape[0])
         return F.linear(x, w, self.bias)
+
+
+# ------------------------------------------------------------------------------------- replayed outputs
+
+#: module -> what produces its recorded output, while :func:`replay_linear_outputs` is active
+_REPLAY: contextvars.ContextVar[dict[nn.Module, Callable[[tuple[int, ...]], Tensor]] | None] = contextvars.ContextVar(
+    "rlfunc_replayed_outputs", default=None)
+
+
+@contextlib.contextmanager
+def replay_linear_outputs(outputs: Mapping[nn.Module, Callable[[tuple[int, ...]], Tensor]]) -> Iterator[None]:
+    """Within the block, each module of ``outputs`` (an :class:`OneDNNLinear`, or a :class:`FusedAttention`
+    for its stacked q / k / v product) returns ``outputs[module](shape)``, a new tensor of its output's
+    shape, instead of computing its product, once: the first time it runs. The output must be what
+    the product gives for the module's input
+    and current weights (bias included), e.g. recorded by a rollout that ran these weights; its
+    backward is the usual one (the input and weight gradients from the module's input, its weight and
+    the output's gradient). Shapes and dtypes are checked; values cannot be, which is the caller's
+    contract (``backends.fsdp_engine.update`` checks the weights' tag).
+
+    A module that does not run its fused path (e.g. attention on padded rows) computes its output as
+    usual; so does every module under activation checkpointing's recomputation, which runs after the block.
+    """
+    token = _REPLAY.set(dict(outputs))
+    try:
+        yield
+    finally:
+        _REPLAY.reset(token)
+
+
+def _replayed_output(module: nn.Module, shape: tuple[int, ...]) -> Tensor | None:
+    table = _REPLAY.get()
+    if not table:
+        return None
+    produce = table.pop(module, None)
+    return None if produce is None else produce(shape)
+
+
+def _check_recorded(module: nn.Module, recorded: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
+    if recorded is not None and (tuple(recorded.shape) != shape or recorded.dtype != dtype):
+        raise ValueError(
+            f"replayed output for {type(module).__name__}: expected {shape} {dtype} (the module's output for this "
+            f"input), got {tuple(recorded.shape)} {recorded.dtype}"
+        )
+    return recorded
+
+
+class _ReplayedLinear(torch.autograd.Function):
+    """``x @ weight.T + bias`` given as ``box[0]`` (a new tensor, not an input: the output is then no
+    view, which FSDP2 warns about at a root module's output); the backward of :class:`_OneDNNLinear`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, box: list[Tensor]) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return box.pop()
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dout = dout.reshape(-1, dout.shape[-1]).contiguous()
+        x2 = x.reshape(-1, x.shape[-1])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            large = dout.shape[0] * weight.numel() >= ONEDNN_MIN_MACS and dout.dtype == torch.float32
+            dx = _onednn_product(dout, weight.detach().t()) if large and onednn_linear_works(torch.float32) else dout @ weight
+            dx = dx.view(x.shape)
+        dweight = dout.t() @ x2 if ctx.needs_input_grad[1] else None
+        dbias = dout.sum(0) if ctx.needs_input_grad[2] else None
+        return dx, dweight, dbias, None
 
 
 def use_fused_modules(model: nn.Module) -> int:
