@@ -29,7 +29,10 @@ Our recipe runs with its defaults except: packed sequences (``actor.fsdp.use_rem
 exact), TRL's micro-batch (``per_device_train_batch_size=128``: ``actor.fsdp.micro_batch_size=128``),
 no LR warm-up, and ``algo.skip_zero_advantage=false`` unless ``--skip-zero-advantage``: at random
 init every reward is 0, so every GRPO advantage is 0 and the skip would drop the whole forward /
-backward, which TRL runs.
+backward, which TRL runs. In fp32, ``actor.reuse_rollout_activations=true``: the update takes the
+linear layers' outputs from the rollout, which ran the same weights, and runs the backward only
+(the same gradient to float rounding, tests/test_activation_replay.py); ``--ours-override
+actor.reuse_rollout_activations=false`` recomputes the forward pass as TRL does.
 
 Each side is its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``, world size 1), run
 one after the other, never in parallel; with ``--rounds > 1`` the order alternates between rounds.
@@ -53,7 +56,8 @@ reported as failed (the other side still runs). Results also go to ``<work-dir>/
 
 Last, the parent times the GEMMs alone of one step at the measured lengths in the case's precision
 (:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` (or
-oneDNN's prepacked linear) on this machine, printed as a multiple of TRL's step.
+oneDNN's prepacked linear) on this machine, printed as a multiple of TRL's step, for an update that
+recomputes its forward pass (TRL's) and for one that reuses the rollout's (its backward alone).
 """
 
 from __future__ import annotations
@@ -149,8 +153,8 @@ def param_count(model_dir: Path) -> int:
 
 
 def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, rows: int = PROMPTS_PER_STEP * SAMPLES,
-                  vocab: int = 66, reps: int = 5, dtype=None) -> tuple[float, float]:
-    """Matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms)``.
+                  vocab: int = 66, reps: int = 5, dtype=None) -> tuple[float, float, float]:
+    """Matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms, backward_ms)``.
 
     A lower bound for any implementation of the step in ``dtype`` (default fp32) that runs its
     matmuls through ``torch.matmul`` or oneDNN's prepacked linear (each product with a weight through
@@ -160,7 +164,8 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     prompt prefill is left out); update = forward + the two backward GEMMs over the fewest tokens an
     exact update needs: each prompt once per group of ``SAMPLES`` (shared-prefix training) and each
     completion less its last token (whose output predicts nothing), i.e.
-    ``rows / SAMPLES * prompt + rows * (completion - 1)`` (lm_head over the predicted tokens only).
+    ``rows / SAMPLES * prompt + rows * (completion - 1)`` (lm_head over the predicted tokens only);
+    ``backward_ms``: the update's two backward GEMMs alone (an update that reuses the rollout's forward).
     """
     import torch
 
@@ -181,18 +186,17 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
         with torch.inference_mode():
             return min(timed(lambda: x @ w.t()), timed(lambda: prepacked(x)))
 
-    def linear_ms(m: int, k: int, n: int, backward: bool) -> float:
+    def linear_ms(m: int, k: int, n: int) -> tuple[float, float]:
+        """(forward, backward) ms; grad input = gy @ w (a product with a fixed weight, w.T), grad weight = gy.T @ x"""
         x, w, gy = (torch.randn(shape, dtype=dtype or torch.float32) for shape in ((m, k), (n, k), (m, n)))
-        ms = times_weight_ms(x, w)
-        if backward:  # grad input = gy @ w (a product with a fixed weight, w.T), grad weight = gy.T @ x
-            ms += times_weight_ms(gy, w.t().contiguous()) + timed(lambda: gy.t() @ x)
-        return ms
+        return times_weight_ms(x, w), times_weight_ms(gy, w.t().contiguous()) + timed(lambda: gy.t() @ x)
 
     tokens = int(rows / SAMPLES * prompt_tokens + rows * (completion_tokens - 1))
-    decode_step = c["num_layers"] * sum(linear_ms(rows, k, n, False) for k, n in layer) + linear_ms(rows, hidden, vocab, False)
-    update = c["num_layers"] * sum(linear_ms(tokens, k, n, True) for k, n in layer)
-    update += linear_ms(int(rows * completion_tokens), hidden, vocab, True)
-    return decode_step * completion_tokens, update
+    decode_step = c["num_layers"] * sum(linear_ms(rows, k, n)[0] for k, n in layer) + linear_ms(rows, hidden, vocab)[0]
+    products = [linear_ms(tokens, k, n) for k, n in layer] * c["num_layers"]
+    products.append(linear_ms(int(rows * completion_tokens), hidden, vocab))
+    forward, backward = sum(f for f, _ in products), sum(b for _, b in products)
+    return decode_step * completion_tokens, forward + backward, backward
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,7 +207,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
 #: weights, AdamW state and gradient reduction) plus a bf16 rollout engine; TRL's bf16=True is
 #: accelerate's bf16 autocast over fp32 weights, its generation included.
 PRECISION_OVERRIDES = {
-    "fp32": ["actor.fsdp.param_dtype=float32", "rollout.dtype=float32"],
+    "fp32": ["actor.fsdp.param_dtype=float32", "rollout.dtype=float32", "actor.reuse_rollout_activations=true"],
     "bf16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"],
 }
 
@@ -441,12 +445,16 @@ def main(argv: list[str]) -> None:
         tok = load_tokenizer(model_dirs[c])
         prompt_tokens = statistics.mean(len(tok.encode(p["prompt"])) for p in prompts_list)
         dtype = torch.bfloat16 if prec == "bf16" else torch.float32
-        roll, upd = gemm_floor_ms(c, prompt_tokens, o["completion_length"], dtype=dtype)
+        roll, upd, bwd = gemm_floor_ms(c, prompt_tokens, o["completion_length"], dtype=dtype)
         trl = summary[case].get("trl")
-        vs_trl = f" = {(roll + upd) / trl['step_ms']:.2f}x TRL's step" if trl else ""
-        summary[case]["gemm_floor_ms"] = {"rollout": roll, "update": upd}
+
+        def vs_trl(ms: float) -> str:
+            return f" = {ms / trl['step_ms']:.2f}x TRL's step" if trl else ""
+
+        summary[case]["gemm_floor_ms"] = {"rollout": roll, "update": upd, "update_backward": bwd}
         print(f"{case}: {prec} GEMM floor of one step (linear layers only, no padding, 1 thread): rollout {roll:.0f} ms "
-              f"+ update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl}; ours spends {o['step_ms']:.0f} ms")
+              f"+ update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl(roll + upd)}; with the rollout's forward reused, "
+              f"rollout + backward {roll + bwd:.0f} ms{vs_trl(roll + bwd)}; ours spends {o['step_ms']:.0f} ms")
     for case, by_side in failures.items():
         for side, error in by_side.items():
             print(f"{case}: {side} FAILED: {error}")

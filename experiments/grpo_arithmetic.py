@@ -44,6 +44,7 @@ from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenize
 from backends.optim import OptimConfig, with_total_steps
 from backends.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
 from backends.rollout import RolloutConfig, build_rollout, generate, shutdown_rollout, sync_weights
+from backends.rollout_native import generate_recording
 from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
@@ -76,6 +77,12 @@ class ActorConfig:
     backend: str = "fsdp"  # "fsdp" or "megatron" (also runs the reference); tp / pp: megatron's sizes
     tp: int = 1
     pp: int = 1
+    #: the update takes the linear layers' outputs from the rollout (which ran the same weights) instead of
+    #: recomputing its forward pass: the backward's GEMMs only, the same gradient to float rounding
+    #: (backends.rollout_native.generate_recording). Needs the fsdp backend with packed rows
+    #: (fsdp.use_remove_padding=true), the native fp32 rollout, and one update per batch (ppo_epochs =
+    #: mini_batches = 1, rollout_is = none); memory: every linear output of the rollout (BUILD.md).
+    reuse_rollout_activations: bool = False
 
 
 @attrs.frozen
@@ -113,6 +120,7 @@ def main(argv: list[str]) -> dict:
         print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
         return {}
     cfg = apply_overrides(Config(), argv)  # an unknown key fails here, before any work
+    _check_reuse_rollout_activations(cfg)
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     env = init_distributed()
     log = get_logger("grpo", env)
@@ -163,6 +171,10 @@ def main(argv: list[str]) -> dict:
     # that cannot checkpoint says so here, before any RL work
     ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or resume_from else "actor"
     rollout = build_rollout(cfg.rollout, warm_path, tokenizer, seed=cfg.seed)
+    # reused rollout activations must come from the actor's current weights: each sync says which they are
+    tag = (lambda state: {"tag": state.step}) if cfg.actor.reuse_rollout_activations else (lambda state: {})
+    if cfg.actor.reuse_rollout_activations:
+        rollout = sync_weights(rollout, engine.full_state_dict(actor), **tag(actor))
     reference = None
     if cfg.algo.kl_coef > 0:
         reference = engine.build_reference(warm_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
@@ -180,7 +192,7 @@ def main(argv: list[str]) -> dict:
         stream = cfg.task.train_stream(seed=cfg.seed, drawn=extra["drawn"])
         eval_before, greedy_before, wall_before = extra["eval_before"], extra["greedy_before"], extra["wall_seconds"]
         first_step = extra["step"] + 1
-        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        rollout = sync_weights(rollout, engine.full_state_dict(actor), **tag(actor))
     log.info(f"held-out success before RL: {eval_before:.3f} sampled, {greedy_before:.3f} greedy ({len(heldout)} prompts)")
 
     loss_fn = functools.partial(
@@ -199,7 +211,12 @@ def main(argv: list[str]) -> dict:
         # 1. rollout: n samples per prompt, for this rank's share of the prompts
         problems = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
         prompts = [tokenizer.encode(p.prompt) for p in problems]
-        batch = generate(rollout, prompts, cfg.rollout, seed=(cfg.seed * 1_000_003 + step) * dp_size + dp_rank)
+        seed = (cfg.seed * 1_000_003 + step) * dp_size + dp_rank
+        reuse = {}  # the rollout's linear outputs, for the update to use instead of a forward pass
+        if cfg.actor.reuse_rollout_activations:
+            batch, reuse["activations"] = generate_recording(rollout, prompts, cfg.rollout.sampling(), seed=seed)
+        else:
+            batch = generate(rollout, prompts, cfg.rollout, seed=seed)
         batch = engine.share_batch(actor, batch)
         t_rollout = time.time() - t0
         # 2. verifiable reward: one score per sequence, parsed from the text
@@ -220,10 +237,11 @@ def main(argv: list[str]) -> dict:
         t_update = time.time()
         for _ in range(cfg.algo.ppo_epochs):
             for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), _split_rows(skip, cfg.algo.mini_batches)):
-                actor, m = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
+                actor, m = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip, **reuse)
+        del reuse  # the recorded activations: only the first update after the rollout may use them
         # 6. weight sync: stream full tensors from the FSDP / megatron shards into the rollout engine
         t_sync = time.time()
-        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        rollout = sync_weights(rollout, engine.full_state_dict(actor), **tag(actor))
         t_update, t_sync = t_sync - t_update, time.time() - t_sync
 
         dt = time.time() - t0
@@ -286,6 +304,26 @@ def main(argv: list[str]) -> dict:
     shutdown_rollout(rollout)
     shutdown(env)
     return summary
+
+
+def _check_reuse_rollout_activations(cfg: Config) -> None:
+    """``actor.reuse_rollout_activations`` needs a setting where the update's forward is the rollout's."""
+    if not cfg.actor.reuse_rollout_activations:
+        return
+    needs = {
+        "actor.backend=fsdp": cfg.actor.backend == "fsdp",
+        "actor.fsdp.use_remove_padding=true": cfg.actor.fsdp.use_remove_padding,
+        "actor.fsdp.balance_dp=false": not cfg.actor.fsdp.balance_dp,
+        "rollout.engine=native": cfg.rollout.engine == "native",
+        "rollout.dtype=float32": cfg.rollout.dtype == "float32",
+        "actor.fsdp.param_dtype float32 or auto (float32 on CPU)": cfg.actor.fsdp.param_dtype in ("auto", "float32"),
+        "algo.ppo_epochs=1": cfg.algo.ppo_epochs == 1,
+        "algo.mini_batches=1": cfg.algo.mini_batches == 1,
+        "algo.rollout_is=none": cfg.algo.rollout_is == "none",
+    }
+    unmet = [k for k, ok in needs.items() if not ok]
+    if unmet:
+        raise ValueError(f"actor.reuse_rollout_activations=true needs {', '.join(unmet)}")
 
 
 def _split_rows(rows: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:

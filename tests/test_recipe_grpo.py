@@ -81,6 +81,39 @@ def test_bf16_run_skips_zero_advantage_rows(tmp_path):
     assert all(0.0 <= r["skipped_rows"] <= 1.0 and r["update_skipped"] == 0.0 for r in rl)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_two_ranks_reusing_rollout_activations(tmp_path):
+    """Packed rows, the update taking its forward from each rank's recording rollout (FSDP2, 2 ranks),
+    skipped zero-advantage rows (no KL term), resumed from a checkpoint: the tag check holds throughout."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    args = [a for a in TINY if not a.startswith("algo.kl_coef")] + [
+        "tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "actor.reuse_rollout_activations=true",
+        "checkpoint.every=2",
+    ]
+    base = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}"]
+    out = subprocess.run(base + args, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    (run_dir,) = list(tmp_path.glob("grpo_arithmetic-*"))
+    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert [r["step"] for r in rl] == [1, 2, 3] and all(r["update_skipped"] == 0.0 for r in rl)
+    resumed = subprocess.run(base + args + [f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}"],
+                             env=_env(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert [r["step"] for r in rl] == [1, 2, 3]
+
+
+def test_reusing_rollout_activations_needs_a_setting_where_they_are_the_forward(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "actor.reuse_rollout_activations=true", "algo.ppo_epochs=2"],
+        env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "actor.reuse_rollout_activations=true needs actor.fsdp.use_remove_padding=true, algo.ppo_epochs=1" in out.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_unknown_config_key_fails_before_any_work(tmp_path):
     out = subprocess.run(
         [sys.executable, str(RECIPE), f"run_root={tmp_path}", "actor.optim.lrr=1e-5"],
