@@ -670,10 +670,11 @@ class _Decoder:
         if names is None:
             return lw.down.add_to(x, lw.gate.silu(h).mul_(lw.up(h)))
         gate, up = lw.gate(h), lw.up(h)
-        down = lw.down(F.silu(gate).mul_(up))
+        act = self.norm_kernel.swiglu_forward(gate, up) if self.norm_kernel is not None else F.silu(gate).mul_(up)
+        down = lw.down(act)
         for name, out in zip(names[2:], (gate, up, down)):
             self.recorder.add(name, out)
-        return x + down
+        return x.add_(down)  # x: this step's own residual stream (the embedding's or an earlier add's output)
 
     def _attention_out(self, x: Tensor, att: Tensor, lw: _Layer, names: tuple[str, ...] | None) -> Tensor:
         """``x + o_proj(att)``, recording ``o_proj``'s output when recording."""
@@ -681,7 +682,7 @@ class _Decoder:
             return lw.o.add_to(x, att)
         out = lw.o(att)
         self.recorder.add(names[1], out)
-        return x + out
+        return x.add_(out)
 
     def _logits(self, x: Tensor) -> Tensor:
         logits = self.lm_head(self._rms(x, self.norm_w, self.norm_eps))
