@@ -365,8 +365,9 @@ _REPLAY: contextvars.ContextVar[dict[nn.Module, Callable[[tuple[int, ...]], Tens
 @contextlib.contextmanager
 def replay_linear_outputs(outputs: Mapping[nn.Module, Callable[[tuple[int, ...]], Tensor]]) -> Iterator[None]:
     """Within the block, each module of ``outputs`` (an :class:`OneDNNLinear`, or a :class:`FusedAttention`
-    for its stacked q / k / v product) returns ``outputs[module](shape)``, a new tensor of its output's
-    shape, instead of computing its product, once: the first time it runs. The output must be what
+    for its stacked q / k / v product) returns ``outputs[module](shape)``, a tensor of its output's
+    shape (which must stay unchanged until the backward has run: e.g. a view of the recorded outputs),
+    instead of computing its product, once: the first time it runs. The output must be what
     the product gives for the module's input
     and current weights (bias included), e.g. recorded by a rollout that ran these weights; its
     backward is the usual one (the input and weight gradients from the module's input, its weight and
@@ -401,8 +402,9 @@ def _check_recorded(module: nn.Module, recorded: Tensor | None, shape: tuple[int
 
 
 class _ReplayedLinear(torch.autograd.Function):
-    """``x @ weight.T + bias`` given as ``box[0]`` (a new tensor, not an input: the output is then no
-    view, which FSDP2 warns about at a root module's output); the backward of :class:`_OneDNNLinear`."""
+    """``x @ weight.T + bias`` given as ``box[0]`` (not an input: an input returned as the output would
+    be a view of it, which FSDP2 warns about at a root module's output; a view of the recorded outputs
+    is fine, and autograd refuses in-place changes to it); the backward of :class:`_OneDNNLinear`."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, box: list[Tensor]) -> Tensor:

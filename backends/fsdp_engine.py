@@ -723,7 +723,9 @@ def _forward_packed(
     shared layout; flash-attention varlen cannot).
     """
     share = share_prompts and getattr(getattr(module, "config", None), "_attn_implementation", None) == VARLEN_SDPA
-    packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, share_prompts=share)
+    # with recorded activations, pack in their order (a batch the rollout gave whole then reads them in place)
+    packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, share_prompts=share,
+                                   step_major=activations is not None)
     if role == "critic":
         out = module(**model_kwargs(packed))
         logits = out.logits
@@ -742,19 +744,32 @@ def _forward_packed(
 def _replayed_outputs(
     module: nn.Module, mb: RolloutBatch, packed: PackedRows, activations: RolloutActivations
 ) -> dict[nn.Module, Callable[[tuple[int, ...]], Tensor]]:
-    """Each linear module's recorded output for this packed micro-batch, gathered when the module runs."""
+    """Each linear module's recorded output for this packed micro-batch, produced when the module runs:
+    the records' first rows themselves when they are the packed tokens in order (the micro-batch is
+    the rollout's whole batch, packed step-major), else gathered."""
     rows = mb.rollout_rows.to(packed.token_rows.device)[packed.token_rows]
     positions = packed.position_ids[0]
     slots = activations.record_rows(rows, positions)
     logit_slots = activations.record_rows(rows[packed.predict_index], positions[packed.predict_index], logits=True)
+    in_place = bool((slots == torch.arange(slots.shape[0], device=slots.device)).all())
     modules = dict(module.named_modules())
     missing = sorted(set(activations.outputs) - set(modules))
     if missing:
         raise ValueError(f"the recorded activations name modules this model does not have: {missing[:3]}")
-    return {
-        modules[name]: functools.partial(_gather_rows, recorded, logit_slots if name == activations.lm_head_name else slots)
-        for name, recorded in activations.outputs.items()
-    }
+    produce = {}
+    for name, recorded in activations.outputs.items():
+        if name == activations.lm_head_name:  # predicting positions repeat a shared prompt's last token: gathered
+            produce[modules[name]] = functools.partial(_gather_rows, recorded, logit_slots)
+        elif in_place:
+            produce[modules[name]] = functools.partial(_leading_rows, recorded)
+        else:
+            produce[modules[name]] = functools.partial(_gather_rows, recorded, slots)
+    return produce
+
+
+def _leading_rows(source: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """The first rows of ``source`` viewed as ``shape`` (no copy)."""
+    return source[: math.prod(shape) // source.shape[-1]].view(shape)
 
 
 def _gather_rows(source: Tensor, index: Tensor, shape: tuple[int, ...]) -> Tensor:

@@ -82,8 +82,8 @@ class PackedRows:
 
     input_ids: Tensor  # (1 T)
     position_ids: Tensor  # (1 T): 0 .. L_i - 1 per sequence
-    #: (n + 1) int32: start of each sequence in the row, then T. None when prompts are shared: the
-    #: sequences are then not contiguous in the row, and ``layout`` says where they are.
+    #: (n + 1) int32: start of each sequence in the row, then T. None when prompts are shared or the
+    #: order is step-major: the sequences are then not contiguous in the row, and ``layout`` says where they are.
     cu_seqlens: Tensor | None
     max_seqlen: int  # max_i L_i
     predict_index: Tensor  # (N): packed positions whose next-token output belongs to a response token
@@ -92,7 +92,7 @@ class PackedRows:
     labels: Tensor  # (N): the kept response token ids
     shape: tuple[int, int]  # (b, t) of the micro-batch's response block
     token_rows: Tensor  # (T): the micro-batch row of each packed token (a shared prompt's: its first row)
-    layout: BlockLayout | None = None  # set when prompts are shared (pack_rows(share_prompts=True))
+    layout: BlockLayout | None = None  # set when prompts are shared or the order is step-major (see pack_rows)
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +101,7 @@ class PackedRows:
 
 def pack_rows(
     prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
-    share_prompts: bool = False, with_last_token: bool = False,
+    share_prompts: bool = False, with_last_token: bool = False, step_major: bool = False,
 ) -> PackedRows:
     """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses into one row,
     for predicting each row's response tokens up to its last ``response_mask`` token (at least one).
@@ -119,6 +119,13 @@ def pack_rows(
     and gradients are the same as without sharing (the prompt's activations are computed once and
     its gradient is the sum over the group, as it is when computed ``k`` times); only the packed-aware
     attention (:func:`varlen_sdpa_attention`) reads ``layout``, flash-attention varlen cannot.
+
+    ``step_major``: the tokens in the order a batched decoder produced them: every stored prompt
+    (rows in order), then response column 0 of every row that has it in the input, column 1, and so
+    on (rows ascending in each). This is the order of the native rollout's recorded activations
+    (``backends.rollout_native.generate_recording``), which a trainer can then read without a gather.
+    The sequences are not contiguous, so the row always carries a ``layout`` (the packed-aware
+    attention reads it; flash-attention varlen cannot).
     """
     b, p = prompt_ids.shape
     t = response_ids.shape[1]
@@ -149,16 +156,23 @@ def pack_rows(
     # each row's prompt is stored by its leader: the first row with the same prompt, or itself
     leader = _first_row_with_same_prompt(prompt_ids, prompt_mask) if share_prompts else rows_b
     stored = torch.cat([prompt_mask & (leader == rows_b)[:, None], input_keep], dim=1)  # tokens held in the row
-    # stream order: rows grouped behind their leader, leaders in order of first appearance
-    order = torch.sort(leader, stable=True).indices
-    flat_keep = stored[order].reshape(-1)
-    packed_input_ids = torch.cat([prompt_ids, response_ids], dim=1)[order].reshape(-1)[flat_keep][None]
-    packed_position_ids = position_ids[order].reshape(-1)[flat_keep][None]
-    # packed position of every stored token, back in the original row order; a row's prompt columns
-    # point at its leader's tokens
-    index = torch.full(flat_keep.shape, -1, dtype=torch.long, device=flat_keep.device)
-    index[flat_keep] = torch.arange(int(flat_keep.sum()), device=index.device)
-    index = torch.empty(b, p + t, dtype=torch.long, device=index.device).index_copy_(0, order, index.view(b, p + t))
+    # the stream: flat (row, column) indices of the stored tokens in packed order
+    width = p + t
+    if step_major:
+        column = torch.arange(width, device=prompt_ids.device)[None]
+        key = torch.where(column < p, rows_b[:, None] * p + column, b * p + (column - p) * b + rows_b[:, None])
+        candidates = stored.reshape(-1).nonzero().squeeze(-1)
+        stream = candidates[torch.argsort(key.reshape(-1)[candidates])]
+    else:  # rows grouped behind their leader, leaders in order of first appearance
+        order = torch.sort(leader, stable=True).indices
+        flat = order[:, None] * width + torch.arange(width, device=prompt_ids.device)
+        stream = flat[stored[order]]
+    packed_input_ids = torch.cat([prompt_ids, response_ids], dim=1).reshape(-1)[stream][None]
+    packed_position_ids = position_ids.reshape(-1)[stream][None]
+    # packed position of every stored token; a row's prompt columns point at its leader's tokens
+    index = torch.full((b * width,), -1, dtype=torch.long, device=stream.device)
+    index[stream] = torch.arange(stream.shape[0], device=stream.device)
+    index = index.view(b, width)
     index[:, :p] = index[leader, :p]
     # the token before each kept response token predicts it (the prompt's last token for column 0;
     # prompts are left-padded, so column p - 1 is real in every row)
@@ -167,9 +181,9 @@ def pack_rows(
     common = dict(
         input_ids=packed_input_ids, position_ids=packed_position_ids, max_seqlen=int(seqlens.max()),
         predict_index=predict_index, rows=rows, cols=resp_cols, labels=response_ids[response_keep], shape=(b, t),
-        token_rows=order.repeat_interleave(p + t)[flat_keep],
+        token_rows=torch.div(stream, width, rounding_mode="floor"),
     )
-    if not share_prompts:
+    if not (share_prompts or step_major):
         cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
         return PackedRows(cu_seqlens=cu_seqlens, **common)
     return PackedRows(cu_seqlens=None, layout=_shared_layout(index, stored, prompt_len, seqlens, p), **common)

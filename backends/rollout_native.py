@@ -303,10 +303,14 @@ class RolloutActivations:
     only needs the backward (``backends.cpu_fused.replay_linear_outputs``).
 
     ``slots (rows, positions)`` gives the record row of the token at RoPE position ``pos`` of rollout
-    row ``R`` (``batch.rollout_rows``), -1 for tokens the rollout did not run: prompt padding, and the
-    last sampled token of each row, which no step reads. The ``n`` rows of a prompt share its
-    prompt's record rows. ``logit_slots`` does the same for the LM head, which ran on the last prompt
-    token and on each step's input token only, the tokens whose outputs predict a response token.
+    row ``R`` (``batch.rollout_rows``), -1 for tokens not recorded: prompt padding, and the last
+    sampled token of each row, which a trainer does not run either (steps that still ran a finished
+    row keep nothing of it). The ``n`` rows of a prompt share its prompt's record rows. The records
+    are in the order of ``backends.packing.pack_rows(step_major=True)`` for the whole batch: every
+    prompt's real tokens, then the first response token of every row that has a second one, and so on,
+    so a trainer packing the batch that way reads them without a gather. ``logit_slots`` does the same
+    for the LM head, which ran on the last prompt token and on each step's input token only, the tokens
+    whose outputs predict a response token.
 
     On the CPU the outputs live in the engine's workspace (reused memory, as the KV caches): the next
     recording rollout on the same engine overwrites them, after which :meth:`record_rows` refuses them.
@@ -372,25 +376,40 @@ class _Recorder:
         self.slots = torch.full((rows, positions), -1, dtype=torch.long)
         self.logit_slots = torch.full((rows, positions), -1, dtype=torch.long)
         self.next_slot = self.next_logit_slot = 0
+        #: the rows of the next chunk's outputs to keep (layers, LM head): indices, or None for all
+        self.keep: dict[bool, Tensor | None] = {False: None, True: None}
+
+    def begin_chunk(self, layer_rows: Tensor | None, logit_rows: Tensor | None) -> None:
+        """Keep rows ``layer_rows`` of the next call's layer outputs and ``logit_rows`` of its LM-head output
+        (ascending indices into the call's rows; None keeps every row)."""
+        self.keep = {False: layer_rows, True: logit_rows}
 
     def add(self, name: str, output: Tensor) -> None:
         output = output.reshape(-1, output.shape[-1])
+        keep = self.keep[name == self.lm_head_name]
+        count = output.shape[0] if keep is None else keep.shape[0]
         buffer = self.buffers.get(name)
         if buffer is None:
             shape = (self.capacity[name == self.lm_head_name], output.shape[1])
-            buffer = self.buffers[name] = self.workspace.buffers(f"record {name}", shape, output.dtype, output.device, 1)[0]
-            self.filled[name] = 0
+            # normal tensors (the rollout runs in inference mode): a trainer's autograd may save views of them
+            with torch.inference_mode(False):
+                buffer = self.workspace.buffers(f"record {name}", shape, output.dtype, output.device, 1)[0]
+            self.buffers[name], self.filled[name] = buffer, 0
         start = self.filled[name]
-        buffer[start : start + output.shape[0]].copy_(output)
-        self.filled[name] = start + output.shape[0]
+        if keep is None:
+            buffer[start : start + count].copy_(output)
+        else:
+            torch.index_select(output, 0, keep, out=buffer[start : start + count])
+        self.filled[name] = start + count
 
     def place(self, rows: Tensor, positions: Tensor, chunk_rows: Tensor, *, logits: bool) -> None:
-        """The current chunk holds tokens (``rows``, ``positions``) at its rows ``chunk_rows``."""
+        """The current chunk's kept outputs hold tokens (``rows``, ``positions``) at their rows ``chunk_rows``."""
         table = self.logit_slots if logits else self.slots
         base = self.next_logit_slot if logits else self.next_slot
         table[rows.cpu(), positions.cpu()] = base + chunk_rows.cpu()
 
     def advance(self, layer_rows: int, logit_rows: int) -> None:
+        """Move past the current chunk, which kept this many layer and LM-head rows."""
         self.next_slot += layer_rows
         self.next_logit_slot += logit_rows
 
@@ -978,18 +997,22 @@ def _generate_tokens(
 
     decoder = _Decoder(rollout.model, rows, total, rollout.prepack_cpu_weights, rollout.workspace)
     decoder.recorder = recorder
+    real_prompt_tokens = prompt_mask.reshape(-1).nonzero().squeeze(-1)  # prompt by prompt, in order
+    if recorder is not None:  # the prefill keeps its real prompt tokens, and every prompt's logits
+        recorder.begin_chunk(real_prompt_tokens, None)
     logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
 
     next_pos = prompt_mask.sum(-1).repeat_interleave(n)  # RoPE position of each row's first response token
-    if recorder is not None:  # the prefill's record rows: prompt i's padded column j is row i * p + j
+    if recorder is not None:
+        chunk_row = torch.full((num_prompts, p), -1, dtype=torch.long, device=device)
+        chunk_row[prompt_mask] = torch.arange(real_prompt_tokens.shape[0], device=device)
         row_mask = prompt_mask.repeat_interleave(n, dim=0)
         row_of = torch.arange(rows, device=device)[:, None].expand(rows, p)
-        columns = (torch.arange(num_prompts, device=device) * p)[:, None] + torch.arange(p, device=device)
         positions = (prompt_mask.long().cumsum(-1) - 1).repeat_interleave(n, dim=0)
-        recorder.place(row_of[row_mask], positions[row_mask], columns.repeat_interleave(n, dim=0)[row_mask], logits=False)
+        recorder.place(row_of[row_mask], positions[row_mask], chunk_row.repeat_interleave(n, dim=0)[row_mask], logits=False)
         recorder.place(torch.arange(rows, device=device), next_pos - 1,
                        torch.arange(num_prompts, device=device).repeat_interleave(n), logits=True)
-        recorder.advance(num_prompts * p, num_prompts)
+        recorder.advance(real_prompt_tokens.shape[0], num_prompts)
     eos = torch.tensor(rollout.eos_token_ids, device=device)
 
     out_tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
@@ -1022,12 +1045,20 @@ def _generate_tokens(
             decoder.keep_rows(keep)
             active = keep if active is None else active[keep]
             token, next_pos, running = token[keep], next_pos[keep], running[keep]
-        if recorder is not None:  # this step's record rows are its working rows, in order
-            working = torch.arange(token.shape[0], device=device)
-            full_rows = working if active is None else active
-            recorder.place(full_rows, next_pos + s, working, logits=False)
-            recorder.place(full_rows, next_pos + s, working, logits=True)
-            recorder.advance(token.shape[0], token.shape[0])
+        if recorder is not None:
+            # this step keeps the rows still running (ascending): their input token is a response
+            # token that a trainer runs (not a finished row's, nor a row's last); the record rows of
+            # the prompts and then of the steps are a step-major packing's tokens (backends.packing)
+            full_rows = torch.arange(token.shape[0], device=device) if active is None else active
+            step_pos = next_pos + s
+            keep_running = None if num_running == token.shape[0] else running.nonzero().squeeze(-1)
+            if keep_running is not None:
+                full_rows, step_pos = full_rows[keep_running], step_pos[keep_running]
+            recorder.begin_chunk(keep_running, keep_running)
+            kept = torch.arange(num_running, device=device)
+            recorder.place(full_rows, step_pos, kept, logits=False)
+            recorder.place(full_rows, step_pos, kept, logits=True)
+            recorder.advance(num_running, num_running)
         logits = decoder.step(token, next_pos + s, p + s).float()
     return out_tokens[:, :steps], out_logprobs[:, :steps], prompt_ids, prompt_mask
 

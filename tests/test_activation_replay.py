@@ -15,10 +15,12 @@ import torch
 
 import rlfunc as rf
 from backends.cpu_kernels import norm_act_kernel, packed_attention_kernel
+from backends import fsdp_engine
 from backends.distributed import init_distributed
 from backends.fsdp_engine import FSDPConfig, build_actor, full_state_dict, update
 from backends.models import TinyModelConfig, build_char_tokenizer, load_causal_lm, write_tiny_model
 from backends.optim import OptimConfig
+from backends.packing import pack_rows
 from backends.rollout_native import SamplingConfig, build_native_rollout, generate, generate_recording, sync_weights
 from tests.distributed import run_distributed
 
@@ -125,12 +127,33 @@ def test_recorded_outputs_are_the_models_linear_outputs(model_dir):
         activations.record_rows(torch.tensor([0]), torch.tensor([ids.shape[0] + 30]))
 
 
+def test_records_are_the_step_major_packing_of_the_batch(model_dir):
+    """The records hold exactly the tokens a trainer runs, in ``pack_rows(step_major=True)``'s order, so a
+    whole batch reads them in place; rows finish at different steps (finished rows' steps keep nothing)."""
+    tokenizer = build_char_tokenizer()
+    rollout = build_native_rollout(model_dir, tokenizer)
+    prompts = [tokenizer.encode(p) for p in ["12+34=", "7+8=", "99+1=", "5+5="]]
+    batch, activations = generate_recording(rollout, prompts, SamplingConfig(n=4, max_new_tokens=24), seed=4)
+    lengths = batch.response_mask.sum(-1)
+    assert len(set(lengths.tolist())) > 2 and int(lengths.min()) < 24  # some rows stopped early, at different steps
+    packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
+                       share_prompts=True, step_major=True)
+    slots = activations.record_rows(batch.rollout_rows[packed.token_rows], packed.position_ids[0])
+    assert slots.tolist() == list(range(packed.num_tokens))
+    assert all(t.shape[0] == packed.num_tokens for n, t in activations.outputs.items() if n != activations.lm_head_name)
+    assert activations.outputs[activations.lm_head_name].shape[0] == len(prompts) + int((lengths - 1).sum())
+
+
 @kernels
-@pytest.mark.parametrize("micro_batch_size,skip_some_rows", [(9, False), (4, True)])
-def test_replayed_update_equals_recomputed_update(model_dir, micro_batch_size, skip_some_rows):
+@pytest.mark.parametrize("micro_batch_size,skip_some_rows", [(9, False), (5, False), (4, True)])
+def test_replayed_update_equals_recomputed_update(model_dir, micro_batch_size, skip_some_rows, monkeypatch):
+    in_place = []  # the whole batch (9 rows) in one micro-batch reads the records in place, the rest gathers
+    leading_rows = fsdp_engine._leading_rows
+    monkeypatch.setattr(fsdp_engine, "_leading_rows", lambda *a: in_place.append(1) or leading_rows(*a))
     out = _replay_vs_recompute(0, 1, model_dir, micro_batch_size, skip_some_rows)
     print(f"worst relative gradient gap, replayed vs recomputed forward: {out['gap']:.2e}; losses {out['losses']}")
     assert out["gap"] < 1e-4
+    assert bool(in_place) == (micro_batch_size == 9 and not skip_some_rows)
     for step in out["losses"]:
         assert step["replay"] == pytest.approx(step["recompute"], rel=1e-4, abs=1e-6)
 

@@ -107,6 +107,27 @@ def test_pack_rows_shared_prompts_by_hand():
     assert unshared.num_tokens == packed.num_tokens + 2 and unshared.layout is None
 
 
+def test_pack_rows_step_major_by_hand():
+    # the same rows as above, in the order a batched decoder runs them: both stored prompts, then
+    # response column 0 of rows 0 and 2 (row 1 has no input token), then column 1 of row 2
+    prompt_ids = torch.tensor([[0, 5, 6], [4, 4, 3], [0, 5, 6]])
+    prompt_mask = torch.tensor([[False, True, True], [True, True, True], [False, True, True]])
+    response_ids = torch.tensor([[7, 8, 9], [2, 0, 0], [11, 12, 13]])
+    response_mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
+    packed = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, share_prompts=True, step_major=True)
+    assert packed.input_ids.tolist() == [[5, 6, 4, 4, 3, 7, 11, 12]]
+    assert packed.position_ids.tolist() == [[0, 1, 0, 1, 2, 2, 2, 3]]
+    assert packed.token_rows.tolist() == [0, 0, 1, 1, 1, 0, 2, 2]
+    assert packed.cu_seqlens is None
+    assert packed.predict_index.tolist() == [1, 5, 4, 1, 6, 7]
+    assert packed.labels.tolist() == [7, 8, 2, 11, 12, 13]
+    assert packed.layout.gather.tolist() == [[0, 1, 5, 5], [2, 3, 4, 4], [0, 1, 6, 7]]
+    # without shared prompts each row stores its own prompt, and the sequences still are not contiguous
+    unshared = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, step_major=True)
+    assert unshared.input_ids.tolist() == [[5, 6, 4, 4, 3, 5, 6, 7, 11, 12]]
+    assert unshared.cu_seqlens is None and unshared.layout is not None
+
+
 def test_pack_rows_needs_left_padded_prompts():
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="left-padded"):
