@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from backends.cpu_fused import onednn_linear_works as _onednn_linear_works
-from backends.cpu_kernels import decode_attention_kernel, norm_act_kernel
+from backends.cpu_kernels import decode_attention_kernel, norm_act_kernel, record_rows_kernel
 from rlfunc.batch import RolloutBatch, validate
 
 __all__ = [
@@ -367,6 +367,7 @@ class _Recorder:
         ]
         self.lm_head_name = names[id(model.get_output_embeddings())]
         self.workspace = workspace
+        self.copy_kernel = record_rows_kernel()
         workspace.recordings += 1
         self.recording = workspace.recordings
         step = self.CAPACITY_STEP
@@ -395,11 +396,13 @@ class _Recorder:
             with torch.inference_mode(False):
                 buffer = self.workspace.buffers(f"record {name}", shape, output.dtype, output.device, 1)[0]
             self.buffers[name], self.filled[name] = buffer, 0
-        start = self.filled[name]
-        if keep is None:
-            buffer[start : start + count].copy_(output)
+        start, target = self.filled[name], buffer[self.filled[name] : self.filled[name] + count]
+        if self.copy_kernel is not None and output.device.type == "cpu" and output.is_contiguous():
+            self.copy_kernel(output, target, keep)  # streaming stores: the buffer is not read back into cache
+        elif keep is None:
+            target.copy_(output)
         else:
-            torch.index_select(output, 0, keep, out=buffer[start : start + count])
+            torch.index_select(output, 0, keep, out=target)
         self.filled[name] = start + count
 
     def place(self, rows: Tensor, positions: Tensor, chunk_rows: Tensor, *, logits: bool) -> None:

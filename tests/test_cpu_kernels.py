@@ -255,3 +255,33 @@ def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert first.stdout == second.stdout
     assert [p.name for p in tmp_path.iterdir()] == [Path(first.stdout.strip()).name]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 17, 64, 688])
+def test_record_rows_copies_exactly(dtype, width):
+    """The rollout recorder's streaming copy: any row width (unaligned heads and tails), selected rows."""
+    kernel = cpu_kernels.record_rows_kernel()
+    src = torch.randn(13, width).to(dtype)
+    buffer = torch.full((40, width), -7.0, dtype=dtype)
+    kernel(src, buffer[3:16])  # a destination at an odd offset: its rows straddle cache lines
+    assert torch.equal(buffer[3:16], src) and bool((buffer[:3] == -7).all()) and bool((buffer[16:] == -7).all())
+    rows = torch.tensor([12, 0, 5, 5, 7])
+    kernel(src, buffer[20:25], rows)
+    assert torch.equal(buffer[20:25], src[rows]) and bool((buffer[25:] == -7).all())
+    kernel(src, buffer[30:30], torch.zeros(0, dtype=torch.long))  # nothing to copy
+
+
+@needs_kernel
+def test_record_rows_refuses_bad_input():
+    kernel = cpu_kernels.record_rows_kernel()
+    src, dst = torch.randn(4, 8), torch.empty(2, 8)
+    with pytest.raises(IndexError, match="outside the source's 4 rows"):
+        kernel(src, dst, torch.tensor([1, 4]))
+    with pytest.raises(ValueError, match="one dtype and width"):
+        kernel(src, torch.empty(2, 8, dtype=torch.bfloat16), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="one dtype and width"):
+        kernel(src, dst)  # 4 rows into 2 without an index
+    with pytest.raises(ValueError, match="one dtype and width"):
+        kernel(src.t(), dst.t().contiguous().t())
