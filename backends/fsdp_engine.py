@@ -722,10 +722,11 @@ def _forward_packed(
     each distinct prompt once, when the model runs the packed-aware SDPA attention (which reads the
     shared layout; flash-attention varlen cannot).
     """
-    share = share_prompts and getattr(getattr(module, "config", None), "_attn_implementation", None) == VARLEN_SDPA
+    reads_layouts = getattr(getattr(module, "config", None), "_attn_implementation", None) == VARLEN_SDPA
     # with recorded activations, pack in their order (a batch the rollout gave whole then reads them in place)
-    packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, share_prompts=share,
-                                   step_major=activations is not None)
+    packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                   share_prompts=share_prompts and reads_layouts,
+                                   step_major=activations is not None and reads_layouts)
     if role == "critic":
         out = module(**model_kwargs(packed))
         logits = out.logits

@@ -1000,8 +1000,8 @@ def _generate_tokens(
 
     decoder = _Decoder(rollout.model, rows, total, rollout.prepack_cpu_weights, rollout.workspace)
     decoder.recorder = recorder
-    real_prompt_tokens = prompt_mask.reshape(-1).nonzero().squeeze(-1)  # prompt by prompt, in order
-    if recorder is not None:  # the prefill keeps its real prompt tokens, and every prompt's logits
+    if recorder is not None:  # the prefill keeps its real prompt tokens (prompt by prompt), every prompt's logits
+        real_prompt_tokens = prompt_mask.reshape(-1).nonzero().squeeze(-1)
         recorder.begin_chunk(real_prompt_tokens, None)
     logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
 
