@@ -186,7 +186,7 @@ def write_tiny_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyM
     return out
 
 
-def _check_model_dir(path: Path) -> dict:
+def check_model_dir(path: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not path.is_dir():
@@ -233,7 +233,7 @@ def load_causal_lm(
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    _check_model_dir(path)
+    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
     )
@@ -301,7 +301,7 @@ def write_tiny_reward_model(
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
+def quiet_transformers() -> Iterator[None]:
     """Silence transformers' load report for the duration (the caller checks the missing keys itself)."""
     from transformers.utils import logging as hf_logging
 
@@ -344,7 +344,7 @@ def load_value_model(
     if value_head_init not in VALUE_HEAD_INITS:
         raise ValueError(f"value_head_init must be one of {VALUE_HEAD_INITS}, got {value_head_init!r}")
     path = Path(path)
-    raw = _check_model_dir(path)
+    raw = check_model_dir(path)
     archs = raw.get("architectures") or []
     is_value_model = any(a.endswith("ForTokenClassification") for a in archs)
     is_causal_lm = any(a.endswith("ForCausalLM") for a in archs)
@@ -358,7 +358,7 @@ def load_value_model(
         raise ValueError(f"{str(path)!r} is a token classifier with {hf_config.num_labels} labels; a value model has 1")
     hf_config.num_labels = 1
     hf_config.classifier_dropout = 0.0
-    with _quiet_transformers():
+    with quiet_transformers():
         model, info = AutoModelForTokenClassification.from_pretrained(
             path, config=hf_config, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
             output_loading_info=True,

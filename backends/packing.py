@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from backends.cpu_fused import packed_attention
+from backends.cpu.fused_modules import packed_attention
 
 __all__ = ["VARLEN_SDPA", "BlockLayout", "PackedRows", "pack_rows", "unpack", "varlen_sdpa_attention", "enable_packed_attention",
            "model_kwargs"]
@@ -123,7 +123,7 @@ def pack_rows(
     ``step_major``: the tokens in the order a batched decoder produced them: every stored prompt
     (rows in order), then response column 0 of every row that has it in the input, column 1, and so
     on (rows ascending in each). This is the order of the native rollout's recorded activations
-    (``backends.rollout_native.generate_recording``), which a trainer can then read without a gather.
+    (``backends.rollout.native.generate_recording``), which a trainer can then read without a gather.
     The sequences are not contiguous, so the row always carries a ``layout`` (the packed-aware
     attention reads it; flash-attention varlen cannot).
     """

@@ -6,7 +6,7 @@ The config-B model (``backends.models.TinyModelConfig()`` defaults: Qwen2, hidde
 2.9M parameters) is wrapped by ``build_actor`` (FSDP2) and stepped once so AdamW has its state (about
 35 MB in fp32 in all). On 1 rank and on 2 gloo ranks (1 torch thread each), medians over ``repeats``:
 
-- ``dcp (backends.checkpoint)``: ``save_checkpoint`` (every rank writes its shard, rank 0 the COMPLETE
+- ``dcp (backends.checkpoint.dcp)``: ``save_checkpoint`` (every rank writes its shard, rank 0 the COMPLETE
   marker and the atomic rename; RNG and extra included) and ``load_checkpoint`` (validation + sharded
   read + ``set_state_dict``);
 - ``dcp async``: ``save_checkpoint(async_save=True)``: the time the training loop is blocked (state
@@ -15,7 +15,7 @@ The config-B model (``backends.models.TinyModelConfig()`` defaults: Qwen2, hidde
 - ``torch.save (gathered)``: the usual single-file way: gather the full model + optimizer state dicts
   on rank 0 (``get_state_dict(full_state_dict=True, cpu_offload=True)``), ``torch.save`` there; load =
   every rank ``torch.load(weights_only=True)`` + ``set_state_dict(full_state_dict=True)``;
-- ``orbax (backends.orbax_io)``: the gathered state as an orbax PyTree (rank 0 writes, every rank reads).
+- ``orbax (backends.checkpoint.orbax)``: the gathered state as an orbax PyTree (rank 0 writes, every rank reads).
 
 Times are wall-clock seconds on rank 0 between two barriers, including the file system's work
 (``fsync`` in DCP's writer). Quote them with the machine's load in mind: this 2-core box is shared.
@@ -67,10 +67,10 @@ def _worker(rank: int, world_size: int, model_dir: str, root: str, repeats: int,
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    from backends.checkpoint import load_checkpoint, save_checkpoint
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import build_actor, update
-    from backends.optim import OptimConfig
+    from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import build_actor, update
+    from backends.training.optim import OptimConfig
 
     env = init_distributed()
     actor = build_actor(model_dir, env, OptimConfig(lr=1e-5))
@@ -123,7 +123,7 @@ def _worker(rank: int, world_size: int, model_dir: str, root: str, repeats: int,
         sizes["torch"] = file.stat().st_size
 
         if with_orbax:
-            from backends.orbax_io import load_orbax, save_orbax
+            from backends.checkpoint.orbax import load_orbax, save_orbax
 
             opath = root_path / f"orbax_{i}"
             timed("orbax save (gathered)", lambda: save_orbax(actor, opath))

@@ -74,8 +74,8 @@ def pg_loss(outputs, mb, norms):
 
 
 def _memory_fsdp(rank: int, world_size: int, model_dir: str, vocab: int) -> dict:
-    from backends.fsdp_engine import FSDPConfig, build_actor, update
-    from backends.optim import OptimConfig
+    from backends.training.fsdp import FSDPConfig, build_actor, update
+    from backends.training.optim import OptimConfig
 
     state = build_actor(model_dir, None, OptimConfig(lr=1e-5), FSDPConfig(micro_batch_size=8))
     grads = {}
@@ -96,7 +96,7 @@ def _memory_fsdp(rank: int, world_size: int, model_dir: str, vocab: int) -> dict
 
 def memory_single_process(model_dir: str, vocab: int) -> dict:
     from backends.models import load_causal_lm
-    from backends.optim import OptimConfig, build_optimizer
+    from backends.training.optim import OptimConfig, build_optimizer
 
     model, _ = load_causal_lm(model_dir)
     model.train()
@@ -116,8 +116,8 @@ def memory_single_process(model_dir: str, vocab: int) -> dict:
 
 
 def _timing(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, steps: int) -> dict:
-    from backends.fsdp_engine import FSDPConfig, build_actor, compute_logprobs, update
-    from backends.optim import OptimConfig
+    from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, update
+    from backends.training.optim import OptimConfig
 
     states = {
         dtype: build_actor(model_dir, None, OptimConfig(lr=1e-5), FSDPConfig(micro_batch_size=16, param_dtype=dtype))

@@ -138,7 +138,7 @@ def write_model(name: str, out_dir: Path) -> Path:
 
 def write_prompts(path: Path, steps: int, seed: int) -> Path:
     """The first ``16 * steps`` problems of the recipe's training stream (same task settings, same seed)."""
-    from backends.arithmetic_task import ArithmeticTask
+    from experiments.tasks.arithmetic import ArithmeticTask
 
     problems = ArithmeticTask(num_heldout=NUM_HELDOUT).train_stream(seed=seed).take(PROMPTS_PER_STEP * steps)
     path.write_text(json.dumps([{"prompt": p.prompt, "answer": p.answer} for p in problems]))
@@ -169,7 +169,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     """
     import torch
 
-    from backends.rollout_native import _Linear
+    from backends.rollout.native import _Linear
     from benchmarks.timing import median_seconds
 
     c = CONFIGS[name]

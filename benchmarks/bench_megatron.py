@@ -33,10 +33,10 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, steps: int, layout: str) -> dict:
     import attrs
 
-    from backends import fsdp_engine as F
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as M
-    from backends.optim import OptimConfig
+    from backends.training import fsdp as F
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as M
+    from backends.training.optim import OptimConfig
 
     env = init_distributed()
     optim = OptimConfig(lr=1e-5)

@@ -63,7 +63,7 @@ def pg_loss(outputs, mb, norms):
 
 
 def _time_updates(states: dict, batches: list[RolloutBatch]) -> dict[str, list[float]]:
-    from backends.fsdp_engine import update
+    from backends.training.fsdp import update
 
     times = {name: [] for name in states}
     for batch in batches:
@@ -83,8 +83,8 @@ def _report(times: dict[str, list[float]], base: str, other: str, label: str) ->
 
 
 def single_process(model_dir: str, vocab: int, rows: int, steps: int, max_response: int) -> None:
-    from backends.fsdp_engine import FSDPConfig, build_actor
-    from backends.optim import OptimConfig
+    from backends.training.fsdp import FSDPConfig, build_actor
+    from backends.training.optim import OptimConfig
 
     optim = OptimConfig(lr=1e-5)
     states = {
@@ -104,8 +104,8 @@ def single_process(model_dir: str, vocab: int, rows: int, steps: int, max_respon
 
 
 def _two_ranks(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, steps: int, max_response: int):
-    from backends.fsdp_engine import FSDPConfig, build_actor
-    from backends.optim import OptimConfig
+    from backends.training.fsdp import FSDPConfig, build_actor
+    from backends.training.optim import OptimConfig
 
     optim = OptimConfig(lr=1e-5)
     budget = 8 * (8 + max_response)
@@ -123,7 +123,7 @@ def _two_ranks(rank: int, world_size: int, model_dir: str, vocab: int, rows: int
         per_group = b.response_mask.sum(-1).reshape(-1, 8).sum(-1)
         order = torch.argsort(per_group).repeat_interleave(8) * 8 + torch.arange(rows) % 8
         batches.append(select(select(b, order), slice(rank * n, (rank + 1) * n)))
-    from backends.fsdp_engine import balance_across_ranks
+    from backends.training.fsdp import balance_across_ranks
 
     count = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
     tokens = sum(count(b) for b in batches) / steps

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout_native import SamplingConfig, _Linear, build_native_rollout, generate  # noqa: E402
+from backends.rollout.native import SamplingConfig, _Linear, build_native_rollout, generate  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 
 

@@ -22,16 +22,16 @@ import attrs
 import torch.distributed as dist
 
 import rlfunc as rf
-from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
+from experiments.tasks.arithmetic import ArithmeticTask, evaluate, score_responses
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import barrier, broadcast_object, global_masked_whiten, init_distributed, seed_everything, shutdown
-from backends.fsdp_engine import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
-from backends.hf_export import export_hf
+from backends.distributed.setup import barrier, broadcast_object, global_masked_whiten, init_distributed, seed_everything, shutdown
+from backends.training.fsdp import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
+from backends.checkpoint.hf_export import export_hf
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.optim import OptimConfig
-from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
-from backends.warm_start import WarmStartConfig, fresh_optimizer, supervised_warm_start, warm_start_optim
+from backends.training.optim import OptimConfig, fresh_optimizer
+from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.training.sft import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -62,7 +62,7 @@ class Config:
 
 
 def advantages(batch: rf.RolloutBatch, algo: AlgoConfig, whiten=rf.masked_whiten) -> rf.RolloutBatch:
-    """``whiten``: the recipe passes backends.distributed.global_masked_whiten (the whole batch, all ranks)."""
+    """``whiten``: the recipe passes backends.distributed.setup.global_masked_whiten (the whole batch, all ranks)."""
     if algo.name == "reinforce_pp_baseline":
         adv, ret = rf.reinforce_pp_baseline(batch.scores, batch.group_ids, batch.response_mask)
         adv = whiten(adv, batch.response_mask)

@@ -33,19 +33,19 @@ import torch
 from tqdm import tqdm
 
 import rlfunc as rf
-from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
-from backends.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
+from experiments.tasks.arithmetic import ArithmeticTask, evaluate, score_responses
+from backends.checkpoint.dcp import checkpoint_info, load_checkpoint, save_checkpoint
 from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed import all_reduce_sum, barrier, get_logger, init_distributed, seed_everything, shutdown
-from backends.engines import select_engine
-from backends.fsdp_engine import FSDPConfig
+from backends.distributed.setup import all_reduce_sum, barrier, get_logger, init_distributed, seed_everything, shutdown
+from backends.training.engines import select_engine
+from backends.training.fsdp import FSDPConfig
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.optim import OptimConfig, with_total_steps
-from backends.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
-from backends.rollout import RolloutConfig, build_rollout, generate, shutdown_rollout, sync_weights
-from backends.rollout_native import generate_recording
-from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
+from backends.training.optim import OptimConfig, with_total_steps
+from backends.checkpoint.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
+from backends.rollout.api import RolloutConfig, build_rollout, generate, shutdown_rollout, sync_weights
+from backends.rollout.native import generate_recording
+from backends.training.sft import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen
@@ -79,7 +79,7 @@ class ActorConfig:
     pp: int = 1
     #: the update takes the linear layers' outputs from the rollout (which ran the same weights) instead of
     #: recomputing its forward pass: the backward's GEMMs only, the same gradient to float rounding
-    #: (backends.rollout_native.generate_recording). Needs the fsdp backend with packed rows
+    #: (backends.rollout.native.generate_recording). Needs the fsdp backend with packed rows
     #: (fsdp.use_remove_padding=true), the native fp32 rollout, and one update per batch (ppo_epochs =
     #: mini_batches = 1, rollout_is = none); memory: every linear output of the rollout (BUILD.md).
     reuse_rollout_activations: bool = False

@@ -47,23 +47,23 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import rlfunc as rf
-from backends.arithmetic_task import ArithmeticTask, evaluate, score_responses
-from backends.checkpoint import checkpoint_info, load_checkpoint, save_checkpoint
+from experiments.tasks.arithmetic import ArithmeticTask, evaluate, score_responses
+from backends.checkpoint.dcp import checkpoint_info, load_checkpoint, save_checkpoint
 from backends.config import apply_overrides, available_presets, config_keys, config_to_dict
-from backends.distributed import (
+from backends.distributed.setup import (
     all_reduce_sum, barrier, get_logger, global_masked_whiten, init_distributed, seed_everything, shutdown,
 )
-from backends.engines import Engine, select_engine
-from backends.fsdp_engine import FSDPConfig, value_loss_fn
+from backends.training.engines import Engine, select_engine
+from backends.training.fsdp import FSDPConfig, value_loss_fn
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.optim import OptimConfig, with_total_steps
-from backends.orbax_io import save_orbax
-from backends.placement import PlacementConfig, build_placement
-from backends.reference import ReferenceConfig, build_reference_role, reference_logprobs
-from backends.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
-from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
-from backends.warm_start import WarmStartConfig, supervised_warm_start, warm_start_optim
+from backends.training.optim import OptimConfig, with_total_steps
+from backends.checkpoint.orbax import save_orbax
+from backends.distributed.placement import PlacementConfig, build_placement
+from backends.training.reference import ReferenceConfig, build_reference_role, reference_logprobs
+from backends.checkpoint.resume import CheckpointConfig, checkpoint_dir, resume_point, truncate_metrics
+from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.training.sft import WarmStartConfig, supervised_warm_start, warm_start_optim
 
 
 @attrs.frozen

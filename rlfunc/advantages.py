@@ -733,7 +733,7 @@ def zero_advantage_rows(advantages: Tensor, mask: Tensor) -> Tensor:
     Under a policy loss that is a multiple of the advantage per token (PPO clip, dual clip, GSPO,
     CISPO, ...) with no KL or entropy term, such a row adds exactly 0 to the loss and its gradient:
     in GRPO, every group whose samples all got the same reward. An engine may skip them
-    (``backends.fsdp_engine.update(skip_rows=...)``) while they still count in the normalisers.
+    (``backends.training.fsdp.update(skip_rows=...)``) while they still count in the normalisers.
     """
     check_mask("mask", mask)
     check_same_shape("mask", mask, advantages=advantages)

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 import rlfunc as rf
-from backends.cpu_kernels import norm_act_kernel, packed_attention_kernel
-from backends import fsdp_engine
-from backends.distributed import init_distributed
-from backends.fsdp_engine import FSDPConfig, build_actor, full_state_dict, update
+from backends.cpu.kernels import norm_act_kernel, packed_attention_kernel
+from backends.training import fsdp as fsdp_engine
+from backends.distributed.setup import init_distributed
+from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update
 from backends.models import TinyModelConfig, build_char_tokenizer, load_causal_lm, write_tiny_model
-from backends.optim import OptimConfig
+from backends.training.optim import OptimConfig
 from backends.packing import pack_rows
-from backends.rollout_native import SamplingConfig, build_native_rollout, generate, generate_recording, sync_weights
+from backends.rollout.native import SamplingConfig, build_native_rollout, generate, generate_recording, sync_weights
 from tests.distributed import run_distributed
 
 CFG = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,

@@ -1,6 +1,6 @@
 import pytest
 
-from backends.arithmetic_task import ArithmeticTask
+from experiments.tasks.arithmetic import ArithmeticTask
 
 
 def test_heldout_never_in_training_stream_and_stream_is_seeded():
@@ -30,7 +30,7 @@ def test_bad_heldout_size():
 def test_wrong_answers_fraction_and_offsets():
     import random
 
-    from backends.warm_start import WarmStartConfig, with_wrong_answers
+    from backends.training.sft import WarmStartConfig, with_wrong_answers
 
     problems = ArithmeticTask().train_stream(seed=0).take(4000)
     noisy = with_wrong_answers(problems, 0.4, random.Random(0))

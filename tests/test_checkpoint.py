@@ -1,4 +1,4 @@
-"""backends.checkpoint: DCP round trips, atomic saves that survive crashes, retention, resume, bad input.
+"""backends.checkpoint.dcp: DCP round trips, atomic saves that survive crashes, retention, resume, bad input.
 
 Most checks run in this process on a plain (unsharded) tiny HF model with no process group: the save
 and load code is the same one FSDP uses (DCP over plain tensors). The FSDP2 checks (exact round trip
@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-import backends.checkpoint as ckpt
-from backends.checkpoint import (
+import backends.checkpoint.dcp as ckpt
+from backends.checkpoint.dcp import (
     CheckpointCorruptError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
@@ -38,7 +38,7 @@ from backends.checkpoint import (
     save_checkpoint,
 )
 from backends.models import TinyModelConfig, build_tiny_model
-from backends.optim import OptimConfig
+from backends.training.optim import OptimConfig
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.checkpoint
@@ -283,7 +283,7 @@ def test_crash_during_dcp_write_keeps_previous_checkpoint(tmp_path, monkeypatch)
 
 _KILLED_CHILD = """
 import os, sys, torch
-import backends.checkpoint as ckpt
+import backends.checkpoint.dcp as ckpt
 from tests.test_checkpoint import make_small_state
 state = make_small_state()
 ckpt.save_checkpoint(sys.argv[1], 1, {"actor": state}, {"pos": 1})
@@ -547,8 +547,8 @@ def _pt(tree):
 
 
 def _fsdp_worker(rank: int, world_size: int, model_dir: str, ckpt_dir: str) -> dict:
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import build_actor, update
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import build_actor, update
 
     env = init_distributed()
     actor = build_actor(model_dir, env, FSDP_OPTIM)
@@ -586,8 +586,8 @@ def _fsdp_worker(rank: int, world_size: int, model_dir: str, ckpt_dir: str) -> d
 
 
 def _reshard_worker(rank: int, world_size: int, model_dir: str, path: str) -> dict:
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import build_actor
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import build_actor
 
     env = init_distributed()
     fresh = build_actor(model_dir, env, FSDP_OPTIM)
@@ -687,8 +687,8 @@ def test_reshard_one_rank_to_two(tmp_path):
 def _reshard_model_worker(rank: int, world_size: int, model_dir: str, path: str) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import build_reference
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import build_reference
 
     env = init_distributed()
     ref = build_reference(model_dir, env)

@@ -9,9 +9,9 @@ import attrs
 import pytest
 
 from backends.config import ConfigError, apply_overrides, available_presets, expand_presets, load_preset
-from backends.optim import OptimConfig
-from backends.placement import PlacementConfig
-from backends.reference import ReferenceConfig
+from backends.training.optim import OptimConfig
+from backends.distributed.placement import PlacementConfig
+from backends.training.reference import ReferenceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE_PRESETS = ROOT / "experiments" / "presets"

@@ -1,4 +1,4 @@
-"""The fused CPU training ops (backends/cpu_fused.py over csrc/packed_attention.c and csrc/norm_act.c)
+"""The fused CPU training ops (backends/cpu/fused_modules.py over csrc/packed_attention.c and csrc/norm_act.c)
 against float64 references and against the unfused Hugging Face model."""
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends import cpu_fused, packing
-from backends.cpu_fused import (FusedAttention, FusedRMSNorm, FusedSwiGLU, OneDNNLinear, onednn_linear_works, packed_attention,
+from backends import packing
+from backends.cpu import fused_modules as cpu_fused
+from backends.cpu.fused_modules import (FusedAttention, FusedRMSNorm, FusedSwiGLU, OneDNNLinear, onednn_linear_works, packed_attention,
                                 use_fused_modules)
-from backends.cpu_kernels import norm_act_kernel, packed_attention_kernel
+from backends.cpu.kernels import norm_act_kernel, packed_attention_kernel
 from backends.models import TinyModelConfig, build_tiny_model
 from backends.packing import pack_rows
 from rlfunc.aggregation import aggregate
@@ -308,7 +309,7 @@ def test_fused_model_packed_equals_hf_padded(tmp_path, share_prompts, kv_heads, 
     """A model with every fused module (q / k / v product, RoPE and attention in FusedAttention; fused
     norms, SwiGLU, oneDNN linears) on packed rows gives the log-probs, entropies, loss and gradients
     of the plain HF model on padded rows; the fused attention path is the one that ran."""
-    from backends.fsdp_engine import _forward
+    from backends.training.fsdp import _forward
     from backends.models import load_causal_lm, write_tiny_model
     from backends.packing import enable_packed_attention
     from tests.test_packing import _assert_actor_equal, _grouped, _outputs_and_grads

@@ -1,4 +1,4 @@
-"""The CPU kernels' build and loading (backends/cpu_kernels.py) and the decode-attention kernel
+"""The CPU kernels' build and loading (backends/cpu/kernels.py) and the decode-attention kernel
 (csrc/decode_attention.c) against PyTorch. The training kernels: tests/test_cpu_fused.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends import cpu_kernels
-from backends.cpu_kernels import decode_attention_kernel, key_blocks
+from backends.cpu import kernels as cpu_kernels
+from backends.cpu.kernels import decode_attention_kernel, key_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -215,7 +215,7 @@ def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
     """Switched off, no compiler, or a compiler that fails: no kernel (None) and no error, for every kernel;
     the fused modules then leave a model as it is."""
     code = (
-        "from backends.cpu_kernels import *; from backends.cpu_fused import use_fused_modules; "
+        "from backends.cpu.kernels import *; from backends.cpu.fused_modules import use_fused_modules; "
         "from backends.models import build_tiny_model; "
         "print(decode_attention_kernel(64), packed_attention_kernel(64), norm_act_kernel(), "
         "use_fused_modules(build_tiny_model()))"
@@ -233,7 +233,7 @@ def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
 def test_ranks_building_at_once_share_one_library(tmp_path):
     """Two processes (as two torchrun ranks would) build into an empty cache at the same time: both load
     a complete library, and one file is left."""
-    code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
+    code = "from backends.cpu.kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=ROOT, env=env) for _ in range(2)]
@@ -246,7 +246,7 @@ def test_ranks_building_at_once_share_one_library(tmp_path):
 @pytest.mark.slow  # fresh interpreters
 @needs_kernel
 def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
-    code = "from backends.cpu_kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
+    code = "from backends.cpu.kernels import decode_attention_kernel; print(decode_attention_kernel(64).library)"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path)}
     first, second = (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.fsdp_engine import FSDPConfig, ModelOutputs
+from backends.training.fsdp import FSDPConfig, ModelOutputs
 from backends.models import (
     TinyModelConfig,
     build_tiny_classifier,
@@ -23,7 +23,7 @@ from backends.models import (
     write_tiny_reward_model,
     write_tiny_value_model,
 )
-from backends.optim import OptimConfig, build_optimizer, lr_at
+from backends.training.optim import OptimConfig, build_optimizer, lr_at
 from rlfunc.batch import RolloutBatch, select
 from rlfunc.value_loss import value_loss
 from tests.distributed import run_distributed
@@ -131,8 +131,8 @@ def _error(fn):
 
 
 def _critic_worker(rank, world_size, lm_dir, value_dir):
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import (
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import (
         build_actor,
         build_critic,
         compute_logprobs,

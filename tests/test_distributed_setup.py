@@ -1,4 +1,4 @@
-"""backends.distributed: process-group setup (1 process and 2 gloo ranks), meshes, logging, seeding."""
+"""backends.distributed.setup: process-group setup (1 process and 2 gloo ranks), meshes, logging, seeding."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from backends.distributed import (
+from backends.distributed.setup import (
     DistEnv,
     all_reduce_max,
     all_reduce_sum,
@@ -163,7 +163,7 @@ def test_seed_everything():
 
 
 def _global_whiten_worker(rank: int, world_size: int) -> list[float]:
-    from backends.distributed import global_masked_whiten
+    from backends.distributed.setup import global_masked_whiten
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * world_size, 5, generator=g)
@@ -186,8 +186,8 @@ def test_global_masked_whiten_on_two_ranks_equals_whitening_the_whole_batch():
 _ONEDNN_GROWTH = r"""
 import ctypes, json, sys
 import torch
-from backends.cpu_fused import onednn_linear_works
-from backends.distributed import bound_onednn_caches
+from backends.cpu.fused_modules import onednn_linear_works
+from backends.cpu.runtime import bound_onednn_caches
 if sys.argv[1] == "bounded":
     bound_onednn_caches(16)
 torch.set_num_threads(1)
@@ -228,7 +228,7 @@ def test_bounded_onednn_caches_stop_the_heap_growing_with_new_shapes():
 
 
 def test_bound_onednn_caches_keeps_a_value_the_user_set(monkeypatch):
-    from backends.distributed import bound_onednn_caches
+    from backends.cpu.runtime import bound_onednn_caches
 
     monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)

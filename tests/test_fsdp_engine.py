@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from backends.fsdp_engine import FSDPConfig, ModelOutputs, _trim, micro_batches
+from backends.training.fsdp import FSDPConfig, ModelOutputs, _trim, micro_batches
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
-from backends.optim import OptimConfig, build_optimizer, lr_at, lr_multiplier, warmup_steps
+from backends.training.optim import OptimConfig, build_optimizer, lr_at, lr_multiplier, warmup_steps
 from rlfunc.aggregation import aggregate, local_normalizers
 from rlfunc.batch import RolloutBatch, select
 from tests.distributed import run_distributed
@@ -121,14 +121,14 @@ def model_dir(tmp_path_factory):
 
 
 def _env():
-    from backends.distributed import init_distributed
+    from backends.distributed.setup import init_distributed
 
     return init_distributed()  # reuses the harness's gloo group
 
 
 def _parity_worker(rank, world_size, model_dir, optim=OPTIM):
     """Two updates per configuration on this rank's half of the global batch."""
-    from backends.fsdp_engine import build_actor, full_state_dict, global_normalizers, update
+    from backends.training.fsdp import build_actor, full_state_dict, global_normalizers, update
 
     env = _env()
     batches = [make_batch(0), make_batch(1)]
@@ -171,7 +171,7 @@ def _parity_worker(rank, world_size, model_dir, optim=OPTIM):
 
 def _weights_worker(rank, world_size, model_dir, untied_dir):
     """full_state_dict, compute_logprobs, and the reference role."""
-    from backends.fsdp_engine import build_actor, build_reference, compute_logprobs, full_state_dict, update
+    from backends.training.fsdp import build_actor, build_reference, compute_logprobs, full_state_dict, update
 
     env = _env()
     local = rank_rows(make_batch(0), rank, world_size)
@@ -254,7 +254,7 @@ def _same(a, b):
 
 def _behaviour_worker(rank, world_size, model_dir):
     """LR schedule per step, bad input, gradient checkpointing."""
-    from backends.fsdp_engine import build_actor, compute_logprobs, full_state_dict, update
+    from backends.training.fsdp import build_actor, compute_logprobs, full_state_dict, update
 
     env = _env()
     local = rank_rows(make_batch(0), rank, world_size)

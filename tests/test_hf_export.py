@@ -1,4 +1,4 @@
-"""backends.hf_export: a trained FSDP2 model exported as a HF dir gives the same log-probs once reloaded.
+"""backends.checkpoint.hf_export: a trained FSDP2 model exported as a HF dir gives the same log-probs once reloaded.
 
 The FSDP checks run on 2 real gloo ranks (tests/distributed.py): an actor (Qwen2, tied embeddings), an
 untied Llama actor and a value model (``*ForTokenClassification``, one label) are trained for one step,
@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from backends.hf_export import export_hf, hf_model_class
+from backends.checkpoint.hf_export import export_hf, hf_model_class
 from backends.models import TinyModelConfig, build_char_tokenizer, build_tiny_model, load_causal_lm
-from backends.optim import OptimConfig
+from backends.training.optim import OptimConfig
 from rlfunc.batch import RolloutBatch
 from tests.distributed import run_distributed
 
@@ -76,8 +76,8 @@ def _pg_loss(outputs, mb, norms):
 def _export_worker(rank: int, world_size: int, qwen_dir: str, llama_dir: str, out_root: str) -> dict:
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import build_actor, build_critic, compute_logprobs, update
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import build_actor, build_critic, compute_logprobs, update
 
     env = init_distributed()
     tokenizer = build_char_tokenizer(model_max_length=64)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends.megatron.model import check_parallel_sizes, model_shape
+from backends.training.megatron.model import check_parallel_sizes, model_shape
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
@@ -53,10 +53,10 @@ def _hf_grads(model_dir, batch):
 
 def _megatron_grads(state, batch):
     """The engine's accumulated, stage/replica-synced gradients, gathered in HF names."""
-    from backends.megatron import engine as E
-    from backends.megatron.convert import gather_hf_state
-    from backends.megatron.layout import layout_micro_batch
-    from backends.megatron.pipeline import run_micro_batch
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.convert import gather_hf_state
+    from backends.training.megatron.layout import layout_micro_batch
+    from backends.training.megatron.pipeline import run_micro_batch
     from rlfunc.aggregation import local_normalizers
 
     mbs = E._micro_batches(state, batch, 4)  # 12 rows -> 3 micro-batches
@@ -85,8 +85,8 @@ def _logits(state, batch):
     """Full-vocab logits (b s v) of left-aligned rows, gathered over TP for the test only."""
     import torch.distributed as dist
 
-    from backends.megatron.layout import layout_micro_batch
-    from backends.megatron.pipeline import run_micro_batch
+    from backends.training.megatron.layout import layout_micro_batch
+    from backends.training.megatron.pipeline import run_micro_batch
 
     inp = layout_micro_batch(batch, "bshd")
     with torch.no_grad():
@@ -119,9 +119,9 @@ def _hf_aligned_logits(model, batch, inp):
 
 
 def _parity_worker(rank, world_size, dirs):
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as E
-    from backends.megatron.parallel import destroy_model_parallel
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     batch = make_batch(0)
@@ -185,10 +185,10 @@ def _parity_worker(rank, world_size, dirs):
 
 def _roles_worker(rank, world_size, dirs):
     """Critic (values, update, export) and reference on TP=2, then PP=2; PPO update vs the FSDP engine."""
-    from backends import fsdp_engine as F
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as E
-    from backends.megatron.parallel import destroy_model_parallel
+    from backends.training import fsdp as F
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     model_dir = dirs["qwen2"]
@@ -332,9 +332,9 @@ def test_ppo_update_equals_fsdp_engine(roles):
 def _nonfinite_worker(rank, world_size, model_dir):
     """The skip decision on every layout when only one rank sees a non-finite value; then a NaN loss
     through the engine (TP=2): no step, gradients dropped, the next update steps."""
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as E
-    from backends.megatron.parallel import destroy_model_parallel, init_model_parallel
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.parallel import destroy_model_parallel, init_model_parallel
 
     env = init_distributed()
     out = {}
@@ -379,7 +379,7 @@ def test_non_finite_loss_or_grad_norm_on_one_rank_skips_the_step_on_every_rank(m
 
 
 def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
-    from backends.megatron.engine import MegatronConfig, build_actor
+    from backends.training.megatron.engine import MegatronConfig, build_actor
 
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         model_shape({"model_type": "gpt2", "n_embd": 64})
@@ -412,7 +412,7 @@ def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
 
 
 def test_engine_selection_errors():
-    from backends.engines import select_engine
+    from backends.training.engines import select_engine
 
     with pytest.raises(ValueError, match="unknown backend 'megatorn'"):
         select_engine("megatorn")
@@ -497,9 +497,9 @@ def test_ppo_recipe_runs_on_megatron(tmp_path):
 @pytest.mark.gpu
 def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
     """On CUDA the engine runs megatron's own schedule, DDP and DistributedOptimizer (one process)."""
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as E
-    from backends.megatron.parallel import destroy_model_parallel
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     cfg = E.MegatronConfig(param_dtype="float32", micro_batch_size=4)
@@ -524,9 +524,9 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
 def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     """bf16 has no loss scaler, so megatron's optimizer would step on NaN gradients: the engine's check
     skips the step and drops the gradients (DDP buffers zeroed), as the FSDP engine does."""
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as E
-    from backends.megatron.parallel import destroy_model_parallel
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, E.MegatronConfig(param_dtype="bfloat16", micro_batch_size=4))
@@ -548,9 +548,9 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
 def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(model_dirs):
     """After a warm start the new megatron optimizer reads the gradient buffers that the state's own
     DDP module fills, reduces and zeroes (not those of a second wrapper)."""
-    from backends.distributed import init_distributed
-    from backends.megatron import engine as E
-    from backends.megatron.parallel import destroy_model_parallel
+    from backends.distributed.setup import init_distributed
+    from backends.training.megatron import engine as E
+    from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, E.MegatronConfig(param_dtype="bfloat16", micro_batch_size=4))
@@ -574,13 +574,13 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
     sampled-token log-probs with the trainer's for the same tokens (both fp32)."""
     import functools
 
-    from backends.distributed import init_distributed
-    from backends.engines import select_engine
-    from backends.fsdp_engine import FSDPConfig
-    from backends.megatron.parallel import destroy_model_parallel
+    from backends.distributed.setup import init_distributed
+    from backends.training.engines import select_engine
+    from backends.training.fsdp import FSDPConfig
+    from backends.training.megatron.parallel import destroy_model_parallel
     from backends.models import load_tokenizer
-    from backends.optim import OptimConfig
-    from backends.rollout_native import SamplingConfig, build_native_rollout, generate, sync_weights
+    from backends.training.optim import OptimConfig
+    from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
     import rlfunc as rf
 
     env = init_distributed()
@@ -616,10 +616,10 @@ def test_rollout_logprobs_agree_with_the_megatron_trainer_after_weight_sync(mode
 
 def _megatron_reference_worker(rank, world_size, model_dir):
     """Each rank brings different rows (an FSDP-style recipe); the TP=2 reference serves both."""
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import FSDPConfig
-    from backends.megatron.parallel import destroy_model_parallel
-    from backends.reference import ReferenceConfig, build_reference_role, reference_logprobs
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import FSDPConfig
+    from backends.training.megatron.parallel import destroy_model_parallel
+    from backends.training.reference import ReferenceConfig, build_reference_role, reference_logprobs
 
     env = init_distributed()
     local = make_batch(rank, prompt_lens=[(3, 5), (2,)][rank], response_lens=[(4, 2), (6,)][rank])

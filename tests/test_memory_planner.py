@@ -18,8 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.fsdp_engine import _enable_checkpointing, _forward
-from backends.memory_planner import ModelShape, Parallelism, Workload, estimate, main, suggest
+from backends.training.fsdp import _enable_checkpointing, _forward
+from backends.training.memory_planner import ModelShape, Parallelism, Workload, estimate, main, suggest
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
 from tests.test_fsdp_engine import make_batch
@@ -166,7 +166,7 @@ def test_packed_activations_match_saved_tensors(dirs, name, attention, monkeypat
 
 
 def test_kv_cache_matches_the_rollout_engine(dirs):
-    from backends.rollout_native import _Decoder
+    from backends.rollout.native import _Decoder
 
     for name in CONFIGS:
         model, _ = load_causal_lm(dirs[name], dtype=torch.bfloat16)

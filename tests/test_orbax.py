@@ -1,4 +1,4 @@
-"""backends.orbax_io: the full train state through orbax-checkpoint equals the DCP state exactly.
+"""backends.checkpoint.orbax: the full train state through orbax-checkpoint equals the DCP state exactly.
 
 In this process: plain (unsharded) tiny models in fp32 and bf16 with a stepped AdamW, the tree layout
 JAX users see, and bad input. On 2 real gloo ranks: an FSDP2 actor saved with DCP and with orbax;
@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("orbax.checkpoint")
 
 from backends.models import TinyModelConfig, build_tiny_model  # noqa: E402
-from backends.optim import OptimConfig  # noqa: E402
-from backends.orbax_io import load_orbax, read_orbax, save_orbax, to_numpy, to_torch, tree_to_torch  # noqa: E402
+from backends.training.optim import OptimConfig  # noqa: E402
+from backends.checkpoint.orbax import load_orbax, read_orbax, save_orbax, to_numpy, to_torch, tree_to_torch  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.checkpoint
@@ -188,9 +188,9 @@ def _full(state) -> dict[str, np.ndarray]:
 
 
 def _orbax_worker(rank: int, world_size: int, model_dir: str, root: str) -> dict:
-    from backends.checkpoint import load_checkpoint, save_checkpoint
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import build_actor, update
+    from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import build_actor, update
 
     env = init_distributed()
     optim = OptimConfig(lr=1e-3, eps=1e-6)

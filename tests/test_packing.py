@@ -14,7 +14,7 @@ from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.fsdp_engine import FSDPConfig, _enable_checkpointing, _forward, micro_batch_groups
+from backends.training.fsdp import FSDPConfig, _enable_checkpointing, _forward, micro_batch_groups
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from backends.packing import VARLEN_SDPA, enable_packed_attention, model_kwargs, pack_rows, unpack
 from rlfunc.aggregation import aggregate
@@ -164,7 +164,7 @@ def _masked_max_diff(a, b, mask):
 
 @pytest.fixture(params=["c-kernel", "matmul", "sdpa"])
 def block_kernel(request, monkeypatch):
-    """Run a test with each kernel of the packed attention: the C kernels (backends/cpu_fused.py, used on
+    """Run a test with each kernel of the packed attention: the C kernels (backends/cpu/fused_modules.py, used on
     CPU where they build), else PyTorch's batched matmuls (the tests' short blocks pick them) or SDPA."""
     from backends import packing
 
@@ -430,8 +430,8 @@ def test_balanced_micro_batch_groups_fit_the_budget():
 
 
 def _packing_worker(rank, world_size, model_dir):
-    from backends.distributed import init_distributed
-    from backends.fsdp_engine import (
+    from backends.distributed.setup import init_distributed
+    from backends.training.fsdp import (
         balance_across_ranks, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
         full_state_dict, update, value_loss_fn,
     )

@@ -16,7 +16,7 @@ import attrs
 import pytest
 import torch
 
-from backends.placement import PlacementConfig, PlacementError, pool_ranks
+from backends.distributed.placement import PlacementConfig, PlacementError, pool_ranks
 from rlfunc.batch import RolloutBatch, concat
 from tests.distributed import run_distributed
 
@@ -88,7 +88,7 @@ def make_source_batch(rank: int, rows: int) -> RolloutBatch:
 
 
 def _pad_rows(batch: RolloutBatch, p: int, t: int) -> RolloutBatch:
-    from backends.placement import _pad_to
+    from backends.distributed.placement import _pad_to
 
     changes = {}
     for f in attrs.fields(RolloutBatch):
@@ -140,7 +140,7 @@ ROWS = {0: 5, 1: 3, 2: 4, 3: 2}
 
 
 def _transfer_worker(rank: int, world_size: int) -> list[str]:
-    from backends.placement import redistribute
+    from backends.distributed.placement import redistribute
 
     checked = []
     for src, dst in TRANSFERS:
@@ -218,7 +218,7 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     colocated = _run_recipe(tmp_path / "colocated", 2, "export.orbax=true")
     split = _run_recipe(tmp_path / "split", 4, "placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2",
                         "export.orbax=true")
-    from backends.orbax_io import _flatten, read_orbax
+    from backends.checkpoint.orbax import _flatten, read_orbax
 
     (tree_c, meta_c), (tree_s, meta_s) = read_orbax(colocated / "actor_orbax"), read_orbax(split / "actor_orbax")
     flat_c, flat_s = _flatten(tree_c), _flatten(tree_s)

@@ -145,7 +145,7 @@ def test_entropy_bonus_is_subtracted_and_differentiable():
     logits = torch.randn(3, 4, 7, generator=g, requires_grad=True)
     ids = torch.randint(0, 7, (3, 4), generator=g)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    from backends.fsdp_engine import ModelOutputs
+    from backends.training.fsdp import ModelOutputs
 
     out = ModelOutputs(logprobs=rf.logprobs_from_logits(logits, ids), entropy=rf.entropy_from_logits(logits))
     mb = rf.RolloutBatch(

@@ -10,13 +10,13 @@ import logging
 import pytest
 import torch
 
-from backends.distributed import init_distributed
-from backends.fsdp_engine import (
+from backends.distributed.setup import init_distributed
+from backends.training.fsdp import (
     FSDPConfig, build_actor, build_reference, compile_layers, compute_logprobs, update,
 )
 from backends.models import TinyModelConfig, write_tiny_model
-from backends.optim import OptimConfig
-from backends.reference import ReferenceConfig, build_reference_role
+from backends.training.optim import OptimConfig
+from backends.training.reference import ReferenceConfig, build_reference_role
 from rlfunc.aggregation import aggregate
 from rlfunc.batch import RolloutBatch
 

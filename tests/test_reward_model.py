@@ -19,7 +19,7 @@ from backends.models import (
     write_tiny_reward_model,
     write_tiny_value_model,
 )
-from backends.reward_model import (
+from backends.training.reward_model import (
     RewardModelConfig,
     build_reward_model,
     combine_rewards,
@@ -222,7 +222,7 @@ def test_combine_rewards_errors():
 
 
 def _sharded_worker(rank, world_size, rm_dir):
-    from backends.distributed import init_distributed
+    from backends.distributed.setup import init_distributed
 
     env = init_distributed()
     sharded = build_reward_model(rm_dir, env, RewardModelConfig(micro_batch_size=2, shard=True))

@@ -1,4 +1,4 @@
-"""backends.rollout_native: batched sampling with a KV cache, against HF generate and a trainer forward.
+"""backends.rollout.native: batched sampling with a KV cache, against HF generate and a trainer forward.
 
 Every model here is a tiny random-init Qwen2 / Llama written by ``write_tiny_model`` and loaded back
 through ``load_causal_lm``, the path a real checkpoint takes.
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
-from backends.rollout_native import (
+from backends.rollout.native import (
     NativeRollout,
     SamplingConfig,
     build_native_rollout,
@@ -195,7 +195,7 @@ def test_compaction_does_not_change_results(setup, many_eos, temperature):
 def test_rows_to_keep():
     """By index: the running rows plus the first finished ones, to a multiple of 8 rows, in row order;
     None while that is no smaller. By copy (or an explicit fraction): the running rows, once enough finished."""
-    from backends.rollout_native import _rows_to_keep
+    from backends.rollout.native import _rows_to_keep
 
     running = torch.ones(20, dtype=torch.bool)
     running[[1, 4, 9, 10]] = False  # 16 running: exactly 16 rows
@@ -213,7 +213,7 @@ def test_rows_to_keep():
 def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
     """The KV caches are allocated uninitialised; filled with NaN instead, the samples and log-probs
     are the same (through left padding, compaction and every step), so no slot is read unwritten."""
-    from backends import rollout_native
+    from backends.rollout import native as rollout_native
 
     _, _, _, tok, _ = setup
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12)
@@ -237,7 +237,7 @@ def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
 def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
     """oneDNN-prepacked linears (fp32 ones only from PREPACK_MIN_FP32_WEIGHT elements: lowered here so
     that the tiny model's are) give the tokens and log-probs of plain ``F.linear``."""
-    from backends import rollout_native
+    from backends.rollout import native as rollout_native
 
     _, _, _, tok, rollout = setup
     monkeypatch.setattr(rollout_native, "PREPACK_MIN_FP32_WEIGHT", 0)
@@ -254,7 +254,7 @@ def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
 def test_decode_attention_kernel_gives_the_pytorch_path_tokens(setup, many_eos, monkeypatch):
     """The CPU decode-attention kernel (keys cached transposed) and the PyTorch batched matmuls give the
     same samples and log-probs, through left padding, compaction and n samples per prompt."""
-    from backends import rollout_native
+    from backends.rollout import native as rollout_native
 
     _, _, _, tok, _ = setup
     sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
@@ -270,7 +270,8 @@ def test_decode_attention_kernel_gives_the_pytorch_path_tokens(setup, many_eos, 
 def test_bf16_engine_caches_keys_and_values_in_bf16_exactly(setup, monkeypatch):
     """A bf16 engine's caches hold bf16 keys / values (what its projections produce) when the kernel
     reads bf16: the samples and log-probs are bit-identical to fp32 caches holding the same numbers."""
-    from backends import cpu_kernels, rollout_native
+    from backends.cpu import kernels as cpu_kernels
+    from backends.rollout import native as rollout_native
 
     _, path, _, tok, _ = setup
     kernel = cpu_kernels.decode_attention_kernel(32)
@@ -428,7 +429,7 @@ def test_workspace_is_reused_until_the_weights_change(setup):
 def test_large_cache_buffers_lie_on_aligned_huge_page_memory():
     """Buffers of at least one huge page start on a 2 MiB boundary of memory advised for huge pages
     (wherever Linux's madvise exists), hold what is written to them, and are views of one region."""
-    from backends.rollout_native import HUGE_PAGE_BYTES, _empty_on_huge_pages
+    from backends.rollout.native import HUGE_PAGE_BYTES, _empty_on_huge_pages
 
     small = _empty_on_huge_pages((3, 5), torch.float32)
     assert small.shape == (3, 5) and small.dtype == torch.float32
@@ -499,8 +500,8 @@ def test_rollout_config_dtype(setup):
     """``rollout.dtype=bfloat16`` builds a bf16 native engine; synced fp32 weights are cast to it; on
     CPU its attention math stays fp32, and so does its KV cache unless the CPU kernel reads bf16 caches.
     The vLLM engine's dtype is its own option."""
-    from backends.rollout import RolloutConfig, build_rollout, sync_weights
-    from backends.rollout_native import _Decoder
+    from backends.rollout.api import RolloutConfig, build_rollout, sync_weights
+    from backends.rollout.native import _Decoder
 
     _, path, model, tok, _ = setup
     rollout = build_rollout(RolloutConfig(dtype="bfloat16"), path, tok)

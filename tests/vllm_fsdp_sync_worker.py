@@ -16,11 +16,11 @@ from pathlib import Path
 import attrs
 import torch
 
-from backends.distributed import all_reduce_sum, barrier, init_distributed, shutdown
-from backends.fsdp_engine import FSDPConfig, build_actor, compute_logprobs, full_state_dict
+from backends.distributed.setup import all_reduce_sum, barrier, init_distributed, shutdown
+from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict
 from backends.models import TinyModelConfig, write_tiny_model
-from backends.rollout_native import SamplingConfig
-from backends.rollout_vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm, sync_weights
+from backends.rollout.native import SamplingConfig
+from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm, sync_weights
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,  # kv heads split over TP=2
                        intermediate_size=128,

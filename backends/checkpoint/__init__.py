@@ -1,0 +1,1 @@
+"""Sharded train-state checkpoints (DCP) and resume, HF export, orbax interop."""

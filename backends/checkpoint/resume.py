@@ -1,0 +1,96 @@
+"""Where a recipe's run starts: fresh, or from a checkpoint, decided once for every rank.
+
+A recipe with checkpoints (``checkpoint.every``, ``resume``, ``run_dir``) calls, on every rank, before
+it builds anything::
+
+    must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in resumable_keys}
+    resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir,
+                                        run_root=cfg.run_root, name=cfg.name, must_match=must_match)
+    truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
+
+- ``resume``: ``never`` | ``auto`` (the newest complete checkpoint under the checkpoint dir, or a fresh
+  start if there is none) | a ``step_<N>`` dir.
+- A resumed run continues in the run dir the checkpoint recorded (unless ``run_dir`` is given), and
+  its ``metrics.jsonl`` is cut back to the checkpoint's step: the steps the crashed run logged after
+  its last checkpoint are run, and logged, again.
+- A checkpoint written with a different config (any key outside the recipe's resumable keys, which
+  only say where things go) is refused before anything is loaded, naming every differing key.
+
+Rank 0 decides and broadcasts, so every rank resumes from the same checkpoint even while another run
+writes a newer one; an error is raised on every rank (``SystemExit`` with the message).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import attrs
+import torch.distributed as dist
+
+from backends.checkpoint.dcp import CheckpointMismatchError, checkpoint_info, config_diff, flatten_config, resolve_resume
+from backends.distributed.setup import broadcast_object
+
+__all__ = ["CheckpointConfig", "checkpoint_dir", "resume_point", "truncate_metrics"]
+
+
+@attrs.frozen
+class CheckpointConfig:
+    every: int = 0  # save every N RL steps (and at the last step); 0: never
+    dir: str = ""  # where step_<N> dirs go; empty: <run_dir>/checkpoints. Keep it stable across restarts.
+    keep_last: int = 3
+
+
+def checkpoint_dir(cfg: CheckpointConfig, run_dir: str | Path) -> Path:
+    """Where this run's ``step_<N>`` dirs go."""
+    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+
+
+def resume_point(
+    resume: str, cfg: CheckpointConfig, *, run_dir: str, run_root: str, name: str, must_match: dict
+) -> tuple[Path | None, Path]:
+    """``(checkpoint to resume from or None, run dir)``, the same on every rank; see the module docstring."""
+    resume_from, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            ckpt_dir = cfg.dir or (str(checkpoint_dir(cfg, run_dir)) if run_dir else None)
+            if resume == "auto" and ckpt_dir is None:
+                raise ValueError("resume=auto needs checkpoint.dir (or run_dir) to look for checkpoints in")
+            path = resolve_resume(resume, ckpt_dir)
+            if path is not None:
+                info = checkpoint_info(path)
+                diff = config_diff(info.config, flatten_config(must_match))
+                if diff:
+                    raise CheckpointMismatchError(
+                        f"cannot resume from {str(path)!r}: it was written with a different config "
+                        f"({len(diff)} key(s) differ):\n  " + "\n  ".join(diff)
+                    )
+                resume_from, run_dir = str(path), run_dir or info.marker["extra"]["run_dir"]
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+        if not run_dir:
+            run_dir = str(Path(run_root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    error, resume_from, run_dir = broadcast_object((error, resume_from, run_dir))
+    if error is not None:
+        raise SystemExit(f"error: {error}")
+    return (Path(resume_from) if resume_from else None), Path(run_dir)
+
+
+def truncate_metrics(path: Path, step: int | None) -> None:
+    """Drop the rows of ``path`` (a ``metrics.jsonl``) logged after ``step``: the crashed run got further
+    than its last checkpoint. ``step=None`` (a fresh start) removes the file. Call on one rank."""
+    if not path.exists():
+        return
+    if step is None:
+        path.unlink()
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut by the crash
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    path.write_text("".join(line + "\n" for line in keep))

@@ -1,0 +1,61 @@
+"""Process-wide CPU tuning for training and rollout: an explicit call a recipe makes (never a side effect of
+joining a process group), because it changes the allocator and library settings of the whole process."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+__all__ = ["ONEDNN_CACHE_CAPACITY", "bound_onednn_caches", "reuse_freed_cpu_memory", "tune_process"]
+
+
+def tune_process() -> dict[str, bool]:
+    """Apply every CPU process setting below; returns which applied. Call it first thing in a recipe (before
+    the first CPU linear runs): oneDNN reads its cache sizes once. Harmless on GPU runs (the host side of a
+    GPU job allocates too)."""
+    bound_onednn_caches()
+    return {"malloc": reuse_freed_cpu_memory(), "onednn_caches": True}
+
+
+def reuse_freed_cpu_memory() -> bool:
+    """Ask glibc's malloc to keep freed blocks up to 32 MiB in the heap rather than unmapping them.
+
+    By default glibc serves allocations above a (dynamic) threshold with fresh ``mmap`` pages and
+    returns them on ``free``, so every activation tensor of a training step page-faults its memory in
+    again. Raising the mmap and trim thresholds (what jemalloc / tcmalloc, the allocators PyTorch's CPU
+    tuning guides recommend, do by design) removed about half of the minor page faults of a config-B
+    update loop here and made its updates 3-5% faster. Process-wide; a no-op without glibc. Returns
+    whether it applied.
+    Opt out with ``RLFUNC_MALLOC_TUNING=0``.
+    """
+    if os.environ.get("RLFUNC_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # <malloc.h>
+    ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1  # glibc's largest mmap threshold on 64-bit
+    return libc.mallopt(m_trim_threshold, 2**30) == 1 and ok
+
+
+#: entries kept by each of oneDNN's two shape-keyed caches (see :func:`bound_onednn_caches`)
+ONEDNN_CACHE_CAPACITY = 128
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
+    """Keep at most ``capacity`` entries in oneDNN's primitive cache and in ideep's LRU cache (PyTorch's
+    CPU linear), where each defaults to 1024.
+
+    Both are keyed by the full shape, and RL changes the token count of a packed micro-batch at every
+    step, so every update adds about ten new GEMM primitives, each holding 0.3-0.6 MiB until 1024 are
+    cached. Measured on a config-B GRPO run: the heap grew by 20-70 MiB per step, 477 MiB -> 1138 MiB in
+    30 steps (5 MiB/step of it retained primitives, the rest glibc fragmentation around them), and an
+    update that grew it was 100-300 ms slower (page faults on fresh memory). Capped at 128 (the rollout
+    reuses about 40 shapes per step, which stay cached) the heap levelled off near 785 MiB. The
+    variables are read when oneDNN first creates a primitive, so this must run before the first CPU
+    linear; a value the user has set is kept.
+    """
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        os.environ.setdefault(name, str(capacity))

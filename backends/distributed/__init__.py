@@ -1,0 +1,1 @@
+"""Process groups, device meshes, seeding, collectives, and placement of roles on rank pools."""

