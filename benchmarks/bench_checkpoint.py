@@ -18,7 +18,7 @@ The config-B model (``backends.models.TinyModelConfig()`` defaults: Qwen2, hidde
 - ``orbax (backends.checkpoint.orbax)``: the gathered state as an orbax PyTree (rank 0 writes, every rank reads).
 
 Times are wall-clock seconds on rank 0 between two barriers, including the file system's work
-(``fsync`` in DCP's writer). Quote them with the machine's load in mind: this 2-core box is shared.
+(``fsync`` in DCP's writer). Quote them with the machine's load in mind.
 """
 
 from __future__ import annotations

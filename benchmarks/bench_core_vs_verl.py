@@ -15,11 +15,15 @@ Sections:
   an int64 numpy array (verl's fastest path) and, for information, with what verl's trainer passes:
   uid strings, and an int64 response mask (``attention_mask[:, -T:]``), whose multiply is slower.
 - PPO clipped policy loss forward + backward at (256, 2048): ``rlfunc.ppo_policy_loss`` vs
-  ``compute_policy_loss_vanilla`` (skipped if rlfunc.policy_losses is not there yet).
+  ``compute_policy_loss_vanilla``.
 
 Each timing is the median of several runs; ours and verl's alternate, so a noisy neighbour hits both
-alike. ``--clock cpu`` times 1-thread runs in process CPU time, which a busy shared machine disturbs less. ``ours/verl`` < 1 means rlfunc is faster; ``speedup`` is its inverse. Max abs differences are
+alike. ``--clock cpu`` times 1-thread runs in process CPU time, which a busy shared machine disturbs
+less. ``ours/verl`` < 1 means rlfunc is faster; ``speedup`` is its inverse. Max abs differences are
 printed (on the response mask) and checked.
+
+rlfunc's losses and estimators take every argument after the first tensor by keyword; verl's are
+positional (and ordered differently), which is why the two calls below look different.
 """
 
 from __future__ import annotations
@@ -43,8 +47,7 @@ try:
 except ImportError as exc:  # pragma: no cover
     raise SystemExit(f"needs verl (run with /work/peer-verl/bin/python): {exc}")
 
-import rlfunc.advantages as adv_mod  # noqa: E402
-from rlfunc.masked import masked_whiten  # noqa: E402
+import rlfunc as rf  # noqa: E402
 
 ROWS: list[tuple[str, str, float, float | None, str]] = []
 CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
@@ -91,14 +94,14 @@ def bench_gae(b: int, t: int, runs: int, gen: torch.Generator) -> None:
     gamma, lam = 1.0, 0.95
 
     def ours():
-        a, r = adv_mod.gae(rewards, values, mask, gamma=gamma, lam=lam)
-        return masked_whiten(a, mask), r
+        a, r = rf.gae(rewards, values=values, response_mask=mask, gamma=gamma, lam=lam)
+        return rf.masked_whiten(a, mask), r
 
     def theirs():
         return ca.compute_gae_advantage_return(rewards, values, maskf, gamma, lam)
 
     def ours_no_whiten():
-        return adv_mod.gae(rewards, values, mask, gamma=gamma, lam=lam)
+        return rf.gae(rewards, values=values, response_mask=mask, gamma=gamma, lam=lam)
 
     (oa, orr), (va, vr) = ours(), theirs()
     d = max(diff(oa, va, mask), diff(orr, vr, mask))
@@ -129,9 +132,9 @@ def bench_outcome(n: int, group: int, t: int, runs: int, loop_runs: int, gen: to
     maski = mask.long()  # verl's trainer passes attention_mask[:, -T:], an int64 tensor
     shape = f"{n} seq, group {group}, T={t}"
     cases = [
-        ("GRPO", lambda: adv_mod.grpo(token_rewards.sum(-1), ids, mask),
+        ("GRPO", lambda: rf.grpo(token_rewards.sum(-1), group_ids=ids, response_mask=mask),
          ca.compute_grpo_vectorized_outcome_advantage, ca.compute_grpo_outcome_advantage),
-        ("RLOO", lambda: adv_mod.rloo(token_rewards.sum(-1), ids, mask),
+        ("RLOO", lambda: rf.rloo(token_rewards.sum(-1), group_ids=ids, response_mask=mask),
          ca.compute_rloo_vectorized_outcome_advantage, ca.compute_rloo_outcome_advantage),
     ]
     for name, ours, vec, loop in cases:
@@ -147,11 +150,6 @@ def bench_outcome(n: int, group: int, t: int, runs: int, loop_runs: int, gen: to
 
 
 def bench_policy_loss(b: int, t: int, runs: int, gen: torch.Generator) -> None:
-    try:
-        from rlfunc.policy_losses import ppo_policy_loss
-    except ImportError as exc:
-        ROWS.append(("PPO loss", f"({b}, {t}) fwd+bwd", float("nan"), None, f"skipped ({exc})"))
-        return
     old = -torch.rand(b, t, generator=gen) * 3
     new = (old + 0.1 * torch.randn(b, t, generator=gen)).requires_grad_()
     advantages = torch.randn(b, t, generator=gen)
@@ -163,8 +161,15 @@ def bench_policy_loss(b: int, t: int, runs: int, gen: torch.Generator) -> None:
 
     def ours():
         new.grad = None
-        loss, metrics = ppo_policy_loss(
-            new, old, advantages, mask, clip_low=0.2, clip_high=0.2, dual_clip=3.0, agg="token-mean"
+        loss, metrics = rf.ppo_policy_loss(
+            new,
+            old_logprobs=old,
+            advantages=advantages,
+            response_mask=mask,
+            clip_low=0.2,
+            clip_high=0.2,
+            dual_clip=3.0,
+            agg="token-mean",
         )
         loss.backward()
         return loss.detach(), new.grad.clone()

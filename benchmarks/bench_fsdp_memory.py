@@ -1,4 +1,4 @@
-"""Per-rank memory of the actor's training state under FSDP2, and fp32 vs bf16 step time on this CPU.
+"""Per-rank memory of the actor's training state under FSDP2, and fp32 vs bf16 step time on the CPU.
 
 Run: ``.venv/bin/python benchmarks/bench_fsdp_memory.py [--steps 6] [--rows 128]``.
 
@@ -7,7 +7,7 @@ Run: ``.venv/bin/python benchmarks/bench_fsdp_memory.py [--steps 6] [--rows 128]
    count once, and FSDP's shard padding is included). Gradients are counted in an optimizer step
    pre-hook (the moment they peak), parameters and optimizer state right after the step. Compared:
    a single process with the plain HF model + AdamW, and each of 2 FSDP ranks (config-B model).
-2. Time. One ``update`` on 2 ranks (1 torch thread each, the torchrun layout of this 2-core machine)
+2. Time. One ``update`` on 2 ranks (1 torch thread each, the torchrun layout of ``make demo``)
    with param_dtype float32 vs bfloat16 (fp32 master weights, fp32 gradient reduction), on a GRPO-
    sized batch (16 prompts x 8 samples; prompts of ~4-8 tokens, responses of up to 32). Both actors
    live in the same processes and alternate step by step, so load from other work hits both alike;

@@ -1,25 +1,28 @@
 """Our GRPO step (experiments/grpo_arithmetic.py) vs TRL 1.16 ``GRPOTrainer``: wall time per step, 1 thread.
 
-Same model dir, tokenizer, prompts and sizes on both sides (PLATFORM.md "Reference benchmark
-configurations"): Qwen2, random init, fp32, tied embeddings, our char tokenizer; prompts ``a+b=``
-with reward 1 for the exact sum; 16 prompts x 8 samples = 128 completions and one optimizer step
-per GRPO step, temperature 1.0.
+Both sides get the same model dir, tokenizer, prompts and sizes: the two reference benchmark
+configurations below. Both are a Qwen2 model at random init, fp32, with tied embeddings and our
+character-level tokenizer (``backends.models.build_char_tokenizer``); prompts are ``a+b=`` with reward
+1 for the exact sum; each GRPO step samples 16 prompts x 8 samples = 128 completions at temperature
+1.0 and takes one optimizer step; one torch thread per process.
 
-- Config A: hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 256 (head_dim 16, written directly
-  with ``Qwen2Config`` because ``TinyModelConfig`` refuses head_dim < 32); at most 16 new tokens.
-- Config B: ``TinyModelConfig()`` (hidden 256, 4 layers, 4 heads, 2 KV heads, intermediate 688);
-  at most 32 new tokens.
+- Config A: hidden 64, 2 layers, 4 heads (head_dim 16), 2 KV heads, intermediate 256; at most 16 new
+  tokens. Written directly with ``Qwen2Config`` because ``TinyModelConfig`` refuses head_dim < 32.
+- Config B: ``TinyModelConfig()``: hidden 256, 4 layers, 4 heads (head_dim 64), 2 KV heads,
+  intermediate 688; at most 32 new tokens.
 
-Run (with our venv; TRL runs in its own venv as a subprocess):
+TRL runs in its own virtual environment (BUILD.md, "Benchmarks", shows how to build it), named by
+``--trl-python`` or the ``RLFUNC_TRL_PYTHON`` environment variable. Run from our venv:
 
-    .venv/bin/python benchmarks/bench_grpo_vs_trl.py                    # A and B, fp32 and bf16, 10 steps
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --trl-python peer-trl/bin/python   # A and B, fp32 and bf16
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py --configs B --steps 8 --rounds 2 --precisions bf16
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py --beta 0.04        # with a reference model / KL term
     .venv/bin/python benchmarks/bench_grpo_vs_trl.py --ours-override actor.fsdp.use_remove_padding=false  # padded
+    .venv/bin/python benchmarks/bench_grpo_vs_trl.py --configs A --steps 3 --sides ours   # ours only, no TRL venv
 
 Precision (``--precisions``, both by default; each case runs both sides):
 
-- ``fp32``: both sides fp32 (PLATFORM.md's reference setting for TRL, ``bf16=False``).
+- ``fp32``: both sides fp32 (TRL ``bf16=False``).
 - ``bf16``: TRL ``bf16=True`` (accelerate's bf16 autocast over fp32 weights, generation included);
   ours ``actor.fsdp.param_dtype=bfloat16`` (FSDP2's MixedPrecisionPolicy: bf16 forward / backward,
   fp32 master weights, AdamW state and gradient reduction) and ``rollout.dtype=bfloat16``.
@@ -29,10 +32,7 @@ Our recipe runs with its defaults except: packed sequences (``actor.fsdp.use_rem
 exact), TRL's micro-batch (``per_device_train_batch_size=128``: ``actor.fsdp.micro_batch_size=128``),
 no LR warm-up, and ``algo.skip_zero_advantage=false`` unless ``--skip-zero-advantage``: at random
 init every reward is 0, so every GRPO advantage is 0 and the skip would drop the whole forward /
-backward, which TRL runs. In fp32, ``actor.reuse_rollout_activations=true``: the update takes the
-linear layers' outputs from the rollout, which ran the same weights, and runs the backward only
-(the same gradient to float rounding, tests/test_activation_replay.py); ``--ours-override
-actor.reuse_rollout_activations=false`` recomputes the forward pass as TRL does.
+backward, which TRL runs.
 
 Each side is its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``, world size 1), run
 one after the other, never in parallel; with ``--rounds > 1`` the order alternates between rounds.
@@ -42,22 +42,21 @@ one after the other, never in parallel; with ``--rounds > 1`` the order alternat
   is the recipe's own ``step_time_s`` (rollout -> reward -> log-probs -> advantages -> update -> weight
   sync) and the rollout time its ``rollout_time_s`` from ``metrics.jsonl``; the warm start and the
   evaluations before / after are outside them.
-- **TRL**: benchmarks/trl_grpo_step.py with ``/work/peer-trl/bin/python``; step time from a
-  ``TrainerCallback`` (``on_step_begin`` -> ``on_step_end``), rollout time from ``_generate_single_turn``.
+- **TRL**: benchmarks/trl_grpo_step.py with the TRL interpreter; step time from a ``TrainerCallback``
+  (``on_step_begin`` -> ``on_step_end``), rollout time from ``_generate_single_turn``.
 
 Both child processes time a fixed 512x512 fp32 matmul before and after their steps (``calib``, ms): the
 ``norm. ratio`` column divides each side's step time by its own calibration (median over the runs'
-calibrations) before comparing, which corrects for the machine (2 shared cores) being slower during one
-side's run. ``CPU ratio`` compares process CPU time per step (from one step's end to the next: ours at
-the recipe's metrics-log call, TRL's at ``on_step_end``), which other jobs on the machine disturb less
-than wall time. Reported step times are medians over steps 2..N (step 1 pays one-off warm-up costs),
-pooled over rounds; the rollout share is median rollout time / median step time. A side that fails is
-reported as failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
+calibrations) before comparing, which corrects for the machine being slower during one side's run.
+``CPU ratio`` compares process CPU time per step (from one step's end to the next: ours at the
+recipe's metrics-log call, TRL's at ``on_step_end``), which other jobs disturb less than wall time.
+Reported step times are medians over steps 2..N (step 1 pays one-off warm-up costs), pooled over
+rounds; the rollout share is median rollout time / median step time. A side that fails is reported as
+failed (the other side still runs). Results also go to ``<work-dir>/results.json``.
 
 Last, the parent times the GEMMs alone of one step at the measured lengths in the case's precision
-(:func:`gemm_floor_ms`): a lower bound on any implementation's step through ``torch.matmul`` (or
-oneDNN's prepacked linear) on this machine, printed as a multiple of TRL's step, for an update that
-recomputes its forward pass (TRL's) and for one that reuses the rollout's (its backward alone).
+(:func:`gemm_floor_ms`): a lower bound on any implementation's step whose matmuls run through
+``torch.matmul`` (or oneDNN's prepacked linear), printed as a multiple of TRL's step.
 """
 
 from __future__ import annotations
@@ -81,7 +80,8 @@ CONFIGS = {
 PROMPTS_PER_STEP = 16
 SAMPLES = 8
 NUM_HELDOUT = 8
-DEFAULT_TRL_PYTHON = "/work/peer-trl/bin/python"
+#: where the TRL interpreter comes from when ``--trl-python`` is not given
+TRL_PYTHON_ENV = "RLFUNC_TRL_PYTHON"
 
 
 def calibrate(reps: int = 60, size: int = 512) -> float:
@@ -153,8 +153,8 @@ def param_count(model_dir: Path) -> int:
 
 
 def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, rows: int = PROMPTS_PER_STEP * SAMPLES,
-                  vocab: int = 66, reps: int = 5, dtype=None) -> tuple[float, float, float]:
-    """Matmul time alone of one GRPO step on this machine, 1 thread: ``(rollout_ms, update_ms, backward_ms)``.
+                  vocab: int = 66, reps: int = 5, dtype=None) -> tuple[float, float]:
+    """Matmul time alone of one GRPO step, 1 thread: ``(rollout_ms, update_ms)``.
 
     A lower bound for any implementation of the step in ``dtype`` (default fp32) that runs its
     matmuls through ``torch.matmul`` or oneDNN's prepacked linear (each product with a weight through
@@ -164,12 +164,11 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     prompt prefill is left out); update = forward + the two backward GEMMs over the fewest tokens an
     exact update needs: each prompt once per group of ``SAMPLES`` (shared-prefix training) and each
     completion less its last token (whose output predicts nothing), i.e.
-    ``rows / SAMPLES * prompt + rows * (completion - 1)`` (lm_head over the predicted tokens only);
-    ``backward_ms``: the update's two backward GEMMs alone (an update that reuses the rollout's forward).
+    ``rows / SAMPLES * prompt + rows * (completion - 1)`` (lm_head over the predicted tokens only).
     """
     import torch
 
-    from backends.rollout.native import _Linear
+    from backends.rollout.decoder import Linear
     from benchmarks.timing import median_seconds
 
     c = CONFIGS[name]
@@ -182,7 +181,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
 
     def times_weight_ms(x: "torch.Tensor", w: "torch.Tensor") -> float:
         """``x @ w.T``: the faster of torch.matmul and the native rollout's oneDNN-prepacked linear."""
-        prepacked = _Linear(w, None, x.shape[0], prepack=True)
+        prepacked = Linear(w, None, x.shape[0], prepack=True)
         with torch.inference_mode():
             return min(timed(lambda: x @ w.t()), timed(lambda: prepacked(x)))
 
@@ -195,8 +194,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
     decode_step = c["num_layers"] * sum(linear_ms(rows, k, n)[0] for k, n in layer) + linear_ms(rows, hidden, vocab)[0]
     products = [linear_ms(tokens, k, n) for k, n in layer] * c["num_layers"]
     products.append(linear_ms(int(rows * completion_tokens), hidden, vocab))
-    forward, backward = sum(f for f, _ in products), sum(b for _, b in products)
-    return decode_step * completion_tokens, forward + backward, backward
+    return decode_step * completion_tokens, sum(f + b for f, b in products)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,7 +205,7 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
 #: weights, AdamW state and gradient reduction) plus a bf16 rollout engine; TRL's bf16=True is
 #: accelerate's bf16 autocast over fp32 weights, its generation included.
 PRECISION_OVERRIDES = {
-    "fp32": ["actor.fsdp.param_dtype=float32", "rollout.dtype=float32", "actor.reuse_rollout_activations=true"],
+    "fp32": ["actor.fsdp.param_dtype=float32", "rollout.dtype=float32"],
     "bf16": ["actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"],
 }
 
@@ -245,7 +243,7 @@ def child_ours(recipe_argv: list[str], out: Path) -> None:
     sys.modules[spec.name] = recipe  # attrs resolves the config classes' annotations through sys.modules
     spec.loader.exec_module(recipe)
     # process CPU time at each RL step's metrics log call: per-step CPU cost for steps 2..N (the recipe's
-    # step_time_s is wall time; CPU time is less disturbed by other jobs on the machine)
+    # step_time_s is wall time; CPU time is less disturbed by other jobs)
     cpu_marks: list[float] = []
 
     class CPUMarkedLog(recipe.MetricsLog):
@@ -325,10 +323,7 @@ def summarize(runs: list[dict], skip: int) -> dict:
     }
 
 
-def main(argv: list[str]) -> None:
-    if argv[:1] == ["--child-ours"]:
-        out = Path(argv[1])
-        return child_ours(argv[2:], out)
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="A,B", help="comma-separated: A, B")
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run (medians over steps 2..N)")
@@ -336,7 +331,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL beta, our algo.kl_coef)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=str(REPO / "runs" / "bench_grpo_vs_trl"))
-    ap.add_argument("--trl-python", default=DEFAULT_TRL_PYTHON)
+    ap.add_argument("--trl-python", default=os.environ.get(TRL_PYTHON_ENV),
+                    help=f"the python of the TRL venv (default: ${TRL_PYTHON_ENV}); needed unless --sides ours")
     ap.add_argument("--sides", default="ours,trl", help="comma-separated: ours, trl")
     ap.add_argument("--ours-override", action="append", default=[], help="extra key=value for our recipe")
     ap.add_argument("--target", type=float, default=0.5, help="target ours/TRL ratio")
@@ -345,48 +341,60 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--precisions", default="fp32,bf16",
                     help="comma-separated: fp32, bf16 (both sides run each; TRL's bf16 is bf16=True)")
     args = ap.parse_args(argv)
-
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    for c in configs:
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    args.configs, args.sides, args.precisions = split(args.configs), split(args.sides), split(args.precisions)
+    for c in args.configs:
         if c not in CONFIGS:
             raise SystemExit(f"unknown config {c!r}; known: {', '.join(CONFIGS)}")
-    for prec in precisions:
+    for prec in args.precisions:
         if prec not in PRECISION_OVERRIDES:
             raise SystemExit(f"unknown precision {prec!r}; known: {', '.join(PRECISION_OVERRIDES)}")
+    for side in args.sides:
+        if side not in ("ours", "trl"):
+            raise SystemExit(f"unknown side {side!r}; known: ours, trl")
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (step 1 is excluded from the medians)")
-    work = Path(args.work_dir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
+    if "trl" in args.sides:
+        if not args.trl_python:
+            raise SystemExit(f"the TRL side needs the python of a TRL venv: pass --trl-python PATH or set "
+                             f"{TRL_PYTHON_ENV} (BUILD.md, 'Benchmarks', shows how to build it), or run --sides ours")
+        if not os.access(args.trl_python, os.X_OK):
+            raise SystemExit(f"--trl-python {args.trl_python!r} is not an executable file")
+    return args
+
+
+def case_name(config: str, precision: str) -> str:
+    """A case is one config in one precision, e.g. ``B/bf16``."""
+    return f"{config}/{precision}"
+
+
+def side_command(side: str, args: argparse.Namespace, c: str, prec: str, model_dir: Path, prompts: Path,
+                 work: Path, tag: str, out: Path) -> list[str]:
+    """The child process of one side for one case."""
+    if side == "ours":
+        recipe = ours_argv(model_dir, c, args.steps, args.beta, args.seed, work / "runs", tag, args.ours_override,
+                           precision=prec, skip_zero_advantage=args.skip_zero_advantage)
+        return [sys.executable, str(Path(__file__).resolve()), "--child-ours", str(out), *recipe]
+    return [args.trl_python, str(REPO / "benchmarks" / "trl_grpo_step.py"), "--model-dir", str(model_dir),
+            "--prompts", str(prompts), "--steps", str(args.steps),
+            "--prompts-per-step", str(PROMPTS_PER_STEP), "--num-generations", str(SAMPLES),
+            "--max-completion-length", str(CONFIGS[c]["max_new_tokens"]), "--beta", str(args.beta),
+            "--lr", "1e-3", "--seed", str(args.seed), "--out", str(out), *(["--bf16"] if prec == "bf16" else [])]
+
+
+def run_cases(args: argparse.Namespace, work: Path, model_dirs: dict[str, Path], prompts: Path):
+    """Every round x case x side, one child process each; returns (results, failures) keyed by case."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-
-    model_dirs = {c: write_model(c, work / f"config_{c}") for c in configs}
-    prompts = write_prompts(work / f"prompts_{args.steps}.json", args.steps, args.seed)
-    cases = [(c, prec) for c in configs for prec in precisions]  # a case: config x precision, "B/bf16"
-    case_name = lambda c, prec: f"{c}/{prec}"  # noqa: E731
-    results: dict[str, dict[str, list[dict]]] = {case_name(*k): {s: [] for s in sides} for k in cases}
+    cases = [(c, prec) for c in args.configs for prec in args.precisions]
+    results: dict[str, dict[str, list[dict]]] = {case_name(*k): {s: [] for s in args.sides} for k in cases}
     failures: dict[str, dict[str, str]] = {}
-
     for r in range(args.rounds):
         for c, prec in cases:
             case = case_name(c, prec)
-            order = sides if r % 2 == 0 else sides[::-1]
-            for side in order:
+            for side in (args.sides if r % 2 == 0 else args.sides[::-1]):
                 tag = f"{side}_{c}_{prec}_r{r}_{stamp}"
                 out, log = work / f"{tag}.json", work / f"{tag}.log"
-                if side == "ours":
-                    recipe = ours_argv(model_dirs[c], c, args.steps, args.beta, args.seed, work / "runs", tag,
-                                       args.ours_override, precision=prec,
-                                       skip_zero_advantage=args.skip_zero_advantage)
-                    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-ours", str(out), *recipe]
-                else:
-                    cmd = [args.trl_python, str(REPO / "benchmarks" / "trl_grpo_step.py"), "--model-dir", str(model_dirs[c]),
-                           "--prompts", str(prompts), "--steps", str(args.steps),
-                           "--prompts-per-step", str(PROMPTS_PER_STEP), "--num-generations", str(SAMPLES),
-                           "--max-completion-length", str(CONFIGS[c]["max_new_tokens"]), "--beta", str(args.beta),
-                           "--lr", "1e-3", "--seed", str(args.seed), "--out", str(out),
-                           *(["--bf16"] if prec == "bf16" else [])]
+                cmd = side_command(side, args, c, prec, model_dirs[c], prompts, work, tag, out)
                 print(f"[round {r}] {case}: {side} ...", flush=True)
                 res = run_child(cmd, log, out)
                 if "failed" in res:
@@ -398,8 +406,11 @@ def main(argv: list[str]) -> None:
                       f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, process {res['process_wall_s']:.0f} s",
                       flush=True)
                 results[case][side].append(res)
+    return results, failures
 
-    summary = {case: {s: summarize(results[case][s], skip=1) for s in sides if results[case][s]} for case in results}
+
+def print_table(args: argparse.Namespace, summary: dict, model_dirs: dict[str, Path]) -> dict:
+    """The per-case table, then each side at its fastest precision; adds the ratios to ``summary``."""
     print()
     print(f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, 1 torch thread, beta={args.beta}, "
           f"median of steps 2..{args.steps} x {args.rounds} round(s)")
@@ -408,53 +419,69 @@ def main(argv: list[str]) -> None:
     print(head)
     print("-" * len(head))
     fmt = lambda d, k, f: format(d[k], f) if d else "-"  # noqa: E731
-    for c, prec in cases:
-        case = case_name(c, prec)
-        s = summary[case]
-        o, t = s.get("ours"), s.get("trl")
-        ratio = o["step_ms"] / t["step_ms"] if o and t else float("nan")
-        norm = o["normalised_step"] / t["normalised_step"] if o and t else float("nan")
-        cpu_ratio = o["cpu_ms"] / t["cpu_ms"] if o and t else float("nan")
-        s["ratio"], s["normalised_ratio"], s["cpu_ratio"] = ratio, norm, cpu_ratio
-        print(f"{case:<9}{param_count(model_dirs[c]):>10,}{CONFIGS[c]['max_new_tokens']:>8}{fmt(o, 'step_ms', '.1f'):>10}"
-              f"{fmt(t, 'step_ms', '.1f'):>10}{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
-              f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
-              f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
-              f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}")
+    for c in args.configs:
+        for prec in args.precisions:
+            case = case_name(c, prec)
+            s = summary[case]
+            o, t = s.get("ours"), s.get("trl")
+            ratio = o["step_ms"] / t["step_ms"] if o and t else float("nan")
+            norm = o["normalised_step"] / t["normalised_step"] if o and t else float("nan")
+            cpu_ratio = o["cpu_ms"] / t["cpu_ms"] if o and t else float("nan")
+            s["ratio"], s["normalised_ratio"], s["cpu_ratio"] = ratio, norm, cpu_ratio
+            print(f"{case:<9}{param_count(model_dirs[c]):>10,}{CONFIGS[c]['max_new_tokens']:>8}"
+                  f"{fmt(o, 'step_ms', '.1f'):>10}{fmt(t, 'step_ms', '.1f'):>10}{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
+                  f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
+                  f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
+                  f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}")
     # each side at its fastest precision (what a user of either would pick on this CPU)
     fastest = {}
-    for c in configs:
-        best = {side: min(((summary[case_name(c, p)][side]["step_ms"], p) for p in precisions
-                           if side in summary[case_name(c, p)]), default=None) for side in sides}
+    for c in args.configs:
+        best = {side: min(((summary[case_name(c, p)][side]["step_ms"], p) for p in args.precisions
+                           if side in summary[case_name(c, p)]), default=None) for side in args.sides}
         if all(best.get(side) for side in ("ours", "trl")):
             (o_ms, o_p), (t_ms, t_p) = best["ours"], best["trl"]
             fastest[c] = {"ours": [o_ms, o_p], "trl": [t_ms, t_p], "ratio": o_ms / t_ms}
             print(f"config {c}, each side at its fastest precision: ours {o_ms:.1f} ms ({o_p}) / TRL {t_ms:.1f} ms ({t_p}) "
                   f"= {o_ms / t_ms:.3f} (target <= {args.target})")
+    return fastest
+
+
+def print_gemm_floors(args: argparse.Namespace, summary: dict, model_dirs: dict[str, Path], prompts: Path) -> None:
+    """For each case ours ran: the GEMM floor of one step at our measured lengths, against TRL's step."""
     import torch
 
     torch.set_num_threads(1)
     from backends.models import load_tokenizer
 
     prompts_list = json.loads(prompts.read_text())
-    for c, prec in cases:
-        case = case_name(c, prec)
-        o = summary[case].get("ours")
-        if not o:
-            continue
-        tok = load_tokenizer(model_dirs[c])
-        prompt_tokens = statistics.mean(len(tok.encode(p["prompt"])) for p in prompts_list)
-        dtype = torch.bfloat16 if prec == "bf16" else torch.float32
-        roll, upd, bwd = gemm_floor_ms(c, prompt_tokens, o["completion_length"], dtype=dtype)
-        trl = summary[case].get("trl")
+    for c in args.configs:
+        for prec in args.precisions:
+            case = case_name(c, prec)
+            o, trl = summary[case].get("ours"), summary[case].get("trl")
+            if not o:
+                continue
+            tok = load_tokenizer(model_dirs[c])
+            prompt_tokens = statistics.mean(len(tok.encode(p["prompt"])) for p in prompts_list)
+            dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+            roll, upd = gemm_floor_ms(c, prompt_tokens, o["completion_length"], dtype=dtype)
+            vs_trl = f" = {(roll + upd) / trl['step_ms']:.2f}x TRL's step" if trl else ""
+            summary[case]["gemm_floor_ms"] = {"rollout": roll, "update": upd}
+            print(f"{case}: {prec} GEMM floor of one step (linear layers only, no padding, 1 thread): rollout "
+                  f"{roll:.0f} ms + update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl}; ours spends {o['step_ms']:.0f} ms")
 
-        def vs_trl(ms: float) -> str:
-            return f" = {ms / trl['step_ms']:.2f}x TRL's step" if trl else ""
 
-        summary[case]["gemm_floor_ms"] = {"rollout": roll, "update": upd, "update_backward": bwd}
-        print(f"{case}: {prec} GEMM floor of one step (linear layers only, no padding, 1 thread): rollout {roll:.0f} ms "
-              f"+ update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl(roll + upd)}; with the rollout's forward reused, "
-              f"rollout + backward {roll + bwd:.0f} ms{vs_trl(roll + bwd)}; ours spends {o['step_ms']:.0f} ms")
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--child-ours"]:
+        return child_ours(argv[2:], Path(argv[1]))
+    args = parse_args(argv)
+    work = Path(args.work_dir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dirs = {c: write_model(c, work / f"config_{c}") for c in args.configs}
+    prompts = write_prompts(work / f"prompts_{args.steps}.json", args.steps, args.seed)
+    results, failures = run_cases(args, work, model_dirs, prompts)
+    summary = {case: {s: summarize(runs[s], skip=1) for s in args.sides if runs[s]} for case, runs in results.items()}
+    fastest = print_table(args, summary, model_dirs)
+    print_gemm_floors(args, summary, model_dirs, prompts)
     for case, by_side in failures.items():
         for side, error in by_side.items():
             print(f"{case}: {side} FAILED: {error}")

@@ -6,9 +6,9 @@ Run: ``.venv/bin/python benchmarks/bench_megatron.py [--layout tp2|pp2|dp2] [--s
 A config-B model (hidden 256, 4 layers, 4 heads, 2 KV heads). One process pair holds the FSDP2 actor
 and a megatron actor with the chosen (tp, pp) layout at once; the three variants (FSDP, megatron
 bshd, megatron thd) alternate step by step on the same global GRPO-shaped batch (8-token prompts,
-responses of 1..32 tokens), so load from other work on this shared machine hits all alike. Medians
-over steps 2..N, and the median of per-step ratios against FSDP. Numbers are noisy here (2 shared
-cores): read the ratios, not the seconds.
+responses of 1..32 tokens), so load from other work hits all alike. Medians over steps 2..N, and the
+median of per-step ratios against FSDP. On a small shared machine the seconds are noisy: read the
+ratios.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Run: ``.venv/bin/python benchmarks/bench_packing.py [--steps 8] [--rows 128] [--skip-ranks]``.
 
-1. One process, one torch thread, config-B model (PLATFORM.md: Qwen2, hidden 256, 4 layers, ~2.9M
+1. One process, one torch thread, config-B model (benchmarks/bench_grpo_vs_trl.py: Qwen2, hidden 256, 4 layers, ~2.9M
    parameters, fp32). A GRPO-shaped batch: 16 prompts x 8 samples, prompts of 4-8 tokens, response
    lengths log-normal (median 12 tokens) with a few long ones (up to ``--max-response``): the shape of
    a real RL batch, where most samples stop early and a few run long. Compared, on the same batches:
@@ -15,7 +15,7 @@ Run: ``.venv/bin/python benchmarks/bench_packing.py [--steps 8] [--rows 128] [--
    balanced token budget (``token_budget_grouping="balanced"``). Step time of rank 0 (the ranks
    synchronise every step, so both see the slower one's time), and the tokens of the busiest rank
    before and after balancing (deterministic: the bound on the speed-up).
-Timings on this shared 2-core machine are noisy: read the ratios, measured in the same run.
+On a small shared machine timings are noisy: read the ratios, measured in the same run.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _two_ranks(rank: int, world_size: int, model_dir: str, vocab: int, rows: int
         per_group = b.response_mask.sum(-1).reshape(-1, 8).sum(-1)
         order = torch.argsort(per_group).repeat_interleave(8) * 8 + torch.arange(rows) % 8
         batches.append(select(select(b, order), slice(rank * n, (rank + 1) * n)))
-    from backends.training.fsdp import balance_across_ranks
+    from backends.training.dp_balance import balance_across_ranks
 
     count = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
     tokens = sum(count(b) for b in batches) / steps
@@ -158,7 +158,7 @@ def main() -> None:
         print(f"\n2 gloo ranks x 1 thread, packed, {args.rows} rows: real tokens per rank (mean per step) "
               f"{before[0]} / {before[1]} as given, {after[0]} / {after[1]} balanced: the slowest rank's "
               f"work shrinks {max(before) / max(after):.2f}x (the bound on the speed-up when the ranks run "
-              f"in parallel; on this shared 2-core machine they often do not)")
+              f"in parallel; with fewer free cores than ranks they do not)")
         _report(out[0]["times"], "fixed rows", "balanced budget", "balanced speed-up (rank 0)")
 
 

@@ -5,16 +5,16 @@
 - split: actor + rollout on ranks 0-1, critic + reference on ranks 2-3 (each sharded 2 ways); the
   batch crosses between the pools and the critic update overlaps the actor update + weight sync.
 
-The runs alternate (colocated, split, colocated, split, ...) so that drift of the shared machine hits
+The runs alternate (colocated, split, colocated, split, ...) so that drift of a shared machine hits
 both sides alike; each run reports the median ``step_time_s`` of its steps after ``--skip`` warm-up
 steps (rank 0's clock, which under split waits for the critic pool's metrics at the end of a step), and
 the ratio is taken per round, then the median over rounds.
 
-NOTE: on a 2-core machine, 4 ranks oversubscribe the CPU (2 processes per core), so the two pools
-cannot truly run at the same time and the numbers are noisy (other jobs share the machine). What
+NOTE: with fewer than 4 free cores, 4 ranks oversubscribe the CPU, so the two pools cannot truly run
+at the same time and the numbers are noisy. What
 differs besides the overlap: colocated shards every model over 4 ranks (gloo all-gathers and weight
 sync across 4 oversubscribed processes), split over 2; and a rank waiting in a collective gives its
-core to the other pool. Read the ratio as this machine's, not as a cluster's speed-up.
+core to the other pool. Read the ratio as the machine's it ran on, not as a cluster's speed-up.
 
     python benchmarks/bench_placement.py                       # 2 rounds, 6 steps each
     python benchmarks/bench_placement.py --rounds 3 -- rollout.n=16

@@ -1,8 +1,8 @@
 """Native rollout engine vs ``transformers`` ``model.generate``: generated tokens per second.
 
 Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of
-``"a+b="`` prompts on the same random-init model (PLATFORM.md config B by default: Qwen2, hidden 256,
-4 layers, about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a
+``"a+b="`` prompts on the same random-init model (config B of benchmarks/bench_grpo_vs_trl.py by
+default: Qwen2, hidden 256, 4 layers, about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a
 response, i.e. up to and including the first EOS. Runs alternate between the two engines (so a noisy
 neighbour hits both alike); the medians and their ratio are printed.
 
@@ -12,8 +12,8 @@ neighbour hits both alike); the medians and their ratio are printed.
 Last, it times the decoding GEMMs alone (every linear layer and the lm_head for one token of every row,
 through the faster of ``F.linear`` and the engine's oneDNN-prepacked path, in the native engine's
 dtype) and prints the tokens/s they allow as a multiple of ``generate``'s: the most any implementation
-whose matmuls run through those kernels could reach on this machine, attention, norms and sampling
-costing nothing.
+whose matmuls run through those kernels could reach on the machine it runs on, attention, norms and
+sampling costing nothing.
 """
 
 from __future__ import annotations
@@ -34,7 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout.native import SamplingConfig, _Linear, build_native_rollout, generate  # noqa: E402
+from backends.rollout.decoder import Linear  # noqa: E402
+from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.native import build_native_rollout, generate  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 
 
@@ -65,7 +67,7 @@ def decode_gemm_ms(model: torch.nn.Module, rows: int, reps: int = 20) -> float:
         inputs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
         fastest = []
         for w, x in zip(weights, inputs):
-            paths = [_Linear(w, None, rows, prepack=False), _Linear(w, None, rows, prepack=True)]
+            paths = [Linear(w, None, rows, prepack=False), Linear(w, None, rows, prepack=True)]
             fastest.append(min(paths, key=lambda linear: median_seconds(lambda: linear(x), reps)))  # noqa: B023
         return median_seconds(lambda: [linear(x) for linear, x in zip(fastest, inputs)], reps) * 1e3
 

@@ -1,7 +1,7 @@
 """vLLM rollout engine vs the native engine: tokens/s, and weight-sync time as a share of an RL step.
 
 Part 1: both engines sample (temperature 1) the same ``"a+b="`` prompts on the same random-init model
-(PLATFORM.md config B by default: Qwen2, hidden 256, 4 layers, about 2.9M parameters, fp32; 16 prompts x
+(config B of benchmarks/bench_grpo_vs_trl.py: Qwen2, hidden 256, 4 layers, about 2.9M parameters, fp32; 16 prompts x
 8 samples, at most 32 new tokens), one torch thread. Runs alternate between the engines; medians and
 their ratio are printed. A token counts when it is part of a response (up to and including EOS).
 
@@ -36,14 +36,16 @@ from backends.distributed.setup import init_distributed, shutdown  # noqa: E402
 from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update  # noqa: E402
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
 from backends.training.optim import OptimConfig  # noqa: E402
-from backends.rollout.native import SamplingConfig, build_native_rollout  # noqa: E402
+from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.native import build_native_rollout  # noqa: E402
 from backends.rollout.native import generate as native_generate  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, shutdown_vllm, sync_weights  # noqa: E402
 from backends.rollout.vllm import generate as vllm_generate  # noqa: E402
 
 
 def policy_loss(out, mb, norms):
-    return rf.ppo_policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, norms=norms)
+    return rf.ppo_policy_loss(out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
+                              response_mask=mb.response_mask, norms=norms)
 
 
 def main() -> None:
@@ -104,7 +106,7 @@ def main() -> None:
         batch = vllm_generate(vllm, [tokenizer.encode(p.prompt) for p in problems], sampling, seed=step)
         t1 = time.perf_counter()
         batch = batch.replace(scores=score_responses(batch, problems, tokenizer), old_logprobs=batch.rollout_logprobs)
-        adv, ret = rf.grpo(batch.scores, batch.group_ids, batch.response_mask)
+        adv, ret = rf.grpo(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask)
         actor, _ = update(actor, batch.replace(advantages=adv, returns=ret), policy_loss)
         t2 = time.perf_counter()
         vllm = sync_weights(vllm, full_state_dict(actor))

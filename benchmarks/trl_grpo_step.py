@@ -1,8 +1,9 @@
 """TRL's side of benchmarks/bench_grpo_vs_trl.py: time TRL 1.16 ``GRPOTrainer`` steps on CPU.
 
-Run with the TRL venv (``/work/peer-trl/bin/python``); bench_grpo_vs_trl.py starts it as a subprocess:
+Run with the python of the TRL venv (BUILD.md, "Benchmarks"); bench_grpo_vs_trl.py starts it as a
+subprocess (``--trl-python`` / ``RLFUNC_TRL_PYTHON``), or by hand:
 
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 /work/peer-trl/bin/python benchmarks/trl_grpo_step.py \\
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 peer-trl/bin/python benchmarks/trl_grpo_step.py \\
         --model-dir runs/bench_grpo_vs_trl/config_A --prompts prompts.json --steps 10 \\
         --max-completion-length 16 --out trl_A.json
 

@@ -22,16 +22,17 @@ import attrs
 import torch.distributed as dist
 
 import rlfunc as rf
-from experiments.tasks.arithmetic import ArithmeticTask, evaluate, score_responses
-from backends.config import apply_overrides, config_keys, config_to_dict
-from backends.distributed.setup import barrier, broadcast_object, global_masked_whiten, init_distributed, seed_everything, shutdown
-from backends.training.fsdp import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
 from backends.checkpoint.hf_export import export_hf
+from backends.config import apply_overrides, config_keys, config_to_dict
+from backends.cpu import tune_process
+from backends.distributed.setup import barrier, broadcast_object, global_masked_whiten, init_distributed, seed_everything, shutdown
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.training.optim import OptimConfig, fresh_optimizer
 from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
-from backends.training.sft import WarmStartConfig, supervised_warm_start, warm_start_optim
+from backends.training.fsdp import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
+from backends.training.optim import OptimConfig, fresh_optimizer
+from backends.training.sft import sft_optim
+from experiments.tasks.arithmetic import ArithmeticTask, WarmStartConfig, evaluate, score_responses, warm_start
 
 
 @attrs.frozen
@@ -64,21 +65,21 @@ class Config:
 def advantages(batch: rf.RolloutBatch, algo: AlgoConfig, whiten=rf.masked_whiten) -> rf.RolloutBatch:
     """``whiten``: the recipe passes backends.distributed.setup.global_masked_whiten (the whole batch, all ranks)."""
     if algo.name == "reinforce_pp_baseline":
-        adv, ret = rf.reinforce_pp_baseline(batch.scores, batch.group_ids, batch.response_mask)
+        adv, ret = rf.reinforce_pp_baseline(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask)
         adv = whiten(adv, batch.response_mask)
     else:  # dr_grpo
-        adv, ret = rf.grpo(batch.scores, batch.group_ids, batch.response_mask, norm_by_std=False)
+        adv, ret = rf.grpo(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask, norm_by_std=False)
     return batch.replace(advantages=adv, returns=ret)
 
 
 def loss_fn(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig, horizon: int):
     agg = "token-mean" if algo.name == "reinforce_pp_baseline" else "seq-mean-token-sum-norm"
     loss, metrics = rf.ppo_policy_loss(
-        out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
+        out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
         clip_low=algo.clip, clip_high=algo.clip, agg=agg, norms=norms, horizon=horizon,
     )
     if _uses_kl(algo):
-        kl, kl_metrics = rf.kl_loss(out.logprobs, mb.ref_logprobs, mb.response_mask, kind="k3", agg=agg, norms=norms)
+        kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3", agg=agg, norms=norms)
         loss, metrics = loss + algo.kl_coef * kl, {**metrics, **kl_metrics}
     return loss, metrics
 
@@ -92,6 +93,7 @@ def _uses_kl(algo: AlgoConfig) -> bool:
 
 
 def main(argv: list[str]) -> dict:
+    tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
         print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
         return {}
@@ -109,9 +111,10 @@ def main(argv: list[str]) -> dict:
     tokenizer, log, t_start = load_tokenizer(run_dir / "base_model"), MetricsLog(run_dir, enabled=env.is_main), time.time()
 
     # Supervised warm start (same as the GRPO recipe), then a fresh optimizer for RL.
-    actor = build_actor(run_dir / "base_model", env, warm_start_optim(cfg.warm_start), cfg.fsdp)
+    actor = build_actor(run_dir / "base_model", env, sft_optim(cfg.warm_start), cfg.fsdp)
     stream = cfg.task.train_stream(seed=cfg.seed)
-    actor = supervised_warm_start(actor, stream, tokenizer, cfg.warm_start, env)
+    actor = warm_start(actor, stream, tokenizer, cfg.warm_start, data_parallel=(env.rank, env.world_size),
+                       show_progress=env.is_main)
     actor = fresh_optimizer(actor, cfg.optim)
     warm_path = export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer)
     rollout = build_native_rollout(warm_path, tokenizer)

@@ -65,9 +65,6 @@ class RolloutBatch:
     scores: Tensor | None = shape_field("b", dtype="float")  # one verifiable score per sequence
     advantages: Tensor | None = shape_field("b t", dtype="float")
     returns: Tensor | None = shape_field("b t", dtype="float")
-    #: the row's index in the rollout that sampled it (set by a rollout that records its activations,
-    #: so that a trainer can find them for this row after the batch is split or filtered)
-    rollout_rows: Tensor | None = shape_field("b", dtype="int")
 
     @property
     def input_ids(self) -> Tensor:

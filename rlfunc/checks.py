@@ -11,7 +11,16 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-__all__ = ["bind", "check_finite", "check_floating", "check_mask", "check_same_shape", "check_shape", "is_transformed"]
+__all__ = [
+    "bind",
+    "check_finite",
+    "check_finite_fast",
+    "check_floating",
+    "check_mask",
+    "check_same_shape",
+    "check_shape",
+    "is_transformed",
+]
 
 
 def is_transformed(x: Tensor) -> bool:
@@ -70,6 +79,23 @@ def check_finite(name: str, x: Tensor, where: Tensor | None = None) -> None:
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()
         raise ValueError(f"{name} contains a non-finite value ({x[tuple(idx)]}) at index {tuple(idx)}")
+
+
+def check_finite_fast(name: str, x: Tensor, where: Tensor | None = None) -> bool:
+    """:func:`check_finite` after a one-pass screen: a finite sum proves every entry finite.
+
+    Only when the sum is not finite (a NaN/inf somewhere, possibly outside ``where``, or an overflow)
+    does the exact, masked check run, so the common case costs one reduction and one host read.
+    Skipped under ``torch.func`` transforms, as ``check_finite``. Returns whether every entry of ``x``
+    (inside the mask or not) is known to be finite, in which case masking may multiply by 0 instead of
+    selecting.
+    """
+    if is_transformed(x) or (where is not None and is_transformed(where)):
+        return False
+    if bool(torch.isfinite(x.sum())):
+        return True
+    check_finite(name, x, where=where)
+    return False
 
 
 def check_floating(name: str, x: Tensor) -> None:

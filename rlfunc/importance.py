@@ -19,6 +19,9 @@ The log-ratio is clamped to [-20, 20] before ``exp`` (verl's ``SAFETY_BOUND``), 
 mask and carry no gradient (they change the measure, not the objective). Same numbers as verl 0.9.1's
 ``rollout_corr_helper.compute_rollout_correction_weights`` without batch normalisation. Pass the result
 as ``is_weights`` to any policy loss of :mod:`rlfunc.policy_losses`.
+
+Every argument after ``trainer_logprobs`` is keyword-only: the two log-prob tensors are easy to swap,
+which would invert every weight without an error.
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ _LOG_RATIO_BOUND = 20.0
 
 def rollout_is_weights(
     trainer_logprobs: Tensor,
+    *,
     rollout_logprobs: Tensor,
     response_mask: Tensor,
-    *,
     level: ISLevel = "token",
     upper: float = 2.0,
     lower: float | None = None,

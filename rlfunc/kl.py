@@ -10,11 +10,15 @@ divergence", 2020, http://joschu.net/blog/kl-approx.html):
   estimate of the gradient of ``KL`` (with samples from the current policy).
 - ``k3`` :math:`= r - 1 - \log r`: unbiased, low variance, always >= 0.
 - ``abs`` :math:`= |\log r|`.
+
+In :func:`kl_penalty`, :func:`kl_loss` and :func:`apply_kl_penalty_to_rewards` every argument after the
+first tensor is keyword-only, so a call ported from verl cannot pair the tensors in the wrong order.
 """
 
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Literal
 
 import torch
@@ -43,7 +47,9 @@ KLKind = Literal[
 ]  # fmt: skip
 
 # Canonical name of each base kind (verl's aliases on the right).
-_BASE_KINDS = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+_BASE_KINDS = MappingProxyType(
+    {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3"}
+)
 KL_KINDS: tuple[str, ...] = tuple(_BASE_KINDS) + tuple(k + "+" for k in _BASE_KINDS)
 
 # verl clamps log r to [-20, 20] before exp and k3 to [-10, 10]: a token whose log-ratio is beyond e^10
@@ -73,7 +79,7 @@ def _kl_value(logprobs: Tensor, ref_logprobs: Tensor, base: str) -> Tensor:
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-_K3_CLAMP, max=_K3_CLAMP)
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k1") -> Tensor:
+def kl_penalty(logprobs: Tensor, *, ref_logprobs: Tensor, kind: KLKind = "k1") -> Tensor:
     r"""Per-token estimate of :math:`KL(\pi \| \pi_{ref})` from sampled-token log-probs: ``(b t), (b t) -> (b t)``.
 
     With :math:`\log r = \log\pi_{ref}(y) - \log\pi(y)` (http://joschu.net/blog/kl-approx.html):
@@ -105,9 +111,9 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind = "k1") -> T
 
 def kl_loss(
     logprobs: Tensor,
+    *,
     ref_logprobs: Tensor,
     mask: Tensor,
-    *,
     kind: KLKind = "low_var_kl",
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
@@ -131,7 +137,7 @@ def kl_loss(
     check_mask("mask", mask)
     _check_no_nan("logprobs", logprobs, mask)
     _check_no_nan("ref_logprobs", ref_logprobs, mask)
-    kld = kl_penalty(logprobs, ref_logprobs, kind)
+    kld = kl_penalty(logprobs, ref_logprobs=ref_logprobs, kind=kind)
     loss = aggregate(kld, mask, agg, norms, horizon=horizon)
     metrics = {"kl_loss": loss.detach(), "kl_mean": masked_mean(kld.detach(), mask)}
     return loss, metrics
@@ -139,10 +145,10 @@ def kl_loss(
 
 def apply_kl_penalty_to_rewards(
     token_rewards: Tensor,
+    *,
     logprobs: Tensor,
     ref_logprobs: Tensor,
     mask: Tensor,
-    *,
     beta: float | Tensor,
     kind: KLKind = "k1",
 ) -> tuple[Tensor, Tensor]:
@@ -179,7 +185,7 @@ def apply_kl_penalty_to_rewards(
             raise ValueError(f"beta must be a float or a 0-d tensor, got shape {tuple(beta.shape)}")
     elif not isinstance(beta, (int, float)) or isinstance(beta, bool) or not math.isfinite(beta):
         raise ValueError(f"beta must be a finite float or a 0-d tensor, got {beta!r}")
-    kld = masked_fill_zero(kl_penalty(logprobs, ref_logprobs, kind), mask)
+    kld = masked_fill_zero(kl_penalty(logprobs, ref_logprobs=ref_logprobs, kind=kind), mask)
     new_rewards = token_rewards - beta * kld
     observed_kl = masked_mean(kld, mask, dim=-1).mean()
     return new_rewards, observed_kl

@@ -17,6 +17,28 @@ __all__ = ["masked_sum", "masked_mean", "masked_var", "masked_whiten", "masked_m
 Dim = int | tuple[int, ...] | None
 
 
+def _check_dim(dim: Dim) -> None:
+    """Reject ``dim=True/False``: ``bool`` is an ``int``, and torch would read it as dimension 1 or 0.
+
+    The usual source is a verl port: verl's ``masked_var(values, mask, unbiased=True)`` is often called
+    positionally as ``masked_var(x, mask, True)``, where ``True`` lands in ``dim`` here.
+    """
+    if isinstance(dim, bool) or (isinstance(dim, tuple) and any(isinstance(d, bool) for d in dim)):
+        raise TypeError(
+            f"dim must be an int, a tuple of ints or None, got {dim!r}; for a Bessel correction pass "
+            "unbiased= by keyword (masked_var(x, mask, unbiased=True))"
+        )
+
+
+def mask_weights(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bool mask as 0/1 weights of ``dtype``, for multiplying where every value is known finite.
+
+    Through a uint8 view: bool kernels are much slower than uint8 ones on CPU. Not a substitute for
+    selecting when values outside the mask may be NaN or inf (``0 * nan`` is ``nan``).
+    """
+    return mask.view(torch.uint8).to(dtype)
+
+
 def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
     """``x`` where ``mask`` is true, 0 elsewhere (NaN outside the mask is dropped)."""
     check_mask("mask", mask)
@@ -25,6 +47,7 @@ def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
 
 def masked_sum(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
     """Sum of ``x`` over the positions where ``mask`` is true."""
+    _check_dim(dim)
     check_same_shape("x", x, mask=mask)
     return masked_fill_zero(x, mask).sum(dim=dim)
 
@@ -35,6 +58,7 @@ def _count(mask: Tensor, dim: Dim, dtype: torch.dtype) -> Tensor:
 
 def masked_mean(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
     """Mean over the masked positions; 0 where the mask is empty."""
+    _check_dim(dim)
     total = masked_sum(x, mask, dim)
     count = _count(mask, dim, total.dtype)
     return total / count.clamp(min=1)
@@ -44,8 +68,10 @@ def masked_var(x: Tensor, mask: Tensor, dim: Dim = None, *, unbiased: bool = Tru
     """Variance over the masked positions (Bessel-corrected when ``unbiased``; 0 with < 2 elements).
 
     verl's ``masked_var`` divides by ``count - 1`` and raises on an empty mask; here an empty or
-    single-element mask gives 0, so a one-token batch cannot produce NaN.
+    single-element mask gives 0, so a one-token batch cannot produce NaN. ``unbiased`` is keyword-only
+    (verl's third positional argument): ``masked_var(x, mask, True)`` raises a TypeError naming it.
     """
+    _check_dim(dim)
     x = masked_fill_zero(x, mask)  # NaN outside the mask would otherwise poison the gradient of the mean
     mean = masked_mean(x, mask, dim)
     mean = mean if dim is None else mean.unsqueeze(dim) if isinstance(dim, int) else _unsqueeze_all(mean, dim)

@@ -2,8 +2,12 @@ r"""Policy-gradient losses for language-model RL: PPO and its relatives, over pe
 
 Every loss has the same shape of signature::
 
-    loss, metrics = loss_fn(logprobs, old_logprobs, advantages, response_mask, *, <its own knobs>,
-                            agg=..., norms=None, horizon=None, is_weights=None)
+    loss, metrics = loss_fn(logprobs, *, old_logprobs=..., advantages=..., response_mask=...,
+                            <its own knobs>, agg=..., norms=None, horizon=None, is_weights=None)
+
+Everything after ``logprobs`` is keyword-only. verl's ``compute_policy_loss_*(old_log_prob, log_prob,
+advantages, response_mask, ...)`` puts the old log-probs first: a positional port of such a call would
+swap the two and silently give a different loss; here it raises ``TypeError``.
 
 - ``logprobs`` ``(b t)``: log-probabilities of the sampled tokens under the policy being trained
   (differentiable); ``old_logprobs`` ``(b t)``: the same under the policy that produced the batch;
@@ -139,10 +143,10 @@ def _zero(like: Tensor) -> Tensor:
 
 def ppo_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
@@ -191,8 +195,8 @@ def ppo_policy_loss(
     log_ratio = _log_ratio(logprobs, old_logprobs, response_mask)
     # Per-token clamp bounds on log r: (-20, log(1+eps_high)) where A >= 0, (log(1-eps_low), log c)
     # where A < 0. Selected with 0/1 float weights (each term is exactly 0 or the bound, so the sum is
-    # exact): torch.where on a bool of unpredictable signs is several times slower on CPU than a few
-    # vectorised multiply-adds.
+    # exact): torch.where on a bool of unpredictable signs is slower on CPU than a few vectorised
+    # multiply-adds.
     pos_lower, pos_upper = -_MAX_LOG_RATIO, min(math.log1p(high), _MAX_LOG_RATIO)
     neg_lower = math.log1p(-low)
     neg_upper = _MAX_LOG_RATIO if dual_clip is None else min(math.log(dual_clip), _MAX_LOG_RATIO)
@@ -224,10 +228,10 @@ def ppo_policy_loss(
 
 def gspo_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     agg: AggMode = "seq-mean-token-mean",
@@ -282,10 +286,10 @@ def gspo_policy_loss(
 
 def sapo_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     agg: AggMode = "seq-mean-token-mean",
@@ -332,10 +336,10 @@ def sapo_policy_loss(
 
 def cispo_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     agg: AggMode = "token-mean",
@@ -384,10 +388,10 @@ def cispo_policy_loss(
 
 def gpg_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -429,10 +433,10 @@ def _selection_size(ratio: float, response_mask: Tensor) -> Tensor:
 
 def clip_cov_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     clip_cov_ratio: float = 0.0002,
@@ -498,10 +502,10 @@ def clip_cov_policy_loss(
 
 def kl_cov_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     kl_cov_ratio: float = 0.0002,
     ppo_kl_coef: float = 0.1,
     agg: AggMode = "token-mean",
@@ -553,10 +557,10 @@ def kl_cov_policy_loss(
 
 def gmpo_policy_loss(
     logprobs: Tensor,
+    *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     agg: AggMode = "seq-mean-token-mean",
@@ -640,7 +644,14 @@ POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(
         "geo_mean": gmpo_policy_loss,  # verl's name
     }
 )
-"""Policy losses by name, read-only. verl's ``policy_loss.loss_mode`` names are accepted too."""
+"""The built-in policy losses by name: a read-only mapping (``types.MappingProxyType``). verl's
+``policy_loss.loss_mode`` names are keys too. Every loss takes ``logprobs`` positionally and everything
+else by keyword.
+
+Nothing registers into it: rlfunc holds no mutable global state. A user's own loss is named in a recipe
+config by reference (``package.module:function`` or ``path/to/file.py:function``) and resolved outside
+rlfunc (``backends.config``); the names here are the built-ins only.
+"""
 
 #: Policy losses whose per-token term is a multiple of the token's advantage, so a row whose
 #: advantages are all 0 adds exactly 0 to the loss and the gradient (see ``zero_advantage_rows``).
@@ -649,7 +660,11 @@ ADVANTAGE_PROPORTIONAL_LOSSES = frozenset({"ppo", "vanilla", "gspo", "sapo", "ci
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
-    """The policy loss called ``name`` (``"clip-cov"`` and ``"clip_cov"`` are the same name)."""
+    """The built-in policy loss called ``name`` (``"clip-cov"`` and ``"clip_cov"`` are the same name).
+
+    Only :data:`POLICY_LOSSES` is searched (ValueError listing its names otherwise): a user's own loss
+    is resolved from its ``module:function`` reference outside rlfunc.
+    """
     key = name.replace("-", "_") if isinstance(name, str) else name
     if key not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; known policy losses: {', '.join(POLICY_LOSSES)}")

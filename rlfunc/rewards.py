@@ -302,6 +302,12 @@ REWARD_FUNCTIONS: Mapping[str, RewardFn] = MappingProxyType(
         "format": format_reward,
     }
 )
+"""The built-in reward functions by name: a read-only mapping (``types.MappingProxyType``).
+
+Nothing registers into it: rlfunc holds no mutable global state. A user's own reward function is named
+in a recipe config by reference (``package.module:function`` or ``path/to/file.py:function``) and
+resolved outside rlfunc (``backends.config``).
+"""
 
 
 def get_reward_fn(name: str) -> RewardFn:

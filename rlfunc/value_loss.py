@@ -18,10 +18,10 @@ __all__ = ["value_loss"]
 
 def value_loss(
     values: Tensor,
+    *,
     old_values: Tensor,
     returns: Tensor,
     response_mask: Tensor,
-    *,
     clip_range: float | None = 0.2,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
@@ -46,8 +46,11 @@ def value_loss(
     clipped error is the larger one (0 when unclipped); ``vpred_mean`` [``vpred_mean``]: masked mean of
     ``values``.
 
-    Differences from verl's ``compute_value_loss(vpreds, returns, values, ...)``: arguments are named
-    and ordered (values, old_values, returns); ``clip_range`` defaults to 0.2 (verl's critic config
+    Everything after ``values`` is keyword-only: verl's ``compute_value_loss(vpreds, returns, values, ...)``
+    orders the tensors (new, returns, old), so a positional port would swap the old values and the
+    returns and silently give a different loss; here it raises ``TypeError``.
+
+    Other differences from verl: ``clip_range`` defaults to 0.2 (verl's critic config
     default ``cliprange_value`` is 0.5) and may be ``None``; no ``dp_size`` factor (see
     :mod:`rlfunc.aggregation`).
     """

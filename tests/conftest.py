@@ -13,6 +13,22 @@ settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_outlives_its_module():
+    """Destroy a default process group that a test module left behind in this pytest process.
+
+    The group is process-wide: one left by an earlier module would make later tests depend on the order
+    they run in (``init_distributed`` reuses it; a test of group creation finds one already there).
+    Module scope, torn down after the module's own fixtures, so the tests of one module may still
+    share a group on purpose (a module-scoped fixture that builds it once).
+    """
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -30,7 +30,7 @@ def test_bad_heldout_size():
 def test_wrong_answers_fraction_and_offsets():
     import random
 
-    from backends.training.sft import WarmStartConfig, with_wrong_answers
+    from experiments.tasks.arithmetic import WarmStartConfig, with_wrong_answers
 
     problems = ArithmeticTask().train_stream(seed=0).take(4000)
     noisy = with_wrong_answers(problems, 0.4, random.Random(0))
@@ -42,3 +42,25 @@ def test_wrong_answers_fraction_and_offsets():
     assert with_wrong_answers(problems, 0.4, random.Random(0)) == noisy  # seeded
     with pytest.raises(ValueError, match="wrong_answer_fraction"):
         WarmStartConfig(wrong_answer_fraction=1.0)
+
+
+def test_warm_start_config_is_the_sft_stage_plus_label_noise():
+    from backends.config import apply_overrides, config_keys
+    from backends.training.sft import SFTConfig
+    from experiments.tasks.arithmetic import WarmStartConfig
+
+    cfg = WarmStartConfig(wrong_answer_fraction=0.5)
+    assert isinstance(cfg, SFTConfig)
+    assert config_keys(WarmStartConfig) == [*config_keys(SFTConfig), "wrong_answer_fraction"]
+    cfg = apply_overrides(cfg, ["steps=7", "optim.lr=1e-2", "wrong_answer_fraction=0.25"])
+    assert (cfg.steps, cfg.optim.lr, cfg.wrong_answer_fraction) == (7, 1e-2, 0.25)
+
+
+def test_sft_examples_are_prompt_then_answer_and_eos():
+    from backends.models import build_char_tokenizer
+    from experiments.tasks.arithmetic import Problem, sft_examples
+
+    tokenizer = build_char_tokenizer()
+    (example,) = sft_examples([Problem(prompt="12+3=", answer=15)], tokenizer)
+    assert list(example.prompt_ids) == tokenizer.encode("12+3=")
+    assert list(example.response_ids) == tokenizer.encode("15") + [tokenizer.eos_token_id]

@@ -493,6 +493,21 @@ def test_flatten_config():
         flatten_config([1, 2])
 
 
+def test_the_whole_api_is_importable_from_dcp():
+    """The errors, listing, fingerprint and RNG helpers live in modules of their own; backends.checkpoint.dcp
+    re-exports every public name, the same objects."""
+    import backends.checkpoint.errors as errors
+    import backends.checkpoint.files as files
+    import backends.checkpoint.fingerprint as fingerprint
+    import backends.checkpoint.rng as rng
+
+    homes = {name: module for module in (errors, files, fingerprint, rng) for name in module.__all__}
+    for name in ckpt.__all__:
+        assert hasattr(ckpt, name), name
+        if name in homes:
+            assert getattr(ckpt, name) is getattr(homes[name], name), name
+
+
 # ------------------------------------------------------------------------------------------ FSDP2, 2 ranks
 
 FSDP_OPTIM = OptimConfig(lr=1e-3, eps=1e-6)

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends import packing
+from backends.cpu import accelerate
 from backends.cpu import fused_modules as cpu_fused
-from backends.cpu.fused_modules import (FusedAttention, FusedRMSNorm, FusedSwiGLU, OneDNNLinear, onednn_linear_works, packed_attention,
-                                use_fused_modules)
+from backends.cpu.fused_modules import FusedAttention, FusedRMSNorm, FusedSwiGLU, OneDNNLinear, onednn_linear_works, packed_attention
 from backends.cpu.kernels import norm_act_kernel, packed_attention_kernel
 from backends.models import TinyModelConfig, build_tiny_model
-from backends.packing import pack_rows
+from backends.packing import pack_rows, pad_layout
+from backends.training.packed_attention import only_backends, varlen_sdpa_attention
 from rlfunc.aggregation import aggregate
 from tests.test_cpu_kernels import needs_kernel
 
@@ -36,13 +36,15 @@ def _layout(prompt_lens, response_lens, group, share):
     if share:
         return packed.layout, packed.num_tokens
     bounds = tuple(int(x) for x in packed.cu_seqlens.tolist())
-    return packing._pad_layout(bounds, torch.device("cpu")), packed.num_tokens
+    return pad_layout(bounds, torch.device("cpu")), packed.num_tokens
 
 
-def _reference(q, k, v, layout, scale):
-    """float64 causal attention of each packed token over its own sequence, by the PyTorch block path."""
-    out, _ = packing.varlen_sdpa_attention(types.SimpleNamespace(training=False), q, k, v, None, scaling=scale,
-                                           packed_layout=layout)
+def _attention(q, k, v, layout, scale, backend="sdpa"):
+    """Causal attention of each packed token over its own sequence by one forced backend of the packed
+    attention (the reference: SDPA in float64)."""
+    with only_backends(backend):
+        out, _ = varlen_sdpa_attention(types.SimpleNamespace(training=False), q, k, v, None, scaling=scale,
+                                       packed_layout=layout)
     return out
 
 
@@ -70,7 +72,7 @@ def test_packed_attention_matches_float64_reference(rows, group, share, heads, d
     layout, T = _layout([p for p, _ in rows], [r for _, r in rows], group, share)
     h, kv = heads
     q, k, v = _qkv(T, h, kv, d, seed=T)
-    ref = _reference(q, k, v, layout, None)
+    ref = _attention(q, k, v, layout, None)
     grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), grad_out)]
     q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
@@ -83,15 +85,46 @@ def test_packed_attention_matches_float64_reference(rows, group, share, heads, d
         assert err < 5e-6, (name, err)
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 7), st.integers(1, 40)), min_size=1, max_size=6),
+    group=st.sampled_from([1, 2]),
+    share=st.booleans(),
+    heads=st.sampled_from([(2, 1), (4, 2), (6, 2)]),
+    backend=st.sampled_from(["matmul", "sdpa"]),
+)
+def test_pytorch_backends_match_float64_reference(rows, group, share, heads, backend):
+    """The portable backends (run on every machine, kernel or not) in float32 on the layouts the kernel
+    test uses: outputs and q / k / v gradients equal the float64 reference to float32 rounding."""
+    rows = [r for r in rows for _ in range(group)]
+    layout, T = _layout([p for p, _ in rows], [r for _, r in rows], group, share)
+    h, kv = heads
+    q, k, v = _qkv(T, h, kv, 16, seed=T)
+    ref = _attention(q, k, v, layout, 0.3)
+    grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), grad_out)]
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out = _attention(q32, k32, v32, layout, 0.3, backend)
+    assert out.shape == (1, T, h, 16) and out.dtype == torch.float32
+    got = [out, *torch.autograd.grad(out, (q32, k32, v32), grad_out.float())]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        err = float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1.0))
+        assert err < 5e-6, (backend, name, err)
+
+
 @needs_kernel
 def test_packed_attention_in_bf16_runs_on_a_float32_upcast():
     layout, T = _layout([3, 5, 5, 2], [9, 30, 1, 17], 1, False)
     q, k, v = _qkv(T, 4, 2, 32, seed=0, dtype=torch.float32)
     out32 = packed_attention(q, k, v, layout, 0.2)
+    assert float((out32 - _attention(q, k, v, layout, 0.2, "sdpa")).detach().abs().max()) < 1e-5  # the portable path
     qb, kb, vb = (x.detach().bfloat16().requires_grad_() for x in (q, k, v))
     out16 = packed_attention(qb, kb, vb, layout, 0.2)
     assert out16.dtype == torch.bfloat16
     assert float((out16.detach().float() - out32.detach()).abs().max()) < 2e-2
+    # the bf16 matmul backend (the portable path's choice for short bf16 blocks) within bf16 precision of it
+    matmul16 = _attention(qb.detach(), kb.detach(), vb.detach(), layout, 0.2, "matmul")
+    assert float((matmul16.float() - out16.detach().float()).abs().max()) < 3e-2
     out16.float().sum().backward()
     assert qb.grad.dtype == torch.bfloat16 and bool(torch.isfinite(kb.grad.float()).all())
 
@@ -129,7 +162,7 @@ def test_rms_norm_matches_float64(hidden):
     out = FusedRMSNorm(w32, 1e-6)(x32.view(37, 1, hidden)).view(37, hidden)  # any leading shape
     got = [out, *torch.autograd.grad(out, (x32, w32), grad_out.float())]
     for name, a, b in zip(("y", "dx", "dw"), got, expected):
-        assert float((a.double() - b).abs().max() / b.abs().max()) < 2e-6, name
+        assert float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max()) < 2e-6, name
 
 
 @needs_kernel
@@ -158,14 +191,14 @@ def test_swiglu_matches_float64(n):
 def _fused_and_plain(arch="qwen2"):
     plain = build_tiny_model(TinyModelConfig(arch=arch, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=96))
     fused = copy.deepcopy(plain)
-    replaced = use_fused_modules(fused)
+    replaced = accelerate(fused)
     return plain, fused, replaced
 
 
 @needs_kernel
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_fused_modules_keep_the_parameters_and_the_math(arch, monkeypatch):
-    """use_fused_modules swaps every RMSNorm and MLP (2 norms + 1 MLP per layer, and the final norm) and
+    """accelerate swaps every RMSNorm and MLP (2 norms + 1 MLP per layer, and the final norm) and
     makes every nn.Linear a OneDNNLinear, keeps the state dict's names, and the model's logits and
     gradients stay those of HF's modules (here with every product through oneDNN)."""
     plain, fused, replaced = _fused_and_plain(arch)
@@ -296,7 +329,7 @@ def test_other_architectures_and_no_kernels_are_left_alone(monkeypatch):
             self.variance_epsilon = 1e-6
 
     model = torch.nn.Sequential(GemmaRMSNorm())
-    assert use_fused_modules(model) == 0 and isinstance(model[0], GemmaRMSNorm)
+    assert accelerate(model) == 0 and isinstance(model[0], GemmaRMSNorm)
     monkeypatch.setattr(cpu_fused, "norm_act_kernel", lambda: None)
     plain, fused, replaced = _fused_and_plain()
     assert replaced == 0 and type(fused.model.norm) is type(plain.model.norm)
@@ -309,9 +342,9 @@ def test_fused_model_packed_equals_hf_padded(tmp_path, share_prompts, kv_heads, 
     """A model with every fused module (q / k / v product, RoPE and attention in FusedAttention; fused
     norms, SwiGLU, oneDNN linears) on packed rows gives the log-probs, entropies, loss and gradients
     of the plain HF model on padded rows; the fused attention path is the one that ran."""
-    from backends.training.fsdp import _forward
+    from backends.training.hf_forward import forward_micro_batch
     from backends.models import load_causal_lm, write_tiny_model
-    from backends.packing import enable_packed_attention
+    from backends.training.packed_attention import enable_packed_attention
     from tests.test_packing import _assert_actor_equal, _grouped, _outputs_and_grads
     from tests.test_fsdp_engine import make_batch
 
@@ -327,11 +360,12 @@ def test_fused_model_packed_equals_hf_padded(tmp_path, share_prompts, kv_heads, 
     batch = _grouped(make_batch(3))
     padded = _outputs_and_grads(plain, batch, packed=False)
     enable_packed_attention(fused)
-    assert use_fused_modules(fused) > 0
+    assert accelerate(fused) > 0
     calls = []
-    monkeypatch.setattr(packing, "packed_attention", lambda *a: calls.append(a))  # the per-module path is not used
+    # the cpu-kernel backend (behind the seam) is not used: FusedAttention runs the attention itself
+    monkeypatch.setattr(cpu_fused, "packed_attention", lambda *a: calls.append(a))
     fused.zero_grad(set_to_none=True)
-    out = _forward(fused, batch, with_entropy=True, packed=True, share_prompts=share_prompts)
+    out = forward_micro_batch(fused, batch, with_entropy=True, packed=True, share_prompts=share_prompts)
     loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in fused.named_parameters() if p.grad is not None}

@@ -213,19 +213,19 @@ def test_head_dim_not_a_multiple_of_16_uses_pytorch():
 @pytest.mark.parametrize("env", [{"RLFUNC_CPU_KERNELS": "0"}, {"CC": "/nonexistent/cc"}, {"CC": "false"}])
 def test_falls_back_to_pytorch_when_disabled_or_unbuildable(env, tmp_path):
     """Switched off, no compiler, or a compiler that fails: no kernel (None) and no error, for every kernel;
-    the fused modules then leave a model as it is."""
+    the rollout gets no kernel decode strategy and the fused modules leave a model as it is."""
     code = (
-        "from backends.cpu.kernels import *; from backends.cpu.fused_modules import use_fused_modules; "
-        "from backends.models import build_tiny_model; "
+        "from backends.cpu.kernels import *; from backends.cpu import accelerate, decode_strategy; "
+        "from backends.models import build_tiny_model; import torch; "
         "print(decode_attention_kernel(64), packed_attention_kernel(64), norm_act_kernel(), "
-        "use_fused_modules(build_tiny_model()))"
+        "decode_strategy(head_dim=64, dtype=torch.float32, device='cpu'), accelerate(build_tiny_model()))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "RLFUNC_KERNEL_CACHE": str(tmp_path / "cache"), **env},
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "None None None 0"
+    assert out.stdout.strip() == "None None None None 0"
 
 
 @pytest.mark.slow  # fresh interpreters
@@ -257,31 +257,32 @@ def test_build_is_cached_and_leaves_no_temporary_files(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [Path(first.stdout.strip()).name]
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [1, 17, 64, 688])
-def test_record_rows_copies_exactly(dtype, width):
-    """The rollout recorder's streaming copy: any row width (unaligned heads and tails), selected rows."""
-    kernel = cpu_kernels.record_rows_kernel()
-    src = torch.randn(13, width).to(dtype)
-    buffer = torch.full((40, width), -7.0, dtype=dtype)
-    kernel(src, buffer[3:16])  # a destination at an odd offset: its rows straddle cache lines
-    assert torch.equal(buffer[3:16], src) and bool((buffer[:3] == -7).all()) and bool((buffer[16:] == -7).all())
-    rows = torch.tensor([12, 0, 5, 5, 7])
-    kernel(src, buffer[20:25], rows)
-    assert torch.equal(buffer[20:25], src[rows]) and bool((buffer[25:] == -7).all())
-    kernel(src, buffer[30:30], torch.zeros(0, dtype=torch.long))  # nothing to copy
+def test_large_cache_buffers_lie_on_aligned_huge_page_memory():
+    """The kernel strategy's cache allocator: buffers of at least one huge page start on a 2 MiB boundary
+    of memory advised for huge pages (wherever Linux's madvise exists), hold what is written to them, and
+    are views of one region."""
+    from backends.cpu.decode import HUGE_PAGE_BYTES, empty_on_huge_pages
+
+    small = empty_on_huge_pages((3, 5), torch.float32)
+    assert small.shape == (3, 5) and small.dtype == torch.float32
+    big = empty_on_huge_pages((2, 1024, 1024), torch.float32)  # 8 MiB
+    assert big.shape == (2, 1024, 1024) and big.dtype == torch.float32 and big.is_contiguous()
+    big.copy_(torch.arange(big.numel(), dtype=torch.float32).view_as(big))
+    assert big[1, 1023, 1023].item() == big.numel() - 1
+    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
+        assert big.data_ptr() % HUGE_PAGE_BYTES == 0
+    bf16 = empty_on_huge_pages((4, HUGE_PAGE_BYTES // 2), torch.bfloat16)
+    assert bf16.shape == (4, HUGE_PAGE_BYTES // 2) and bf16.dtype == torch.bfloat16
 
 
-@needs_kernel
-def test_record_rows_refuses_bad_input():
-    kernel = cpu_kernels.record_rows_kernel()
-    src, dst = torch.randn(4, 8), torch.empty(2, 8)
-    with pytest.raises(IndexError, match="outside the source's 4 rows"):
-        kernel(src, dst, torch.tensor([1, 4]))
-    with pytest.raises(ValueError, match="one dtype and width"):
-        kernel(src, torch.empty(2, 8, dtype=torch.bfloat16), torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="one dtype and width"):
-        kernel(src, dst)  # 4 rows into 2 without an index
-    with pytest.raises(ValueError, match="one dtype and width"):
-        kernel(src.t(), dst.t().contiguous().t())
+def test_decode_strategy_seam():
+    """``backends.cpu.decode_strategy`` gives the kernel strategy exactly where the kernel runs: never off
+    the CPU or for a head dim that is not a multiple of 16."""
+    from backends.cpu import decode_strategy
+
+    assert decode_strategy(head_dim=24, dtype=torch.float32, device="cpu") is None
+    assert decode_strategy(head_dim=64, dtype=torch.float32, device="meta") is None
+    strategy = decode_strategy(head_dim=64, dtype=torch.float32, device="cpu")
+    assert (strategy is not None) == (decode_attention_kernel(64) is not None)
+    if strategy is not None:
+        assert strategy.name == "kernel" and strategy.slot_block == 16 and strategy.fused_step

@@ -80,8 +80,8 @@ def reference_updates(model_dir, batches, mode: str):
     optimizer = build_optimizer(model.parameters(), OPTIM)
     losses, norms, clipfracs = [], [], []
     for step, batch in enumerate(batches):
-        loss, metrics = value_loss(hf_values(model, batch), batch.old_values, batch.returns, batch.response_mask,
-                                   clip_range=CLIP, agg=mode)
+        loss, metrics = value_loss(hf_values(model, batch), old_values=batch.old_values, returns=batch.returns,
+                                   response_mask=batch.response_mask, clip_range=CLIP, agg=mode)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)))
         for group in optimizer.param_groups:

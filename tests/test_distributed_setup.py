@@ -1,28 +1,34 @@
-"""backends.distributed.setup: process-group setup (1 process and 2 gloo ranks), meshes, logging, seeding."""
+"""backends.distributed.setup and .collectives: process-group setup (1 process and 2 gloo ranks), meshes,
+logging, seeding, collectives.
+
+Tests that create the default process group of a plain ``python`` process do it in a fresh interpreter:
+the pytest process may hold a group another test made (the group is process-wide), and a group made here
+must not outlive the test either way."""
 
 from __future__ import annotations
 
 import io
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from backends.distributed.setup import (
-    DistEnv,
+import backends.distributed.collectives as collectives
+import backends.distributed.setup as setup
+from backends.distributed.collectives import (
     all_reduce_max,
     all_reduce_sum,
     barrier,
     broadcast_object,
-    device_mesh,
-    get_logger,
-    init_distributed,
-    seed_everything,
-    shutdown,
+    global_masked_whiten,
 )
+from backends.distributed.setup import DistEnv, device_mesh, get_logger, init_distributed, seed_everything, shutdown
 from tests.distributed import run_distributed
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -30,36 +36,70 @@ def _cpu_env(rank: int = 0, world_size: int = 1) -> DistEnv:
     return DistEnv(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"), backend="gloo")
 
 
-@pytest.fixture
-def no_torchrun_env(monkeypatch):
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this test process")
-    for var in TORCHRUN_VARS:
-        monkeypatch.delenv(var, raising=False)
-    yield
-    shutdown()
+def _in_fresh_process(test_body: str, **env_updates: str) -> None:
+    """Run ``tests.test_distributed_setup.<test_body>()`` in a fresh interpreter without a torchrun
+    environment (plus ``env_updates``): no process group exists there when it starts."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update(env_updates)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    code = f"from tests.test_distributed_setup import {test_body}; {test_body}()"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
-def test_init_without_torchrun_makes_a_one_process_gloo_group(no_torchrun_env):
-    env = init_distributed(device="cpu")
-    assert env == DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    assert env.is_main
-    assert dist.is_initialized() and dist.get_world_size() == 1
-    assert init_distributed(device="cpu") == env  # idempotent
-    mesh = device_mesh(env)
-    assert mesh.size() == 1 and mesh.mesh_dim_names == ("dp",)
-    x = torch.tensor([1.0, 2.0])
-    torch.testing.assert_close(all_reduce_sum(x), x)
-    assert broadcast_object({"step": 3}) == {"step": 3}
-    shutdown(env)
+def _one_process_group() -> None:
     assert not dist.is_initialized()
-    shutdown(env)  # a second shutdown is a no-op
+    assert (collectives.world_rank(), collectives.world_size()) == (0, 1)
+    try:
+        env = init_distributed(device="cpu")
+        assert env == DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+        assert env.is_main
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        assert (collectives.world_rank(), collectives.world_size()) == (0, 1)
+        assert init_distributed(device="cpu") == env  # idempotent
+        mesh = device_mesh(env)
+        assert mesh.size() == 1 and mesh.mesh_dim_names == ("dp",)
+        x = torch.tensor([1.0, 2.0])
+        torch.testing.assert_close(all_reduce_sum(x), x)
+        assert broadcast_object({"step": 3}) == {"step": 3}
+        shutdown(env)
+        assert not dist.is_initialized()
+        shutdown(env)  # a second shutdown is a no-op
+    finally:
+        shutdown()
 
 
-def test_rank_without_world_size_is_an_error(no_torchrun_env, monkeypatch):
-    monkeypatch.setenv("RANK", "0")
-    with pytest.raises(RuntimeError, match="RANK and WORLD_SIZE must be set together"):
-        init_distributed(device="cpu")
+def test_init_without_torchrun_makes_a_one_process_gloo_group():
+    _in_fresh_process("_one_process_group")
+
+
+def _rank_without_world_size() -> None:
+    try:
+        with pytest.raises(RuntimeError, match="RANK and WORLD_SIZE must be set together"):
+            init_distributed(device="cpu")
+        assert not dist.is_initialized()
+    finally:
+        shutdown()
+
+
+def test_rank_without_world_size_is_an_error():
+    _in_fresh_process("_rank_without_world_size", RANK="0")
+
+
+def test_collectives_are_the_identity_without_a_group():
+    """Without a group (or in a group of one) every collective leaves the value as it is."""
+    x = torch.tensor([1.0, -2.0])
+    for out in (all_reduce_sum(x), all_reduce_max(x)):
+        torch.testing.assert_close(out, x)
+        assert out is not x
+    assert broadcast_object([1, "a"]) == [1, "a"]
+    barrier()
+
+
+def test_setup_still_exports_the_collectives():
+    """Callers that import the collectives from backends.distributed.setup get the same functions."""
+    for name in collectives.__all__:
+        assert getattr(setup, name) is getattr(collectives, name), name
 
 
 def test_bad_device_name():
@@ -94,6 +134,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
     out["max"] = all_reduce_max(x)
     out["input_after"] = x
     out["broadcast"] = broadcast_object({"from": rank}, src=1)
+    out["ranks"] = (collectives.world_rank(), collectives.world_size())
     stream = io.StringIO()
     log = get_logger("rlfunc.test", env, stream=stream)
     log.info("info line")
@@ -122,6 +163,7 @@ def test_two_gloo_ranks():
         torch.testing.assert_close(out["max"], torch.tensor([2.0, 10.0]))
         torch.testing.assert_close(out["input_after"], torch.tensor([float(rank + 1), 10.0 * rank]))
         assert out["broadcast"] == {"from": 1}
+        assert out["ranks"] == (rank, 2)
         assert "disagrees with the environment" in out["mismatch"]
     log0, log1 = results[0]["log"], results[1]["log"]
     assert "[rank 0]" in log0 and "info line" in log0 and "warning line" in log0
@@ -163,8 +205,6 @@ def test_seed_everything():
 
 
 def _global_whiten_worker(rank: int, world_size: int) -> list[float]:
-    from backends.distributed.setup import global_masked_whiten
-
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4 * world_size, 5, generator=g)
     m = torch.rand(4 * world_size, 5, generator=g) < 0.6
@@ -181,56 +221,3 @@ def test_global_masked_whiten_on_two_ranks_equals_whitening_the_whole_batch():
     for gap, per_rank_gap in run_distributed(_global_whiten_worker, 2):
         assert gap < 1e-6
         assert per_rank_gap > 1e-3  # per-rank whitening would differ: the test can tell them apart
-
-
-_ONEDNN_GROWTH = r"""
-import ctypes, json, sys
-import torch
-from backends.cpu.fused_modules import onednn_linear_works
-from backends.cpu.runtime import bound_onednn_caches
-if sys.argv[1] == "bounded":
-    bound_onednn_caches(16)
-torch.set_num_threads(1)
-libc = ctypes.CDLL("libc.so.6")
-class Info(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                                                "uordblks", "fordblks", "keepcost")]
-libc.mallinfo2.restype = Info
-in_use = lambda: (libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd) / 2**20
-w = torch.randn(64, 32)
-base = in_use()
-for rows in range(100, 160):  # a new shape every call, as a packed micro-batch's token count
-    torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 32), w, None, "none", [], "")
-print(json.dumps({"works": onednn_linear_works(torch.float32), "grew_mib": in_use() - base}))
-"""
-
-
-def test_bounded_onednn_caches_stop_the_heap_growing_with_new_shapes():
-    """Every new row count of a CPU linear leaves a oneDNN primitive in two 1024-entry caches; with
-    bound_onednn_caches the memory they hold stops growing (glibc's mallinfo2, in fresh processes)."""
-    import json
-    import subprocess
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        pytest.skip("glibc's mallinfo2 is Linux-only")
-    grew = {}
-    for mode in ("default", "bounded"):
-        env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-        out = subprocess.run([sys.executable, "-c", _ONEDNN_GROWTH, mode], capture_output=True, text=True, env=env,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        if not result["works"]:
-            pytest.skip("this torch build has no oneDNN linear")
-        grew[mode] = result["grew_mib"]
-    assert grew["default"] > 3 * grew["bounded"] and grew["default"] > 10, grew
-
-
-def test_bound_onednn_caches_keeps_a_value_the_user_set(monkeypatch):
-    from backends.cpu.runtime import bound_onednn_caches
-
-    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
-    bound_onednn_caches(64)
-    assert os.environ["LRU_CACHE_CAPACITY"] == "7" and os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"

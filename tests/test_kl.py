@@ -41,45 +41,45 @@ def test_hand_computed_values():
     lp = torch.tensor([[-1.0, -2.0, -0.5]])
     ref = torch.tensor([[-2.0, -1.0, -0.5]])
     # log r = ref - lp = [-1, 1, 0]
-    close(kl_penalty(lp, ref, "k1"), torch.tensor([[1.0, -1.0, 0.0]]))
-    close(kl_penalty(lp, ref, "abs"), torch.tensor([[1.0, 1.0, 0.0]]))
-    close(kl_penalty(lp, ref, "k2"), torch.tensor([[0.5, 0.5, 0.0]]))
+    close(kl_penalty(lp, ref_logprobs=ref, kind="k1"), torch.tensor([[1.0, -1.0, 0.0]]))
+    close(kl_penalty(lp, ref_logprobs=ref, kind="abs"), torch.tensor([[1.0, 1.0, 0.0]]))
+    close(kl_penalty(lp, ref_logprobs=ref, kind="k2"), torch.tensor([[0.5, 0.5, 0.0]]))
     e = math.e
-    close(kl_penalty(lp, ref, "k3"), torch.tensor([[1 / e - 1 + 1, e - 1 - 1, 0.0]]))
+    close(kl_penalty(lp, ref_logprobs=ref, kind="k3"), torch.tensor([[1 / e - 1 + 1, e - 1 - 1, 0.0]]))
 
 
 @pytest.mark.parametrize(("alias", "canonical"), [("kl", "k1"), ("mse", "k2"), ("low_var_kl", "k3"), ("kl+", "k1+")])
 def test_aliases(alias, canonical):
     lp, ref = torch.randn(3, 4), torch.randn(3, 4)
-    close(kl_penalty(lp, ref, alias), kl_penalty(lp, ref, canonical), tol=0)
+    close(kl_penalty(lp, ref_logprobs=ref, kind=alias), kl_penalty(lp, ref_logprobs=ref, kind=canonical), tol=0)
 
 
 def test_k3_clamps_like_verl():
     lp = torch.tensor([-1.0, -30.0, -3.0, -15.0])
     ref = torch.tensor([-30.0, -1.0, -15.0, -3.0])
-    out = kl_penalty(lp, ref, "k3")
+    out = kl_penalty(lp, ref_logprobs=ref, kind="k3")
     # log r = -29 -> clamped to -20 -> e^-20 + 19 -> clamped to 10; log r = 29 -> 20 -> e^20 - 21 -> 10
     close(out, torch.tensor([10.0, 10.0, 10.0, 10.0]))
     lp = lp.clone().requires_grad_()
-    kl_penalty(lp, ref, "k3").sum().backward()
+    kl_penalty(lp, ref_logprobs=ref, kind="k3").sum().backward()
     assert torch.all(lp.grad == 0)  # no gradient through the clamps
 
 
 def test_zero_when_equal_and_nonnegative():
     lp = torch.randn(5, 6)
     for kind in BASE_KINDS:
-        chex.assert_trees_all_close(kl_penalty(lp, lp, kind), torch.zeros(5, 6))
+        chex.assert_trees_all_close(kl_penalty(lp, ref_logprobs=lp, kind=kind), torch.zeros(5, 6))
     ref = torch.randn(5, 6)
     for kind in ("abs", "k2", "k3"):
-        assert torch.all(kl_penalty(lp, ref, kind) >= 0)
+        assert torch.all(kl_penalty(lp, ref_logprobs=ref, kind=kind) >= 0)
 
 
 def test_bf16_inputs_computed_in_fp32():
     lp, ref = torch.randn(4, 5), torch.randn(4, 5)
-    out = kl_penalty(lp.bfloat16(), ref.bfloat16(), "k3")
+    out = kl_penalty(lp.bfloat16(), ref_logprobs=ref.bfloat16(), kind="k3")
     assert out.dtype == torch.float32
-    close(out, kl_penalty(lp.bfloat16().float(), ref.bfloat16().float(), "k3"), tol=0)
-    assert kl_penalty(lp.double(), ref.double(), "k3").dtype == torch.float64
+    close(out, kl_penalty(lp.bfloat16().float(), ref_logprobs=ref.bfloat16().float(), kind="k3"), tol=0)
+    assert kl_penalty(lp.double(), ref_logprobs=ref.double(), kind="k3").dtype == torch.float64
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -89,7 +89,7 @@ def test_bf16_inputs_computed_in_fp32():
 @pytest.mark.parametrize("kind", [k.split("/")[1] for k in GOLDEN if k.startswith("kl/") and k.endswith("/value")])
 def test_kl_penalty_matches_verl(kind):
     lp = GOLDEN["kl/logprobs"].clone().requires_grad_()
-    value = kl_penalty(lp, GOLDEN["kl/ref_logprobs"], kind)
+    value = kl_penalty(lp, ref_logprobs=GOLDEN["kl/ref_logprobs"], kind=kind)
     (value * GOLDEN["kl/weights"]).sum().backward()
     close(value.detach(), GOLDEN[f"kl/{kind}/value"])
     close(lp.grad, GOLDEN[f"kl/{kind}/grad"])
@@ -103,7 +103,11 @@ def test_golden_covers_all_kinds():
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_kl_loss_matches_verl(mode):
     loss, metrics = kl_loss(
-        GOLDEN["kl/logprobs"], GOLDEN["kl/ref_logprobs"], GOLDEN["kl_loss/mask"], kind="low_var_kl", agg=mode
+        GOLDEN["kl/logprobs"],
+        ref_logprobs=GOLDEN["kl/ref_logprobs"],
+        mask=GOLDEN["kl_loss/mask"],
+        kind="low_var_kl",
+        agg=mode,
     )
     close(loss, GOLDEN[f"kl_loss/{mode}"])
     close(metrics["kl_loss"], GOLDEN[f"kl_loss/{mode}"])
@@ -111,9 +115,9 @@ def test_kl_loss_matches_verl(mode):
 
 def test_kl_loss_default_kind_is_verls_and_k1():
     mask = GOLDEN["kl_loss/mask"]
-    loss, _ = kl_loss(GOLDEN["kl/logprobs"], GOLDEN["kl/ref_logprobs"], mask)
+    loss, _ = kl_loss(GOLDEN["kl/logprobs"], ref_logprobs=GOLDEN["kl/ref_logprobs"], mask=mask)
     close(loss, GOLDEN["kl_loss/token-mean"])
-    loss, _ = kl_loss(GOLDEN["kl/logprobs"], GOLDEN["kl/ref_logprobs"], mask, kind="k1")
+    loss, _ = kl_loss(GOLDEN["kl/logprobs"], ref_logprobs=GOLDEN["kl/ref_logprobs"], mask=mask, kind="k1")
     close(loss, GOLDEN["kl_loss/token-mean/k1"])
 
 
@@ -124,9 +128,9 @@ def test_reward_penalty_and_adaptive_controller_match_verl(kind):
     close(ctrl.beta, GOLDEN[f"reward_kl/{kind}/beta_before"], tol=1e-12)
     rewards, observed = apply_kl_penalty_to_rewards(
         GOLDEN["reward_kl/scores"],
-        GOLDEN["reward_kl/old_logprobs"],
-        GOLDEN["reward_kl/ref_logprobs"],
-        mask,
+        logprobs=GOLDEN["reward_kl/old_logprobs"],
+        ref_logprobs=GOLDEN["reward_kl/ref_logprobs"],
+        mask=mask,
         beta=ctrl.beta,
         kind=kind,
     )
@@ -220,11 +224,11 @@ def test_controller_bad_inputs(make, match):
 def test_straight_through_value_and_gradient(kind):
     lp0, ref = torch.randn(3, 5), torch.randn(3, 5)
     lp = lp0.clone().requires_grad_()
-    value = kl_penalty(lp, ref, kind)
-    close(value.detach(), kl_penalty(lp0, ref, kind[:-1]))
+    value = kl_penalty(lp, ref_logprobs=ref, kind=kind)
+    close(value.detach(), kl_penalty(lp0, ref_logprobs=ref, kind=kind[:-1]))
     value.sum().backward()
     lp2 = lp0.clone().requires_grad_()
-    kl_penalty(lp2, ref, "k2").sum().backward()
+    kl_penalty(lp2, ref_logprobs=ref, kind="k2").sum().backward()
     close(lp.grad, lp2.grad)
     close(lp.grad, lp0 - ref)  # d/dlp 0.5 (lp - ref)^2
 
@@ -240,15 +244,15 @@ def test_monte_carlo_estimators_approach_true_kl():
     y = torch.multinomial(logp_all.exp(), n, replacement=True, generator=g)
     lp, lq = logp_all[y], logq_all[y]
     for kind in ("k1", "k3"):
-        est = kl_penalty(lp, lq, kind)
+        est = kl_penalty(lp, ref_logprobs=lq, kind=kind)
         stderr = est.std() / math.sqrt(n)
         assert abs(est.mean() - true_kl) < 5 * stderr, (kind, est.mean(), true_kl, stderr)
-    assert kl_penalty(lp, lq, "k3").std() < kl_penalty(lp, lq, "k1").std()
+    assert kl_penalty(lp, ref_logprobs=lq, kind="k3").std() < kl_penalty(lp, ref_logprobs=lq, kind="k1").std()
 
     # gradient: mean over samples of grad_theta k2(y) (y held fixed) ~ grad_theta KL(p_theta || q)
     def mean_k2(th, kind):
         logp = torch.log_softmax(th, -1)
-        return kl_penalty(logp[y], logq_all[y], kind).mean()
+        return kl_penalty(logp[y], ref_logprobs=logq_all[y], kind=kind).mean()
 
     def exact_kl(th):
         logp = torch.log_softmax(th, -1)
@@ -270,7 +274,7 @@ def test_monte_carlo_estimators_approach_true_kl():
 def test_func_grad_equals_autograd(kind):
     lp0, ref = torch.randn(3, 4), torch.randn(3, 4)
     mask = torch.rand(3, 4) > 0.3
-    fn = lambda lp: kl_loss(lp, ref, mask, kind=kind)[0]  # noqa: E731
+    fn = lambda lp: kl_loss(lp, ref_logprobs=ref, mask=mask, kind=kind)[0]  # noqa: E731
     g_func = torch.func.grad(fn)(lp0)
     lp = lp0.clone().requires_grad_()
     fn(lp).backward()
@@ -281,19 +285,24 @@ def test_func_grad_equals_autograd(kind):
 def test_vmap_equals_loop(kind):
     lp, ref = torch.randn(4, 6), torch.randn(4, 6)
     mask = torch.rand(4, 6) > 0.3
-    per_example = lambda a, b, m: kl_loss(a[None], b[None], m[None], kind=kind, agg="seq-mean-token-mean")[0]  # noqa: E731
+    per_example = lambda a, b, m: kl_loss(
+        a[None], ref_logprobs=b[None], mask=m[None], kind=kind, agg="seq-mean-token-mean"
+    )[0]  # noqa: E731
     batched = torch.func.vmap(per_example)(lp, ref, mask)
     looped = torch.stack([per_example(lp[i], ref[i], mask[i]) for i in range(4)])
     close(batched, looped)
-    close(torch.func.vmap(lambda a, b: kl_penalty(a, b, kind))(lp, ref), kl_penalty(lp, ref, kind))
+    close(
+        torch.func.vmap(lambda a, b: kl_penalty(a, ref_logprobs=b, kind=kind))(lp, ref),
+        kl_penalty(lp, ref_logprobs=ref, kind=kind),
+    )
 
 
 def test_inputs_not_modified():
     lp, ref, rewards = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5)
     mask = torch.ones(2, 5, dtype=torch.bool)
     copies = [x.clone() for x in (lp, ref, rewards)]
-    apply_kl_penalty_to_rewards(rewards, lp, ref, mask, beta=0.3, kind="k3")
-    kl_loss(lp, ref, mask)
+    apply_kl_penalty_to_rewards(rewards, logprobs=lp, ref_logprobs=ref, mask=mask, beta=0.3, kind="k3")
+    kl_loss(lp, ref_logprobs=ref, mask=mask)
     for x, c in zip((lp, ref, rewards), copies):
         assert torch.equal(x, c)
 
@@ -305,16 +314,19 @@ def test_inputs_not_modified():
 def test_kl_loss_global_normalizers_accumulate():
     lp, ref = torch.randn(6, 5), torch.randn(6, 5)
     mask = torch.rand(6, 5) > 0.4
-    full, _ = kl_loss(lp, ref, mask, kind="k3", agg="token-mean")
+    full, _ = kl_loss(lp, ref_logprobs=ref, mask=mask, kind="k3", agg="token-mean")
     norms = local_normalizers(mask)
-    parts = [kl_loss(lp[i : i + 2], ref[i : i + 2], mask[i : i + 2], kind="k3", norms=norms)[0] for i in (0, 2, 4)]
+    parts = [
+        kl_loss(lp[i : i + 2], ref_logprobs=ref[i : i + 2], mask=mask[i : i + 2], kind="k3", norms=norms)[0]
+        for i in (0, 2, 4)
+    ]
     close(sum(parts), full)
     assert isinstance(norms, Normalizers)
 
 
 def test_kl_loss_metrics_are_detached_tensors():
     lp = torch.randn(2, 4, requires_grad=True)
-    loss, metrics = kl_loss(lp, torch.randn(2, 4), torch.ones(2, 4, dtype=torch.bool), kind="k1")
+    loss, metrics = kl_loss(lp, ref_logprobs=torch.randn(2, 4), mask=torch.ones(2, 4, dtype=torch.bool), kind="k1")
     assert loss.requires_grad
     assert set(metrics) == {"kl_loss", "kl_mean"}
     assert all(isinstance(v, torch.Tensor) and not v.requires_grad for v in metrics.values())
@@ -325,9 +337,9 @@ def test_nan_outside_mask_does_not_leak():
     mask = torch.tensor([[True, True, False, False], [True, False, False, False]])
     lp[~mask] = float("nan")
     rewards[~mask] = float("inf")
-    new, observed = apply_kl_penalty_to_rewards(rewards, lp, ref, mask, beta=0.1)
+    new, observed = apply_kl_penalty_to_rewards(rewards, logprobs=lp, ref_logprobs=ref, mask=mask, beta=0.1)
     assert torch.isfinite(new[mask]).all() and torch.isfinite(observed)
-    loss, _ = kl_loss(lp, ref, mask)
+    loss, _ = kl_loss(lp, ref_logprobs=ref, mask=mask)
     assert torch.isfinite(loss)
 
 
@@ -336,19 +348,25 @@ def test_reward_penalty_hand_computed():
     ref = torch.tensor([[-1.5, -0.5, -1.0], [-2.0, -3.0, -2.0]])
     mask = torch.tensor([[True, True, False], [True, True, True]])
     rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
-    new, observed = apply_kl_penalty_to_rewards(rewards, lp, ref, mask, beta=0.5, kind="k1")
+    new, observed = apply_kl_penalty_to_rewards(rewards, logprobs=lp, ref_logprobs=ref, mask=mask, beta=0.5, kind="k1")
     # k1 = lp - ref = [[0.5, -0.5, (0)], [0, 1, 0]]
     close(new, torch.tensor([[-0.25, 1.25, 0.0], [0.0, -0.5, 2.0]]))
     close(observed, torch.tensor((0.0 + 1.0 / 3.0) / 2.0))
     # all-masked sequence counts as 0 in the batch mean (as verl)
-    _, observed = apply_kl_penalty_to_rewards(rewards, lp, ref, torch.zeros_like(mask), beta=0.5)
+    _, observed = apply_kl_penalty_to_rewards(
+        rewards, logprobs=lp, ref_logprobs=ref, mask=torch.zeros_like(mask), beta=0.5
+    )
     assert observed == 0
 
 
 def test_reward_penalty_beta_tensor_keeps_dtype():
     rewards = torch.zeros(2, 3)
     new, _ = apply_kl_penalty_to_rewards(
-        rewards, torch.randn(2, 3), torch.randn(2, 3), torch.ones(2, 3, dtype=torch.bool), beta=fixed_kl_controller(0.1).beta
+        rewards,
+        logprobs=torch.randn(2, 3),
+        ref_logprobs=torch.randn(2, 3),
+        mask=torch.ones(2, 3, dtype=torch.bool),
+        beta=fixed_kl_controller(0.1).beta,
     )
     assert new.dtype == torch.float32
 
@@ -359,28 +377,38 @@ def test_reward_penalty_beta_tensor_keeps_dtype():
 
 def test_unknown_kind_lists_known():
     with pytest.raises(ValueError, match="known kinds: .*k3.*low_var_kl"):
-        kl_penalty(torch.zeros(2), torch.zeros(2), "full")
+        kl_penalty(torch.zeros(2), ref_logprobs=torch.zeros(2), kind="full")
     with pytest.raises(ValueError, match="unknown KL estimator kind"):
-        kl_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), kind="k4")
+        kl_loss(torch.zeros(1, 2), ref_logprobs=torch.zeros(1, 2), mask=torch.ones(1, 2, dtype=torch.bool), kind="k4")
 
 
 def test_shape_mismatch():
     with pytest.raises(ValueError, match="ref_logprobs has shape"):
-        kl_penalty(torch.zeros(2, 3), torch.zeros(2, 4))
+        kl_penalty(torch.zeros(2, 3), ref_logprobs=torch.zeros(2, 4))
     with pytest.raises(ValueError, match="mask has shape"):
-        kl_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bool))
+        kl_loss(torch.zeros(2, 3), ref_logprobs=torch.zeros(2, 3), mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="token_rewards has shape"):
-        apply_kl_penalty_to_rewards(torch.zeros(3, 3), torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), beta=0.1)
+        apply_kl_penalty_to_rewards(
+            torch.zeros(3, 3),
+            logprobs=torch.zeros(2, 3),
+            ref_logprobs=torch.zeros(2, 3),
+            mask=torch.ones(2, 3, dtype=torch.bool),
+            beta=0.1,
+        )
 
 
 def test_bad_dtypes():
     with pytest.raises(TypeError, match="torch.bool mask"):
-        kl_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3))
+        kl_loss(torch.zeros(2, 3), ref_logprobs=torch.zeros(2, 3), mask=torch.ones(2, 3))
     with pytest.raises(TypeError, match="floating-point"):
-        kl_penalty(torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))
+        kl_penalty(torch.zeros(2, 3, dtype=torch.long), ref_logprobs=torch.zeros(2, 3))
     with pytest.raises(ValueError, match="beta"):
         apply_kl_penalty_to_rewards(
-            torch.zeros(1, 2), torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), beta=torch.ones(2)
+            torch.zeros(1, 2),
+            logprobs=torch.zeros(1, 2),
+            ref_logprobs=torch.zeros(1, 2),
+            mask=torch.ones(1, 2, dtype=torch.bool),
+            beta=torch.ones(2),
         )
 
 
@@ -389,20 +417,22 @@ def test_nan_inside_mask_raises():
     lp = torch.zeros(2, 3)
     lp[1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"logprobs contains NaN at index \(1, 2\)"):
-        kl_loss(lp, torch.zeros(2, 3), mask)
+        kl_loss(lp, ref_logprobs=torch.zeros(2, 3), mask=mask)
     with pytest.raises(ValueError, match="ref_logprobs contains NaN"):
-        apply_kl_penalty_to_rewards(torch.zeros(2, 3), torch.zeros(2, 3), lp, mask, beta=0.1)
+        apply_kl_penalty_to_rewards(torch.zeros(2, 3), logprobs=torch.zeros(2, 3), ref_logprobs=lp, mask=mask, beta=0.1)
     rewards = torch.zeros(2, 3)
     rewards[0, 1] = float("inf")
     with pytest.raises(ValueError, match="token_rewards contains a non-finite value"):
-        apply_kl_penalty_to_rewards(rewards, torch.zeros(2, 3), torch.zeros(2, 3), mask, beta=0.1)
+        apply_kl_penalty_to_rewards(
+            rewards, logprobs=torch.zeros(2, 3), ref_logprobs=torch.zeros(2, 3), mask=mask, beta=0.1
+        )
 
 
 def test_inf_ref_logprob_is_legal_for_k3():
     # a token the reference rules out: k3 is bounded by the clamp, k1 is +inf
     lp, ref = torch.tensor([[-1.0]]), torch.tensor([[float("-inf")]])
     mask = torch.ones(1, 1, dtype=torch.bool)
-    loss, _ = kl_loss(lp, ref, mask, kind="k3")
+    loss, _ = kl_loss(lp, ref_logprobs=ref, mask=mask, kind="k3")
     assert loss == 10.0
 
 
@@ -420,7 +450,7 @@ def test_property_estimators(lp_list, ref_list, kind):
     n = min(len(lp_list), len(ref_list))
     lp = torch.tensor(lp_list[:n], dtype=torch.float64)
     ref = torch.tensor(ref_list[:n], dtype=torch.float64)
-    out = kl_penalty(lp, ref, kind)
+    out = kl_penalty(lp, ref_logprobs=ref, kind=kind)
     base = kind.rstrip("+")
     assert torch.isfinite(out).all()
     if base in ("abs", "k2", "mse", "k3", "low_var_kl"):
@@ -433,6 +463,6 @@ def test_property_estimators(lp_list, ref_list, kind):
         torch.testing.assert_close(out, expected)
     # swapping the arguments flips k1 and leaves abs/k2 unchanged
     if base in ("abs", "k2", "mse"):
-        torch.testing.assert_close(out, kl_penalty(ref, lp, kind))
+        torch.testing.assert_close(out, kl_penalty(ref, ref_logprobs=lp, kind=kind))
     if base in ("k1", "kl"):
-        torch.testing.assert_close(out, -kl_penalty(ref, lp, kind))
+        torch.testing.assert_close(out, -kl_penalty(ref, ref_logprobs=lp, kind=kind))

@@ -325,7 +325,7 @@ def test_chunked_peak_memory_is_lower(which):
     assert res.returncode == 0, res.stderr
     chunked, plain, logits_bytes = map(int, res.stdout.split())
     # plain: > 3x the bf16 logits (an fp32 copy alone is 2x); chunked: the bf16 grad (1x) + a few fp32
-    # chunk-sized temporaries (measured: chunked ~1.15x, plain ~8x for logp and ~14x for entropy)
+    # chunk-sized temporaries, so well below 1.5x whatever the chunk count
     assert plain > 3 * logits_bytes, (chunked, plain, logits_bytes)
     assert chunked < 1.5 * logits_bytes, (chunked, plain, logits_bytes)
     assert chunked < 0.4 * plain, (chunked, plain, logits_bytes)

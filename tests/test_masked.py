@@ -105,3 +105,15 @@ def test_whiten_stats_must_be_scalars():
     x, m = torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="stats must be two 0-d tensors"):
         rf.masked_whiten(x, m, stats=(torch.zeros(2), torch.ones(())))
+
+
+def test_bool_dim_is_rejected_with_a_pointer_to_unbiased():
+    """verl's ``masked_var(x, mask, True)`` means ``unbiased=True``; here the third argument is ``dim``."""
+    x, mask = torch.randn(3, 4), torch.rand(3, 4) > 0.3
+    for op in (rf.masked_var, rf.masked_mean, rf.masked_sum):
+        for dim in (True, False, (0, True)):
+            with pytest.raises(TypeError, match=r"dim must be an int.*pass unbiased= by keyword"):
+                op(x, mask, dim)
+    torch.testing.assert_close(rf.masked_var(x, mask, unbiased=True), rf.masked_var(x, mask))
+    assert rf.masked_var(x, mask, 1).shape == (3,)
+    assert rf.masked_mean(x, mask, (0, 1)).shape == ()

@@ -53,6 +53,7 @@ def _hf_grads(model_dir, batch):
 
 def _megatron_grads(state, batch):
     """The engine's accumulated, stage/replica-synced gradients, gathered in HF names."""
+    from backends.training.common import gather_counts
     from backends.training.megatron import engine as E
     from backends.training.megatron.convert import gather_hf_state
     from backends.training.megatron.layout import layout_micro_batch
@@ -60,7 +61,8 @@ def _megatron_grads(state, batch):
     from rlfunc.aggregation import local_normalizers
 
     mbs = E._micro_batches(state, batch, 4)  # 12 rows -> 3 micro-batches
-    norms = E._gather_counts(local_normalizers(batch.response_mask), len(mbs), state)[0]
+    norms = gather_counts(local_normalizers(batch.response_mask), len(mbs), group=state.dp_group,
+                          group_size=state.dp_size, device=state.env.device)[0]
     for mb in mbs:
         inp = layout_micro_batch(mb, state.cfg.layout)
 
@@ -596,7 +598,8 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
         adv = torch.randn(batch.response_ids.shape[0], generator=torch.Generator().manual_seed(step))[:, None]
         batch = batch.replace(old_logprobs=batch.rollout_logprobs, advantages=adv * batch.response_mask)
         actor, _ = engine.update(actor, batch, lambda out, mb, norms: loss(
-            out.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, norms=norms))
+            out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
+            norms=norms))
         before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
         rollout = sync_weights(rollout, engine.full_state_dict(actor))
         moved.append(max(float((v - before[k]).abs().max()) for k, v in rollout.model.state_dict().items()))

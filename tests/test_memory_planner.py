@@ -18,7 +18,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.training.fsdp import _enable_checkpointing, _forward
+from backends.training.hf_forward import forward_micro_batch
+from backends.training.hf_modules import enable_checkpointing
 from backends.training.memory_planner import ModelShape, Parallelism, Workload, estimate, main, suggest
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
@@ -79,7 +80,7 @@ def measured_activation_bytes(model, batch: RolloutBatch, *, packed: bool = Fals
     handles = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True) for layer in model.model.layers]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _forward(model, batch, with_entropy=False, packed=packed)
+            forward_micro_batch(model, batch, with_entropy=False, packed=packed)
     finally:
         for h in handles:
             h.remove()
@@ -98,7 +99,7 @@ def test_training_state_matches_a_real_adamw_step(dirs):
     model, tok = load_causal_lm(dirs["llama-untied"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch = make_batch(0, vocab=len(tok))
-    out = _forward(model, batch, with_entropy=False)
+    out = forward_micro_batch(model, batch, with_entropy=False)
     (out.logprobs * batch.response_mask).sum().backward()
     grads = _storage_bytes(p.grad for p in model.parameters())
     optimizer.step()
@@ -118,7 +119,7 @@ def test_activations_match_saved_tensors(dirs, name, dtype, checkpointing):
     model, tok = load_causal_lm(dirs[name], dtype=getattr(torch, dtype))
     model.train()
     if checkpointing:
-        _enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
+        enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
     rows, p, t = 4, 8, 40
     measured = measured_activation_bytes(model, _full_batch(rows, p, t, len(tok)))
     est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
@@ -136,16 +137,18 @@ def test_activations_match_saved_tensors(dirs, name, dtype, checkpointing):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("attention", ["c-kernel", "pytorch"])
-def test_packed_activations_match_saved_tensors(dirs, name, attention, monkeypatch):
+def test_packed_activations_match_saved_tensors(dirs, name, attention):
     """Equal-length rows: the CPU packed attention's left-aligned block then has no filler, so it saves
     what flash-attention varlen would (T positions). Ragged rows: the C kernel saves T positions too;
     the PyTorch fallback saves more (n x max_len positions for q, k, v and the output), which the
     planner does not count (its docstring says so)."""
-    from backends import packing
-    from backends.packing import enable_packed_attention, pack_rows
+    import contextlib
 
-    if attention == "pytorch":
-        monkeypatch.setattr(packing, "packed_attention", lambda *args: None)
+    from backends.packing import pack_rows
+    from backends.training.packed_attention import enable_packed_attention, only_backends
+
+    # "pytorch": the portable backends only, whether or not the kernels run here
+    backends = only_backends("matmul", "sdpa") if attention == "pytorch" else contextlib.nullcontext()
     model, tok = load_causal_lm(dirs[name])
     model.train()
 
@@ -153,30 +156,35 @@ def test_packed_activations_match_saved_tensors(dirs, name, attention, monkeypat
     est_of = lambda packed: estimate(  # noqa: E731
         ModelShape.from_pretrained(dirs[name]), Parallelism(),
         Workload(micro_batch_rows=1, seq_len=packed.num_tokens, response_len=int(packed.labels.numel()), padded=False))
-    batch = _full_batch(6, 5, 7, len(tok))
-    packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-    est = est_of(packed)
-    assert est.activations + est.logits == pytest.approx(measured_activation_bytes(model, batch, packed=True), rel=0.10)
-    ragged = make_batch(2, vocab=len(tok))
-    packed = pack_rows(ragged.prompt_ids, ragged.prompt_mask, ragged.response_ids, ragged.response_mask)
-    est = est_of(packed)
-    measured = measured_activation_bytes(model, ragged, packed=True)
+    with backends:
+        batch = _full_batch(6, 5, 7, len(tok))
+        packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+        est = est_of(packed)
+        measured = measured_activation_bytes(model, batch, packed=True)
+        assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
+        ragged = make_batch(2, vocab=len(tok))
+        packed = pack_rows(ragged.prompt_ids, ragged.prompt_mask, ragged.response_ids, ragged.response_mask)
+        est = est_of(packed)
+        measured = measured_activation_bytes(model, ragged, packed=True)
     low = 0.9 if attention == "c-kernel" else 1.0
     assert low * (est.activations + est.logits) <= measured <= 1.25 * (est.activations + est.logits)
 
 
-def test_kv_cache_matches_the_rollout_engine(dirs):
-    from backends.rollout.native import _Decoder
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_kv_cache_matches_the_rollout_engine(dirs, backend):
+    """The planner's KV cache is the native decoder's, for the portable strategy and for the one the
+    decoder picks here (the kernel one where it runs)."""
+    from backends.rollout.decoder import Decoder
 
     for name in CONFIGS:
         model, _ = load_causal_lm(dirs[name], dtype=torch.bfloat16)
-        decoder = _Decoder(model, rows=6, total_len=40, prepack=False)
+        decoder = Decoder(model, rows=6, total_len=40, prepack=False, backend=backend)
         measured = _storage_bytes(decoder.k_cache + decoder.v_cache)
-        # a bf16 engine's KV cache is bf16, except on a CPU without the decode-attention kernel's bf16 reads (fp32)
+        # a bf16 engine's KV cache is bf16, except where the strategy's attention reads fp32 (the
+        # portable one on a CPU, the kernel without bf16 reads)
         kv_dtype = str(decoder.k_cache[0].dtype).removeprefix("torch.")
-        bf16_cache = decoder.device.type != "cpu" or (decoder.kernel is not None and decoder.kernel.bf16_cache)
-        assert kv_dtype == ("bfloat16" if bf16_cache else "float32")
-        block = 16 if decoder.kernel is not None else 1  # the decode kernel's caches hold whole blocks of 16 slots
+        assert decoder.k_cache[0].dtype == decoder.strategy.cache_dtype(decoder.dtype, decoder.att_dtype)
+        block = decoder.strategy.slot_block  # the decode kernel's caches hold whole blocks of slots
         est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
                        Workload(compute_dtype="bfloat16", kv_seqs=6, kv_len=40, kv_dtype=kv_dtype, kv_block=block))
         assert est.kv_cache == measured
@@ -211,7 +219,7 @@ def test_cli_prints_a_table(dirs, capsys):
                  "micro_batch_size=", "rollout KV cache"):
         assert word in out
     main(["--tiny"])
-    assert "2.9" in capsys.readouterr().out  # config B: about 2.9M parameters
+    assert "2.9" in capsys.readouterr().out  # the tiny model: about 2.9M parameters
 
 
 def test_errors(tmp_path):

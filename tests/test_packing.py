@@ -7,6 +7,9 @@ left-padded prompts and ragged responses (tests/test_fsdp_engine.make_batch), fp
 
 from __future__ import annotations
 
+import types
+
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -14,9 +17,13 @@ from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.training.fsdp import FSDPConfig, _enable_checkpointing, _forward, micro_batch_groups
+from backends.training.fsdp import FSDPConfig, micro_batch_groups
+from backends.training.hf_forward import forward_micro_batch
+from backends.training.hf_modules import enable_checkpointing
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
-from backends.packing import VARLEN_SDPA, enable_packed_attention, model_kwargs, pack_rows, unpack
+from backends.packing import model_kwargs, pack_rows, pad_layout, unpack
+from backends.training import packed_attention
+from backends.training.packed_attention import VARLEN_SDPA, enable_packed_attention, only_backends, varlen_sdpa_attention
 from rlfunc.aggregation import aggregate
 from rlfunc.tree import tree_map
 from rlfunc.balancing import (
@@ -28,6 +35,7 @@ from rlfunc.balancing import (
     token_budget_balanced_partition,
 )
 from tests.distributed import run_distributed
+from tests.test_cpu_kernels import CAN_RUN
 from tests.test_fsdp_engine import OPTIM, _max_diff, _numpy, make_batch, pg_loss, rank_rows, reference_updates
 
 pytestmark = pytest.mark.packing
@@ -107,27 +115,6 @@ def test_pack_rows_shared_prompts_by_hand():
     assert unshared.num_tokens == packed.num_tokens + 2 and unshared.layout is None
 
 
-def test_pack_rows_step_major_by_hand():
-    # the same rows as above, in the order a batched decoder runs them: both stored prompts, then
-    # response column 0 of rows 0 and 2 (row 1 has no input token), then column 1 of row 2
-    prompt_ids = torch.tensor([[0, 5, 6], [4, 4, 3], [0, 5, 6]])
-    prompt_mask = torch.tensor([[False, True, True], [True, True, True], [False, True, True]])
-    response_ids = torch.tensor([[7, 8, 9], [2, 0, 0], [11, 12, 13]])
-    response_mask = torch.tensor([[True, True, False], [True, False, False], [True, True, True]])
-    packed = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, share_prompts=True, step_major=True)
-    assert packed.input_ids.tolist() == [[5, 6, 4, 4, 3, 7, 11, 12]]
-    assert packed.position_ids.tolist() == [[0, 1, 0, 1, 2, 2, 2, 3]]
-    assert packed.token_rows.tolist() == [0, 0, 1, 1, 1, 0, 2, 2]
-    assert packed.cu_seqlens is None
-    assert packed.predict_index.tolist() == [1, 5, 4, 1, 6, 7]
-    assert packed.labels.tolist() == [7, 8, 2, 11, 12, 13]
-    assert packed.layout.gather.tolist() == [[0, 1, 5, 5], [2, 3, 4, 4], [0, 1, 6, 7]]
-    # without shared prompts each row stores its own prompt, and the sequences still are not contiguous
-    unshared = pack_rows(prompt_ids, prompt_mask, response_ids, response_mask, step_major=True)
-    assert unshared.input_ids.tolist() == [[5, 6, 4, 4, 3, 5, 6, 7, 11, 12]]
-    assert unshared.cu_seqlens is None and unshared.layout is not None
-
-
 def test_pack_rows_needs_left_padded_prompts():
     ids = torch.ones(1, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="left-padded"):
@@ -146,7 +133,7 @@ def _grouped(batch, k: int = 3):
 
 def _outputs_and_grads(model, batch, packed: bool, role: str = "actor"):
     model.zero_grad(set_to_none=True)
-    out = _forward(model, batch, with_entropy=role == "actor", role=role, packed=packed)
+    out = forward_micro_batch(model, batch, with_entropy=role == "actor", role=role, packed=packed)
     if role == "actor":
         loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
         quantities = (out.logprobs, out.entropy)
@@ -162,17 +149,18 @@ def _masked_max_diff(a, b, mask):
     return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
-@pytest.fixture(params=["c-kernel", "matmul", "sdpa"])
-def block_kernel(request, monkeypatch):
-    """Run a test with each kernel of the packed attention: the C kernels (backends/cpu/fused_modules.py, used on
-    CPU where they build), else PyTorch's batched matmuls (the tests' short blocks pick them) or SDPA."""
-    from backends import packing
+def _skip_without_kernel(backend: str) -> None:
+    if backend == "cpu-kernel" and not CAN_RUN:
+        pytest.skip("the cpu-kernel backend needs an AVX-512 CPU and a C compiler")
 
-    if request.param != "c-kernel":
-        monkeypatch.setattr(packing, "packed_attention", lambda *args: None)
-    if request.param == "sdpa":
-        monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LEN", {})
-    return request.param
+
+@pytest.fixture(params=list(packed_attention.BACKENDS))
+def block_kernel(request):
+    """Run a test with each packed attention backend forced (backends/training/packed_attention.py): the
+    C kernels (where they build), PyTorch's batched matmuls and SDPA (on every machine)."""
+    _skip_without_kernel(request.param)
+    with only_backends(request.param):
+        yield request.param
 
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
@@ -181,7 +169,7 @@ def test_packed_actor_equals_padded(model_dir, gradient_checkpointing, block_ker
     model, _ = load_causal_lm(model_dir)
     model.train()
     if gradient_checkpointing:
-        _enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
+        enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
     batch = make_batch(3)
     padded, padded_loss, padded_grads = _outputs_and_grads(model, batch, packed=False)
     assert enable_packed_attention(model) == VARLEN_SDPA
@@ -214,12 +202,12 @@ def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing, block_ke
     model, _ = load_causal_lm(model_dir)
     model.train()
     if gradient_checkpointing:
-        _enable_checkpointing(model)
+        enable_checkpointing(model)
     batch = _grouped(make_batch(3))
     padded = _outputs_and_grads(model, batch, packed=False)
     enable_packed_attention(model)
     model.zero_grad(set_to_none=True)
-    out = _forward(model, batch, with_entropy=True, packed=True, share_prompts=True)
+    out = forward_micro_batch(model, batch, with_entropy=True, packed=True, share_prompts=True)
     loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -239,11 +227,11 @@ def test_shared_prompts_critic_equal_padded(model_dir):
     padded, padded_loss, padded_grads = _outputs_and_grads(model, batch, packed=False, role="critic")
     enable_packed_attention(model)
     model.zero_grad(set_to_none=True)
-    out = _forward(model, batch, with_entropy=False, role="critic", packed=True, share_prompts=True)
+    out = forward_micro_batch(model, batch, with_entropy=False, role="critic", packed=True, share_prompts=True)
     loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, "token-mean")
     loss.backward()
     assert _masked_max_diff(out.values.detach(), padded[0], batch.response_mask) < 2e-6
-    assert float(loss) == pytest.approx(padded_loss, rel=1e-6)
+    assert float(loss.detach()) == pytest.approx(padded_loss, rel=1e-6)
     scale = max(float(g.abs().max()) for g in padded_grads.values())
     assert max(float((p.grad - padded_grads[n]).abs().max()) for n, p in model.named_parameters()) / scale < 1e-5
 
@@ -284,11 +272,7 @@ def test_varlen_attention_equals_hf_block_diagonal_mask(model_dir):
 def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
     """The left-aligned block (one SDPA call) equals causal SDPA run on each sequence alone, GQA
     included; empty sequences in cu_seqlens are allowed; bf16 in gives bf16 out."""
-    import types
-
     import torch.nn.functional as F
-
-    from backends.packing import varlen_sdpa_attention
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))
@@ -305,39 +289,77 @@ def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matmul_and_sdpa_block_attention_agree(monkeypatch, dtype):
-    """The PyTorch kernels of the packed attention (batched matmuls for short blocks on CPU, SDPA
-    otherwise) and the C kernel give the fp32 reference's outputs and q / k / v gradients: to rounding
-    in fp32, to bf16 precision in bf16 (where SDPA and the C kernel run on an fp32 upcast and the matmul
-    form in bf16)."""
-    import types
-
-    from backends import packing
-
-    c_kernel = packing.packed_attention
-    monkeypatch.setattr(packing, "packed_attention", lambda *args: None)
-
+@pytest.mark.parametrize("backend", list(packed_attention.BACKENDS))
+def test_packed_attention_backends_agree(dtype, backend):
+    """Each backend of the packed attention, forced (the batched matmuls and SDPA on every machine, the
+    C kernel where it runs), gives the fp32 SDPA reference's outputs and q / k / v gradients: to
+    rounding in fp32, to bf16 precision in bf16 (where SDPA and the C kernel run on an fp32 upcast and
+    the matmul form in bf16)."""
+    _skip_without_kernel(backend)
     g = torch.Generator().manual_seed(0)
     q0, k0, v0 = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
     cu = torch.tensor([0, 11, 30, 31, 40], dtype=torch.int32)
     grad_out = torch.randn(1, 40, 4, 16, generator=g)
 
-    def run(kernel_max_len: int, dt: torch.dtype) -> list[Tensor]:
-        monkeypatch.setattr(packing, "MATMUL_ATTENTION_MAX_LEN", {dt: kernel_max_len})
+    def run(name: str, dt: torch.dtype) -> list[Tensor]:
         q, k, v = (x.detach().to(dt).requires_grad_() for x in (q0, k0, v0))
-        out, _ = packing.varlen_sdpa_attention(types.SimpleNamespace(training=True), q, k, v, None, cu_seq_lens_q=cu)
+        with only_backends(name):
+            out, _ = varlen_sdpa_attention(types.SimpleNamespace(training=True), q, k, v, None, cu_seq_lens_q=cu)
         assert out.dtype == dt
         out.backward(grad_out.to(dt))
-        return [out.float(), q.grad.float(), k.grad.float(), v.grad.float()]
+        return [out.detach().float(), q.grad.float(), k.grad.float(), v.grad.float()]
 
-    reference = run(0, torch.float32)  # SDPA in fp32
-    for kernel_max_len in (0, 1000, "c"):  # SDPA, the matmul form, the C kernel (where it runs)
-        if kernel_max_len == "c":
-            monkeypatch.setattr(packing, "packed_attention", c_kernel)
-        got = run(0 if kernel_max_len == "c" else kernel_max_len, dtype)
-        for name, a, b in zip(("out", "dq", "dk", "dv"), got, reference):
-            err = float((a - b).abs().max() / b.abs().max())
-            assert err < (1e-5 if dtype == torch.float32 else 1e-2), (kernel_max_len, name, err)
+    reference = run("sdpa", torch.float32)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(backend, dtype), reference):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < (1e-5 if dtype == torch.float32 else 1e-2), (backend, name, err)
+
+
+def _chosen_backends(monkeypatch) -> list[str]:
+    """The names of the backends that run from now on (each wrapped to record itself; a backend whose
+    run gives None, as the C kernel's where it cannot run, is not recorded)."""
+    chosen: list[str] = []
+    for name, backend in packed_attention.BACKENDS.items():
+        def run(*args, _name=name, _run=backend.run):
+            out = _run(*args)
+            if out is not None:
+                chosen.append(_name)
+            return out
+
+        monkeypatch.setitem(packed_attention.BACKENDS, name, attrs.evolve(backend, run=run))
+    return chosen
+
+
+def test_packed_attention_chooses_its_backend(monkeypatch):
+    """The automatic choice: the C kernel without dropout where it runs; else the batched matmuls for
+    short CPU blocks (per dtype: :data:`MATMUL_ATTENTION_MAX_LEN`), SDPA for longer ones and with
+    dropout beyond that length; the C kernel has no dropout."""
+    chosen = _chosen_backends(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    limit = packed_attention.MATMUL_ATTENTION_MAX_LEN[torch.float32]
+
+    def attend(length: int, dtype: torch.dtype = torch.float32, dropout: float = 0.0, head_dim: int = 16) -> str:
+        q, k, v = (torch.randn(1, 2, length, head_dim, generator=g, dtype=dtype) for _ in range(3))
+        layout = pad_layout((0, length), q.device)
+        packed_attention.packed_rows_attention(q, k, v, layout, None, dropout)
+        return chosen.pop()
+
+    assert attend(limit) == ("cpu-kernel" if CAN_RUN else "matmul")
+    assert attend(limit, dropout=0.1) == "matmul" and attend(limit + 1, dropout=0.1) == "sdpa"
+    assert attend(limit, dtype=torch.float64) == "sdpa"  # neither the kernel nor the matmul form takes float64
+    assert attend(limit, head_dim=24) == "matmul"  # no kernel for this head dim
+    assert attend(limit + 1, head_dim=24) == "sdpa"
+    with only_backends("matmul", "sdpa"):  # the PyTorch backends, chosen among as usual
+        assert attend(limit) == "matmul" and attend(limit + 1) == "sdpa"
+    with only_backends("matmul"):  # forced, whatever the length
+        assert attend(limit + 1) == "matmul"
+    with pytest.raises(ValueError, match="unknown packed attention backends"):
+        with only_backends("flash"):
+            pass
+    if not CAN_RUN:
+        with only_backends("cpu-kernel"), pytest.raises(RuntimeError, match="no packed attention backend"):
+            attend(8)
+    assert not chosen
 
 
 def test_config_errors():
@@ -546,8 +568,8 @@ def test_packed_equals_padded_on_cuda(model_dir, attn):
     batch = make_batch(6)
     batch = tree_map(lambda x: x.cuda(), batch)
     with torch.no_grad():
-        padded = _forward(model, batch, with_entropy=False)
+        padded = forward_micro_batch(model, batch, with_entropy=False)
         enable_packed_attention(model)
-        packed = _forward(model, batch, with_entropy=False, packed=True)
+        packed = forward_micro_batch(model, batch, with_entropy=False, packed=True)
     assert model.config._attn_implementation == (attn if attn != "sdpa" else VARLEN_SDPA)
     assert _masked_max_diff(packed.logprobs, padded.logprobs, batch.response_mask) < 5e-2

@@ -88,13 +88,13 @@ def make_source_batch(rank: int, rows: int) -> RolloutBatch:
 
 
 def _pad_rows(batch: RolloutBatch, p: int, t: int) -> RolloutBatch:
-    from backends.distributed.placement import _pad_to
+    from backends.distributed.placement import pad_to
 
     changes = {}
     for f in attrs.fields(RolloutBatch):
         value = getattr(batch, f.name)
         if value is not None:
-            changes[f.name] = _pad_to(value, tuple(f.metadata["shape"].split()), {"p": p, "t": t})
+            changes[f.name] = pad_to(value, tuple(f.metadata["shape"].split()), {"p": p, "t": t})
     return batch.replace(**changes)
 
 
@@ -211,7 +211,7 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     critic after 3 PPO steps (2 epochs x 2 mini-batches each, critic warm-up 1) must match.
 
     Tolerance: 1e-6 absolute on every parameter (each role is sharded over 2 ranks in both runs, so the
-    arithmetic is the same; the runs measured here agree exactly). Both export the actor's train state
+    arithmetic is the same, and the two runs agree exactly). Both export the actor's train state
     as orbax (under split the actor pool gathers and writes it): the same params, AdamW state and step."""
     from safetensors.torch import load_file
 

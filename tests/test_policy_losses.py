@@ -58,9 +58,9 @@ def make_batch(seed: int, b: int = 4, t: int = 6, *, log_ratio_scale: float = 0.
     return logprobs, old, advantages, mask, is_weights
 
 
-def loss_and_grad(fn, logprobs, *args, **kwargs):
+def loss_and_grad(fn, logprobs, old_logprobs, advantages, response_mask, **kwargs):
     lp = logprobs.detach().clone().requires_grad_(True)
-    loss, metrics = fn(lp, *args, **kwargs)
+    loss, metrics = fn(lp, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask, **kwargs)
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.detach(), grad, metrics
 
@@ -189,13 +189,13 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
 @pytest.mark.parametrize("name", ["ppo", "gspo", "kl_cov", "clip_cov"])
 def test_ratio_one_gives_minus_aggregated_advantages(name, agg):
     _, old, advantages, mask, _ = make_batch(0)
-    loss, _ = ALL_LOSSES[name](old.clone(), old, advantages, mask, agg=agg)
+    loss, _ = ALL_LOSSES[name](old.clone(), old_logprobs=old, advantages=advantages, response_mask=mask, agg=agg)
     close(loss, -aggregate(advantages, mask, agg))
 
 
 def test_gmpo_ratio_one_gives_minus_mean_sequence_advantage():
     _, old, advantages, mask, _ = make_batch(1)
-    loss, _ = gmpo_policy_loss(old.clone(), old, advantages, mask)
+    loss, _ = gmpo_policy_loss(old.clone(), old_logprobs=old, advantages=advantages, response_mask=mask)
     close(loss, -aggregate(advantages, mask, "seq-mean-token-mean"))
 
 
@@ -234,7 +234,14 @@ def test_ppo_matches_the_textbook_form(seed, scale, low, high, c):
         ppo_policy_loss, logprobs, old, advantages, mask, clip_low=low, clip_high=high, dual_clip=c, agg="token-sum"
     )
     ref_loss, ref_grad, _ = loss_and_grad(
-        lambda lp, *a: (_reference_ppo(lp, *a, low, high, c), {}), logprobs, old, advantages, mask
+        lambda lp, *, old_logprobs, advantages, response_mask: (
+            _reference_ppo(lp, old_logprobs, advantages, response_mask, low, high, c),
+            {},
+        ),
+        logprobs,
+        old,
+        advantages,
+        mask,
     )
     close(loss, ref_loss, tol=1e-4)
     close(grad, ref_grad, tol=1e-4)
@@ -275,7 +282,9 @@ def test_dual_clip_only_touches_negative_advantages(seed, c):
     for i, j in mask[:2, :4].nonzero().tolist():
         one = torch.zeros_like(mask)
         one[i, j] = True
-        loss, _ = ppo_policy_loss(logprobs, old, negative, one, dual_clip=c, agg="token-sum")
+        loss, _ = ppo_policy_loss(
+            logprobs, old_logprobs=old, advantages=negative, response_mask=one, dual_clip=c, agg="token-sum"
+        )
         assert loss <= -c * negative[i, j] + 1e-5
 
 
@@ -318,7 +327,16 @@ def test_micro_batches_with_global_normalizers_match_the_full_batch(name, agg):
     norms = functools.reduce(lambda a, b: a + b, [local_normalizers(mask[s]) for s in splits])
     lp = logprobs.clone().requires_grad_(True)
     total = sum(
-        fn(lp[s], old[s], advantages[s], mask[s], agg=agg, norms=norms, horizon=horizon, is_weights=weights[s])[0]
+        fn(
+            lp[s],
+            old_logprobs=old[s],
+            advantages=advantages[s],
+            response_mask=mask[s],
+            agg=agg,
+            norms=norms,
+            horizon=horizon,
+            is_weights=weights[s],
+        )[0]
         for s in splits
     )
     total.backward()
@@ -331,7 +349,9 @@ def test_func_grad_equals_autograd(name):
     fn = ALL_LOSSES[name]
     logprobs, old, advantages, mask, weights = make_batch(11)
     _, expected, metrics = loss_and_grad(fn, logprobs, old, advantages, mask, is_weights=weights)
-    grad, aux = torch.func.grad(lambda lp: fn(lp, old, advantages, mask, is_weights=weights), has_aux=True)(logprobs)
+    grad, aux = torch.func.grad(
+        lambda lp: fn(lp, old_logprobs=old, advantages=advantages, response_mask=mask, is_weights=weights), has_aux=True
+    )(logprobs)
     close(grad, expected)
     assert aux.keys() == metrics.keys()
 
@@ -343,9 +363,12 @@ def test_vmap_over_a_leading_dim_equals_a_loop(name):
         fn = functools.partial(clip_cov_policy_loss, clip_cov_ratio=1.0, clip_cov_lb=-10.0, clip_cov_ub=10.0)
     batches = [make_batch(s) for s in range(3)]
     stacked = [torch.stack(xs) for xs in zip(*batches, strict=True)]
-    loss, metrics = torch.vmap(lambda lp, o, a, m, w: fn(lp, o, a, m, is_weights=w), randomness="different")(*stacked)
+    loss, metrics = torch.vmap(
+        lambda lp, o, a, m, w: fn(lp, old_logprobs=o, advantages=a, response_mask=m, is_weights=w),
+        randomness="different",
+    )(*stacked)
     for k, (lp, o, a, m, w) in enumerate(batches):
-        loss_k, metrics_k = fn(lp, o, a, m, is_weights=w)
+        loss_k, metrics_k = fn(lp, old_logprobs=o, advantages=a, response_mask=m, is_weights=w)
         close(loss[k], loss_k)
         for key in metrics_k:
             close(metrics[key][k], metrics_k[key])
@@ -368,7 +391,9 @@ def test_empty_mask_gives_zero_loss_and_finite_grads(name):
 @pytest.mark.parametrize("name", list(ALL_LOSSES))
 def test_metrics_are_detached_scalar_tensors(name):
     logprobs, old, advantages, mask, _ = make_batch(17)
-    loss, metrics = ALL_LOSSES[name](logprobs.requires_grad_(True), old, advantages, mask)
+    loss, metrics = ALL_LOSSES[name](
+        logprobs.requires_grad_(True), old_logprobs=old, advantages=advantages, response_mask=mask
+    )
     assert loss.shape == () and loss.requires_grad
     for key, value in metrics.items():
         assert isinstance(value, torch.Tensor) and value.shape == () and not value.requires_grad, key
@@ -379,8 +404,8 @@ def test_is_weights_scale_the_per_token_loss_and_get_no_gradient(name):
     fn = ALL_LOSSES[name]
     logprobs, old, advantages, mask, _ = make_batch(19)
     weights = torch.full_like(logprobs, 2.5, requires_grad=True)
-    loss, _ = fn(logprobs, old, advantages, mask, is_weights=weights)
-    plain, _ = fn(logprobs, old, advantages, mask)
+    loss, _ = fn(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, is_weights=weights)
+    plain, _ = fn(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask)
     close(loss, 2.5 * plain)
     assert not loss.requires_grad  # only weights required grad, and they are detached
 
@@ -427,34 +452,36 @@ def test_clip_cov_picks_only_candidates():
 def test_shape_mismatch_names_the_argument():
     logprobs, old, advantages, mask, _ = make_batch(0)
     with pytest.raises(ValueError, match="advantages"):
-        ppo_policy_loss(logprobs, old, advantages[:, :-1], mask)
+        ppo_policy_loss(logprobs, old_logprobs=old, advantages=advantages[:, :-1], response_mask=mask)
     with pytest.raises(ValueError, match="is_weights"):
-        ppo_policy_loss(logprobs, old, advantages, mask, is_weights=advantages[:-1])
+        ppo_policy_loss(
+            logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, is_weights=advantages[:-1]
+        )
     with pytest.raises(ValueError, match="logprobs"):
-        gspo_policy_loss(logprobs[0], old[0], advantages[0], mask[0])
+        gspo_policy_loss(logprobs[0], old_logprobs=old[0], advantages=advantages[0], response_mask=mask[0])
 
 
 @pytest.mark.parametrize("name", list(ALL_LOSSES))
 def test_float_mask_is_rejected(name):
     logprobs, old, advantages, mask, _ = make_batch(0)
     with pytest.raises(TypeError, match="bool"):
-        ALL_LOSSES[name](logprobs, old, advantages, mask.float())
+        ALL_LOSSES[name](logprobs, old_logprobs=old, advantages=advantages, response_mask=mask.float())
 
 
 def test_bad_settings_are_rejected():
     logprobs, old, advantages, mask, _ = make_batch(0)
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo_policy_loss(logprobs, old, advantages, mask, dual_clip=1.0)
+        ppo_policy_loss(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, dual_clip=1.0)
     with pytest.raises(ValueError, match="clip_low"):
-        ppo_policy_loss(logprobs, old, advantages, mask, clip_low=1.0)
+        ppo_policy_loss(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, clip_low=1.0)
     with pytest.raises(ValueError, match="clip_high"):
-        cispo_policy_loss(logprobs, old, advantages, mask, clip_high=-0.1)
+        cispo_policy_loss(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, clip_high=-0.1)
     with pytest.raises(ValueError, match="tau"):
-        sapo_policy_loss(logprobs, old, advantages, mask, tau_neg=0.0)
+        sapo_policy_loss(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, tau_neg=0.0)
     with pytest.raises(ValueError, match="unknown loss aggregation mode"):
-        ppo_policy_loss(logprobs, old, advantages, mask, agg="mean")
+        ppo_policy_loss(logprobs, old_logprobs=old, advantages=advantages, response_mask=mask, agg="mean")
     with pytest.raises(TypeError, match="floating"):
-        ppo_policy_loss(logprobs, old, advantages.long(), mask)
+        ppo_policy_loss(logprobs, old_logprobs=old, advantages=advantages.long(), response_mask=mask)
 
 
 def test_registry_knows_verl_names():

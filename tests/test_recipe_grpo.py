@@ -83,13 +83,12 @@ def test_bf16_run_skips_zero_advantage_rows(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_two_ranks_reusing_rollout_activations(tmp_path):
-    """Packed rows, the update taking its forward from each rank's recording rollout (FSDP2, 2 ranks),
-    skipped zero-advantage rows (no KL term), resumed from a checkpoint: the tag check holds throughout."""
+def test_torchrun_two_ranks_resume(tmp_path):
+    """Packed rows (FSDP2, 2 ranks), skipped zero-advantage rows (no KL term), resumed from a checkpoint:
+    the resumed run logs the steps after its checkpoint again, and only those."""
     torchrun = Path(sys.executable).with_name("torchrun")
     args = [a for a in TINY if not a.startswith("algo.kl_coef")] + [
-        "tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "actor.reuse_rollout_activations=true",
-        "checkpoint.every=2",
+        "tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "checkpoint.every=2",
     ]
     base = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}"]
     out = subprocess.run(base + args, env=_env(), capture_output=True, text=True, timeout=600)
@@ -102,15 +101,54 @@ def test_torchrun_two_ranks_reusing_rollout_activations(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
     assert [r["step"] for r in rl] == [1, 2, 3]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from"].endswith("step_2")
 
 
-def test_reusing_rollout_activations_needs_a_setting_where_they_are_the_forward(tmp_path):
+ESTIMATOR_FILE = """
+from pathlib import Path
+
+import rlfunc as rf
+
+
+def centered(scores, *, group_ids, response_mask):
+    \"\"\"Dr.GRPO's group-mean baseline; leaves a mark that the recipe called it.\"\"\"
+    Path(__file__).with_name("called").touch()
+    return rf.grpo(scores, group_ids=group_ids, response_mask=response_mask, norm_by_std=False)
+"""
+
+
+@pytest.mark.slow
+def test_file_referenced_estimator(tmp_path):
+    """algo.estimator=path/to/file.py:function: the recipe runs the user's estimator."""
+    est_dir = tmp_path / "user_code"
+    est_dir.mkdir()
+    (est_dir / "my_estimator.py").write_text(ESTIMATOR_FILE)
+    runs = tmp_path / "runs"
     out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "actor.reuse_rollout_activations=true", "algo.ppo_epochs=2"],
+        [sys.executable, str(RECIPE), f"run_root={runs}", *TINY, "steps=2",
+         f"algo.estimator={est_dir / 'my_estimator.py'}:centered"],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert (est_dir / "called").exists()
+    (run_dir,) = list(runs.glob("grpo_arithmetic-*"))
+    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
+    assert [r["step"] for r in rl] == [1, 2]
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("algo.estimator=grop", "algo.estimator='grop' is not a built-in name; did you mean grpo"),
+    ("algo.estimator=gae", "algo.estimator='gae' is not a built-in name (built-ins: grpo, grpo_passk, rloo"),
+    ("algo.policy_loss=no_such_module:loss", "algo.policy_loss='no_such_module:loss': no module named 'no_such_module'"),
+])
+def test_unknown_estimator_or_loss_fails_before_any_work(tmp_path, override, message):
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), f"run_root={tmp_path}", override],
         env=_env(), capture_output=True, text=True, timeout=120,
     )
     assert out.returncode != 0
-    assert "actor.reuse_rollout_activations=true needs actor.fsdp.use_remove_padding=true, algo.ppo_epochs=1" in out.stderr
+    assert message in out.stderr
     assert not list(tmp_path.iterdir())
 
 
@@ -154,7 +192,7 @@ def test_entropy_bonus_is_subtracted_and_differentiable():
         advantages=torch.randn(3, 4, generator=g) * mask, group_ids=torch.arange(3),
     )
     norms = rf.local_normalizers(mask)
-    kw = dict(policy_loss=rf.get_policy_loss("vanilla"), horizon=4)
+    kw = dict(policy_loss=rf.POLICY_LOSSES["vanilla"], horizon=4)
     base, _ = recipe.policy_loss_with_kl(out, mb, norms, algo=recipe.AlgoConfig(), **kw)
     algo = attrs.evolve(recipe.AlgoConfig(), entropy_coef=0.1)
     with_bonus, m = recipe.policy_loss_with_kl(out, mb, norms, algo=algo, **kw)

@@ -123,7 +123,8 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Child processes of ``pid``, recursively, from /proc (torchrun starts its workers in their own sessions)."""
+    """Child processes of ``pid``, recursively, from /proc (torchrun starts its workers with setsid: a kill of
+    its process group would miss them)."""
     children: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -182,7 +183,9 @@ def test_sigkill_and_resume_is_exact(recipe, uninterrupted, tmp_path):
     finally:
         _kill_tree(proc.pid)  # torchrun and both ranks, mid-run, as a machine failure would
         proc.wait()
-    newest = max(int(p.name.split("_")[1]) for p in ckpt_dir.glob("step_*") if _complete(ckpt_dir, int(p.name.split("_")[1])))
+    # a kill mid-save leaves a step_<N>.tmp-<hex> dir: only step_<N> dirs with their marker count
+    steps = [int(p.name[len("step_"):]) for p in ckpt_dir.glob("step_*") if p.name[len("step_"):].isdigit()]
+    newest = max(step for step in steps if _complete(ckpt_dir, step))
     assert newest < STEPS and not (run_dir / "summary.json").exists(), "the run finished before it was killed"
     # every rank's part is in the checkpoint, under its own name (split: each pool's roles; megatron: each shard)
     marker = json.loads((ckpt_dir / f"step_{newest}" / "COMPLETE").read_text())

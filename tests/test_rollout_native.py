@@ -1,7 +1,9 @@
 """backends.rollout.native: batched sampling with a KV cache, against HF generate and a trainer forward.
 
 Every model here is a tiny random-init Qwen2 / Llama written by ``write_tiny_model`` and loaded back
-through ``load_causal_lm``, the path a real checkpoint takes.
+through ``load_causal_lm``, the path a real checkpoint takes. The decoder's two KV-cache / attention
+strategies are both tested: the PyTorch one (forced, on every machine) and the CPU kernel one (where it
+can run; skipped elsewhere), each against HF and the trainer, and against each other.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import attrs
 import pytest
 import torch
 
+from backends.cpu import decode_strategy
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
+from backends.rollout import decoder as rollout_decoder
+from backends.rollout.kv_cache import TORCH_STRATEGY, select_decode_strategy
 from backends.rollout.native import (
     NativeRollout,
     SamplingConfig,
@@ -40,6 +45,19 @@ def setup(request, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp(request.param), config)
     model, tok = load_causal_lm(path)
     return config, path, model, tok, build_native_rollout(path)
+
+
+def _kernel_runs(dtype=torch.float32) -> bool:
+    """Whether the CPU decode kernel strategy runs here for the tiny models (head dim 32)."""
+    return decode_strategy(head_dim=32, dtype=dtype, device="cpu") is not None
+
+
+@pytest.fixture(params=["torch", "kernel"])
+def backend(request):
+    """The decoder strategy a test runs: the PyTorch one everywhere, the kernel one where it runs."""
+    if request.param == "kernel" and not _kernel_runs():
+        pytest.skip("the CPU decode kernel cannot run here (needs AVX-512 and a C compiler)")
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +165,9 @@ def test_decode_responses(setup, many_eos):
 # Agreement with transformers
 
 
-def test_greedy_equals_hf_generate(setup):
+def test_greedy_equals_hf_generate(setup, backend):
     _, _, model, tok, rollout = setup
-    batch = generate(rollout, _prompts(tok), SamplingConfig(n=2, temperature=0.0, max_new_tokens=16))
+    batch = generate(attrs.evolve(rollout, decode_backend=backend), _prompts(tok), SamplingConfig(n=2, temperature=0.0, max_new_tokens=16))
     hf_prompt, hf_response = hf_greedy(model, tok, TEXTS, 16)
     assert torch.equal(batch.prompt_ids[::2], hf_prompt)
     assert torch.equal(batch.response_ids[::2], hf_response)
@@ -164,26 +182,26 @@ def test_greedy_equals_hf_generate(setup):
     ],
     ids=["t1", "t0.6-k5-p0.9"],
 )
-def test_rollout_logprobs_match_a_trainer_forward(setup, many_eos, sampling):
+def test_rollout_logprobs_match_a_trainer_forward(setup, many_eos, sampling, backend):
     """The log-probs the engine returns equal a full forward's (raw distribution, temperature 1)."""
     _, _, model, tok, _ = setup
-    batch = generate(many_eos, _prompts(tok), sampling)
+    batch = generate(attrs.evolve(many_eos, decode_backend=backend), _prompts(tok), sampling)
     assert (~batch.response_mask).any()  # padding inside the response block is exercised
     recomputed = trainer_logprobs(model, batch)
     mask = batch.response_mask
     diff = (recomputed - batch.rollout_logprobs)[mask].abs().max().item()
-    print(f"\n{model.config.model_type} {sampling}: max |rollout - trainer| log-prob = {diff:.2e}")
+    print(f"\n{model.config.model_type} {backend} {sampling}: max |rollout - trainer| log-prob = {diff:.2e}")
     assert diff < 1e-5
 
 
 @QWEN2_ONLY
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_compaction_does_not_change_results(setup, many_eos, temperature):
+def test_compaction_does_not_change_results(setup, many_eos, temperature, backend):
     """Dropping finished rows from the working batch (automatic, at once, halfway or never) gives the same
     samples: each row draws its own uniform every step, whichever rows share its working batch."""
     _, _, _, tok, _ = setup
     sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=12)
-    outs = [generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling, seed=9)
+    outs = [generate(attrs.evolve(many_eos, compact_fraction=f, decode_backend=backend), _prompts(tok), sampling, seed=9)
             for f in (None, 0.0, 0.5, 1.0)]
     assert (~outs[0].response_mask).any()  # some rows finished early, so compaction ran
     for other in outs[1:]:
@@ -210,24 +228,23 @@ def test_rows_to_keep():
     assert _rows_to_keep(torch.ones(5, dtype=torch.bool), 5, 0.0, by_index=False) is None
 
 
-def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
+def test_unwritten_cache_slots_are_never_read(setup, many_eos, backend, monkeypatch):
     """The KV caches are allocated uninitialised; filled with NaN instead, the samples and log-probs
     are the same (through left padding, compaction and every step), so no slot is read unwritten."""
-    from backends.rollout import native as rollout_native
-
     _, _, _, tok, _ = setup
+    rollout = attrs.evolve(many_eos, decode_backend=backend)
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12)
     prompts = _prompts(tok, TEXTS + ["1"])  # prompts of different lengths: left padding
-    clean = generate(many_eos, prompts, sampling, seed=3)
-    init = rollout_native._Decoder.__init__
+    clean = generate(rollout, prompts, sampling, seed=3)
+    init = rollout_decoder.Decoder.__init__
 
     def nan_caches(self, *args, **kwargs):
         init(self, *args, **kwargs)
         for cache in self.k_cache + self.v_cache:
             cache.fill_(float("nan"))
 
-    monkeypatch.setattr(rollout_native._Decoder, "__init__", nan_caches)
-    poisoned = generate(many_eos, prompts, sampling, seed=3)
+    monkeypatch.setattr(rollout_decoder.Decoder, "__init__", nan_caches)
+    poisoned = generate(rollout, prompts, sampling, seed=3)
     assert torch.equal(clean.response_ids, poisoned.response_ids)
     assert torch.equal(clean.rollout_logprobs, poisoned.rollout_logprobs)
     assert bool(torch.isfinite(poisoned.rollout_logprobs).all())
@@ -237,12 +254,12 @@ def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
 def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
     """oneDNN-prepacked linears (fp32 ones only from PREPACK_MIN_FP32_WEIGHT elements: lowered here so
     that the tiny model's are) give the tokens and log-probs of plain ``F.linear``."""
-    from backends.rollout import native as rollout_native
+    from backends.cpu import onednn_linear_works
 
     _, _, _, tok, rollout = setup
-    monkeypatch.setattr(rollout_native, "PREPACK_MIN_FP32_WEIGHT", 0)
-    if rollout_native._onednn_linear_works(torch.float32):
-        layer = rollout_native._layers(rollout.model, rows_hint=4, prepack=True)[0]
+    monkeypatch.setattr(rollout_decoder, "PREPACK_MIN_FP32_WEIGHT", 0)
+    if onednn_linear_works(torch.float32):
+        layer = rollout_decoder.decoder_layers(rollout.model, rows_hint=4, prepack=True)[0]
         assert layer.qkv.packed is not None and layer.down.packed is not None
     sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=10)
     a = generate(rollout, _prompts(tok), sampling)
@@ -251,38 +268,53 @@ def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
     torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
 
 
-def test_decode_attention_kernel_gives_the_pytorch_path_tokens(setup, many_eos, monkeypatch):
-    """The CPU decode-attention kernel (keys cached transposed) and the PyTorch batched matmuls give the
-    same samples and log-probs, through left padding, compaction and n samples per prompt."""
-    from backends.rollout import native as rollout_native
-
-    _, _, _, tok, _ = setup
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_strategy_gives_the_pytorch_strategy_tokens(setup, many_eos, dtype):
+    """The CPU kernel strategy (decode-attention kernel, keys cached transposed in blocks, rows dropped
+    by index; a float32 model's fused step) and the PyTorch strategy give the same samples and
+    log-probs, through left padding, compaction and n samples per prompt."""
+    if not _kernel_runs(dtype):
+        pytest.skip("the CPU decode kernel cannot run here (needs AVX-512 and a C compiler)")
+    _, path, _, tok, _ = setup
+    rollout = many_eos if dtype == torch.float32 else build_native_rollout(path, tok, dtype=dtype,
+                                                                            eos_token_ids=many_eos.eos_token_ids)
     sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
     prompts = _prompts(tok, TEXTS + ["1"])
-    kernel_run = generate(many_eos, prompts, sampling, seed=5)
-    monkeypatch.setattr(rollout_native, "decode_attention_kernel", lambda head_dim: None)
-    torch_run = generate(many_eos, prompts, sampling, seed=5)
+    kernel_run = generate(attrs.evolve(rollout, decode_backend="kernel"), prompts, sampling, seed=5)
+    torch_run = generate(attrs.evolve(rollout, decode_backend="torch"), prompts, sampling, seed=5)
     assert torch.equal(kernel_run.response_ids, torch_run.response_ids)
     torch.testing.assert_close(kernel_run.rollout_logprobs, torch_run.rollout_logprobs, rtol=0, atol=1e-5)
+
+
+def test_decode_strategy_selection():
+    """``torch`` always gives the PyTorch strategy; ``auto`` the kernel one where it runs, else PyTorch;
+    ``kernel`` the kernel one or an error naming why (here a head dim the kernel does not take)."""
+    cpu = torch.device("cpu")
+    assert select_decode_strategy("torch", head_dim=32, dtype=torch.float32, device=cpu) is TORCH_STRATEGY
+    auto = select_decode_strategy("auto", head_dim=32, dtype=torch.float32, device=cpu)
+    assert auto.name == ("kernel" if _kernel_runs() else "torch")
+    assert select_decode_strategy("auto", head_dim=24, dtype=torch.float32, device=cpu) is TORCH_STRATEGY
+    with pytest.raises(RuntimeError, match="cannot run here"):
+        select_decode_strategy("kernel", head_dim=24, dtype=torch.float32, device=cpu)
+    with pytest.raises(ValueError, match="decode_backend must be"):
+        NativeRollout(model=None, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend="cuda")
 
 
 @QWEN2_ONLY
 def test_bf16_engine_caches_keys_and_values_in_bf16_exactly(setup, monkeypatch):
     """A bf16 engine's caches hold bf16 keys / values (what its projections produce) when the kernel
     reads bf16: the samples and log-probs are bit-identical to fp32 caches holding the same numbers."""
-    from backends.cpu import kernels as cpu_kernels
-    from backends.rollout import native as rollout_native
-
     _, path, _, tok, _ = setup
-    kernel = cpu_kernels.decode_attention_kernel(32)
-    if kernel is None or not kernel.bf16_cache:
+    strategy = decode_strategy(head_dim=32, dtype=torch.bfloat16, device="cpu")
+    if strategy is None or not strategy.attention.bf16_cache:
         pytest.skip("needs the CPU kernel with bf16 caches")
+    kernel = strategy.attention
     rollout = build_native_rollout(path, tok, dtype=torch.bfloat16)
-    assert rollout_native._Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.bfloat16
+    assert rollout_decoder.Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.bfloat16
     sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
     bf16_caches = generate(rollout, _prompts(tok), sampling, seed=2)
     monkeypatch.setattr(kernel, "bf16_cache", False)
-    assert rollout_native._Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.float32
+    assert rollout_decoder.Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.float32
     fp32_caches = generate(rollout, _prompts(tok), sampling, seed=2)
     assert torch.equal(bf16_caches.response_ids, fp32_caches.response_ids)
     assert torch.equal(bf16_caches.rollout_logprobs, fp32_caches.rollout_logprobs)
@@ -426,23 +458,6 @@ def test_workspace_is_reused_until_the_weights_change(setup):
     assert not torch.equal(changed.rollout_logprobs, first.rollout_logprobs)
 
 
-def test_large_cache_buffers_lie_on_aligned_huge_page_memory():
-    """Buffers of at least one huge page start on a 2 MiB boundary of memory advised for huge pages
-    (wherever Linux's madvise exists), hold what is written to them, and are views of one region."""
-    from backends.rollout.native import HUGE_PAGE_BYTES, _empty_on_huge_pages
-
-    small = _empty_on_huge_pages((3, 5), torch.float32)
-    assert small.shape == (3, 5) and small.dtype == torch.float32
-    big = _empty_on_huge_pages((2, 1024, 1024), torch.float32)  # 8 MiB
-    assert big.shape == (2, 1024, 1024) and big.dtype == torch.float32 and big.is_contiguous()
-    big.copy_(torch.arange(big.numel(), dtype=torch.float32).view_as(big))
-    assert big[1, 1023, 1023].item() == big.numel() - 1
-    if hasattr(__import__("mmap"), "MADV_HUGEPAGE"):
-        assert big.data_ptr() % HUGE_PAGE_BYTES == 0
-    bf16 = _empty_on_huge_pages((4, HUGE_PAGE_BYTES // 2), torch.bfloat16)
-    assert bf16.shape == (4, HUGE_PAGE_BYTES // 2) and bf16.dtype == torch.bfloat16
-
-
 @QWEN2_ONLY
 def test_engine_built_under_inference_mode_rebuilds_its_weights(setup):
     """Inference tensors have no version counter: the workspace then repacks at every call, and an
@@ -501,7 +516,6 @@ def test_rollout_config_dtype(setup):
     CPU its attention math stays fp32, and so does its KV cache unless the CPU kernel reads bf16 caches.
     The vLLM engine's dtype is its own option."""
     from backends.rollout.api import RolloutConfig, build_rollout, sync_weights
-    from backends.rollout.native import _Decoder
 
     _, path, model, tok, _ = setup
     rollout = build_rollout(RolloutConfig(dtype="bfloat16"), path, tok)
@@ -509,8 +523,8 @@ def test_rollout_config_dtype(setup):
     rollout = sync_weights(rollout, model.state_dict().items())
     assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
     assert torch.equal(rollout.model.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
-    decoder = _Decoder(rollout.model, rows=2, total_len=8, prepack=False)
-    bf16_cache = decoder.kernel is not None and decoder.kernel.bf16_cache
+    decoder = rollout_decoder.Decoder(rollout.model, rows=2, total_len=8, prepack=False)
+    bf16_cache = decoder.strategy.name == "kernel" and decoder.strategy.attention.bf16_cache
     assert decoder.dtype == torch.bfloat16 and decoder.att_dtype == torch.float32
     assert decoder.k_cache[0].dtype == decoder.v_cache[0].dtype == (torch.bfloat16 if bf16_cache else torch.float32)
     with pytest.raises(ValueError, match="rollout.dtype must be"):

@@ -34,7 +34,8 @@ def _agreement(rank, world_size, model_dir):
         # move the actor so that the second round checks the sync, not the initial weights
         adv = torch.randn(batch.response_ids.shape[0], 1).expand_as(trainer).contiguous()
         batch = batch.replace(old_logprobs=trainer, advantages=adv)
-        actor, _ = update(actor, batch, lambda o, mb, n: rf.ppo_policy_loss(o.logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, norms=n))
+        actor, _ = update(actor, batch, lambda o, mb, n: rf.ppo_policy_loss(
+            o.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask, norms=n))
     return gaps
 
 

@@ -29,9 +29,9 @@ def make_batch(seed: int, b: int = 4, t: int = 6, *, p_mask: float = 0.75):
     return values, old_values, returns, mask
 
 
-def loss_and_grad(values, *args, **kwargs):
+def loss_and_grad(values, old_values, returns, response_mask, **kwargs):
     v = values.detach().clone().requires_grad_(True)
-    loss, metrics = value_loss(v, *args, **kwargs)
+    loss, metrics = value_loss(v, old_values=old_values, returns=returns, response_mask=response_mask, **kwargs)
     (grad,) = torch.autograd.grad(loss, v)
     return loss.detach(), grad, metrics
 
@@ -58,7 +58,9 @@ def test_hand_computed():
 @pytest.mark.parametrize("agg", AGG_MODES)
 def test_unclipped_is_half_squared_error(agg):
     values, old_values, returns, mask = make_batch(0)
-    loss, metrics = value_loss(values, old_values, returns, mask, clip_range=None, agg=agg)
+    loss, metrics = value_loss(
+        values, old_values=old_values, returns=returns, response_mask=mask, clip_range=None, agg=agg
+    )
     close(loss, 0.5 * aggregate((values - returns) ** 2, mask, agg))
     assert metrics["vf_clipfrac"] == 0
 
@@ -79,7 +81,9 @@ def test_no_move_means_no_clipping(seed, clip, agg):
 def test_clipped_loss_is_pessimistic_and_matches_the_textbook_form(seed, clip):
     values, old_values, returns, mask = make_batch(seed)
     loss, grad, _ = loss_and_grad(values, old_values, returns, mask, clip_range=clip, agg="token-sum")
-    plain, _ = value_loss(values, old_values, returns, mask, clip_range=None, agg="token-sum")
+    plain, _ = value_loss(
+        values, old_values=old_values, returns=returns, response_mask=mask, clip_range=None, agg="token-sum"
+    )
     assert loss >= plain - 1e-6
     clipped = torch.max(torch.min(values, old_values + clip), old_values - clip)
     per_token = 0.5 * torch.max((values - returns) ** 2, (clipped - returns) ** 2)
@@ -124,7 +128,10 @@ def test_micro_batches_with_global_normalizers_match_the_full_batch(agg):
     norms = functools.reduce(lambda a, b: a + b, [local_normalizers(mask[s]) for s in splits])
     v = values.clone().requires_grad_(True)
     total = sum(
-        value_loss(v[s], old_values[s], returns[s], mask[s], agg=agg, norms=norms, horizon=8)[0] for s in splits
+        value_loss(
+            v[s], old_values=old_values[s], returns=returns[s], response_mask=mask[s], agg=agg, norms=norms, horizon=8
+        )[0]
+        for s in splits
     )
     total.backward()
     close(total.detach(), full_loss)
@@ -134,7 +141,9 @@ def test_micro_batches_with_global_normalizers_match_the_full_batch(agg):
 def test_func_grad_equals_autograd():
     values, old_values, returns, mask = make_batch(11)
     _, expected, _ = loss_and_grad(values, old_values, returns, mask)
-    grad, metrics = torch.func.grad(lambda v: value_loss(v, old_values, returns, mask), has_aux=True)(values)
+    grad, metrics = torch.func.grad(
+        lambda v: value_loss(v, old_values=old_values, returns=returns, response_mask=mask), has_aux=True
+    )(values)
     close(grad, expected)
     assert set(metrics) == {"vf_clipfrac", "vpred_mean"}
 
@@ -143,9 +152,11 @@ def test_func_grad_equals_autograd():
 def test_vmap_over_a_leading_dim_equals_a_loop(clip):
     batches = [make_batch(s) for s in range(3)]
     stacked = [torch.stack(xs) for xs in zip(*batches, strict=True)]
-    loss, metrics = torch.vmap(lambda *args: value_loss(*args, clip_range=clip))(*stacked)
-    for k, args in enumerate(batches):
-        loss_k, metrics_k = value_loss(*args, clip_range=clip)
+    loss, metrics = torch.vmap(
+        lambda v, o, r, m: value_loss(v, old_values=o, returns=r, response_mask=m, clip_range=clip)
+    )(*stacked)
+    for k, (v, o, r, m) in enumerate(batches):
+        loss_k, metrics_k = value_loss(v, old_values=o, returns=r, response_mask=m, clip_range=clip)
         close(loss[k], loss_k)
         for key in metrics_k:
             close(metrics[key][k], metrics_k[key])
@@ -165,7 +176,7 @@ def test_empty_mask_gives_zero_loss_and_finite_grads():
 
 def test_metrics_are_detached_scalar_tensors():
     values, old_values, returns, mask = make_batch(17)
-    loss, metrics = value_loss(values.requires_grad_(True), old_values, returns, mask)
+    loss, metrics = value_loss(values.requires_grad_(True), old_values=old_values, returns=returns, response_mask=mask)
     assert loss.shape == () and loss.requires_grad
     for value in metrics.values():
         assert isinstance(value, torch.Tensor) and value.shape == () and not value.requires_grad
@@ -174,15 +185,15 @@ def test_metrics_are_detached_scalar_tensors():
 def test_errors():
     values, old_values, returns, mask = make_batch(0)
     with pytest.raises(ValueError, match="returns"):
-        value_loss(values, old_values, returns[:, :-1], mask)
+        value_loss(values, old_values=old_values, returns=returns[:, :-1], response_mask=mask)
     with pytest.raises(ValueError, match="values"):
-        value_loss(values[0], old_values[0], returns[0], mask[0])
+        value_loss(values[0], old_values=old_values[0], returns=returns[0], response_mask=mask[0])
     with pytest.raises(TypeError, match="bool"):
-        value_loss(values, old_values, returns, mask.float())
+        value_loss(values, old_values=old_values, returns=returns, response_mask=mask.float())
     with pytest.raises(ValueError, match="clip_range"):
-        value_loss(values, old_values, returns, mask, clip_range=-0.1)
+        value_loss(values, old_values=old_values, returns=returns, response_mask=mask, clip_range=-0.1)
     with pytest.raises(ValueError, match="unknown loss aggregation mode"):
-        value_loss(values, old_values, returns, mask, agg="sum")
+        value_loss(values, old_values=old_values, returns=returns, response_mask=mask, agg="sum")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -5,10 +5,11 @@ API (call on **every** rank: gathering the full weights is a collective)::
     path = export_hf(state, out_dir, tokenizer=tokenizer)        # -> Path, on every rank
     model = AutoModelForCausalLM.from_pretrained(path)           # the trained actor
 
-The weights are streamed as full (unsharded) tensors by ``backends.training.fsdp.full_state_dict`` (one
-``DTensor.full_tensor()`` at a time); rank 0 keeps them on the CPU and writes them with the model
-class's own ``save_pretrained`` (safetensors, tied weights stored once, sharded above
-``max_shard_size``), together with the model config, its generation config and the tokenizer. The
+The weights are streamed as full (unsharded) tensors by
+``backends.distributed.sharded_state.full_state_dict`` (one ``DTensor.full_tensor()`` at a time); rank 0
+keeps them on the CPU and writes them with the model class's own ``save_pretrained`` (safetensors, tied
+weights stored once, sharded above ``max_shard_size``), together with the model config, its generation
+config and the tokenizer. The
 model class and config come from the module itself (the FSDP2 wrapper class is looked through), so a
 causal LM, a value model (``*ForTokenClassification``, ``num_labels=1``) or any other HF
 ``PreTrainedModel`` exports the same way. The exported config has ``use_cache=True`` (training turns
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from backends.distributed.setup import state_ranks
+from backends.distributed.collectives import state_ranks
 from backends.distributed.sharded_state import full_state_dict
 
 __all__ = ["export_hf", "hf_model_class"]

@@ -22,7 +22,7 @@ groups (hyper-parameters, parameter names), and the model type. In JAX::
     tree = ocp.PyTreeCheckpointer().restore(path)          # numpy arrays
     params = jax.tree.map(jnp.asarray, tree["params"])
 
-Orbax details handled here (PLATFORM.md): the checkpointer used is the synchronous ``PyTreeCheckpointer``
+Orbax details handled here: the checkpointer used is the synchronous ``PyTreeCheckpointer``
 (the async ``StandardCheckpointer`` needs a wait before restore); dict keys are strings from the start
 (integer keys would come back as strings); bf16 goes through ``ml_dtypes``. Only rank 0 touches orbax:
 jax in each torchrun process sees itself as a single process, and a multi-process orbax save would
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from backends.distributed.setup import state_ranks
+from backends.distributed.collectives import state_ranks
 from backends.distributed.sharded_state import reshard
 
 __all__ = ["save_orbax", "read_orbax", "load_orbax", "train_state_tree", "tree_to_torch", "to_numpy", "to_torch"]

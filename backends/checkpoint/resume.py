@@ -29,8 +29,11 @@ from pathlib import Path
 import attrs
 import torch.distributed as dist
 
-from backends.checkpoint.dcp import CheckpointMismatchError, checkpoint_info, config_diff, flatten_config, resolve_resume
-from backends.distributed.setup import broadcast_object
+from backends.checkpoint.dcp import resolve_resume
+from backends.checkpoint.errors import CheckpointMismatchError
+from backends.checkpoint.files import checkpoint_info
+from backends.checkpoint.fingerprint import config_diff, flatten_config
+from backends.distributed.collectives import broadcast_object
 
 __all__ = ["CheckpointConfig", "checkpoint_dir", "resume_point", "truncate_metrics"]
 

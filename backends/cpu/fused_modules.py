@@ -6,23 +6,19 @@ into a Hugging Face Llama / Qwen2 model:
 - :func:`packed_attention`: causal attention over a packed micro-batch (:mod:`backends.packing`),
   forward and backward in one C pass each, reading the packed ``q, k, v`` in place (shared prompts
   included), where the PyTorch path gathers them into a padded block and runs batched matmuls, a
-  mask and a softmax (about 110 ms of a profiled config-B fp32 update). Called by
-  :func:`backends.packing.varlen_sdpa_attention`.
+  mask and a softmax. It is the ``"cpu-kernel"`` backend of ``backends.training.packed_attention``,
+  which reaches it through the seam ``backends.cpu.packed_attention``.
 - :class:`FusedAttention`: mixed into a Llama / Qwen2 attention module's class; on packed rows one op
   does the stacked q / k / v product, RoPE and that attention, forward and backward.
 - :class:`FusedRMSNorm` and :class:`FusedSwiGLU`: drop-in replacements of the models' RMSNorm and MLP
   modules, holding the same parameters under the same names (state dicts, FSDP sharding and
-  checkpoints are unchanged). :func:`use_fused_modules` swaps them in before sharding.
+  checkpoints are unchanged). :func:`accelerate` (the seam ``backends.cpu.accelerate``) swaps them in
+  before sharding.
 - :class:`OneDNNLinear`: ``nn.Linear`` whose forward and input-gradient products run through oneDNN's
   linear (PyTorch's internal CPU inference op, the one ``torch.compile`` uses after freezing) instead
-  of MKL: at training sizes, one thread, 3048 x 256 by 256 x 688 took 10.3-11.7 ms forward and
-  10.3 ms for the input gradient (the weight passed as a transposed view), against 11.7-15.5 and
-  16.9-19.6 ms through ``F.linear`` and ``matmul``. The weight gradient stays a ``matmul`` (oneDNN was
-  no faster once its operands' transposes and reorders are counted). Used for products of at least :data:`ONEDNN_MIN_MACS`.
-- :func:`replay_linear_outputs`: within it, :class:`OneDNNLinear` modules and the stacked q / k / v
-  product of :class:`FusedAttention` return outputs recorded earlier (by a rollout that ran the same
-  weights: ``backends.rollout.native.generate_recording``) instead of computing their products; their
-  backward is unchanged. A training step then runs no forward GEMM.
+  of MKL, which is faster at training sizes (the input gradient passes the weight as a transposed
+  view, so no copy is made). The weight gradient stays a ``matmul``: once its operands' transposes and
+  reorders are counted, oneDNN gains nothing there. Used for products of at least :data:`ONEDNN_MIN_MACS`.
 
 All of them compute in float32 on the CPU. The attention and linear paths run for float32 inputs (bf16
 attention inputs are upcast, as PyTorch's CPU attention does); RMSNorm and SwiGLU also for bfloat16
@@ -35,21 +31,20 @@ references; in bf16 to bf16 rounding.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from backends.cpu.kernels import NormAct, PackedAttention, norm_act_kernel, packed_attention_kernel
+from backends.packing import BlockLayout, pad_layout
 
-__all__ = ["FusedAttention", "FusedRMSNorm", "FusedSwiGLU", "OneDNNLinear", "onednn_linear_works", "packed_attention",
-           "replay_linear_outputs", "use_fused_modules"]
+__all__ = ["FusedAttention", "FusedRMSNorm", "FusedSwiGLU", "OneDNNLinear", "accelerate", "onednn_linear_works",
+           "packed_attention"]
 
-#: HF modules replaced by :func:`use_fused_modules` (their forward is exactly the math the kernels do:
+#: HF modules replaced by :func:`accelerate` (their forward is exactly the math the kernels do:
 #: Gemma's RMSNorm, for one, scales by ``1 + weight`` and is not here)
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
 SWIGLU_MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
@@ -77,11 +72,11 @@ class _PackedAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: Any, scale: float | None) -> Tensor | None:
+def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None) -> Tensor | None:
     """Causal attention within each sequence of a packed row, or None when the kernel cannot run here.
 
     ``query (1 h T d)``, ``key value (1 kv T d)`` (Hugging Face's layout; T-major in memory, as the
-    projections write them), ``layout``: a :class:`backends.packing.BlockLayout`. Returns
+    projections write them), ``layout``: where the sequences sit (:class:`backends.packing.BlockLayout`). Returns
     ``(1 T h d)`` in the query's dtype.
     """
     head_dim = query.shape[-1]
@@ -95,7 +90,7 @@ def packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: Any, sca
     return out.to(dtype)[None]
 
 
-def _layout_tensors(layout: Any, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+def _layout_tensors(layout: BlockLayout, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
     """The kernels' view of a BlockLayout: ``gather (n L)``, ``lengths (n)`` and ``slot_token (n L)``, the
     packed token whose output each block slot gives (-1 for slots whose token is owned elsewhere)."""
     n, max_len = layout.gather.shape
@@ -105,21 +100,16 @@ def _layout_tensors(layout: Any, tokens: int) -> tuple[Tensor, Tensor, Tensor]:
 
 class _FusedQKVAttention(torch.autograd.Function):
     """``x (T H)`` -> attention output ``(T h d)``: one product with the stacked q / k / v weight
-    (oneDNN), RoPE on q and k, and the packed causal attention (C kernels), forward and backward.
-    ``recorded``: that product's output (bias included) from a rollout with these weights, used instead
-    of computing it."""
+    (oneDNN), RoPE on q and k, and the packed causal attention (C kernels), forward and backward."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, cos: Tensor, sin: Tensor, gather: Tensor,
                 lengths: Tensor, slot_token: Tensor, heads: int, kv_heads: int, scale: float,
-                kernel: PackedAttention, recorded: Tensor | None = None) -> Tensor:
+                kernel: PackedAttention) -> Tensor:
         T, width = x.shape[0], heads + 2 * kv_heads
-        if recorded is not None:
-            qkv = recorded
-        else:
-            qkv = _onednn_product(x, weight.detach())
-            if bias is not None:
-                qkv.add_(bias)
+        qkv = _onednn_product(x, weight.detach())
+        if bias is not None:
+            qkv.add_(bias)
         qkv = qkv.view(T, width, -1)
         rotated = torch.empty_like(qkv)  # RoPE'd q and k, then v: what the backward reads
         kernel.rope_forward(qkv[:, : heads + kv_heads], cos, sin, rotated[:, : heads + kv_heads])
@@ -145,11 +135,11 @@ class _FusedQKVAttention(torch.autograd.Function):
         dx = _onednn_product(g, weight.detach().t()) if ctx.needs_input_grad[0] else None
         dweight = g.t() @ x if ctx.needs_input_grad[1] else None
         dbias = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dweight, dbias, *([None] * 10)
+        return dx, dweight, dbias, *([None] * 9)
 
 
 class FusedAttention:
-    """Mixed into a Llama / Qwen2 attention module's class by :func:`use_fused_modules` (its parameters
+    """Mixed into a Llama / Qwen2 attention module's class by :func:`accelerate` (its parameters
     and state stay the module's). On the packed CPU path (a ``packed_layout`` or ``cu_seq_lens_q`` in
     the forward's kwargs, float32, no KV cache, no dropout, no sliding window) the q / k / v
     projections, RoPE and attention run as :class:`_FusedQKVAttention`; anything else is the model's
@@ -162,8 +152,6 @@ class FusedAttention:
         return super().forward(hidden_states, *args, **kwargs)
 
     def _fused_forward(self, x: Tensor, args: tuple, kwargs: dict) -> Tensor | None:
-        from backends.packing import BlockLayout, _pad_layout
-
         position_embeddings = args[0] if args else kwargs.get("position_embeddings")
         projections = (self.q_proj, self.k_proj, self.v_proj)
         if (position_embeddings is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 3
@@ -176,7 +164,7 @@ class FusedAttention:
         layout = kwargs.get("packed_layout")
         if layout is None and kwargs.get("cu_seq_lens_q") is not None:
             bounds = tuple(int(b) for b in kwargs["cu_seq_lens_q"].tolist())
-            layout = _pad_layout(bounds, x.device) if bounds[-1] == x.shape[1] else None
+            layout = pad_layout(bounds, x.device) if bounds[-1] == x.shape[1] else None
         kernel = packed_attention_kernel(self.head_dim)
         if not isinstance(layout, BlockLayout) or kernel is None:
             return None
@@ -187,9 +175,8 @@ class FusedAttention:
             [b if b is not None else m.weight.new_zeros(m.weight.shape[0]) for b, m in zip(biases, projections)])
         cos, sin = (t.reshape(-1, self.head_dim).to(torch.float32).contiguous() for t in position_embeddings)
         T = x.shape[1]
-        recorded = _check_recorded(self, _replayed_output(self, (T, weight.shape[0])), (T, weight.shape[0]), x.dtype)
         out = _FusedQKVAttention.apply(x.reshape(T, -1), weight, bias, cos, sin, *_layout_tensors(layout, T), heads,
-                                       kv_heads, float(self.scaling), kernel, recorded)
+                                       kv_heads, float(self.scaling), kernel)
         return self.o_proj(out.view(1, T, heads * self.head_dim))
 
 
@@ -295,8 +282,7 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
         y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "swish", [], "")
         z = torch.ops.mkldnn._linear_pointwise.binary(x, y[:, :4].contiguous(), packed, None, "add")
         # oneDNN adds the residual before rounding to the output dtype, the reference after: in bfloat16
-        # the two differ by up to one unit in the last place (9.75 against 9.71875 here), so the
-        # tolerance is the dtype's
+        # the two differ by up to one unit in the last place, so the tolerance is the dtype's
         tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
         close = functools.partial(torch.allclose, **tol)
         prepacked = close(z.float(), F.linear(x, w).float() + F.silu(F.linear(x, w)).float()[:, :4])
@@ -309,8 +295,8 @@ def onednn_linear_works(dtype: torch.dtype) -> bool:
 
 
 #: rows x in x out of a product below which :class:`OneDNNLinear` runs ``F.linear``: oneDNN's lead
-#: over MKL holds at config B's sizes (100-540M multiply-adds per product); at config A's (1500 x 64 x
-#: 256, 25M) one op call more per product is not worth it.
+#: over MKL is in the product itself, and for small products the extra op call per product costs
+#: more than it saves.
 ONEDNN_MIN_MACS = 1 << 26
 
 
@@ -339,15 +325,11 @@ class _OneDNNLinear(torch.autograd.Function):
 class OneDNNLinear(nn.Linear):
     """``nn.Linear`` (the same parameters and state) whose large float32 CPU products run through
     oneDNN's linear (see the module docstring); anything else is ``F.linear``.
-    :func:`use_fused_modules` turns a model's ``nn.Linear`` modules into this class in place."""
+    :func:`accelerate` turns a model's ``nn.Linear`` modules into this class in place."""
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
         rows = x.numel() // max(x.shape[-1], 1)
-        out_shape = (*x.shape[:-1], w.shape[0])
-        recorded = _check_recorded(self, _replayed_output(self, out_shape), out_shape, x.dtype)
-        if recorded is not None:
-            return _ReplayedLinear.apply(x, w, self.bias, [recorded])
         if (x.dtype == w.dtype == torch.float32 and x.device.type == "cpu" and rows * w.numel() >= ONEDNN_MIN_MACS
                 and onednn_linear_works(torch.float32)):
             out = _OneDNNLinear.apply(x.reshape(rows, x.shape[-1]), w, self.bias)
@@ -355,78 +337,7 @@ class OneDNNLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
-# ------------------------------------------------------------------------------------- replayed outputs
-
-#: module -> what produces its recorded output, while :func:`replay_linear_outputs` is active
-_REPLAY: contextvars.ContextVar[dict[nn.Module, Callable[[tuple[int, ...]], Tensor]] | None] = contextvars.ContextVar(
-    "rlfunc_replayed_outputs", default=None)
-
-
-@contextlib.contextmanager
-def replay_linear_outputs(outputs: Mapping[nn.Module, Callable[[tuple[int, ...]], Tensor]]) -> Iterator[None]:
-    """Within the block, each module of ``outputs`` (an :class:`OneDNNLinear`, or a :class:`FusedAttention`
-    for its stacked q / k / v product) returns ``outputs[module](shape)``, a tensor of its output's
-    shape (which must stay unchanged until the backward has run: e.g. a view of the recorded outputs),
-    instead of computing its product, once: the first time it runs. The output must be what
-    the product gives for the module's input
-    and current weights (bias included), e.g. recorded by a rollout that ran these weights; its
-    backward is the usual one (the input and weight gradients from the module's input, its weight and
-    the output's gradient). Shapes and dtypes are checked; values cannot be, which is the caller's
-    contract (``backends.training.fsdp.update`` checks the weights' tag).
-
-    A module that does not run its fused path (e.g. attention on padded rows) computes its output as
-    usual; so does every module under activation checkpointing's recomputation, which runs after the block.
-    """
-    token = _REPLAY.set(dict(outputs))
-    try:
-        yield
-    finally:
-        _REPLAY.reset(token)
-
-
-def _replayed_output(module: nn.Module, shape: tuple[int, ...]) -> Tensor | None:
-    table = _REPLAY.get()
-    if not table:
-        return None
-    produce = table.pop(module, None)
-    return None if produce is None else produce(shape)
-
-
-def _check_recorded(module: nn.Module, recorded: Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor | None:
-    if recorded is not None and (tuple(recorded.shape) != shape or recorded.dtype != dtype):
-        raise ValueError(
-            f"replayed output for {type(module).__name__}: expected {shape} {dtype} (the module's output for this "
-            f"input), got {tuple(recorded.shape)} {recorded.dtype}"
-        )
-    return recorded
-
-
-class _ReplayedLinear(torch.autograd.Function):
-    """``x @ weight.T + bias`` given as ``box[0]`` (not an input: an input returned as the output would
-    be a view of it, which FSDP2 warns about at a root module's output; a view of the recorded outputs
-    is fine, and autograd refuses in-place changes to it); the backward of :class:`_OneDNNLinear`."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, box: list[Tensor]) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return box.pop()
-
-    @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
-        dout = dout.reshape(-1, dout.shape[-1]).contiguous()
-        x2 = x.reshape(-1, x.shape[-1])
-        dx = None
-        if ctx.needs_input_grad[0]:
-            large = dout.shape[0] * weight.numel() >= ONEDNN_MIN_MACS and dout.dtype == torch.float32
-            dx = _onednn_product(dout, weight.detach().t()) if large and onednn_linear_works(torch.float32) else dout @ weight
-            dx = dx.view(x.shape)
-        dweight = dout.t() @ x2 if ctx.needs_input_grad[1] else None
-        dbias = dout.sum(0) if ctx.needs_input_grad[2] else None
-        return dx, dweight, dbias, None
-
-
-def use_fused_modules(model: nn.Module) -> int:
+def accelerate(model: nn.Module) -> int:
     """Replace a Llama / Qwen2-family model's RMSNorm and SiLU-gated MLP modules by the fused ones, and
     make its ``nn.Linear`` modules :class:`OneDNNLinear`, in place, before sharding; returns how
     many modules were changed (0 when the kernels cannot run here; other architectures' norms and

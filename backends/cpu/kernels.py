@@ -1,24 +1,23 @@
 """Small C kernels for the CPU paths, built on first use with the system C compiler and called through ctypes.
 
-- ``csrc/decode_attention.c``: the native rollout's decode-step attention (AVX-512), 3-5x faster than
-  PyTorch's batched matmuls at the rollout's sizes, where each (row, kv head) is a 2 x 64 by 64 x L
-  product and the per-item overhead dominates. It also reads bf16 caches (a bf16 model's keys and
+- ``csrc/decode_attention.c``: the native rollout's decode-step attention (AVX-512), used by its kernel
+  strategy (``backends/cpu/decode.py``). At the rollout's sizes each (row, kv head) is a small product
+  (a few queries by L keys) and PyTorch's batched matmuls spend their time on per-item overhead; the
+  kernel reads the cache once per (row, kv head). It also reads bf16 caches (a bf16 model's keys and
   values, stored exactly, at half the bytes).
 - ``csrc/packed_attention.c``: causal attention over a packed training micro-batch, forward and
   backward, reading the packed q, k, v in place (shared prompts included); see backends/cpu/fused_modules.py.
 - ``csrc/norm_act.c``: fused RMSNorm and SwiGLU, forward and backward, for training and for the native
   rollout's decode steps (one pass over the activations each, where PyTorch runs Hugging Face's modules as
   several elementwise kernels), on float32 or bfloat16 tensors (float32 math either way).
-- ``csrc/record_rows.c``: a row copy (optionally of selected rows) with streaming stores, for the native
-  rollout's recording of its linear outputs into a large buffer (no write-allocate reads of it).
 
 Nothing here is needed: when there is no compiler, no AVX-512, an unsupported size, or
 ``RLFUNC_CPU_KERNELS=0``, the accessors (:func:`decode_attention_kernel`, :func:`packed_attention_kernel`,
-:func:`norm_act_kernel`, :func:`record_rows_kernel`) return None and the caller runs its PyTorch path (one log line says why).
+:func:`norm_act_kernel`) return None and the caller runs its PyTorch path (one log line says why).
 The wrappers check dtypes and layouts before passing raw pointers: the kernels trust them.
 
-Build: ``$CC`` (default ``cc``) ``-O3 -march=native -shared -fPIC``, no Python or torch headers
-(about half a second per library). The library is cached under ``$RLFUNC_KERNEL_CACHE`` (default
+Build: ``$CC`` (default ``cc``) ``-O3 -march=native -shared -fPIC``, no Python or torch headers.
+The library is cached under ``$RLFUNC_KERNEL_CACHE`` (default
 ``~/.cache/rlfunc/kernels``), named by a hash of the sources (the ``.c`` file and the shared headers),
 the compiler's version, the flags and this CPU's feature flags, so a changed source or another machine
 sharing the home directory builds its own. It is written to a temporary name and renamed into place,
@@ -41,8 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DecodeAttention", "key_blocks", "NormAct", "PackedAttention", "RecordRows", "decode_attention_kernel",
-           "kernel_cache_dir", "norm_act_kernel", "packed_attention_kernel", "record_rows_kernel"]
+__all__ = ["DecodeAttention", "key_blocks", "NormAct", "PackedAttention", "decode_attention_kernel",
+           "kernel_cache_dir", "norm_act_kernel", "packed_attention_kernel"]
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=c11")
@@ -409,43 +408,7 @@ class NormAct:
         return dgate, dup
 
 
-class RecordRows:
-    """The loaded row copy with streaming stores; see ``csrc/record_rows.c``."""
-
-    def __init__(self, library: Path) -> None:
-        lib = ctypes.CDLL(str(library))
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn = lib.rlfunc_record_rows
-        self._fn.argtypes, self._fn.restype = [ptr, i64, ptr, i64, i64, ptr], ctypes.c_int
-        lib.rlfunc_record_rows_support.restype = ctypes.c_int
-        self.available = bool(lib.rlfunc_record_rows_support() & 1)  #: built with AVX-512F
-        self.library = library
-
-    def __call__(self, src: Tensor, dst: Tensor, rows: Tensor | None = None) -> None:
-        """``dst[i] = src[rows[i]]`` (``rows`` None: ``dst[:] = src``); ``src (m, w)``, ``dst (n, w)``, one dtype,
-        contiguous CPU tensors, ``rows (n)`` int64 in ``[0, m)``."""
-        n = dst.shape[0] if dst.dim() == 2 else -1
-        ok = (src.dim() == 2 and dst.dim() == 2 and src.dtype == dst.dtype and src.shape[1] == dst.shape[1]
-              and src.is_contiguous() and dst.is_contiguous() and src.device.type == dst.device.type == "cpu")
-        if ok and rows is not None:
-            ok = (rows.dtype == torch.int64 and rows.dim() == 1 and rows.shape[0] == n and rows.is_contiguous()
-                  and rows.device.type == "cpu")
-        elif ok:
-            ok = src.shape[0] == n
-        if not ok:
-            raise ValueError(f"record rows: src {tuple(src.shape)} {src.dtype} and dst {tuple(dst.shape)} {dst.dtype} must be "
-                             "contiguous 2-D CPU tensors of one dtype and width, with rows (n) int64 indices into src"
-                             + ("" if rows is None else f"; rows {tuple(rows.shape)} {rows.dtype}"))
-        rc = self._fn(src.data_ptr(), src.shape[0], None if rows is None else rows.data_ptr(), n,
-                      src.shape[1] * src.element_size(), dst.data_ptr())
-        if rc == -3:
-            raise IndexError(f"record rows: a row index is outside the source's {src.shape[0]} rows")
-        if rc != 0:
-            raise RuntimeError(f"record rows kernel failed (code {rc})")
-
-
-_KERNELS = {"decode_attention": DecodeAttention, "packed_attention": PackedAttention, "norm_act": NormAct,
-            "record_rows": RecordRows}
+_KERNELS = {"decode_attention": DecodeAttention, "packed_attention": PackedAttention, "norm_act": NormAct}
 
 
 @functools.lru_cache(maxsize=None)
@@ -487,8 +450,3 @@ def packed_attention_kernel(head_dim: int) -> PackedAttention | None:
 def norm_act_kernel() -> NormAct | None:
     """The fused RMSNorm / SwiGLU kernels, or None (use PyTorch)."""
     return _load("norm_act")
-
-
-def record_rows_kernel() -> RecordRows | None:
-    """The streaming row copy of the rollout's recorder, or None (use PyTorch)."""
-    return _load("record_rows")

@@ -24,9 +24,8 @@ def reuse_freed_cpu_memory() -> bool:
     By default glibc serves allocations above a (dynamic) threshold with fresh ``mmap`` pages and
     returns them on ``free``, so every activation tensor of a training step page-faults its memory in
     again. Raising the mmap and trim thresholds (what jemalloc / tcmalloc, the allocators PyTorch's CPU
-    tuning guides recommend, do by design) removed about half of the minor page faults of a config-B
-    update loop here and made its updates 3-5% faster. Process-wide; a no-op without glibc. Returns
-    whether it applied.
+    tuning guides recommend, do by design) lets a step reuse the previous step's memory instead, which
+    avoids many of those page faults. Process-wide; a no-op without glibc. Returns whether it applied.
     Opt out with ``RLFUNC_MALLOC_TUNING=0``.
     """
     if os.environ.get("RLFUNC_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
@@ -49,13 +48,12 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     CPU linear), where each defaults to 1024.
 
     Both are keyed by the full shape, and RL changes the token count of a packed micro-batch at every
-    step, so every update adds about ten new GEMM primitives, each holding 0.3-0.6 MiB until 1024 are
-    cached. Measured on a config-B GRPO run: the heap grew by 20-70 MiB per step, 477 MiB -> 1138 MiB in
-    30 steps (5 MiB/step of it retained primitives, the rest glibc fragmentation around them), and an
-    update that grew it was 100-300 ms slower (page faults on fresh memory). Capped at 128 (the rollout
-    reuses about 40 shapes per step, which stay cached) the heap levelled off near 785 MiB. The
-    variables are read when oneDNN first creates a primitive, so this must run before the first CPU
-    linear; a value the user has set is kept.
+    step, so every update adds new GEMM primitives that stay cached until 1024 of them are: the heap
+    grows step after step (the retained primitives and the fragmentation around them), and an update
+    that grows it is slowed by page faults on fresh memory. A bound of 128 still holds the few dozen
+    shapes the rollout reuses every step, and the heap levels off. The variables are read when oneDNN
+    first creates a primitive, so this must run before the first CPU linear; a value the user has set is
+    kept.
     """
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from backends.distributed.setup import DistEnv, device_mesh
 
-__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "redistribute", "concat_padded"]
+__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "redistribute", "concat_padded", "pad_to", "trim_to"]
 
 #: the pool each role lives in under split placement
 ROLE_POOL = {"actor": "actor", "rollout": "actor", "critic": "critic", "reference": "critic"}
@@ -203,6 +203,7 @@ def _near_equal(total: int, parts: int) -> list[int]:
 
 
 def pad_to(x: Tensor, dims: tuple[str, ...], widths: dict[str, int]) -> Tensor:
+    """``x`` (axes named ``dims``) padded to ``widths`` on its ``p`` (left) and ``t`` (right) axes."""
     for axis, dim in enumerate(dims):
         if dim in _PAD_LEFT and x.shape[axis] < widths[dim]:
             shape = list(x.shape)
@@ -213,6 +214,7 @@ def pad_to(x: Tensor, dims: tuple[str, ...], widths: dict[str, int]) -> Tensor:
 
 
 def trim_to(x: Tensor, dims: tuple[str, ...], widths: dict[str, int]) -> Tensor:
+    """``x`` cut to ``widths`` on its ``p`` and ``t`` axes, dropping the padding side (the inverse of :func:`pad_to`)."""
     for axis, dim in enumerate(dims):
         if dim in _PAD_LEFT and x.shape[axis] > widths[dim]:
             index = slice(x.shape[axis] - widths[dim], None) if _PAD_LEFT[dim] else slice(0, widths[dim])
@@ -271,8 +273,25 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
     for name, ranks in (("src_ranks", src_ranks), ("dst_ranks", dst_ranks)):
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
             raise PlacementError(f"redistribute: {name}={ranks} must be distinct ranks of a world of {world}, not empty")
-    is_src, is_dst = world_rank in src_ranks, world_rank in dst_ranks
-    # a bad batch on one rank must fail every rank (the others would wait in the collectives below)
+    everyone = _exchange_descriptions(batch, like, world_rank, world, is_src=world_rank in src_ranks)
+    metas = _source_metas(everyone, src_ranks)
+    cls = metas[0]["cls"]
+    present = {k for k, v in metas[0]["fields"].items() if v is not None}
+    dst_rows = _destination_rows(everyone, dst_ranks, total=sum(m["rows"] for m in metas))
+    src_start = [sum(m["rows"] for m in metas[:i]) for i in range(len(metas))]
+    pieces = _pieces([m["rows"] for m in metas], dst_rows)
+    fields = [(f.name, tuple((f.metadata.get("shape") or "").split())) for f in attrs.fields(cls) if f.name in present]
+    received = _send_and_receive(batch, pieces, fields, metas, src_start, src_ranks, dst_ranks, world_rank)
+    if world_rank not in dst_ranks:
+        return None
+    j_me = dst_ranks.index(world_rank)
+    mine = [received[k] for k, (_i, j, _lo, _hi) in enumerate(pieces) if j == j_me]
+    return _assemble(cls, mine, fields, like)
+
+
+def _exchange_descriptions(batch: Any, like: Any, world_rank: int, world: int, *, is_src: bool) -> list[dict]:
+    """Every rank's ``{"src": description of its batch or None, "want": (rows, widths) of its ``like`` or
+    None, "error"}``. A bad batch on one rank fails every rank (the others would wait in the transfer)."""
     mine: dict[str, Any] = {"src": None, "want": None, "error": None}
     try:
         if is_src and batch is None:
@@ -286,6 +305,11 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
     errors = [m["error"] for m in everyone if m["error"]]
     if errors:
         raise ValueError("redistribute: " + "; ".join(errors))
+    return everyone
+
+
+def _source_metas(everyone: list[dict], src_ranks: tuple[int, ...]) -> list[dict]:
+    """The source ranks' batch descriptions, in ``src_ranks`` order; they must agree on type and fields."""
     metas = [everyone[r]["src"] for r in src_ranks]
     cls, present = metas[0]["cls"], {k for k, v in metas[0]["fields"].items() if v is not None}
     for r, m in zip(src_ranks, metas):
@@ -295,7 +319,11 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
                 f"{cls.__name__} {sorted(present)}, rank {r}: {m['cls'].__name__} "
                 f"{sorted(k for k, v in m['fields'].items() if v is not None)})"
             )
-    total = sum(m["rows"] for m in metas)
+    return metas
+
+
+def _destination_rows(everyone: list[dict], dst_ranks: tuple[int, ...], *, total: int) -> list[int]:
+    """Rows each destination rank receives: what its ``like`` holds, or near-equal shares of ``total``."""
     wants = [everyone[r]["want"] for r in dst_ranks]
     if any(w is not None for w in wants):
         if any(w is None for w in wants):
@@ -303,22 +331,32 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
         dst_rows = [w[0] for w in wants]
         if sum(dst_rows) != total:
             raise ValueError(f"redistribute: destination ranks want {sum(dst_rows)} rows, the sources hold {total}")
-    else:
-        if total < len(dst_ranks):
-            raise ValueError(f"redistribute: cannot spread {total} rows over {len(dst_ranks)} destination ranks")
-        dst_rows = _near_equal(total, len(dst_ranks))
+        return dst_rows
+    if total < len(dst_ranks):
+        raise ValueError(f"redistribute: cannot spread {total} rows over {len(dst_ranks)} destination ranks")
+    return _near_equal(total, len(dst_ranks))
 
-    # pieces: intersections of the source row ranges with the destination row ranges, in global order
-    src_start = [sum(m["rows"] for m in metas[:i]) for i in range(len(metas))]
+
+def _pieces(src_rows: list[int], dst_rows: list[int]) -> list[tuple[int, int, int, int]]:
+    """``(src index, dst index, global lo, global hi)``: the intersections of the source row ranges with
+    the destination row ranges, in global order."""
+    src_start = [sum(src_rows[:i]) for i in range(len(src_rows))]
     dst_start = [sum(dst_rows[:j]) for j in range(len(dst_rows))]
-    pieces = []  # (src index, dst index, global lo, global hi)
-    for i, m in enumerate(metas):
+    pieces = []
+    for i, rows in enumerate(src_rows):
         for j, n in enumerate(dst_rows):
-            lo, hi = max(src_start[i], dst_start[j]), min(src_start[i] + m["rows"], dst_start[j] + n)
+            lo, hi = max(src_start[i], dst_start[j]), min(src_start[i] + rows, dst_start[j] + n)
             if lo < hi:
                 pieces.append((i, j, lo, hi))
+    return pieces
 
-    fields = [(f.name, tuple((f.metadata.get("shape") or "").split())) for f in attrs.fields(cls) if f.name in present]
+
+def _send_and_receive(
+    batch: Any, pieces: list, fields: list, metas: list[dict], src_start: list[int],
+    src_ranks: tuple[int, ...], dst_ranks: tuple[int, ...], world_rank: int,
+) -> dict[int, dict[str, Tensor]]:
+    """Send this rank's pieces, receive the pieces it gets; ``{piece index: {field: rows}}`` of the received
+    (and self-kept) ones."""
     received: dict[int, dict[str, Tensor]] = {}
     requests = []
     for k, (i, j, lo, hi) in enumerate(pieces):
@@ -340,21 +378,21 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
                 requests.append(dist.irecv(buf, src, tag=tag))
     for req in requests:
         req.wait()
-    if not is_dst:
-        return None
+    return received
 
-    j_me = dst_ranks.index(world_rank)
-    mine_k = [k for k, (_i, j, _lo, _hi) in enumerate(pieces) if j == j_me]
+
+def _assemble(cls: type, parts: list[dict[str, Tensor]], fields: list, like: Any) -> Any:
+    """This destination rank's batch from its pieces (in global row order), padded to their widest widths,
+    or to ``like``'s widths when given."""
     widths: dict[str, int] = {}
-    for k in mine_k:
+    for part in parts:
         for name, dims in fields:
             for axis, dim in enumerate(dims):
                 if dim in _PAD_LEFT:
-                    widths[dim] = max(widths.get(dim, 0), received[k][name].shape[axis])
+                    widths[dim] = max(widths.get(dim, 0), part[name].shape[axis])
     out = {}
     for name, dims in fields:
-        parts = [pad_to(received[k][name], dims, widths) for k in mine_k]
-        value = torch.cat(parts, dim=0)
+        value = torch.cat([pad_to(part[name], dims, widths) for part in parts], dim=0)
         if like is not None:
             target = _widths(like)
             value = trim_to(pad_to(value, dims, target), dims, target)

@@ -1,4 +1,5 @@
 """Process-group setup for torchrun (or a plain ``python`` process), device meshes, logging, seeding.
+The collectives over the group are in :mod:`backends.distributed.collectives`.
 
 One code path for CPU and GPU: gloo when CUDA is not available, NCCL (plus gloo for CPU tensors) when
 it is. :func:`init_distributed` reads the torchrun environment; without one it still creates a
@@ -7,7 +8,6 @@ one-process group, so FSDP and collectives work unchanged at world size 1.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import random
@@ -18,7 +18,19 @@ from typing import Any, Sequence, TextIO
 import attrs
 import torch
 import torch.distributed as dist
-from torch import Tensor
+
+# The collectives live in backends.distributed.collectives; they are re-imported here so the names recipes
+# and engines import from this module keep working.
+from backends.distributed.collectives import (  # noqa: F401 - re-exported
+    all_reduce_max,
+    all_reduce_sum,
+    barrier,
+    broadcast_object,
+    global_masked_whiten,
+    state_ranks,
+    world_rank,
+    world_size,
+)
 
 __all__ = [
     "DistEnv",
@@ -27,10 +39,6 @@ __all__ = [
     "shutdown",
     "get_logger",
     "seed_everything",
-    "all_reduce_sum",
-    "all_reduce_max",
-    "broadcast_object",
-    "barrier",
 ]
 
 
@@ -79,17 +87,6 @@ def _pick_device(local_rank: int, device: str | None) -> tuple[torch.device, str
     if kind != "cpu":
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     return torch.device("cpu"), "gloo"
-
-
-def state_ranks(state: Any) -> tuple[Any, int, int]:
-    """``(group, rank, size)`` of the ranks that hold ``state``: its mesh's process group (a role's pool
-    under split placement, the world when colocated), this process's rank in it and their count. With
-    no mesh: ``(None, world rank, world size)``; without a process group: ``(None, 0, 1)``."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None, 0, 1
-    mesh = getattr(state, "mesh", None)
-    group = mesh.get_group() if mesh is not None else None
-    return group, dist.get_rank(group), dist.get_world_size(group)
 
 
 def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
@@ -206,56 +203,3 @@ def seed_everything(seed: int, rank_offset: int = 0) -> int:
         pass
     torch.manual_seed(effective)
     return effective
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def all_reduce_sum(tensor: Tensor, group: Any = None) -> Tensor:
-    """Sum of ``tensor`` over all ranks (or those of ``group``), as a new tensor (the input is left unchanged)."""
-    out = tensor.clone()
-    if _world() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
-
-
-def global_masked_whiten(
-    x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8, group: Any = None
-) -> Tensor:
-    """``rlfunc.masked_whiten`` with the mean and variance of the masked entries on *all* ranks (of ``group``).
-
-    verl whitens advantages over the whole batch; with the batch split over data-parallel ranks that
-    needs two small all-reduces (count and sum for the mean, then the centred sum of squares). Equal
-    to whitening the concatenated batch; equal to the local version at world size 1.
-    """
-    from rlfunc import masked_moments, masked_whiten
-
-    first = all_reduce_sum(masked_moments(x, mask), group)
-    count, total = first[0], first[1]
-    mean = total / count.clamp(min=1)
-    centred_sq = all_reduce_sum(masked_moments(x, mask, center=mean), group)[2]
-    var = torch.where(count > 1, centred_sq / (count - 1).clamp(min=1), torch.zeros_like(centred_sq))
-    return masked_whiten(x, mask, shift_mean=shift_mean, eps=eps, stats=(mean, var))
-
-
-def all_reduce_max(tensor: Tensor) -> Tensor:
-    """Elementwise max of ``tensor`` over all ranks, as a new tensor."""
-    out = tensor.clone()
-    if _world() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
-
-
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s ``obj`` (any picklable value) on every rank."""
-    if _world() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def barrier() -> None:
-    if _world() > 1:
-        dist.barrier()

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from backends.rollout import native as rollout_native
-
 from backends.rollout import vllm as rollout_vllm
-from backends.rollout.native import NativeRollout, SamplingConfig, decode_responses
+from backends.rollout.common import SamplingConfig, decode_responses
+from backends.rollout.native import NativeRollout
 from backends.rollout.vllm import VLLMConfig, VLLMRollout
 from rlfunc.batch import RolloutBatch
 

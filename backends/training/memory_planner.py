@@ -1,8 +1,8 @@
 """Per-device memory estimate of a training role (and a colocated rollout's KV cache), and settings that fit.
 
 Run: ``python -m backends.training.memory_planner --model DIR --dp 8 --dtype bfloat16 --micro-batch 4 --seq-len 4096
---budget-gib 80 [--gradient-checkpointing] [--kv-seqs 256 --kv-len 4096]`` (``--tiny`` for PLATFORM.md's
-config B instead of ``--model``) prints a table and suggestions.
+--budget-gib 80 [--gradient-checkpointing] [--kv-seqs 256 --kv-len 4096]`` (``--tiny`` for the tiny
+test model, hidden 256 and 4 layers, instead of ``--model``) prints a table and suggestions.
 
 What is counted, per device, for a Llama / Qwen2 decoder (``h`` hidden, ``i`` MLP width, ``L`` layers,
 ``V`` vocabulary, ``kv`` = key/value heads x head_dim, ``n`` attention heads, ``T`` tokens of a
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Per-device memory estimate of a training role, and settings that fit")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local Hugging Face checkpoint dir (config.json is read)")
-    src.add_argument("--tiny", action="store_true", help="PLATFORM.md config B (hidden 256, 4 layers) with the char tokenizer")
+    src.add_argument("--tiny", action="store_true", help="the tiny test model (hidden 256, 4 layers) with the char tokenizer")
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "reference"])
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)

@@ -39,12 +39,14 @@ from typing import Any, Literal
 
 import attrs
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from backends.distributed.setup import DistEnv, device_mesh, init_distributed
 from backends.distributed.sharded_state import reshard
 from backends.models import check_model_dir, quiet_transformers, load_tokenizer
+from backends.training.common import (
+    all_reduce_max, check_batch, dummy_micro_batch, micro_batches, to_device, trim_micro_batch,
+)
 from rlfunc.batch import RolloutBatch
 from rlfunc.checks import bind, check_finite, check_floating
 
@@ -174,10 +176,10 @@ def build_reward_model(
     vocab_size = model.get_input_embeddings().num_embeddings
     mesh = None
     if config.shard:
-        from backends.training.fsdp import FSDPConfig, _shard
+        from backends.training.fsdp import FSDPConfig, shard_module
 
         mesh = device_mesh(env)
-        model = _shard(model.to(device), mesh, FSDPConfig(), None)
+        model = shard_module(model.to(device), mesh, FSDPConfig(), None)
         model.eval()
     else:
         model = model.to(device)
@@ -217,9 +219,7 @@ def score(rm: RewardModel, batch: RolloutBatch, *, micro_batch_size: int | None 
     Micro-batches of ``micro_batch_size`` rows (default: the config's). A sharded reward model is a
     collective: every rank calls this in step.
     """
-    from backends.training.fsdp import _check_batch, _dummy, _to_device, _trim, micro_batches
-
-    _check_batch(batch)
+    check_batch(batch)
     top = int(torch.maximum(batch.prompt_ids.max(), batch.response_ids.max()))
     if top >= rm.vocab_size:
         raise ValueError(
@@ -228,19 +228,15 @@ def score(rm: RewardModel, batch: RolloutBatch, *, micro_batch_size: int | None 
         )
     size = micro_batch_size if micro_batch_size is not None else rm.config.micro_batch_size
     mbs = micro_batches(batch, micro_batch_size=size)
-    n_max = len(mbs)
-    if rm.mesh is not None:
-        n = torch.tensor([n_max], dtype=torch.int64, device=rm.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=rm.mesh.get_group())
-        n_max = int(n.item())
+    n_max = len(mbs) if rm.mesh is None else all_reduce_max(len(mbs), group=rm.mesh.get_group(), device=rm.device)
     out_device = batch.response_ids.device
     scores = []
     try:
         with torch.inference_mode():
             for i in range(n_max):
                 real = i < len(mbs)
-                mb = _trim(mbs[i] if real else _dummy(mbs[0]))
-                s = _forward_scores(rm.module, _to_device(mb, rm.device))
+                mb = trim_micro_batch(mbs[i] if real else dummy_micro_batch(mbs[0]))
+                s = _forward_scores(rm.module, to_device(mb, rm.device))
                 if real:
                     scores.append(s.to(out_device))
     finally:

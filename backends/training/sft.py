@@ -1,85 +1,101 @@
-"""Supervised warm start: fine-tune the actor on (prompt, answer) pairs before RL, through the same engine.
+"""Supervised fine-tuning (SFT) as a training stage: (prompt, response) token-id examples through the engine.
 
-The recipes start RL from an imperfect policy, as a real post-training run starts from an SFT model.
-The warm start is an ordinary ``update`` with a pure negative log-likelihood loss, so it uses the same
-sharding, normalisers and optimizer code as the RL phase.
+A stage of ``cfg.steps`` updates, each on ``cfg.batch_size`` examples (global; every data-parallel rank
+trains on its share). The loss is the negative log-likelihood of the response tokens, aggregated with
+the engine's global normalisers, so the stage runs through the same ``update`` (sharding, micro-batches,
+optimizer) as the RL phase that usually follows it; a recipe uses it as a warm start, so that RL begins
+from an imperfect policy as a real post-training run begins from an SFT model.
+
+What the examples are is the caller's business: :func:`run_sft` asks ``next_examples(step)`` for each
+step's global batch, so a task can draw, tokenise or corrupt its data however it likes.
 """
 
 from __future__ import annotations
 
-import random
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import attrs
+import torch
 from tqdm import tqdm
 
 import rlfunc as rf
-from experiments.tasks.arithmetic import Problem, TrainStream, sft_batch
-from backends.training.fsdp import TrainState, update
-from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, with_total_steps
+from backends.training.fsdp import update
+from backends.training.optim import OptimConfig, with_total_steps
 
-__all__ = ["WarmStartConfig", "nll_loss", "supervised_warm_start", "warm_start_optim", "with_wrong_answers"]
+__all__ = ["SFTConfig", "SFTExample", "nll_loss", "run_sft", "sft_batch", "sft_optim"]
 
 
 @attrs.frozen
-class WarmStartConfig:
-    """Supervised fine-tuning on (prompt, answer) pairs so that RL starts from an imperfect policy."""
+class SFTConfig:
+    """The stage's length, batch and optimizer (the state must be built with :func:`sft_optim` of it)."""
 
-    steps: int = 300
-    batch_size: int = 64  # global rows per step
+    steps: int = attrs.field(default=300, validator=attrs.validators.ge(0))
+    batch_size: int = attrs.field(default=64, validator=attrs.validators.ge(1))  # global examples per step
     optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
-    #: fraction of the supervised examples whose answer is replaced by a wrong one (the right sum plus
-    #: or minus 1..9): a controlled imperfection. The policy learns the answer format without being
-    #: sharpened on its own mistakes, so RL's samples still disagree within a group (measured in the
-    #: GRPO demo: 4 of 4 runs gained 32-75 held-out points from it; see README)
-    wrong_answer_fraction: float = attrs.field(default=0.0)
-
-    @wrong_answer_fraction.validator
-    def _check_fraction(self, attribute: attrs.Attribute, value: float) -> None:
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"warm_start.wrong_answer_fraction must be in [0, 1), got {value}")
 
 
-def with_wrong_answers(problems: list[Problem], fraction: float, rng: random.Random) -> list[Problem]:
-    """``problems`` with each answer, with probability ``fraction``, moved by a nonzero offset in
-    [-9, 9] (reflected to stay >= 0). The prompts are unchanged."""
-    out = []
-    for p in problems:
-        if rng.random() < fraction:
-            offset = rng.choice([d for d in range(-9, 10) if d != 0])
-            wrong = p.answer + offset if p.answer + offset >= 0 else p.answer - offset
-            p = attrs.evolve(p, answer=wrong)
-        out.append(p)
-    return out
+@attrs.frozen
+class SFTExample:
+    """One supervised example: the model reads ``prompt_ids`` and is trained to continue with
+    ``response_ids`` (include the EOS token there when the model should learn to stop)."""
+
+    prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    response_ids: tuple[int, ...] = attrs.field(converter=tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt_ids or not self.response_ids:
+            raise ValueError("an SFT example needs at least one prompt token and one response token")
+
+
+def sft_optim(cfg: SFTConfig) -> OptimConfig:
+    """The optimizer config to build the trained state with: ``cfg.optim`` scheduled over the stage."""
+    return with_total_steps(cfg.optim, cfg.steps)
+
+
+def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> rf.RolloutBatch:
+    """Examples as a RolloutBatch: prompts left-padded, responses (the trained tokens) right-padded."""
+    p_len = max(len(e.prompt_ids) for e in examples)
+    r_len = max(len(e.response_ids) for e in examples)
+    prompt_ids = torch.tensor([[pad_token_id] * (p_len - len(e.prompt_ids)) + list(e.prompt_ids) for e in examples])
+    prompt_mask = torch.tensor([[False] * (p_len - len(e.prompt_ids)) + [True] * len(e.prompt_ids) for e in examples])
+    response_ids = torch.tensor([list(e.response_ids) + [pad_token_id] * (r_len - len(e.response_ids)) for e in examples])
+    response_mask = torch.tensor([[True] * len(e.response_ids) + [False] * (r_len - len(e.response_ids)) for e in examples])
+    return rf.RolloutBatch(
+        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+        response_mask=response_mask, group_ids=torch.arange(len(examples)),
+    )
 
 
 def nll_loss(out: Any, mb: rf.RolloutBatch, norms: rf.Normalizers) -> tuple[Any, dict]:
-    """Token-mean negative log-likelihood of the answer tokens (the response slot of ``mb``)."""
+    """Token-mean negative log-likelihood of the response tokens, over the global token count."""
     return rf.aggregate(-out.logprobs, mb.response_mask, "token-mean", norms), {}
 
 
-def supervised_warm_start(
-    actor: TrainState, stream: TrainStream, tokenizer: Any, cfg: WarmStartConfig, env: Any, metrics_log: Any = None,
-    *, update_fn: Any = update, data_parallel: tuple[int, int] | None = None,
-) -> TrainState:
-    """``cfg.steps`` supervised updates on problems drawn from ``stream`` (each rank takes its share).
+def run_sft(
+    state: Any,
+    next_examples: Callable[[int], Sequence[SFTExample]],
+    cfg: SFTConfig,
+    *,
+    pad_token_id: int,
+    data_parallel: tuple[int, int],
+    update_fn: Callable[..., Any] = update,
+    metrics_log: Any = None,
+    show_progress: bool = False,
+) -> Any:
+    """``cfg.steps`` NLL updates of ``state``; returns the trained state.
 
-    ``actor`` must have been built with ``cfg.optim`` (see :func:`warm_start_optim`); logs ``sft_loss``
-    at negative steps so that the RL curve starts at step 1. ``update_fn`` / ``data_parallel`` (rank,
-    size; default every rank its own share) come from another engine (``backends.training.engines``).
+    ``next_examples(step)`` gives the step's ``cfg.batch_size`` examples, the same on every rank (this
+    rank trains on ``examples[dp_rank::dp_size]`` with ``data_parallel = (dp_rank, dp_size)``, the
+    engine's data-parallel coordinates: megatron's tensor / pipeline peers share rows). ``update_fn``:
+    the engine's ``update``. ``metrics_log`` gets ``sft_loss`` at negative steps (the last one at -1),
+    so that a following RL curve starts at step 1.
     """
-    dp_rank, dp_size = data_parallel if data_parallel is not None else (env.rank, env.world_size)
-    noise = random.Random(f"wrong-answers-{stream.seed}-{stream.drawn}")  # same draws on every rank
-    for step in tqdm(range(cfg.steps), desc="warm start", disable=not env.is_main):
-        problems = stream.take(cfg.batch_size)
-        if cfg.wrong_answer_fraction > 0:
-            problems = with_wrong_answers(problems, cfg.wrong_answer_fraction, noise)
-        problems = problems[dp_rank::dp_size]
-        actor, m = update_fn(actor, sft_batch(problems, tokenizer), nll_loss)
+    dp_rank, dp_size = data_parallel
+    for step in tqdm(range(cfg.steps), desc="sft", disable=not show_progress):
+        examples = next_examples(step)
+        if len(examples) != cfg.batch_size:
+            raise ValueError(f"next_examples({step}) gave {len(examples)} examples, the stage's batch_size is {cfg.batch_size}")
+        state, metrics = update_fn(state, sft_batch(examples[dp_rank::dp_size], pad_token_id), nll_loss)
         if metrics_log is not None and (step % 20 == 0 or step == cfg.steps - 1):
-            metrics_log.log(step - cfg.steps, {"sft_loss": m["loss"]})
-    return actor
-
-
-def warm_start_optim(cfg: WarmStartConfig) -> OptimConfig:
-    return with_total_steps(cfg.optim, cfg.steps)
+            metrics_log.log(step - cfg.steps, {"sft_loss": metrics["loss"]})
+    return state

@@ -3,6 +3,11 @@
 The held-out prompts are a fixed random subset of all operand pairs that the training stream never
 yields, so "held-out success" measures generalisation, not memorisation. Rewards come from
 :func:`rlfunc.rewards.arithmetic_reward` (parsing, never evaluation).
+
+The task also feeds the recipes' supervised warm start (the generic stage of
+:mod:`backends.training.sft`): :func:`warm_start` draws its problems from the training stream, makes a
+controlled fraction of the answers wrong (:func:`with_wrong_answers`) and tokenises them as
+(prompt, answer + EOS) examples.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from backends.rollout.api import SamplingConfig, decode_responses, generate  # either engine (native or vLLM)
+from backends.training.fsdp import update
+from backends.training.sft import SFTConfig, SFTExample, run_sft
 from rlfunc.batch import RolloutBatch
 from rlfunc.rewards import arithmetic_reward
 
-__all__ = ["ArithmeticTask", "Problem", "TrainStream", "evaluate", "score_responses", "sft_batch"]
+__all__ = [
+    "ArithmeticTask", "Problem", "TrainStream", "WarmStartConfig", "evaluate", "score_responses", "sft_examples",
+    "warm_start", "with_wrong_answers",
+]
 
 
 @attrs.frozen
@@ -94,23 +104,7 @@ class TrainStream:
 
 
 # --------------------------------------------------------------------------------------------------
-# The task as the recipes use it: supervised batches, rewards of sampled responses, held-out evaluation.
-
-
-def sft_batch(problems: list[Problem], tokenizer: Any) -> RolloutBatch:
-    """(prompt, answer + EOS) pairs as a RolloutBatch with the answer in the response slot."""
-    prompts = [tokenizer.encode(p.prompt) for p in problems]
-    answers = [tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id] for p in problems]
-    p_len, r_len = max(map(len, prompts)), max(map(len, answers))
-    pad = tokenizer.pad_token_id
-    prompt_ids = torch.tensor([[pad] * (p_len - len(x)) + x for x in prompts])
-    prompt_mask = torch.tensor([[False] * (p_len - len(x)) + [True] * len(x) for x in prompts])
-    response_ids = torch.tensor([x + [pad] * (r_len - len(x)) for x in answers])
-    response_mask = torch.tensor([[True] * len(x) + [False] * (r_len - len(x)) for x in answers])
-    return RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-        response_mask=response_mask, group_ids=torch.arange(len(problems)),
-    )
+# The task as the recipes use it: rewards of sampled responses, held-out evaluation, the warm start.
 
 
 def score_responses(batch: RolloutBatch, problems: list[Problem], tokenizer: Any) -> Tensor:
@@ -133,3 +127,58 @@ def evaluate(rollout: Any, tokenizer: Any, problems: list[Problem], sampling: Sa
     if env.world_size > 1:
         dist.all_reduce(correct, group=getattr(env, "group", None))
     return float(correct) / (len(problems) * sampling.n)
+
+
+@attrs.frozen
+class WarmStartConfig(SFTConfig):
+    """The generic SFT stage's settings (``steps``, ``batch_size``, ``optim``) plus the task's label noise."""
+
+    #: fraction of the supervised examples whose answer is replaced by a wrong one (the right sum plus
+    #: or minus 1..9): a controlled imperfection. The policy learns the answer format without being
+    #: sharpened on its own mistakes, so RL's samples still disagree within a group (see README)
+    wrong_answer_fraction: float = attrs.field(default=0.0)
+
+    @wrong_answer_fraction.validator
+    def _check_fraction(self, attribute: attrs.Attribute, value: float) -> None:
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"warm_start.wrong_answer_fraction must be in [0, 1), got {value}")
+
+
+def with_wrong_answers(problems: list[Problem], fraction: float, rng: random.Random) -> list[Problem]:
+    """``problems`` with each answer, with probability ``fraction``, moved by a nonzero offset in
+    [-9, 9] (reflected to stay >= 0). The prompts are unchanged."""
+    out = []
+    for p in problems:
+        if rng.random() < fraction:
+            offset = rng.choice([d for d in range(-9, 10) if d != 0])
+            wrong = p.answer + offset if p.answer + offset >= 0 else p.answer - offset
+            p = attrs.evolve(p, answer=wrong)
+        out.append(p)
+    return out
+
+
+def sft_examples(problems: list[Problem], tokenizer: Any) -> list[SFTExample]:
+    """(prompt, answer + EOS) token-id examples: the model learns to write the answer, then stop."""
+    return [
+        SFTExample(tokenizer.encode(p.prompt), tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id])
+        for p in problems
+    ]
+
+
+def warm_start(
+    state: Any, stream: TrainStream, tokenizer: Any, cfg: WarmStartConfig, *, data_parallel: tuple[int, int],
+    update_fn: Any = update, metrics_log: Any = None, show_progress: bool = False,
+) -> Any:
+    """The SFT stage on ``cfg.steps`` batches of problems drawn from ``stream`` (the same on every rank),
+    with ``cfg.wrong_answer_fraction`` of the answers made wrong. ``state`` must have been built with
+    ``backends.training.sft.sft_optim(cfg)``; ``update_fn`` / ``data_parallel``: the engine's."""
+    noise = random.Random(f"wrong-answers-{stream.seed}-{stream.drawn}")  # the same draws on every rank
+
+    def next_examples(step: int) -> list[SFTExample]:
+        problems = stream.take(cfg.batch_size)
+        if cfg.wrong_answer_fraction > 0:
+            problems = with_wrong_answers(problems, cfg.wrong_answer_fraction, noise)
+        return sft_examples(problems, tokenizer)
+
+    return run_sft(state, next_examples, cfg, pad_token_id=tokenizer.pad_token_id, data_parallel=data_parallel,
+                   update_fn=update_fn, metrics_log=metrics_log, show_progress=show_progress)

@@ -1,4 +1,4 @@
-/* Decode-step attention on the CPU for the native rollout engine (backends/rollout/native.py).
+/* Decode-step attention on the CPU for the native rollout engine (its kernel strategy, backends/cpu/decode.py).
  *
  * One new query token per row attends to the first L slots of that row's KV cache, for every
  * (row, kv head) and the g query heads that share the kv head (GQA):
@@ -139,8 +139,7 @@ static void one_head(const float *q, const void *kt, const void *v, const float 
 /* Prefetch into L2 the first L slots of a (row, kv head)'s keys (blocks of 16 slots, each (d, 16)
  * contiguous) and values (L rows of d): issued for the head PREFETCH_AHEAD places ahead of the one being
  * computed, so its cache lines stream in while this head's FMAs run (each head's K and V start new
- * streams that the hardware prefetcher only picks up after a few misses). Measured on 128-row float32
- * rollouts, paired in one process: 0.96-1.0 of the time without (median about 0.98), same tokens bitwise. */
+ * streams that the hardware prefetcher only picks up after a few misses). Prefetching changes no result. */
 #define PREFETCH_AHEAD 2
 static inline void prefetch_head(const char *k, const char *v, int64_t L, int64_t d, int64_t ksblk, int64_t vsl,
                                  int64_t esize) {

@@ -1,5 +1,6 @@
 /* Causal attention over a packed row of sequences, forward and backward, on the CPU for training
- * (backends/packing.py's varlen attention; the autograd wrapper is backends/cpu/fused_modules.py).
+ * (the "cpu-kernel" backend of backends/training/packed_attention.py; the autograd wrapper is
+ * backends/cpu/fused_modules.py).
  *
  * A packed micro-batch holds T tokens. Sequence i (of n) is the list of its len[i] tokens
  * gather[i, 0..len[i]) (rows of the packed q, k, v; with shared prompts a group's prompt tokens are

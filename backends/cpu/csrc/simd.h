@@ -41,7 +41,7 @@ static inline __m512 bf16_load(const uint16_t *p, __mmask16 m) {
 
 static inline __m256i bf16_round(__m512 x) {
 #if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(x); /* one instruction, the same rounding (measured 1.3-1.6x faster) */
+  return (__m256i)_mm512_cvtneps_pbh(x); /* one instruction, the same rounding */
 #else
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from backends.training.megatron.model import ModelShape
+from backends.training.megatron.model import ModelShape, check_parallel_sizes, model_shape
 from backends.training.megatron.parallel import ParallelDims
 
-__all__ = ["ParamMap", "param_maps", "HFCheckpoint", "load_hf_into", "gather_hf_state", "save_hf"]
+__all__ = [
+    "ParamMap", "param_maps", "HFCheckpoint", "HFSource", "read_hf_source", "load_hf_into", "gather_hf_state", "save_hf",
+]
 
 
 @attrs.frozen
@@ -161,6 +163,43 @@ class HFCheckpoint:
             raise KeyError(f"{str(self.path)!r} has no tensor {name!r}")
         with safe_open(self._files[name], framework="pt") as handle:
             return handle.get_tensor(name)
+
+
+class HFSource:
+    """HF tensors by name: a checkpoint dir, a module's state dict, plus overrides (a fresh head)."""
+
+    def __init__(self, base: Any, extra: dict[str, Tensor] | None = None) -> None:
+        self.base, self.extra = base, extra or {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.extra or name in self.base
+
+    def get(self, name: str) -> Tensor:
+        return self.extra[name] if name in self.extra else self.base.get(name)
+
+
+def read_hf_source(model: str | os.PathLike | nn.Module, tp: int, pp: int) -> tuple[Any, Any]:
+    """(hf_config, tensor source) after the architecture and parallel sizes were checked against the
+    config alone (``tp`` / ``pp``: the layout): a bad model or layout fails before any weight file is
+    opened."""
+    if isinstance(model, nn.Module):
+        config = getattr(model, "config", None)
+        if config is None:
+            raise ValueError(f"a module for the megatron backend must be an HF model with .config, got {type(model).__name__}")
+        check_parallel_sizes(model_shape(config), tp, pp)
+        return config, {k: v.detach() for k, v in model.state_dict().items()}
+    from transformers import AutoConfig
+
+    from backends.models import check_model_dir
+
+    path = Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
+    check_parallel_sizes(model_shape(json.loads((path / "config.json").read_text())), tp, pp)
+    check_model_dir(path)
+    return AutoConfig.from_pretrained(path, local_files_only=True), HFCheckpoint(path)
 
 
 def load_hf_into(

@@ -1,6 +1,7 @@
 """Megatron-core training engine (tensor + pipeline + data parallel): actor, reference and critic.
 
-The same explicit-state interface as :mod:`backends.training.fsdp` and the same contract for losses:
+The same explicit-state interface as :mod:`backends.training.fsdp` and the same contract for losses
+(:mod:`backends.training.common`):
 ``state, metrics = update(state, batch, loss_fn, with_entropy=...)`` where
 ``loss_fn(outputs: ModelOutputs, micro_batch, norms: Normalizers) -> (loss, metrics)`` gets the
 **global** normalisers; :func:`compute_logprobs`, :func:`compute_values`, :func:`full_state_dict` (full
@@ -40,7 +41,6 @@ world size not divisible by tp * pp) raise before any weight is read.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -52,12 +52,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from backends.distributed.setup import DistEnv, init_distributed
-from backends.training.fsdp import LossFn, ModelOutputs, micro_batches, value_loss_fn
-# the FSDP engine's batch checks and trimming are the contract of both engines: reused, not copied
-from backends.training.fsdp import _check_batch, _check_critic_batch, _check_loss_output, _gather_counts, _trim
-from backends.training.megatron.convert import HFCheckpoint, gather_hf_state, load_hf_into, param_maps, save_hf
+from backends.training.common import (
+    LossFn, ModelOutputs, check_batch, check_critic_batch, check_loss_output, gather_counts, micro_batches, to_device,
+    trim_micro_batch, value_loss_fn,
+)
+from backends.training.megatron.convert import HFSource, gather_hf_state, load_hf_into, param_maps, read_hf_source, save_hf
 from backends.training.megatron.layout import ModelInput, layout_micro_batch
-from backends.training.megatron.model import ModelShape, build_stage, check_parallel_sizes, model_shape
+from backends.training.megatron.model import ModelShape, build_stage, model_shape
 from backends.training.megatron.parallel import ParallelDims, check_sizes, init_model_parallel
 from backends.training.megatron.pipeline import broadcast_from_last_stage, megatron_forward_backward, run_micro_batch
 from backends.training.megatron.vocab_parallel import vocab_parallel_logprobs
@@ -65,7 +66,6 @@ from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, s
 from rlfunc import schedules
 from rlfunc.aggregation import local_normalizers
 from rlfunc.batch import RolloutBatch
-from rlfunc.tree import tree_map
 
 __all__ = [
     "MegatronConfig",
@@ -175,45 +175,9 @@ def _dtype(cfg: MegatronConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.param_dtype)
 
 
-class _Source:
-    """HF tensors by name: a checkpoint dir, a module's state dict, plus overrides (a fresh head)."""
-
-    def __init__(self, base: Any, extra: dict[str, Tensor] | None = None) -> None:
-        self.base, self.extra = base, extra or {}
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.extra or name in self.base
-
-    def get(self, name: str) -> Tensor:
-        return self.extra[name] if name in self.extra else self.base.get(name)
-
-
-def _read_source(model: str | os.PathLike | nn.Module, cfg: MegatronConfig) -> tuple[Any, Any]:
-    """(hf_config, tensor source) after the architecture and parallel sizes were checked against the
-    config alone: a bad model or layout fails before any weight file is opened."""
-    if isinstance(model, nn.Module):
-        config = getattr(model, "config", None)
-        if config is None:
-            raise ValueError(f"a module for the megatron backend must be an HF model with .config, got {type(model).__name__}")
-        check_parallel_sizes(model_shape(config), cfg.tp, cfg.pp)
-        return config, {k: v.detach() for k, v in model.state_dict().items()}
-    from transformers import AutoConfig
-
-    from backends.models import check_model_dir
-
-    path = Path(model)
-    if not path.exists():
-        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
-    check_parallel_sizes(model_shape(json.loads((path / "config.json").read_text())), cfg.tp, cfg.pp)
-    check_model_dir(path)
-    return AutoConfig.from_pretrained(path, local_files_only=True), HFCheckpoint(path)
-
-
 def _prepare(model: Any, env: DistEnv | None, cfg: MegatronConfig) -> tuple[DistEnv, Any, Any, ModelShape, ParallelDims]:
     """Validate everything that can fail cheaply, then set up the parallel groups."""
-    config, source = _read_source(model, cfg)
+    config, source = read_hf_source(model, cfg.tp, cfg.pp)
     shape = model_shape(config)
     env = init_distributed() if env is None else env
     check_sizes(env.world_size, cfg.tp, cfg.pp)
@@ -336,7 +300,7 @@ def build_critic(
         weight = torch.randn((1, shape.hidden_size), generator=g, dtype=torch.float32).mul_(std)
         extra = {"score.weight": weight if value_head_init == "normal" else torch.zeros_like(weight),
                  "score.bias": torch.zeros(1)}
-    model = _build(_Source(source, extra), shape, dims, env, cfg, torch.float32, value_head=True)
+    model = _build(HFSource(source, extra), shape, dims, env, cfg, torch.float32, value_head=True)
     return _trainable(model, env, dims, shape, config, cfg, optim_cfg, schedule, "critic", torch.float32)
 
 
@@ -354,10 +318,6 @@ def fresh_optimizer(state: MegatronState, optim: OptimConfig) -> MegatronState:
 
 
 # -------------------------------------------------------------------------------------- forward
-
-
-def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
-    return tree_map(lambda x: x.to(device, non_blocking=True) if isinstance(x, Tensor) else x, batch)
 
 
 def _head_outputs(state: MegatronState, out: Tensor, inp: ModelInput, mb: RolloutBatch, with_entropy: bool) -> ModelOutputs:
@@ -384,13 +344,13 @@ def _micro_batches(state: MegatronState, batch: RolloutBatch, micro_batch_size: 
     else:
         mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
     if cfg.trim_padding:
-        mbs = [_trim(mb) for mb in mbs]
-    return [_to_device(mb, state.env.device) for mb in mbs]
+        mbs = [trim_micro_batch(mb) for mb in mbs]
+    return [to_device(mb, state.env.device) for mb in mbs]
 
 
 def _forward_only(state: MegatronState, batch: RolloutBatch, names: tuple[str, ...], *,
                   micro_batch_size: int | None, with_entropy: bool = False) -> dict[str, Tensor]:
-    _check_batch(batch)
+    check_batch(batch)
     mbs = _micro_batches(state, batch, micro_batch_size)
     out_device = batch.response_ids.device
     b, t = batch.response_ids.shape
@@ -531,23 +491,31 @@ def update(
     del skip_rows
     if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
         raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
-    _check_batch(batch)
+    check_batch(batch)
     if state.role == "critic":
-        _check_critic_batch(batch, with_entropy)
+        check_critic_batch(batch, with_entropy)
     cfg = state.cfg
     mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
-    norms, (num_tokens, num_seqs, n_max) = _gather_counts(local_normalizers(batch.response_mask), len(mbs), state)
+    norms, (num_tokens, num_seqs, n_max) = gather_counts(
+        local_normalizers(batch.response_mask), len(mbs), group=state.dp_group, group_size=state.dp_size,
+        device=state.env.device,
+    )
     if cfg.trim_padding:
-        mbs = [_trim(mb) for mb in mbs]
-    mbs = [_to_device(mb, state.env.device) for mb in mbs]
+        mbs = [trim_micro_batch(mb) for mb in mbs]
+    mbs = [to_device(mb, state.env.device) for mb in mbs]
     lr = schedules.lr_at(state.lr_schedule, state.step)
     base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
     new_state = state.replace(step=state.step + 1)
     if num_tokens == 0:
         return new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}
-    if state.uses_megatron_schedule:
-        return new_state, {**base, **_update_megatron(state, mbs, norms, loss_fn, with_entropy, lr)}
+    step = _update_megatron if state.uses_megatron_schedule else _update_cpu
+    return new_state, {**base, **step(state, mbs, norms, loss_fn, with_entropy, lr)}
 
+
+def _update_cpu(state: MegatronState, mbs: list[RolloutBatch], norms: Any, loss_fn: LossFn,
+                with_entropy: bool, lr: float) -> dict[str, float]:
+    """CPU: the gloo pipeline per micro-batch, gradients summed here (tied copies, replicas), AdamW."""
+    cfg = state.cfg
     module, optimizer, dims = state.module, state.optimizer, state.dims
     module.train()
     optimizer.zero_grad(set_to_none=True)
@@ -559,7 +527,7 @@ def update(
 
         def head(out: Tensor, mb=mb, inp=inp):
             outputs = _head_outputs(state, out, inp, mb, with_entropy)
-            return _check_loss_output(*loss_fn(outputs, mb, norms))
+            return check_loss_output(*loss_fn(outputs, mb, norms))
 
         got = run_micro_batch(module, dims, inp, head, hidden_size=state.shape.hidden_size, dtype=dtype, backward=True)
         if got is not None:
@@ -591,7 +559,7 @@ def update(
         set_lr(optimizer, lr)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return new_state, {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **base, **host}
+    return {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **host}
 
 
 def _nonfinite_on_any_rank(values: tuple[float, ...], dims: ParallelDims, device: torch.device) -> bool:
@@ -622,7 +590,7 @@ def _update_megatron(state: MegatronState, mbs: list[RolloutBatch], norms: Any, 
 
     def head(out: Tensor, i: int):
         outputs = _head_outputs(state, out, inputs[i], mbs[i], with_entropy)
-        loss, metrics = _check_loss_output(*loss_fn(outputs, mbs[i], norms))
+        loss, metrics = check_loss_output(*loss_fn(outputs, mbs[i], norms))
         return loss, {"loss": loss.detach(), **metrics}
 
     extras = megatron_forward_backward(

@@ -1,0 +1,201 @@
+"""The native decoder's KV-cache / attention strategies: what differs between the portable path and the CPU kernels.
+
+The decoder (:mod:`backends.rollout.decoder`) runs the same Llama / Qwen2 math either way; a strategy
+decides how the KV caches are laid out and allocated, how a prompt's keys and values go into them, how
+a decode step attends over them, how finished rows leave the working batch, and how RMSNorm runs. Two
+implement it:
+
+- :class:`TorchDecodeStrategy` (here): caches ``(rows, kv_heads, total_len, head_dim)``, the step's
+  attention as batched matmuls, finished rows dropped by copying the caches down. It runs on any
+  device and is the reference the kernel strategy is tested against.
+- the kernel strategy, ``backends.cpu.decode`` (reached through the seam
+  ``backends.cpu.decode_strategy``): the C decode-attention kernel over keys cached transposed in blocks
+  of 16 slots, caches on huge pages, finished rows dropped by index. It exists only where the kernel
+  runs (a CPU with AVX-512, a supported head dim and dtype).
+
+:func:`select_decode_strategy` is the one place that picks between them. Both follow the protocols
+:class:`DecodeStrategy` and :class:`KVCache` (structurally: the kernel strategy lives below this package
+and cannot import them).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from backends.cpu import decode_strategy
+
+__all__ = ["DecodeBackend", "DecodeStrategy", "KVCache", "TorchDecodeStrategy", "TorchKVCache", "apply_rope",
+           "select_decode_strategy"]
+
+#: which strategy the decoder runs: ``auto`` the kernel one where it can run, else the PyTorch one;
+#: ``torch`` always the PyTorch one; ``kernel`` the kernel one or an error
+DecodeBackend = Literal["auto", "torch", "kernel"]
+
+#: ``buffers(name, shape, dtype, count, empty)``: ``count`` uninitialised tensors of ``shape`` (the
+#: workspace's, reused between calls on the CPU), allocated with ``empty(shape, dtype)`` when new
+Buffers = Callable[..., list[Tensor]]
+
+
+class KVCache(Protocol):
+    """One generate call's KV caches and working batch, in a strategy's layout."""
+
+    k: list[Tensor]  #: the key cache of each layer
+    v: list[Tensor]  #: the value cache of each layer
+    drops_rows_by_index: bool  #: whether :meth:`keep_rows` is free (an index) rather than a copy
+
+    def mask_prompts(self, mask: Tensor, copies: int) -> None:
+        """Rows ``[i*copies, (i+1)*copies)`` hold prompt ``i`` of ``mask (b0 p)``: mask its padding."""
+
+    def write_prompt(self, layer: int, k: Tensor, v: Tensor, copies: int) -> None:
+        """Keys and values ``(b0 kv p d)`` (after RoPE) into slots ``[0, p)`` of their ``copies`` rows each."""
+
+    def begin_step(self, positions: Tensor, slot: int) -> None:
+        """The next :meth:`attend` calls are for new tokens at RoPE ``positions (b)``, cache ``slot``."""
+
+    def attend(self, layer: int, qkv: Tensor) -> Tensor:
+        """RoPE on the new queries and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to the
+        step's slot, and the attention ``(b kv g d)`` of the queries over slots ``[0, slot]``."""
+
+    def keep_rows(self, index: Tensor) -> None:
+        """Keep working rows ``index`` (int64, into the current working batch), in that order."""
+
+
+class DecodeStrategy(Protocol):
+    """How a decoder's KV caches are laid out and attended over, and how it runs RMSNorm."""
+
+    name: str  #: "torch" or "kernel"
+    slot_block: int  #: cache slots are allocated in whole blocks of this many
+
+    def cache_dtype(self, model_dtype: torch.dtype, att_dtype: torch.dtype) -> torch.dtype:
+        """The caches' dtype for these weights and attention math."""
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """``F.rms_norm(x, (hidden,), weight, eps)``."""
+
+    def new_cache(self, *, rows: int, total_len: int, num_heads: int, num_kv: int, head_dim: int, layers: int,
+                  model_dtype: torch.dtype, att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor],
+                  scale: float, buffers: Buffers) -> KVCache:
+        """Uninitialised caches for ``rows`` rows of ``total_len`` slots, from ``buffers``; ``rope`` is the
+        ``(cos, sin_signed)`` tables of every position."""
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """HF's ``x * cos + rotate_half(x) * sin`` with ``sin_signed = cat(-sin[:half], sin[half:])``."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+
+
+def _softmax(x: Tensor) -> Tensor:
+    """``softmax(x, -1)``; as exp / sum when the last dim is under 16 on CPU, where PyTorch's softmax
+    takes a slow path for short rows."""
+    if x.shape[-1] >= 16 or x.device.type != "cpu":
+        return torch.softmax(x, dim=-1)
+    e = (x - x.amax(dim=-1, keepdim=True)).exp_()
+    return e.div_(e.sum(dim=-1, keepdim=True))
+
+
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class TorchDecodeStrategy:
+    """The portable strategy: plain PyTorch ops, on any device."""
+
+    name = "torch"
+    slot_block = 1
+
+    @staticmethod
+    def cache_dtype(model_dtype: torch.dtype, att_dtype: torch.dtype) -> torch.dtype:
+        return att_dtype
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def new_cache(self, *, rows: int, total_len: int, num_heads: int, num_kv: int, head_dim: int, layers: int,
+                  model_dtype: torch.dtype, att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor],
+                  scale: float, buffers: Buffers) -> TorchKVCache:
+        dtype = self.cache_dtype(model_dtype, att_dtype)
+        shape = (rows, num_kv, total_len, head_dim)
+        k = buffers("k", shape, dtype, layers, _torch_empty)
+        v = buffers("v", shape, dtype, layers, _torch_empty)
+        return TorchKVCache(k, v, num_heads=num_heads, att_dtype=att_dtype, rope=rope, scale=scale, device=device)
+
+
+class TorchKVCache:
+    """Caches ``(rows, kv_heads, total_len, head_dim)`` per layer; slot ``j`` holds token ``j`` of the
+    left-padded prompt followed by the response, for every row alike (RoPE positions differ per row).
+    The working batch is the caches' rows: :meth:`keep_rows` copies them down."""
+
+    drops_rows_by_index = False
+
+    def __init__(self, k: list[Tensor], v: list[Tensor], *, num_heads: int, att_dtype: torch.dtype,
+                 rope: tuple[Tensor, Tensor], scale: float, device: torch.device) -> None:
+        self.k, self.v = k, v
+        self.num_heads, self.att_dtype, self.scale = num_heads, att_dtype, scale
+        self.cos, self.sin = rope
+        #: (rows, total_len) 0 for keys to attend to, -inf for prompt padding
+        self.key_bias = torch.zeros(k[0].shape[0], k[0].shape[2], dtype=att_dtype, device=device)
+        self._step: tuple[Tensor, Tensor, Tensor, int] | None = None
+
+    def mask_prompts(self, mask: Tensor, copies: int) -> None:
+        """Rows ``[i*copies, (i+1)*copies)`` hold prompt ``i`` of ``mask (b0 p)``: its padding gets -inf."""
+        self.key_bias[:, : mask.shape[1]].masked_fill_(~mask.repeat_interleave(copies, dim=0), float("-inf"))
+
+    def write_prompt(self, layer: int, k: Tensor, v: Tensor, copies: int) -> None:
+        """Keys and values ``(b0 kv p d)`` of the prompts into slots ``[0, p)`` of their ``copies`` rows each."""
+        p = k.shape[2]
+        kc, vc = self.k[layer], self.v[layer]
+        kc.view(k.shape[0], copies, *kc.shape[1:])[:, :, :, :p] = k[:, None]
+        vc.view(v.shape[0], copies, *vc.shape[1:])[:, :, :, :p] = v[:, None]
+
+    def begin_step(self, positions: Tensor, slot: int) -> None:
+        """The next :meth:`attend` calls are for new tokens at RoPE ``positions (b)``, cache ``slot``."""
+        bias = self.key_bias[:, None, None, : slot + 1]
+        self._step = (self.cos[positions][:, None], self.sin[positions][:, None], bias, slot)
+
+    def attend(self, layer: int, qkv: Tensor) -> Tensor:
+        """RoPE on the new queries and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to the
+        step's slot, and the attention ``(b kv g d)`` of the queries over slots ``[0, slot]``."""
+        cos, sin, bias, slot = self._step
+        b, kv = qkv.shape[0], (qkv.shape[1] - self.num_heads) // 2
+        h, d = self.num_heads, qkv.shape[2]
+        kc, vc = self.k[layer], self.v[layer]
+        qk = apply_rope(qkv[:, : h + kv], cos, sin)
+        vc[:, :, slot] = qkv[:, h + kv :]
+        q = qk[:, :h].view(b, kv, h // kv, d).to(self.att_dtype)
+        kc[:, :, slot] = qk[:, h:]
+        scores = torch.matmul(q, kc[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scale).add_(bias)
+        return torch.matmul(_softmax(scores), vc[:, :, : slot + 1])
+
+    def keep_rows(self, index: Tensor) -> None:
+        """Keep working rows ``index`` (int64, into the current working batch), in that order."""
+        self.k = [c.index_select(0, index) for c in self.k]
+        self.v = [c.index_select(0, index) for c in self.v]
+        self.key_bias = self.key_bias.index_select(0, index)
+
+
+#: the PyTorch strategy holds no state: one serves every decoder
+TORCH_STRATEGY = TorchDecodeStrategy()
+
+
+def select_decode_strategy(
+    backend: DecodeBackend, *, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> DecodeStrategy:
+    """The strategy a decoder of this head dim, weight dtype and device runs (see :data:`DecodeBackend`)."""
+    if backend not in ("auto", "torch", "kernel"):
+        raise ValueError(f"decode backend must be 'auto', 'torch' or 'kernel', got {backend!r}")
+    if backend == "torch":
+        return TORCH_STRATEGY
+    kernel = decode_strategy(head_dim=head_dim, dtype=dtype, device=torch.device(device))
+    if kernel is not None:
+        return kernel
+    if backend == "kernel":
+        raise RuntimeError(
+            f"the CPU decode kernel cannot run here (head_dim={head_dim}, {dtype}, {device}; it needs a CPU with "
+            "AVX-512, a C compiler and a head dim that is a multiple of 16): use decode_backend='auto' or 'torch'"
+        )
+    return TORCH_STRATEGY
