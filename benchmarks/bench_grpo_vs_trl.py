@@ -1,4 +1,4 @@
-"""Our GRPO step (experiments/grpo_arithmetic.py) vs TRL 1.16 ``GRPOTrainer``: wall time per step, 1 thread.
+"""Our GRPO step (experiments/grpo.py) vs TRL 1.16 ``GRPOTrainer``: wall time per step, 1 thread.
 
 Both sides get the same model dir, tokenizer, prompts and sizes: the two reference benchmark
 configurations below. Both are a Qwen2 model at random init, fp32, with tied embeddings and our
@@ -38,10 +38,10 @@ Each side is its own subprocess (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(
 one after the other, never in parallel; with ``--rounds > 1`` the order alternates between rounds.
 
 - **Ours**: this file re-invoked as ``--child-ours`` imports the recipe and calls its ``main`` with
-  ``model_path=<dir> warm_start.steps=0 eval_samples=1 task.num_heldout=8 steps=N ...``; the step time
-  is the recipe's own ``step_time_s`` (rollout -> reward -> log-probs -> advantages -> update -> weight
-  sync) and the rollout time its ``rollout_time_s`` from ``metrics.jsonl``; the warm start and the
-  evaluations before / after are outside them.
+  ``model.path=<dir> data.train_files=<the prompts> data.shuffle=false reward.fn=arithmetic steps=N ...``
+  (no SFT stage, no evaluation); the step time is the recipe's own ``step_time_s`` (rollout -> reward ->
+  log-probs -> advantages -> update -> weight sync) and the rollout time its ``rollout_time_s`` from
+  ``metrics.jsonl``.
 - **TRL**: benchmarks/trl_grpo_step.py with the TRL interpreter; step time from a ``TrainerCallback``
   (``on_step_begin`` -> ``on_step_end``), rollout time from ``_generate_single_turn``.
 
@@ -79,7 +79,6 @@ CONFIGS = {
 }
 PROMPTS_PER_STEP = 16
 SAMPLES = 8
-NUM_HELDOUT = 8
 #: where the TRL interpreter comes from when ``--trl-python`` is not given
 TRL_PYTHON_ENV = "RLFUNC_TRL_PYTHON"
 
@@ -137,11 +136,17 @@ def write_model(name: str, out_dir: Path) -> Path:
 
 
 def write_prompts(path: Path, steps: int, seed: int) -> Path:
-    """The first ``16 * steps`` problems of the recipe's training stream (same task settings, same seed)."""
+    """``16 * steps`` training problems of the arithmetic task, in step order: a JSON list for TRL's side and the
+    same rows as JSONL (``path`` with the suffix ``.jsonl``) for our recipe, which reads them unshuffled."""
+    import random
+
     from experiments.tasks.arithmetic import ArithmeticTask
 
-    problems = ArithmeticTask(num_heldout=NUM_HELDOUT).train_stream(seed=seed).take(PROMPTS_PER_STEP * steps)
-    path.write_text(json.dumps([{"prompt": p.prompt, "answer": p.answer} for p in problems]))
+    rng = random.Random(f"bench-{seed}")
+    problems = [rng.choice(ArithmeticTask().train()) for _ in range(PROMPTS_PER_STEP * steps)]
+    rows = [{"prompt": p.prompt, "answer": str(p.answer)} for p in problems]
+    path.write_text(json.dumps(rows))
+    path.with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
@@ -211,13 +216,13 @@ PRECISION_OVERRIDES = {
 
 
 def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run_root: Path, name: str,
-              extra: list[str], precision: str = "fp32", skip_zero_advantage: bool = False) -> list[str]:
+              extra: list[str], prompts: Path, precision: str = "fp32", skip_zero_advantage: bool = False) -> list[str]:
     return [
-        f"name={name}", f"run_root={run_root}", f"model_path={model_dir}", f"seed={seed}", f"steps={steps}",
+        f"name={name}", f"run_root={run_root}", f"model.path={model_dir}", f"seed={seed}", f"steps={steps}",
+        f"data.train_files={prompts.with_suffix('.jsonl')}", "data.shuffle=false", "reward.fn=arithmetic",
+        "eval.before_training=false", "export_hf=false", "logger=jsonl",
         f"prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
-        f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "warm_start.steps=0",
-        "eval_samples=1",
-        f"task.num_heldout={NUM_HELDOUT}", "eval_every=0", "actor.optim.lr=1e-3",
+        f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "actor.optim.lr=1e-3",
         "actor.optim.lr_scheduler_type=constant", "actor.optim.lr_warmup_steps=0", f"algo.kl_coef={beta}",
         "algo.agg=token-mean",
         # TRL's per_device_train_batch_size=128: the 128 completions in one forward/backward
@@ -238,7 +243,7 @@ def child_ours(recipe_argv: list[str], out: Path) -> None:
 
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is also set in our environment by the parent
     calib_before = calibrate()
-    spec = importlib.util.spec_from_file_location("grpo_arithmetic", REPO / "experiments" / "grpo_arithmetic.py")
+    spec = importlib.util.spec_from_file_location("grpo", REPO / "experiments" / "grpo.py")
     recipe = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = recipe  # attrs resolves the config classes' annotations through sys.modules
     spec.loader.exec_module(recipe)
@@ -246,13 +251,16 @@ def child_ours(recipe_argv: list[str], out: Path) -> None:
     # step_time_s is wall time; CPU time is less disturbed by other jobs)
     cpu_marks: list[float] = []
 
-    class CPUMarkedLog(recipe.MetricsLog):
-        def log(self, step, stats, *a, **kw):
-            if step >= 1 and "step_time_s" in stats:
-                cpu_marks.append(time.process_time())
-            return super().log(step, stats, *a, **kw)
+    from backends.metrics_log import MetricsLog
 
-    recipe.MetricsLog = CPUMarkedLog
+    logged = MetricsLog.log
+
+    def cpu_marked_log(self, step, stats, *a, **kw):
+        if step >= 1 and "step_time_s" in stats:
+            cpu_marks.append(time.process_time())
+        return logged(self, step, stats, *a, **kw)
+
+    MetricsLog.log = cpu_marked_log
     t0 = time.perf_counter()
     summary = recipe.main(recipe_argv)
     wall = time.perf_counter() - t0
@@ -373,7 +381,7 @@ def side_command(side: str, args: argparse.Namespace, c: str, prec: str, model_d
     """The child process of one side for one case."""
     if side == "ours":
         recipe = ours_argv(model_dir, c, args.steps, args.beta, args.seed, work / "runs", tag, args.ours_override,
-                           precision=prec, skip_zero_advantage=args.skip_zero_advantage)
+                           prompts, precision=prec, skip_zero_advantage=args.skip_zero_advantage)
         return [sys.executable, str(Path(__file__).resolve()), "--child-ours", str(out), *recipe]
     return [args.trl_python, str(REPO / "benchmarks" / "trl_grpo_step.py"), "--model-dir", str(model_dir),
             "--prompts", str(prompts), "--steps", str(args.steps),

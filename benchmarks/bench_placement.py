@@ -1,4 +1,4 @@
-"""Split vs colocated placement: PPO step time of experiments/ppo_arithmetic.py on the same 4 ranks.
+"""Split vs colocated placement: PPO step time of experiments/ppo.py on the same 4 ranks.
 
 - colocated: actor, rollout, critic and reference on all 4 ranks (each model sharded 4 ways), the
   phases one after the other;
@@ -32,28 +32,38 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "experiments" / "ppo_arithmetic.py"
+sys.path.insert(0, str(ROOT))
+RECIPE = ROOT / "experiments" / "ppo.py"
 PHASES = ("rollout", "old_logprob", "to_critic_pool", "reference", "values", "advantages", "to_actor_pool",
           "critic_update", "actor_update", "weight_sync")
 SIDES = {"colocated": ["placement.mode=colocated"],
          "split": ["placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2"]}
 
 
+def task_args(tmp: Path) -> list[str]:
+    """The arithmetic task's files (written once into ``tmp``) as recipe overrides."""
+    from experiments.tasks.arithmetic import write_dataset
+
+    data = tmp / "data"
+    if not (data / "train.jsonl").exists():
+        write_dataset(data, sft_examples=256)
+    return [f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}"]
+
+
 def run(side: str, args: argparse.Namespace, tmp: Path, round_: int) -> dict:
     run_dir = tmp / f"{side}-{round_}"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--standalone", "--nproc_per_node", "4", str(RECIPE), f"run_dir={run_dir}",
-        f"steps={args.steps}", "warm_start.steps=2", f"prompts_per_step={args.prompts}", f"rollout.n={args.n}",
-        "eval_samples=1", "task.num_heldout=8", "export.hf=false", "algo.critic_warmup=0", *SIDES[side],
-        *args.overrides,
+        str(torchrun), "--standalone", "--nproc_per_node", "4", str(RECIPE), "preset=demo/ppo_arithmetic", f"run_dir={run_dir}",
+        *task_args(tmp), f"steps={args.steps}", "sft.steps=2", f"prompts_per_step={args.prompts}", f"rollout.n={args.n}",
+        "eval.before_training=false", "export.hf=false", "algo.critic_warmup=0", *SIDES[side], *args.overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(f"the {side} run failed:\n{out.stderr[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if r["step"] > args.skip]
+    rows = [r for r in rows if r["step"] > args.skip and "step_time_s" in r]
     return {
         "step_time_s": statistics.median(r["step_time_s"] for r in rows),
         **{p: statistics.median(r.get(f"time/{p}_s", 0.0) for r in rows) for p in PHASES},

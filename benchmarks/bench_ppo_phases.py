@@ -1,6 +1,6 @@
 """PPO step time split by phase, on the config-B model (TinyModelConfig defaults: hidden 256, 4 layers).
 
-Runs experiments/ppo_arithmetic.py (which records ``time/<phase>_s`` per step in metrics.jsonl) and
+Runs experiments/ppo.py (which records ``time/<phase>_s`` per step in metrics.jsonl) and
 prints the per-phase mean over the measured steps (the first ``--skip`` steps are warm-up).
 
     python benchmarks/bench_ppo_phases.py                         # 1 process
@@ -23,10 +23,12 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "experiments" / "ppo_arithmetic.py"
+sys.path.insert(0, str(ROOT))
+RECIPE = ROOT / "experiments" / "ppo.py"
 PHASES = ("rollout", "old_logprob", "reference", "values", "advantages", "critic_update", "actor_update", "weight_sync")
-# config B: the TinyModelConfig defaults (the recipe's own default is a smaller model)
-CONFIG_B = ["tiny.hidden_size=256", "tiny.num_layers=4", "tiny.num_heads=4", "tiny.num_kv_heads=2", "tiny.intermediate_size=688"]
+# config B: the TinyModelConfig defaults (the demo preset's is a smaller model)
+CONFIG_B = ["model.tiny.hidden_size=256", "model.tiny.num_layers=4", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
+            "model.tiny.intermediate_size=688"]
 
 
 def main() -> None:
@@ -46,9 +48,13 @@ def main() -> None:
             [sys.executable] if args.nproc == 1
             else [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(args.nproc)]
         )
+        from experiments.tasks.arithmetic import write_dataset
+
+        data = write_dataset(Path(tmp) / "data", sft_examples=256)
         cmd = [
-            *launcher, str(RECIPE), f"run_dir={run_dir}", *CONFIG_B, f"steps={args.steps}", "warm_start.steps=2",
-            f"prompts_per_step={args.prompts}", f"rollout.n={args.n}", "eval_samples=1", "task.num_heldout=16",
+            *launcher, str(RECIPE), "preset=demo/ppo_arithmetic", f"run_dir={run_dir}", *CONFIG_B, f"steps={args.steps}",
+            f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}",
+            "sft.steps=2", f"prompts_per_step={args.prompts}", f"rollout.n={args.n}", "eval.before_training=false",
             "export.hf=false", "algo.critic_warmup=0", *args.overrides,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
@@ -56,7 +62,7 @@ def main() -> None:
         if out.returncode != 0:
             sys.exit(f"the recipe failed:\n{out.stderr[-4000:]}")
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rows = [r for r in rows if r["step"] > args.skip]
+        rows = [r for r in rows if r["step"] > args.skip and "step_time_s" in r]
 
     def mean(key: str) -> float:
         return sum(r.get(key, 0.0) for r in rows) / len(rows)

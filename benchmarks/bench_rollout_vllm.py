@@ -31,12 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import rlfunc as rf  # noqa: E402
-from experiments.tasks.arithmetic import ArithmeticTask, score_responses  # noqa: E402
+from experiments.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from rlfunc.rewards import arithmetic_reward  # noqa: E402
 from backends.distributed.setup import init_distributed, shutdown  # noqa: E402
 from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update  # noqa: E402
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
 from backends.training.optim import OptimConfig  # noqa: E402
-from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.common import SamplingConfig, decode_responses  # noqa: E402
 from backends.rollout.native import build_native_rollout  # noqa: E402
 from backends.rollout.native import generate as native_generate  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, shutdown_vllm, sync_weights  # noqa: E402
@@ -97,15 +98,17 @@ def main() -> None:
     # ---- part 2: weight sync as a share of a GRPO-shaped step ---------------------------------------
     native = engines = None  # frees the native engine (the lambdas hold it too)
     actor = build_actor(model_dir, env, OptimConfig(lr=1e-4, lr_warmup_steps=0), FSDPConfig(micro_batch_size=64))
-    task = ArithmeticTask()
-    stream = task.train_stream(seed=0)
+    problems_pool = ArithmeticTask().train()
+    draw = random.Random(0)
     phases: dict[str, list[float]] = {"rollout": [], "update": [], "sync": [], "step": []}
     for step in range(args.steps):
         t0 = time.perf_counter()
-        problems = stream.take(args.prompts)
+        problems = [draw.choice(problems_pool) for _ in range(args.prompts)]
         batch = vllm_generate(vllm, [tokenizer.encode(p.prompt) for p in problems], sampling, seed=step)
         t1 = time.perf_counter()
-        batch = batch.replace(scores=score_responses(batch, problems, tokenizer), old_logprobs=batch.rollout_logprobs)
+        texts = decode_responses(tokenizer, batch)
+        scores = torch.tensor([arithmetic_reward(t, problems[g].answer) for t, g in zip(texts, batch.group_ids.tolist())])
+        batch = batch.replace(scores=scores, old_logprobs=batch.rollout_logprobs)
         adv, ret = rf.grpo(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask)
         actor, _ = update(actor, batch.replace(advantages=adv, returns=ret), policy_loss)
         t2 = time.perf_counter()

@@ -1,61 +1,76 @@
 """A new algorithm in a few lines: compose pure rlfunc functions, hand the loss to the engine.
 
-Two variants on the integer-addition task, picked with ``algo.name``:
+The template for your own algorithm: copy this file and change ``advantages`` and ``loss_fn``. Two variants,
+picked with ``algo.name``:
 
 - ``reinforce_pp_baseline`` (default): REINFORCE++-baseline advantages (score minus the group mean,
-  then whitened over the batch) with a k3 KL loss to the frozen warm-started reference;
+  then whitened over the batch) with a k3 KL loss to the frozen starting policy;
 - ``dr_grpo``: Dr.GRPO (https://arxiv.org/abs/2503.20783): group-mean advantages without the std
   division, and the ``seq-mean-token-sum-norm`` aggregation (no length normalisation bias).
 
-Run:  python experiments/custom_algorithm.py [key=value ...]
-      torchrun --standalone --nproc_per_node 2 experiments/custom_algorithm.py algo.name=dr_grpo
+Data, reward, model, evaluation and SFT sections are the GRPO recipe's (``experiments/grpo.py``).
+
+Run:  python experiments/custom_algorithm.py data.train_files=train.jsonl data.val_files=val.jsonl reward.fn=exact
+      torchrun --standalone --nproc_per_node 2 experiments/custom_algorithm.py algo.name=dr_grpo ...
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 
 import attrs
-import torch.distributed as dist
 
 import rlfunc as rf
-from backends.checkpoint.hf_export import export_hf
-from backends.config import apply_overrides, config_keys, config_to_dict
+from backends.checkpoint.resume import CheckpointConfig
+from backends.config import ConfigError, apply_overrides, config_help
 from backends.cpu import tune_process
-from backends.distributed.setup import barrier, broadcast_object, global_masked_whiten, init_distributed, seed_everything, shutdown
-from backends.metrics_log import MetricsLog, plot_curves, read_jsonl
-from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
-from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
-from backends.training.fsdp import FSDPConfig, build_actor, build_reference, compute_logprobs, full_state_dict, update
-from backends.training.optim import OptimConfig, fresh_optimizer
-from backends.training.sft import sft_optim
-from experiments.tasks.arithmetic import ArithmeticTask, WarmStartConfig, evaluate, score_responses, warm_start
+from backends.data import DataConfig, PromptStream
+from backends.distributed.collectives import all_reduce_sum, global_masked_whiten
+from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
+from backends.models import ModelConfig, load_tokenizer
+from backends.rewards import RewardConfig, RewardScorer
+from backends.rollout.api import RolloutConfig, build_rollout, decode_responses, generate, sync_weights
+from backends.rollout.evaluation import EvalConfig
+from backends.training.engines import select_engine
+from backends.training.fsdp import FSDPConfig
+from backends.training.optim import OptimConfig, with_total_steps
+from backends.training.sft import SFTConfig
+from experiments.stages import evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize
+
+PRESETS = Path(__file__).resolve().parent / "presets"
 
 
 @attrs.frozen
 class AlgoConfig:
-    name: str = "reinforce_pp_baseline"  # reinforce_pp_baseline | dr_grpo
-    clip: float = 0.2
-    kl_coef: float = 0.001  # reinforce_pp_baseline: weight of the k3 KL loss
+    name: str = "reinforce_pp_baseline"  #: reinforce_pp_baseline | dr_grpo
+    clip: float = 0.2  #: PPO ratio clip
+    kl_coef: float = 0.001  #: reinforce_pp_baseline: weight of the k3 KL loss
 
 
 @attrs.frozen
 class Config:
-    name: str = "custom_algorithm"
-    seed: int = 0
-    steps: int = 150
-    prompts_per_step: int = 16
-    warm_start: WarmStartConfig = WarmStartConfig(steps=600)
-    optim: OptimConfig = OptimConfig(lr=1e-3, weight_decay=0.0)
-    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=64)
-    run_root: str = "runs"
-    tiny: TinyModelConfig = TinyModelConfig(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=352)
-    task: ArithmeticTask = ArithmeticTask()
-    rollout: SamplingConfig = SamplingConfig(n=8, max_new_tokens=6)
-    algo: AlgoConfig = AlgoConfig()
+    name: str = "custom_algorithm"  #: the run's name (the run dir is <run_root>/<name>-<time>)
+    seed: int = 0  #: seeds the data order, the sampling and a tiny model's weights
+    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
+    prompts_per_step: int = 16  #: prompts per RL step, over all ranks
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
+    log_every: int = 10  #: console line every N steps
+    run_root: str = "runs"  #: where run dirs go
+    run_dir: str = ""  #: empty: <run_root>/<name>-<time>
+    resume: str = "never"  #: this template does not checkpoint: never
+    checkpoint: CheckpointConfig = CheckpointConfig()  #: unused by this template
+    model: ModelConfig = ModelConfig()  #: the starting policy
+    data: DataConfig = DataConfig()  #: the prompts
+    reward: RewardConfig = RewardConfig()  #: the reward functions
+    eval: EvalConfig = EvalConfig()  #: held-out evaluation
+    sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
+    optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0)  #: the RL optimizer
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: sharding and micro-batches
+    rollout: RolloutConfig = RolloutConfig(n=8, max_new_tokens=256)  #: sampling
+    algo: AlgoConfig = AlgoConfig()  #: the algorithm
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -63,7 +78,7 @@ class Config:
 
 
 def advantages(batch: rf.RolloutBatch, algo: AlgoConfig, whiten=rf.masked_whiten) -> rf.RolloutBatch:
-    """``whiten``: the recipe passes backends.distributed.setup.global_masked_whiten (the whole batch, all ranks)."""
+    """``whiten``: the recipe passes backends.distributed.collectives.global_masked_whiten (the whole batch, all ranks)."""
     if algo.name == "reinforce_pp_baseline":
         adv, ret = rf.reinforce_pp_baseline(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask)
         adv = whiten(adv, batch.response_mask)
@@ -78,13 +93,13 @@ def loss_fn(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig
         out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
         clip_low=algo.clip, clip_high=algo.clip, agg=agg, norms=norms, horizon=horizon,
     )
-    if _uses_kl(algo):
+    if uses_kl(algo):
         kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3", agg=agg, norms=norms)
         loss, metrics = loss + algo.kl_coef * kl, {**metrics, **kl_metrics}
     return loss, metrics
 
 
-def _uses_kl(algo: AlgoConfig) -> bool:
+def uses_kl(algo: AlgoConfig) -> bool:
     return algo.name == "reinforce_pp_baseline" and algo.kl_coef > 0
 
 
@@ -95,57 +110,50 @@ def _uses_kl(algo: AlgoConfig) -> bool:
 def main(argv: list[str]) -> dict:
     tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
-        print(__doc__ + "\nconfig keys:\n  " + "\n  ".join(config_keys(Config)))
+        print(__doc__ + "\nconfig keys (key = default: meaning):\n" + config_help(Config()))
         return {}
-    cfg = apply_overrides(Config(), argv)
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)
     if cfg.algo.name not in ("reinforce_pp_baseline", "dr_grpo"):
-        raise SystemExit(f"error: algo.name must be reinforce_pp_baseline or dr_grpo, got {cfg.algo.name!r}")
+        raise ConfigError(f"algo.name must be reinforce_pp_baseline or dr_grpo, got {cfg.algo.name!r}")
+    scorer = RewardScorer(cfg.reward)
+    engine = select_engine("fsdp", fsdp=cfg.fsdp)
     env = init_distributed()
     seed_everything(cfg.seed)
-    run_dir = Path(broadcast_object(str(Path(cfg.run_root) / f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")))
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-        write_tiny_model(run_dir / "base_model", cfg.tiny, build_char_tokenizer())
-    barrier()
-    tokenizer, log, t_start = load_tokenizer(run_dir / "base_model"), MetricsLog(run_dir, enabled=env.is_main), time.time()
+    run = prepare_run(cfg, env, resumable_keys=())
+    tokenizer = load_tokenizer(run.model_path)
+    data = load_run_data(cfg, tokenizer, scorer, get_logger("custom", env))
+    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    steps = cfg.steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step)
+    mlog, t_start = metrics_log(cfg, run, env, ("reward_mean", "kl_mean", "grad_norm")), time.time()
 
-    # Supervised warm start (same as the GRPO recipe), then a fresh optimizer for RL.
-    actor = build_actor(run_dir / "base_model", env, sft_optim(cfg.warm_start), cfg.fsdp)
-    stream = cfg.task.train_stream(seed=cfg.seed)
-    actor = warm_start(actor, stream, tokenizer, cfg.warm_start, data_parallel=(env.rank, env.world_size),
-                       show_progress=env.is_main)
-    actor = fresh_optimizer(actor, cfg.optim)
-    warm_path = export_hf(actor, run_dir / "warm_start_model", tokenizer=tokenizer)
-    rollout = build_native_rollout(warm_path, tokenizer)
-    reference = build_reference(warm_path, env, cfg.fsdp) if _uses_kl(cfg.algo) else None
+    # [SFT], then the policy and the frozen reference it starts from, and the rollout engine
+    actor = start_actor(cfg, engine, env, run, data, tokenizer, with_total_steps(cfg.optim, steps), mlog)
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
+    reference = engine.build_reference(run.policy_path, env, cfg.fsdp) if uses_kl(cfg.algo) else None
 
-    heldout, eval_sampling = cfg.task.heldout(), attrs.evolve(cfg.rollout, n=4)
-    eval_before = evaluate(rollout, tokenizer, heldout, eval_sampling, env)
-    for step in range(1, cfg.steps + 1):
-        problems = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
-        batch = generate(rollout, [tokenizer.encode(p.prompt) for p in problems], cfg.rollout,
+    before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+    for step in range(1, steps + 1):
+        t0 = time.time()
+        examples = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
+        batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout,
                          seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
-        batch = batch.replace(scores=score_responses(batch, problems, tokenizer))
-        batch = batch.replace(old_logprobs=compute_logprobs(actor, batch).logprobs)
+        rows = [examples[g] for g in batch.group_ids.tolist()]
+        batch = batch.replace(scores=scorer.score(decode_responses(tokenizer, batch), rows).scores)
+        batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)
         if reference is not None:
-            batch = batch.replace(ref_logprobs=compute_logprobs(reference, batch).logprobs)
+            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
         batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
-        actor, m = update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
-        rollout = sync_weights(rollout, full_state_dict(actor))
-        reward = batch.scores.mean().reshape(1)
-        if env.world_size > 1:
-            dist.all_reduce(reward)
-        log.log(step, {"reward_mean": float(reward) / env.world_size, **m})
+        actor, m = engine.update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
+        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        reward_mean = all_reduce_sum(batch.scores.mean().reshape(1)).item() / env.world_size
+        mlog.log(step, {"reward_mean": reward_mean, "step_time_s": time.time() - t0, **m})
 
-    eval_after = evaluate(rollout, tokenizer, heldout, eval_sampling, env)
-    summary = {"algorithm": cfg.algo.name, "eval_before": eval_before, "eval_after": eval_after, "steps": cfg.steps,
-               "wall_seconds": round(time.time() - t_start, 1), "world_size": env.world_size, "run_dir": str(run_dir)}
-    if env.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_curves([r for r in read_jsonl(run_dir / "metrics.jsonl") if r["step"] > 0], ["reward_mean", "kl_mean"], run_dir / "reward_curve.png", title=cfg.algo.name)
-        print(f"{cfg.algo.name}: held-out success {eval_before:.1%} -> {eval_after:.1%} ({cfg.steps} steps); see {run_dir}", flush=True)
-    log.close()
+    after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+    mlog.log(steps, after)
+    summary = summarize(cfg, run, env, before, after, steps=steps, wall=time.time() - t_start, title=cfg.algo.name,
+                        extra={"algorithm": cfg.algo.name})
+    mlog.close()
+    scorer.close()
     shutdown(env)
     return summary
 

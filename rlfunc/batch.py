@@ -20,6 +20,7 @@ from rlfunc.tree import pytree_dataclass, tree_leaves, tree_map, tree_structure
 
 __all__ = [
     "RolloutBatch",
+    "loss_tokens",
     "shape_field",
     "validate",
     "batch_size",
@@ -62,6 +63,10 @@ class RolloutBatch:
     values: Tensor | None = shape_field("b t", dtype="float")
     old_values: Tensor | None = shape_field("b t", dtype="float")
     token_rewards: Tensor | None = shape_field("b t", dtype="float")
+    #: the response tokens that carry loss, when not all of them do (DAPO's overlong filter, the tool and
+    #: environment tokens of a multi-turn trajectory); None: every ``response_mask`` token. The model
+    #: still reads (attends to) every ``response_mask`` token. See :func:`loss_tokens`.
+    loss_mask: Tensor | None = shape_field("b t", dtype="bool")
     scores: Tensor | None = shape_field("b", dtype="float")  # one verifiable score per sequence
     advantages: Tensor | None = shape_field("b t", dtype="float")
     returns: Tensor | None = shape_field("b t", dtype="float")
@@ -74,6 +79,11 @@ class RolloutBatch:
     @property
     def attention_mask(self) -> Tensor:
         return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+
+def loss_tokens(batch: RolloutBatch) -> Tensor:
+    """``(b t)`` bool: the tokens losses and their normalisers count, ``loss_mask`` if set, else ``response_mask``."""
+    return batch.response_mask if batch.loss_mask is None else batch.loss_mask
 
 
 _DTYPE_OK = {

@@ -24,6 +24,7 @@ __all__ = [
     "extract_last_number",
     "canonical_integer",
     "normalize_math_answer",
+    "exact_reward",
     "arithmetic_reward",
     "gsm8k_reward",
     "boxed_reward",
@@ -194,6 +195,13 @@ def normalize_math_answer(answer: str) -> str:
 # Rewards
 
 
+def exact_reward(response: str, ground_truth: object) -> float:
+    """1.0 if the response equals ``str(ground_truth)``, both stripped of surrounding whitespace, else 0.0."""
+    if not isinstance(response, str) or ground_truth is None:
+        return 0.0
+    return 1.0 if response.strip() == str(ground_truth).strip() else 0.0
+
+
 def arithmetic_reward(response: str, expected: int | str) -> float:
     r"""1.0 if the response's integer answer equals ``expected``, else 0.0 (the synthetic ``a+b=`` task).
 
@@ -294,11 +302,11 @@ def _gsm8k_flexible(response: str, ground_truth: str) -> float:
 
 REWARD_FUNCTIONS: Mapping[str, RewardFn] = MappingProxyType(
     {
+        "exact": exact_reward,
         "arithmetic": _arithmetic,
         "gsm8k": gsm8k_reward,
         "gsm8k_flexible": _gsm8k_flexible,
         "boxed": boxed_reward,
-        "math": boxed_reward,
         "format": format_reward,
     }
 )

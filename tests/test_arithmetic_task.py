@@ -1,25 +1,45 @@
+"""The arithmetic task as data files: held-out pairs never in training, seeded noisy SFT answers, the recipe's format."""
+
+import json
+
 import pytest
 
-from experiments.tasks.arithmetic import ArithmeticTask
+from experiments.tasks.arithmetic import ArithmeticTask, chat_row, main, sft_rows, write_dataset
 
 
-def test_heldout_never_in_training_stream_and_stream_is_seeded():
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_heldout_pairs_are_never_training_prompts(tmp_path):
     task = ArithmeticTask(max_operand=9, max_second_operand=9, num_heldout=20)
-    held = {p.prompt for p in task.heldout()}
-    assert len(held) == 20
-    drawn = task.train_stream(seed=1).take(2000)
-    assert not held & {p.prompt for p in drawn}
-    assert all(p.answer == sum(map(int, p.prompt[:-1].split("+"))) for p in drawn)
-    assert drawn[:50] == task.train_stream(seed=1).take(50)
-    assert drawn[:50] != task.train_stream(seed=2).take(50)
+    out = write_dataset(tmp_path, task, sft_examples=500)
+    train, val, sft = _read(out / "train.jsonl"), _read(out / "val.jsonl"), _read(out / "sft.jsonl")
+    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    assert len(val) == 20 and len(train) == 80 and not prompts(val) & prompts(train)
+    assert not prompts(val) & prompts(sft)
+    for row in train + val:
+        a, b = map(int, row["prompt"][0]["content"][:-1].split("+"))
+        assert row["answer"] == str(a + b) and row["data_source"] == "arithmetic"
+        assert row["prompt"][0]["role"] == "user"
 
 
-def test_stream_resumes_from_its_position():
-    task = ArithmeticTask()
-    s = task.train_stream(seed=3)
-    s.take(37)
-    resumed = task.train_stream(seed=3, drawn=s.drawn)
-    assert resumed.take(10) == s.take(10)
+def test_sft_answers_are_wrong_by_the_fraction_and_seeded():
+    problems = ArithmeticTask().train()
+    rows = list(sft_rows(problems, 4000, 0.4, seed=0))
+    wrong = []
+    for row in rows:
+        a, b = map(int, row["prompt"][0]["content"][:-1].split("+"))
+        if int(row["response"]) != a + b:
+            wrong.append((a + b, int(row["response"])))
+    assert 0.37 < len(wrong) / len(rows) < 0.43
+    assert all(1 <= abs(x - y) <= 9 and y >= 0 for x, y in wrong)
+    assert rows == list(sft_rows(problems, 4000, 0.4, seed=0))
+    assert rows != list(sft_rows(problems, 4000, 0.4, seed=1))
+    assert all(int(r["response"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
+               for r in sft_rows(problems, 200, 0.0, seed=0))
+    with pytest.raises(ValueError, match="wrong_answer_fraction"):
+        list(sft_rows(problems, 1, 1.0, seed=0))
 
 
 def test_bad_heldout_size():
@@ -27,40 +47,20 @@ def test_bad_heldout_size():
         ArithmeticTask(max_operand=2, max_second_operand=2, num_heldout=9)
 
 
-def test_wrong_answers_fraction_and_offsets():
-    import random
-
-    from experiments.tasks.arithmetic import WarmStartConfig, with_wrong_answers
-
-    problems = ArithmeticTask().train_stream(seed=0).take(4000)
-    noisy = with_wrong_answers(problems, 0.4, random.Random(0))
-    assert [p.prompt for p in noisy] == [p.prompt for p in problems]
-    changed = [(p.answer, q.answer) for p, q in zip(problems, noisy) if p.answer != q.answer]
-    assert 0.37 < len(changed) / len(problems) < 0.43
-    assert all(1 <= abs(a - b) <= 9 and b >= 0 for a, b in changed)
-    assert with_wrong_answers(problems, 0.0, random.Random(0)) == problems
-    assert with_wrong_answers(problems, 0.4, random.Random(0)) == noisy  # seeded
-    with pytest.raises(ValueError, match="wrong_answer_fraction"):
-        WarmStartConfig(wrong_answer_fraction=1.0)
-
-
-def test_warm_start_config_is_the_sft_stage_plus_label_noise():
-    from backends.config import apply_overrides, config_keys
-    from backends.training.sft import SFTConfig
-    from experiments.tasks.arithmetic import WarmStartConfig
-
-    cfg = WarmStartConfig(wrong_answer_fraction=0.5)
-    assert isinstance(cfg, SFTConfig)
-    assert config_keys(WarmStartConfig) == [*config_keys(SFTConfig), "wrong_answer_fraction"]
-    cfg = apply_overrides(cfg, ["steps=7", "optim.lr=1e-2", "wrong_answer_fraction=0.25"])
-    assert (cfg.steps, cfg.optim.lr, cfg.wrong_answer_fraction) == (7, 1e-2, 0.25)
-
-
-def test_sft_examples_are_prompt_then_answer_and_eos():
+def test_the_files_load_as_recipe_data(tmp_path):
+    """The task's files go through the same loading code as a user's: chat template, answers, SFT examples."""
+    from backends.data import DataConfig, load_examples
     from backends.models import build_char_tokenizer
-    from experiments.tasks.arithmetic import Problem, sft_examples
+    from backends.training.sft import SFTConfig, load_sft_examples
 
-    tokenizer = build_char_tokenizer()
-    (example,) = sft_examples([Problem(prompt="12+3=", answer=15)], tokenizer)
-    assert list(example.prompt_ids) == tokenizer.encode("12+3=")
-    assert list(example.response_ids) == tokenizer.encode("15") + [tokenizer.eos_token_id]
+    main(["--out", str(tmp_path), "--max-operand", "9", "--num-heldout", "10", "--sft-examples", "16"])
+    tok = build_char_tokenizer()
+    examples, report = load_examples([str(tmp_path / "val.jsonl")], DataConfig(max_prompt_length=16), tok)
+    assert report.kept == 10 and examples[0].source == "arithmetic"
+    first = _read(tmp_path / "val.jsonl")[0]
+    assert list(examples[0].prompt_ids) == tok.apply_chat_template(first["prompt"], add_generation_prompt=True)["input_ids"]
+    assert examples[0].ground_truth == first["answer"]
+    sft = load_sft_examples(SFTConfig(files=(str(tmp_path / "sft.jsonl"),)), tok)
+    row = _read(tmp_path / "sft.jsonl")[0]
+    assert tok.decode(list(sft[0].response_ids)) == row["response"] + "<eos>"
+    assert chat_row(ArithmeticTask.make(2, 3))["answer"] == "5"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import attrs
@@ -94,21 +93,22 @@ def test_without_a_presets_dir_preset_is_an_unknown_key(presets):
     assert expand_presets(Cfg(), ["seed=3"], presets) == ["seed=3"]
 
 
-def test_every_shipped_preset_applies_to_the_ppo_recipe():
-    sys.path.insert(0, str(ROOT / "experiments"))
-    try:
-        import ppo_arithmetic
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+def test_every_shipped_preset_applies_to_its_recipe():
+    from experiments import grpo, ppo
+
     names = available_presets(RECIPE_PRESETS)
     assert {"ref/dp_ref", "ref/megatron_ref", "ref/ref_in_actor", "optim/fsdp", "optim/megatron", "actor/dp_actor",
-            "placement/split", "placement/colocated"} <= set(names)
+            "placement/split", "placement/colocated", "demo/arithmetic", "demo/ppo_arithmetic"} <= set(names)
     for name in names:
-        apply_overrides(ppo_arithmetic.Config(), [f"preset={name}"], presets_dir=RECIPE_PRESETS)
+        recipe = grpo if name == "demo/arithmetic" or name.startswith("gsm8k/") else ppo
+        apply_overrides(recipe.Config(), [f"preset={name}"], presets_dir=RECIPE_PRESETS)
     cfg = apply_overrides(
-        ppo_arithmetic.Config(), ["preset=ref/dp_ref", "critic.optim=@optim/fsdp", "critic.optim.lr=2e-5"],
+        ppo.Config(), ["preset=ref/dp_ref", "critic.optim=@optim/fsdp", "critic.optim.lr=2e-5"],
         presets_dir=RECIPE_PRESETS,
     )
     assert cfg.reference.backend == "fsdp" and cfg.reference.use_torch_compile is True
     assert cfg.critic.optim.lr == 2e-5 and cfg.critic.optim.weight_decay == 0.01  # verl optim/fsdp.yaml's
-    assert cfg.actor.optim == ppo_arithmetic.Config().actor.optim
+    assert cfg.actor.optim == ppo.Config().actor.optim
+    demo = apply_overrides(grpo.Config(), ["preset=demo/arithmetic"], presets_dir=RECIPE_PRESETS)
+    assert demo.reward.fn == ("arithmetic",) and demo.data.train_files == ("runs/data/arithmetic/train.jsonl",)
+    assert demo.model.tiny.hidden_size == 128 and demo.sft.optim.lr == 3e-3 and demo.rollout.n == 16

@@ -6,7 +6,7 @@ lazy import is still a dependency.
 
 Layers, lowest first; a module may import its own layer's group and any lower layer, never a higher one:
 
-    rlfunc  <  backends.{config, metrics_log, models, packing}  <  backends.cpu  <  backends.distributed
+    rlfunc  <  backends.{config, metrics_log, models, packing, data, rewards}  <  backends.cpu  <  backends.distributed
             <  backends.checkpoint  <  backends.training | backends.rollout  <  experiments
 
 ``backends.training`` and ``backends.rollout`` are siblings that never import each other (weights travel
@@ -36,6 +36,8 @@ LAYERS = (
     ("backends.metrics_log", (1, "base")),
     ("backends.models", (1, "base")),
     ("backends.packing", (1, "base")),
+    ("backends.data", (1, "base")),
+    ("backends.rewards", (1, "base")),
     ("backends.cpu", (2, "cpu")),
     ("backends.distributed", (3, "distributed")),
     ("backends.checkpoint", (4, "checkpoint")),

@@ -429,60 +429,42 @@ def test_engine_selection_errors():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["actor.tp=2", "actor.pp=2"])
 def test_grpo_recipe_runs_on_megatron(tmp_path, layout):
-    """experiments/grpo_arithmetic.py with actor.backend=megatron on 2 torchrun ranks (actor and
-    reference on megatron, weights synced into the native rollout engine every step)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    """experiments/grpo.py with actor.backend=megatron on 2 torchrun ranks (actor and reference on megatron,
+    the SFT stage through the megatron engine, weights synced into the native rollout engine every step)."""
+    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
-    from tests.test_recipe_grpo import RECIPE, ROOT
-
-    tiny = ["warm_start.steps=4", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval_samples=1",
-            "task.num_heldout=8", "tiny.hidden_size=64", "tiny.num_heads=2", "tiny.num_kv_heads=2",
-            "tiny.intermediate_size=96", "tiny.num_layers=2", "algo.kl_coef=0.01", "actor.backend=megatron", layout]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}", *tiny],
-                         env=env, capture_output=True, text=True, timeout=600)
+    data = arithmetic_data(tmp_path / "data")
+    out = run(GRPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
+              "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
+              "algo.kl_coef=0.01", "actor.backend=megatron", layout, nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
-    (run_dir,) = list(tmp_path.glob("grpo_arithmetic-*"))
+    run_dir = the_run_dir(tmp_path / "runs", "grpo")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["world_size"] == 2
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["step"] > 0]
+    rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3]
     for key in ("reward_mean", "kl", "entropy", "grad_norm", "loss"):
         assert key in rl[-1] and np.isfinite(rl[-1][key]), key
-    assert [r["step"] for r in rows if "sft_loss" in r]  # the warm start ran through the megatron engine
+    assert [r["step"] for r in metrics(run_dir, rl_only=False) if "sft_loss" in r]  # the SFT stage ran on megatron
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(run_dir / "warm_start_model", local_files_only=True)  # exported by megatron
+    AutoModelForCausalLM.from_pretrained(run_dir / "sft_model", local_files_only=True)  # exported by megatron
+    AutoModelForCausalLM.from_pretrained(run_dir / "final_model", local_files_only=True)
 
 
 @pytest.mark.slow
 def test_ppo_recipe_runs_on_megatron(tmp_path):
-    """experiments/ppo_arithmetic.py with the actor and the critic on megatron (TP=2, 2 torchrun ranks):
-    the critic learns values, the KL controller runs, both roles export HF dirs transformers loads."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    """experiments/ppo.py with the actor and the critic on megatron (TP=2, 2 torchrun ranks): the critic
+    learns values, the KL controller runs, both roles export HF dirs transformers loads."""
+    from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
-    from tests.test_recipe_grpo import ROOT
-
-    tiny = ["warm_start.steps=4", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval_samples=1",
-            "task.num_heldout=8", "tiny.hidden_size=64", "tiny.num_heads=2", "tiny.num_kv_heads=2",
-            "tiny.intermediate_size=96", "tiny.num_layers=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
-            "actor.backend=megatron", "actor.tp=2"]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(ROOT / "experiments" / "ppo_arithmetic.py"),
-                          f"run_root={tmp_path}", *tiny], env=env, capture_output=True, text=True, timeout=600)
+    data = arithmetic_data(tmp_path / "data")
+    out = run(PPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
+              "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
+              "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "actor.backend=megatron", "actor.tp=2", nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
-    (run_dir,) = list(tmp_path.glob("ppo_arithmetic-*"))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["step"] > 0]
+    run_dir = the_run_dir(tmp_path / "runs", "ppo")
+    rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3]
     for key in ("reward_mean", "critic/loss", "kl_reward", "kl_coef", "values_mean", "loss", "grad_norm", "entropy"):
         assert key in rl[-1] and np.isfinite(rl[-1][key]), key
@@ -548,7 +530,7 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
 
 @pytest.mark.gpu
 def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(model_dirs):
-    """After a warm start the new megatron optimizer reads the gradient buffers that the state's own
+    """After an SFT stage the new megatron optimizer reads the gradient buffers that the state's own
     DDP module fills, reduces and zeroes (not those of a second wrapper)."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E

@@ -7,9 +7,6 @@ Multi-rank checks run on 4 real gloo ranks (tests/distributed.py, or torchrun fo
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
@@ -19,11 +16,11 @@ import torch
 from backends.distributed.placement import PlacementConfig, PlacementError, pool_ranks
 from rlfunc.batch import RolloutBatch, concat
 from tests.distributed import run_distributed
+from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, run, the_run_dir
 
 pytestmark = pytest.mark.placement
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "experiments" / "ppo_arithmetic.py"
 
 
 # ----------------------------------------------------------------------------------------- layouts
@@ -184,28 +181,21 @@ def test_redistribute_between_pools_of_different_sizes_is_exact():
 # ---------------------------------------------------------------------------------- equal updates
 
 TINY = [
-    "warm_start.steps=4", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval_samples=1",
-    "task.num_heldout=8", "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.hidden_size=64",
-    "tiny.intermediate_size=96", "tiny.num_layers=1", "algo.ppo_mini_batch_size=2", "algo.ppo_epochs=2",
-    "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
+    "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", *TINY_MODEL, "algo.ppo_mini_batch_size=2",
+    "algo.ppo_epochs=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
 ]
 
 
-def _run_recipe(run_root: Path, nproc: int, *extra: str) -> Path:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", str(nproc), str(RECIPE), f"run_root={run_root}", *TINY, *extra],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
+def _run_recipe(run_root: Path, data_dir: Path, nproc: int, *extra: str) -> Path:
+    out = run(PPO, f"run_root={run_root}", *data_args(data_dir), *TINY, *extra, nproc=nproc)
     assert out.returncode == 0, out.stderr[-4000:]
-    (run_dir,) = list(run_root.glob("ppo_arithmetic-*"))
-    return run_dir
+    return the_run_dir(run_root, "ppo")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_split_and_colocated_make_the_same_updates(tmp_path):
+    data_dir = arithmetic_data(tmp_path / "data")
     """Colocated on 2 ranks vs split 2 + 2 on 4 ranks, same seeds: the actor pool samples the same data
     (its ranks play the colocated ranks' part), the critic pool's ranks get the same rows, so the actor and
     critic after 3 PPO steps (2 epochs x 2 mini-batches each, critic warm-up 1) must match.
@@ -215,8 +205,8 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     as orbax (under split the actor pool gathers and writes it): the same params, AdamW state and step."""
     from safetensors.torch import load_file
 
-    colocated = _run_recipe(tmp_path / "colocated", 2, "export.orbax=true")
-    split = _run_recipe(tmp_path / "split", 4, "placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2",
+    colocated = _run_recipe(tmp_path / "colocated", data_dir, 2, "export.orbax=true")
+    split = _run_recipe(tmp_path / "split", data_dir, 4, "placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2",
                         "export.orbax=true")
     from backends.checkpoint.orbax import _flatten, read_orbax
 
@@ -232,13 +222,13 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
         assert a.keys() == b.keys()
         for name in a:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"{role} {name}")
-    # the update really moved the weights away from the warm start
-    warm = load_file(split / "warm_start_model" / "model.safetensors")
+    # the update really moved the weights away from the SFT stage's
+    warm = load_file(split / "sft_model" / "model.safetensors")
     actor = load_file(split / "actor_hf" / "model.safetensors")
     assert max((warm[k] - actor[k]).abs().max().item() for k in warm) > 1e-5
     rows_c = [json.loads(x) for x in (colocated / "metrics.jsonl").read_text().splitlines()]
     rows_s = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
-    rows_c, rows_s = [r for r in rows_c if r["step"] > 0], [r for r in rows_s if r["step"] > 0]
+    rows_c, rows_s = ([r for r in rows if r["step"] > 0 and "step_time_s" in r] for rows in (rows_c, rows_s))
     assert [r["step"] for r in rows_s] == [1, 2, 3]
     for rc, rs in zip(rows_c, rows_s):
         for key in ("loss", "critic/loss", "kl_reward", "kl_coef", "reward_mean", "values_mean"):

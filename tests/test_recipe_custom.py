@@ -1,31 +1,29 @@
 """End-to-end smoke runs of experiments/custom_algorithm.py (both variants, both launchers)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "experiments" / "custom_algorithm.py"
-TINY = [
-    "warm_start.steps=4", "steps=2", "prompts_per_step=4", "rollout.n=4", "task.num_heldout=8",
-    "tiny.num_heads=2", "tiny.num_kv_heads=1", "tiny.hidden_size=64", "tiny.intermediate_size=96", "tiny.num_layers=1",
-]
+from tests.recipes import CUSTOM, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+
+RECIPE = CUSTOM
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return arithmetic_data(tmp_path_factory.mktemp("arithmetic"))
 
 
-def _check_run(tmp_path: Path, world_size: int, algorithm: str) -> None:
-    (run_dir,) = list(tmp_path.glob("custom_algorithm-*"))
+def tiny(data_dir) -> list[str]:
+    return [*data_args(data_dir), *TINY_MODEL, "steps=2", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8"]
+
+
+def _check_run(tmp_path, world_size: int, algorithm: str) -> None:
+    run_dir = the_run_dir(tmp_path, "custom_algorithm")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["algorithm"] == algorithm and summary["steps"] == 2 and summary["world_size"] == world_size
     assert 0.0 <= summary["eval_before"] <= 1.0 and 0.0 <= summary["eval_after"] <= 1.0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = metrics(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     for key in ("reward_mean", "loss", "grad_norm", "clip_frac"):
         assert key in rows[-1], key
@@ -36,11 +34,8 @@ def _check_run(tmp_path: Path, world_size: int, algorithm: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dr_grpo", "reinforce_pp_baseline"])
-def test_plain_python_launcher(tmp_path, algorithm):
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", *TINY, f"algo.name={algorithm}"],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+def test_plain_python_launcher(tmp_path, data_dir, algorithm):
+    out = run(CUSTOM, f"run_root={tmp_path}", *tiny(data_dir), f"algo.name={algorithm}")
     assert out.returncode == 0, out.stderr[-4000:]
     assert "held-out success" in out.stdout
     _check_run(tmp_path, 1, algorithm)
@@ -48,21 +43,14 @@ def test_plain_python_launcher(tmp_path, algorithm):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_two_ranks(tmp_path):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}", *TINY],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+def test_torchrun_two_ranks(tmp_path, data_dir):
+    out = run(CUSTOM, f"run_root={tmp_path}", *tiny(data_dir), nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(tmp_path, 2, "reinforce_pp_baseline")
 
 
 def test_unknown_algorithm_fails_before_any_work(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "algo.name=ppo2"],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
+    out = run(CUSTOM, f"run_root={tmp_path}", "algo.name=ppo2", timeout=120)
     assert out.returncode != 0 and "algo.name must be reinforce_pp_baseline or dr_grpo" in out.stderr
     assert not list(tmp_path.iterdir())
 
@@ -71,7 +59,6 @@ def test_loss_is_a_pure_function_of_tensors():
     """The highlight: the algorithm's loss runs on plain tensors, no model, no process group."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     import rlfunc as rf
     from experiments.custom_algorithm import AlgoConfig, advantages, loss_fn
 

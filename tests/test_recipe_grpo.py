@@ -1,51 +1,52 @@
-"""End-to-end smoke runs of experiments/grpo_arithmetic.py with both launchers (real processes)."""
+"""End-to-end smoke runs of experiments/grpo.py with both launchers (real processes), on the arithmetic task's files."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "experiments" / "grpo_arithmetic.py"
-TINY = [
-    "warm_start.steps=4", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval_samples=1",
-    "task.num_heldout=8", "tiny.hidden_size=64", "tiny.num_heads=2", "tiny.num_kv_heads=1",
-    "tiny.intermediate_size=96", "tiny.num_layers=1", "algo.kl_coef=0.01",
-]
+from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return arithmetic_data(tmp_path_factory.mktemp("arithmetic"))
 
 
-def _check_run(tmp_path: Path, world_size: int) -> None:
-    (run_dir,) = list(tmp_path.glob("grpo_arithmetic-*"))
+def tiny(data_dir) -> list[str]:
+    return [*data_args(data_dir), *TINY_MODEL, "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
+            "algo.kl_coef=0.01"]
+
+
+def _check_run(root, world_size: int) -> None:
+    run_dir = the_run_dir(root, "grpo")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["world_size"] == world_size
-    for key in ("eval_before", "eval_after", "eval_greedy_before", "eval_greedy_after"):
+    for key in ("eval_before", "eval_after"):
         assert 0.0 <= summary[key] <= 1.0
+    for key in ("val/mean@1", "val/score@1", "val/greedy@1"):
+        assert 0.0 <= summary["before"][key] <= 1.0 and 0.0 <= summary["after"][key] <= 1.0
     assert summary["wall_seconds"] > 0
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["step"] > 0]
+    rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3]
     for key in ("reward_mean", "success_rate", "kl", "entropy", "clip_frac", "grad_norm", "response_length",
-                "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "skipped_rows"):
+                "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "skipped_rows",
+                "reward/arithmetic", "reward/errors", "truncated_rate"):
         assert key in rl[-1], key
     assert all(r["skipped_rows"] == 0.0 for r in rl)  # a KL term: zero-advantage rows are not skippable
+    rows = metrics(run_dir, rl_only=False)
+    assert rows[0]["step"] < 0 and "sft_loss" in rows[0]  # the SFT stage logs before step 0
+    assert any(r["step"] == 0 and "val/mean@1" in r for r in rows)  # the evaluation before training
     assert (run_dir / "reward_curve.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())
-    assert (run_dir / "warm_start_model" / "config.json").exists()
+    assert (run_dir / "sft_model" / "config.json").exists()
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(run_dir / "final_model", local_files_only=True)  # the trained actor
 
 
 @pytest.mark.slow
-def test_plain_python_launcher(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", *TINY],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+def test_plain_python_launcher(tmp_path, data_dir):
+    out = run(GRPO, f"run_root={tmp_path}", *tiny(data_dir))
     assert out.returncode == 0, out.stderr[-4000:]
     assert "held-out success" in out.stdout
     _check_run(tmp_path, 1)
@@ -53,54 +54,44 @@ def test_plain_python_launcher(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_two_ranks(tmp_path):
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}", *TINY],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+def test_torchrun_two_ranks(tmp_path, data_dir):
+    out = run(GRPO, f"run_root={tmp_path}", *tiny(data_dir), "dump_generations_every=2", nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(tmp_path, 2)
+    dump = [json.loads(line) for line in (the_run_dir(tmp_path, "grpo") / "generations" / "step_2.jsonl").read_text().splitlines()]
+    assert len(dump) == 16  # 4 prompts x 4 samples, both ranks' rows
+    assert set(dump[0]) == {"prompt", "response", "ground_truth", "data_source", "score", "advantage"}
 
 
 @pytest.mark.slow
-def test_bf16_run_skips_zero_advantage_rows(tmp_path):
+def test_bf16_run_skips_zero_advantage_rows(tmp_path, data_dir):
     """bf16 trainer and rollout, no KL term: rows of groups with one reward are skipped (and counted)."""
-    args = [a for a in TINY if not a.startswith("algo.kl_coef")]
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", *args, "steps=4", "actor.fsdp.param_dtype=bfloat16",
-         "rollout.dtype=bfloat16"],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+    args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_coef")]
+    out = run(GRPO, f"run_root={tmp_path}", *args, "steps=4", "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16")
     assert out.returncode == 0, out.stderr[-4000:]
-    (run_dir,) = list(tmp_path.glob("grpo_arithmetic-*"))
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rl = [r for r in rows if r["step"] > 0]
-    # tiny warm start: most groups get all-zero rewards, so rows are skipped
+    rl = metrics(the_run_dir(tmp_path, "grpo"))
+    # a tiny SFT stage: most groups get all-zero rewards, so rows are skipped
     assert any(r["skipped_rows"] > 0 for r in rl)
     assert all(0.0 <= r["skipped_rows"] <= 1.0 and r["update_skipped"] == 0.0 for r in rl)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_two_ranks_resume(tmp_path):
+def test_torchrun_two_ranks_resume(tmp_path, data_dir):
     """Packed rows (FSDP2, 2 ranks), skipped zero-advantage rows (no KL term), resumed from a checkpoint:
     the resumed run logs the steps after its checkpoint again, and only those."""
-    torchrun = Path(sys.executable).with_name("torchrun")
-    args = [a for a in TINY if not a.startswith("algo.kl_coef")] + [
-        "tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "checkpoint.every=2",
+    args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_coef")] + [
+        "model.tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "checkpoint.every=2",
     ]
-    base = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(RECIPE), f"run_root={tmp_path}"]
-    out = subprocess.run(base + args, env=_env(), capture_output=True, text=True, timeout=600)
+    out = run(GRPO, f"run_root={tmp_path}", *args, nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
-    (run_dir,) = list(tmp_path.glob("grpo_arithmetic-*"))
-    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
-    assert [r["step"] for r in rl] == [1, 2, 3] and all(r["update_skipped"] == 0.0 for r in rl)
-    resumed = subprocess.run(base + args + [f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}"],
-                             env=_env(), capture_output=True, text=True, timeout=600)
+    run_dir = the_run_dir(tmp_path, "grpo")
+    first = metrics(run_dir)
+    assert [r["step"] for r in first] == [1, 2, 3] and all(r["update_skipped"] == 0.0 for r in first)
+    resumed = run(GRPO, f"run_root={tmp_path}", *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}", nproc=2)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
-    assert [r["step"] for r in rl] == [1, 2, 3]
+    again = metrics(run_dir)
+    assert [r["step"] for r in again] == [1, 2, 3]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"].endswith("step_2")
 
@@ -119,72 +110,74 @@ def centered(scores, *, group_ids, response_mask):
 
 
 @pytest.mark.slow
-def test_file_referenced_estimator(tmp_path):
+def test_file_referenced_estimator(tmp_path, data_dir):
     """algo.estimator=path/to/file.py:function: the recipe runs the user's estimator."""
     est_dir = tmp_path / "user_code"
     est_dir.mkdir()
     (est_dir / "my_estimator.py").write_text(ESTIMATOR_FILE)
     runs = tmp_path / "runs"
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={runs}", *TINY, "steps=2",
-         f"algo.estimator={est_dir / 'my_estimator.py'}:centered"],
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+    out = run(GRPO, f"run_root={runs}", *tiny(data_dir), "steps=2", f"algo.estimator={est_dir / 'my_estimator.py'}:centered")
     assert out.returncode == 0, out.stderr[-4000:]
     assert (est_dir / "called").exists()
-    (run_dir,) = list(runs.glob("grpo_arithmetic-*"))
-    rl = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["step"] > 0]
-    assert [r["step"] for r in rl] == [1, 2]
+    assert [r["step"] for r in metrics(the_run_dir(runs, "grpo"))] == [1, 2]
+
+
+@pytest.mark.slow
+def test_evaluation_only_run(tmp_path, data_dir):
+    """steps=0: the starting policy's held-out metrics, no training, no training data needed."""
+    out = run(GRPO, f"run_root={tmp_path}", f"data.val_files={data_dir / 'val.jsonl'}", "reward.fn=arithmetic",
+              "data.max_prompt_length=16", "rollout.max_new_tokens=6", "eval.n=2", *TINY_MODEL, "steps=0")
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads((the_run_dir(tmp_path, "grpo") / "summary.json").read_text())
+    assert summary["steps"] == 0 and summary["eval_before"] is None and 0.0 <= summary["eval_after"] <= 1.0
 
 
 @pytest.mark.parametrize(("override", "message"), [
     ("algo.estimator=grop", "algo.estimator='grop' is not a built-in name; did you mean grpo"),
     ("algo.estimator=gae", "algo.estimator='gae' is not a built-in name (built-ins: grpo, grpo_passk, rloo"),
     ("algo.policy_loss=no_such_module:loss", "algo.policy_loss='no_such_module:loss': no module named 'no_such_module'"),
+    ("reward.fn=gsm8", "reward.fn='gsm8' is not a built-in name; did you mean gsm8k"),
 ])
-def test_unknown_estimator_or_loss_fails_before_any_work(tmp_path, override, message):
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", override],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
+def test_unknown_estimator_loss_or_reward_fails_before_any_work(tmp_path, override, message):
+    out = run(GRPO, f"run_root={tmp_path}", "reward.fn=exact", override, timeout=120)
     assert out.returncode != 0
     assert message in out.stderr
     assert not list(tmp_path.iterdir())
 
 
 def test_unknown_config_key_fails_before_any_work(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(RECIPE), f"run_root={tmp_path}", "actor.optim.lrr=1e-5"],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
+    out = run(GRPO, f"run_root={tmp_path}", "actor.optim.lrr=1e-5", timeout=120)
     assert out.returncode != 0
     assert "unknown config key 'actor.optim.lrr'; did you mean actor.optim.lr" in out.stderr
     assert not list(tmp_path.iterdir())
 
 
-def test_help_lists_keys():
-    out = subprocess.run([sys.executable, str(RECIPE), "--help"], env=_env(), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "actor.optim.lr" in out.stdout and "rollout.n" in out.stdout
+def test_missing_training_data_is_named(tmp_path):
+    out = run(GRPO, f"run_root={tmp_path}", "reward.fn=exact", *TINY_MODEL, timeout=120)
+    assert out.returncode != 0
+    assert "data.train_files is empty" in out.stderr
+
+
+def test_help_lists_keys_with_defaults_and_meanings():
+    out = run(GRPO, "--help", timeout=120)
+    assert out.returncode == 0
+    assert "actor.optim.lr = 1e-06" in out.stdout and "rollout.n = 8" in out.stdout
+    line = next(line for line in out.stdout.splitlines() if line.strip().startswith("reward.fn ="))
+    assert "built-in names" in line
 
 
 def test_entropy_bonus_is_subtracted_and_differentiable():
-    import importlib.util
-
     import attrs
     import torch
 
     import rlfunc as rf
+    from backends.training.fsdp import ModelOutputs
+    from experiments import grpo as recipe
 
-    spec = importlib.util.spec_from_file_location("grpo_arithmetic", RECIPE)
-    recipe = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = recipe
-    spec.loader.exec_module(recipe)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 4, 7, generator=g, requires_grad=True)
     ids = torch.randint(0, 7, (3, 4), generator=g)
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
-    from backends.training.fsdp import ModelOutputs
-
     out = ModelOutputs(logprobs=rf.logprobs_from_logits(logits, ids), entropy=rf.entropy_from_logits(logits))
     mb = rf.RolloutBatch(
         prompt_ids=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1, dtype=torch.bool),
@@ -199,3 +192,22 @@ def test_entropy_bonus_is_subtracted_and_differentiable():
     torch.testing.assert_close(with_bonus, base - 0.1 * m["entropy"])
     (grad,) = torch.autograd.grad(with_bonus - base, logits)
     assert grad[mask].abs().sum() > 0 and grad[~mask].abs().sum() == 0
+    assert "kl" not in m  # logged only against a reference
+
+
+
+@pytest.mark.slow
+def test_a_reward_model_adds_to_the_reward_functions(tmp_path, data_dir):
+    """reward_model.path: a learned reward (a tiny random sequence classifier) on top of the rule-based one."""
+    from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_reward_model
+
+    rm = write_tiny_reward_model(tmp_path / "rm", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                                 intermediate_size=96, seed=7), build_char_tokenizer())
+    runs = tmp_path / "runs"
+    out = run(GRPO, f"run_root={runs}", *tiny(data_dir), "steps=2", f"reward_model.path={rm}", "reward_model.weight=0.5")
+    assert out.returncode == 0, out.stderr[-4000:]
+    rl = metrics(the_run_dir(runs, "grpo"))
+    for row in rl:
+        # the step's reward is the rule-based one plus half the reward model's (a random model: nonzero)
+        assert row["reward/model"] != 0.0
+        assert row["reward_mean"] == pytest.approx(row["reward/arithmetic"] + 0.5 * row["reward/model"], abs=1e-5)

@@ -288,7 +288,7 @@ def test_registry():
 
 
 def test_registry_unknown_name_lists_known():
-    with pytest.raises(KeyError, match="unknown reward function 'gsm9k'; known: arithmetic, gsm8k"):
+    with pytest.raises(KeyError, match="unknown reward function 'gsm9k'; known: exact, arithmetic, gsm8k"):
         get_reward_fn("gsm9k")
     with pytest.raises(KeyError, match="unknown reward function"):
         get_reward_fn(None)  # type: ignore[arg-type]

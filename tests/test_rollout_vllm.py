@@ -347,10 +347,13 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
 @pytest.mark.distributed
 def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
     """The GRPO recipe on 2 ranks with rollout.engine=vllm (and TIS on): the reward rises as with native."""
+    from tests.recipes import GRPO, arithmetic_data, metrics, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data", max_operand=9, num_heldout=20, sft_examples=60 * 64,
+                           wrong_answer_fraction=0.0)  # the clean SFT stage this comparison was calibrated on
     args = [
-        str(ROOT / "experiments" / "grpo_arithmetic.py"), "steps=50", "prompts_per_step=16", "rollout.n=8",
-        "eval_every=0", "task.max_operand=9", "task.num_heldout=20", "eval_samples=2", "warm_start.steps=60",
-        "warm_start.wrong_answer_fraction=0",  # the clean warm start this comparison was calibrated on
+        str(GRPO), "preset=demo/arithmetic", f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
+        f"sft.files={data / 'sft.jsonl'}", "steps=50", "prompts_per_step=16", "rollout.n=8", "eval.every=0", "eval.n=2",
         "algo.rollout_is=token",
     ]
     gains = {}
@@ -358,9 +361,7 @@ def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
         root = tmp_path / engine
         out = _torchrun(*args, f"run_root={root}", f"rollout.engine={engine}", timeout=900)
         assert out.returncode == 0, out.stderr[-6000:]
-        (run_dir,) = list(root.glob("grpo_arithmetic-*"))
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        rl = [r for r in rows if r["step"] > 0]
+        rl = metrics(the_run_dir(root, "grpo_arithmetic"))
         assert len(rl) == 50 and all(abs(r["is_weight_mean"] - 1) < 1e-3 for r in rl)  # fp32: ~no mismatch
         rewards = [r["reward_mean"] for r in rl]
         first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20

@@ -120,6 +120,8 @@ def _share_tied(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
 
 def _write(module: torch.nn.Module, tensors: dict, out: Path, *, tokenizer: Any, dtype: torch.dtype | None,
            overwrite: bool, max_shard_size: str | int) -> None:
+    if callable(getattr(module, "get_base_model", None)):  # a LoRA (peft) model: the merged base model is written
+        module = module.get_base_model()
     cls = hf_model_class(module)
     config = copy.deepcopy(module.config)
     if hasattr(config, "use_cache"):

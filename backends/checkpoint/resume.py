@@ -42,7 +42,7 @@ __all__ = ["CheckpointConfig", "checkpoint_dir", "resume_point", "truncate_metri
 class CheckpointConfig:
     every: int = 0  # save every N RL steps (and at the last step); 0: never
     dir: str = ""  # where step_<N> dirs go; empty: <run_dir>/checkpoints. Keep it stable across restarts.
-    keep_last: int = 3
+    keep_last: int = 3  # the newest checkpoints kept; older ones are deleted once a newer one is complete
 
 
 def checkpoint_dir(cfg: CheckpointConfig, run_dir: str | Path) -> Path:

@@ -47,7 +47,7 @@ class PlacementError(ValueError):
 class PlacementConfig:
     """Where the roles run (see the module docstring)."""
 
-    mode: Literal["colocated", "split"] = "colocated"
+    mode: Literal["colocated", "split"] = "colocated"  #: colocated: every role on every rank; split: actor + rollout and critic + reference on their own pools
     #: split: ranks of the actor pool (actor + rollout), the first ranks; 0 = the world minus the critic pool (half if both are 0)
     actor_pool: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     #: split: ranks of the critic pool (critic + reference), the ranks after the actor pool; 0 = the rest

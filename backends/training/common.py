@@ -34,7 +34,7 @@ from torch import Tensor
 
 from rlfunc.aggregation import Normalizers, local_normalizers
 from rlfunc.balancing import token_budget_balanced_partition
-from rlfunc.batch import RolloutBatch, batch_size, select, token_budget_partitions, validate
+from rlfunc.batch import RolloutBatch, batch_size, loss_tokens, select, token_budget_partitions, validate
 from rlfunc.tree import pytree_dataclass, tree_map
 
 __all__ = [
@@ -247,7 +247,8 @@ def dummy_micro_batch(mb: RolloutBatch) -> RolloutBatch:
     every rank issues the same collectives (FSDP all-gathers and reduce-scatters). Its loss is also
     weighted by 0."""
     row = select(mb, slice(0, 1))
-    return row.replace(response_mask=torch.zeros_like(row.response_mask))
+    no_loss = torch.zeros_like(row.response_mask)
+    return row.replace(response_mask=no_loss, loss_mask=None if row.loss_mask is None else no_loss)
 
 
 def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
@@ -259,8 +260,8 @@ def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
 
 
 def global_normalizers(mbs: list[RolloutBatch], group: dist.ProcessGroup | None = None) -> Normalizers:
-    """Sum of ``local_normalizers(mb.response_mask)`` over micro-batches, all-reduced (SUM) over ``group``."""
-    norms = [local_normalizers(mb.response_mask) for mb in mbs]
+    """Sum of ``local_normalizers(loss_tokens(mb))`` over micro-batches, all-reduced (SUM) over ``group``."""
+    norms = [local_normalizers(loss_tokens(mb)) for mb in mbs]
     total = norms[0]
     for n in norms[1:]:
         total = total + n
@@ -308,7 +309,7 @@ def value_loss_fn(
         if outputs.values is None:
             raise ValueError("value_loss_fn needs a critic's outputs (outputs.values is None: is this an actor?)")
         return value_loss(
-            outputs.values, old_values=mb.old_values, returns=mb.returns, response_mask=mb.response_mask,
+            outputs.values, old_values=mb.old_values, returns=mb.returns, response_mask=loss_tokens(mb),
             clip_range=clip_range, agg=agg, norms=norms, horizon=horizon,
         )
 

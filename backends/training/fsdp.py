@@ -96,7 +96,7 @@ from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, s
 from backends.training.packed_attention import enable_packed_attention
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
-from rlfunc.batch import RolloutBatch, batch_size
+from rlfunc.batch import RolloutBatch, batch_size, loss_tokens
 
 __all__ = [
     "FSDPConfig",
@@ -460,7 +460,7 @@ def update(
     skip_rows = _checked_skip_rows(skip_rows, batch, state.fsdp_cfg)
     if state.fsdp_cfg.balance_dp:
         batch = balance_across_ranks(batch, state)
-    counted = local_normalizers(batch.response_mask)  # every row counts in the normalisers, skipped or not
+    counted = local_normalizers(loss_tokens(batch))  # every row counts in the normalisers, skipped or not
     mbs = _micro_batches_to_run(batch, skip_rows, state)
     norms, (num_tokens, num_seqs, n_max) = gather_counts(
         counted, len(mbs), group=state.dp_group, group_size=state.dp_size, device=state.env.device

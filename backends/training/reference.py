@@ -32,13 +32,13 @@ __all__ = ["ReferenceConfig", "build_reference_role", "reference_logprobs"]
 class ReferenceConfig:
     """How the reference model is built and run (see the module docstring)."""
 
-    backend: Literal["fsdp", "megatron"] = "fsdp"
+    backend: Literal["fsdp", "megatron"] = "fsdp"  #: fsdp (FSDP2) or megatron (tensor / pipeline parallel: reference.tp, reference.pp)
     tp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: tensor-parallel size
     pp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: pipeline stages
     #: rows per forward of its log-prob pass; None: the FSDP config's micro-batching
     log_prob_micro_batch_size: int | None = attrs.field(default=None)
-    use_torch_compile: bool = False
-    param_offload: bool = False
+    use_torch_compile: bool = False  #: torch.compile each decoder layer (eager, with a warning, without a C++ compiler)
+    param_offload: bool = False  #: FSDP2 CPUOffloadPolicy for its parameters (GPU only)
     #: LoRA actor only: reference = the actor's module under ``disable_adapter()`` (no second copy)
     ref_in_actor: bool = False
 

@@ -62,16 +62,19 @@ __all__ = [
 
 @attrs.frozen
 class RewardModelConfig:
-    """How the reward model is stored and fed (verl's ``reward_model`` section, where it has one)."""
+    """Which reward model, and how it is stored and fed (verl's ``reward_model`` section, where it has one)."""
 
+    #: a reward model HF dir (*ForSequenceClassification, one label); empty: none. The recipes add
+    #: reward_model.weight x its score to the reward functions' score
+    path: str = ""
+    weight: float = 1.0  #: the weight of the reward model's score in the reward
     #: rows per forward pass (verl: ``reward_model.micro_batch_size_per_gpu``)
     micro_batch_size: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     #: weight / compute dtype; "auto" = bfloat16 on GPU, float32 on CPU. Scores are returned in fp32.
     param_dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "float32", "bfloat16"))
     )
-    #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
-    shard: bool = False
+    shard: bool = False  #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
 
 
 @attrs.frozen(kw_only=True)

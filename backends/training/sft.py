@@ -6,12 +6,17 @@ the engine's global normalisers, so the stage runs through the same ``update`` (
 optimizer) as the RL phase that usually follows it; a recipe uses it as a warm start, so that RL begins
 from an imperfect policy as a real post-training run begins from an SFT model.
 
-What the examples are is the caller's business: :func:`run_sft` asks ``next_examples(step)`` for each
-step's global batch, so a task can draw, tokenise or corrupt its data however it likes.
+:func:`run_sft` asks ``next_examples(step)`` for each step's global batch, so a caller can draw its
+examples however it likes; :func:`load_sft_examples` reads them from data files (``sft.files``): a
+prompt (a string, or chat messages rendered by the chat template with the generation prompt) and a
+response string, trained on the response tokens only (for a chat, the assistant turn as the template
+renders it, end-of-turn included; for a string prompt, the response and EOS).
 """
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import attrs
@@ -19,19 +24,31 @@ import torch
 from tqdm import tqdm
 
 import rlfunc as rf
+from backends.data import DataError, column_value, prompt_token_ids, read_rows
 from backends.training.fsdp import update
 from backends.training.optim import OptimConfig, with_total_steps
 
-__all__ = ["SFTConfig", "SFTExample", "nll_loss", "run_sft", "sft_batch", "sft_optim"]
+__all__ = ["SFTConfig", "SFTExample", "load_sft_examples", "nll_loss", "run_sft", "sft_batch", "sft_optim", "sft_steps"]
 
 
 @attrs.frozen
 class SFTConfig:
-    """The stage's length, batch and optimizer (the state must be built with :func:`sft_optim` of it)."""
+    """An optional supervised stage before RL (off unless ``sft.files`` names data); the state must be built
+    with :func:`sft_optim` of it."""
 
-    steps: int = attrs.field(default=300, validator=attrs.validators.ge(0))
-    batch_size: int = attrs.field(default=64, validator=attrs.validators.ge(1))  # global examples per step
-    optim: OptimConfig = OptimConfig(lr=3e-3, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)
+    files: tuple[str, ...] = ()  #: SFT data (.jsonl / .parquet / saved datasets dir); empty: no SFT stage
+    prompt_key: str = "prompt"  #: column of the prompt: a string or a list of chat messages
+    response_key: str = "response"  #: column of the response string the model is trained to write
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over sft.files (when sft.steps is 0)
+    steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: SFT updates; 0: sft.epochs passes over the data
+    batch_size: int = attrs.field(default=64, validator=attrs.validators.ge(1))  #: global examples per SFT update
+    max_length: int = attrs.field(default=1024, validator=attrs.validators.ge(2))  #: longest prompt + response in tokens (longer rows are an error)
+    optim: OptimConfig = OptimConfig(lr=1e-5, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)  #: the SFT stage's optimizer
+
+
+def sft_steps(cfg: SFTConfig, num_examples: int) -> int:
+    """The stage's number of updates: ``cfg.steps``, or ``cfg.epochs`` passes over ``num_examples``."""
+    return cfg.steps or cfg.epochs * math.ceil(num_examples / cfg.batch_size)
 
 
 @attrs.frozen
@@ -47,9 +64,53 @@ class SFTExample:
             raise ValueError("an SFT example needs at least one prompt token and one response token")
 
 
-def sft_optim(cfg: SFTConfig) -> OptimConfig:
-    """The optimizer config to build the trained state with: ``cfg.optim`` scheduled over the stage."""
-    return with_total_steps(cfg.optim, cfg.steps)
+def sft_optim(cfg: SFTConfig, steps: int | None = None) -> OptimConfig:
+    """The optimizer config to build the trained state with: ``cfg.optim`` scheduled over the stage's
+    ``steps`` (default ``cfg.steps``)."""
+    return with_total_steps(cfg.optim, cfg.steps if steps is None else steps)
+
+
+def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "auto") -> list[SFTExample]:
+    """Every row of ``cfg.files`` as an :class:`SFTExample` (see the module doc); a bad row is a
+    :class:`backends.data.DataError` naming the file and row."""
+    examples = []
+    for path in cfg.files:
+        for where, row in read_rows(path):
+            prompt = column_value(row, cfg.prompt_key, where)
+            response = column_value(row, cfg.response_key, where)
+            if not isinstance(response, str) or not response:
+                raise DataError(f"{where}: {cfg.response_key} must be a non-empty string, got {response!r:.60}")
+            try:
+                example = _tokenise(prompt, response, tokenizer, chat_template)
+            except (DataError, ValueError) as e:
+                raise DataError(f"{where}: {e}") from None
+            if len(example.prompt_ids) + len(example.response_ids) > cfg.max_length:
+                raise DataError(f"{where}: prompt + response is {len(example.prompt_ids) + len(example.response_ids)} "
+                                f"tokens, more than sft.max_length={cfg.max_length}")
+            examples.append(example)
+    if not examples:
+        raise DataError(f"no rows in sft.files {list(cfg.files)}")
+    return examples
+
+
+def _tokenise(prompt: Any, response: str, tokenizer: Any, chat_template: str) -> SFTExample:
+    if isinstance(prompt, str):
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no EOS token to end a response with")
+        ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+        return SFTExample(prompt_token_ids(prompt, tokenizer), ids + [tokenizer.eos_token_id])
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataError(f"a prompt must be a string or a non-empty list of messages, got {type(prompt).__name__}")
+    messages = [dict(m) for m in prompt]
+    prompt_ids = prompt_token_ids(messages, tokenizer, chat_template=chat_template)
+    template = None if chat_template == "auto" else Path(chat_template).read_text()
+    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=True,
+                                         chat_template=template)
+    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise DataError("the chat template renders the prompt differently when the assistant's answer follows it; "
+                        "the answer's tokens cannot be separated from the prompt's")
+    return SFTExample(prompt_ids, full[len(prompt_ids):])
 
 
 def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> rf.RolloutBatch:

@@ -1,35 +1,32 @@
-"""A synthetic verifiable task: integer addition prompts ``"a+b="`` answered by the sum.
+"""A synthetic verifiable task, written as data files: integer addition prompts ``a+b=`` answered by the sum.
 
-The held-out prompts are a fixed random subset of all operand pairs that the training stream never
-yields, so "held-out success" measures generalisation, not memorisation. Rewards come from
-:func:`rlfunc.rewards.arithmetic_reward` (parsing, never evaluation).
+The task is only a dataset generator; the recipes read its files like any user's data, and the built-in
+``arithmetic`` reward scores it (:func:`rlfunc.rewards.arithmetic_reward`: parsing, never evaluation)::
 
-The task also feeds the recipes' supervised warm start (the generic stage of
-:mod:`backends.training.sft`): :func:`warm_start` draws its problems from the training stream, makes a
-controlled fraction of the answers wrong (:func:`with_wrong_answers`) and tokenises them as
-(prompt, answer + EOS) examples.
+    python -m experiments.tasks.arithmetic --out runs/data/arithmetic
+    torchrun --standalone --nproc_per_node 2 experiments/grpo.py preset=demo/arithmetic
+
+writes, and then trains on,
+
+- ``train.jsonl``: every operand pair except the held-out ones, as chat prompts with the sum as ``answer``;
+- ``val.jsonl``: the held-out pairs (a fixed random subset that training never sees, so held-out success
+  measures generalisation, not memorisation);
+- ``sft.jsonl``: (prompt, response) examples for the SFT stage, drawn from the training pairs with a
+  controlled share of wrong answers (off by 1..9): the policy learns the answer format without being
+  sharpened on one answer, so RL's samples still disagree within a group.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import random
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterator
 
 import attrs
-import torch
-import torch.distributed as dist
-from torch import Tensor
 
-from backends.rollout.api import SamplingConfig, decode_responses, generate  # either engine (native or vLLM)
-from backends.training.fsdp import update
-from backends.training.sft import SFTConfig, SFTExample, run_sft
-from rlfunc.batch import RolloutBatch
-from rlfunc.rewards import arithmetic_reward
-
-__all__ = [
-    "ArithmeticTask", "Problem", "TrainStream", "WarmStartConfig", "evaluate", "score_responses", "sft_examples",
-    "warm_start", "with_wrong_answers",
-]
+__all__ = ["ArithmeticTask", "Problem", "write_dataset", "chat_row"]
 
 
 @attrs.frozen
@@ -41,7 +38,7 @@ class Problem:
 @attrs.frozen
 class ArithmeticTask:
     """All pairs ``0 <= a <= max_operand``, ``0 <= b <= max_second_operand``; ``num_heldout`` of them
-    are reserved for evaluation and never drawn for training.
+    are reserved for evaluation and never written to the training files.
 
     The default (two-digit plus one-digit sums) is learnable by a tiny model in a couple of hundred
     supervised steps, with the carry as the part it gets wrong longest.
@@ -66,119 +63,74 @@ class ArithmeticTask:
     def make(a: int, b: int) -> Problem:
         return Problem(prompt=f"{a}+{b}=", answer=a + b)
 
-    def _heldout_pairs(self) -> set[tuple[int, int]]:
+    def heldout_pairs(self) -> set[tuple[int, int]]:
         rng = random.Random(f"heldout-{self.seed}")
         side = self.max_second_operand + 1
         return {divmod(i, side) for i in rng.sample(range(self.num_pairs), self.num_heldout)}
 
     def heldout(self) -> list[Problem]:
-        return [self.make(a, b) for a, b in sorted(self._heldout_pairs())]
+        return [self.make(a, b) for a, b in sorted(self.heldout_pairs())]
 
-    def train_stream(self, seed: int, drawn: int = 0) -> "TrainStream":
-        """An endless, seeded stream of training problems (never a held-out pair), ``drawn`` already taken."""
-        return TrainStream(self, seed, drawn)
-
-
-class TrainStream:
-    """Seeded sampler of training problems; its position is ``(seed, drawn)`` for exact resume."""
-
-    def __init__(self, task: ArithmeticTask, seed: int, drawn: int = 0) -> None:
-        self.task = task
-        self.seed = seed
-        self._excluded = task._heldout_pairs()
-        self._rng = random.Random(f"train-{seed}")
-        self.drawn = 0
-        for _ in range(drawn):
-            self._next()
-
-    def _next(self) -> Problem:
-        while True:
-            a = self._rng.randint(0, self.task.max_operand)
-            b = self._rng.randint(0, self.task.max_second_operand)
-            if (a, b) not in self._excluded:
-                self.drawn += 1
-                return self.task.make(a, b)
-
-    def take(self, n: int) -> list[Problem]:
-        return [self._next() for _ in range(n)]
+    def train(self) -> list[Problem]:
+        excluded = self.heldout_pairs()
+        return [self.make(a, b) for a in range(self.max_operand + 1) for b in range(self.max_second_operand + 1)
+                if (a, b) not in excluded]
 
 
-# --------------------------------------------------------------------------------------------------
-# The task as the recipes use it: rewards of sampled responses, held-out evaluation, the warm start.
+def chat_row(problem: Problem) -> dict[str, Any]:
+    """One prompt row: the sum as the answer, a user message as the prompt."""
+    return {"prompt": [{"role": "user", "content": problem.prompt}], "answer": str(problem.answer), "data_source": "arithmetic"}
 
 
-def score_responses(batch: RolloutBatch, problems: list[Problem], tokenizer: Any) -> Tensor:
-    """Rule-based reward per row: 1.0 for the exact sum, else 0.0 (row i answers ``problems[group_ids[i]]``)."""
-    texts = decode_responses(tokenizer, batch)
-    answers = [problems[g].answer for g in batch.group_ids.tolist()]
-    return torch.tensor([arithmetic_reward(t, a) for t, a in zip(texts, answers)], dtype=torch.float32)
-
-
-@torch.no_grad()
-def evaluate(rollout: Any, tokenizer: Any, problems: list[Problem], sampling: SamplingConfig, env: Any, *, seed: int = 10_007) -> float:
-    """Success rate on ``problems`` (each rank scores its share; counts are all-reduced over ``env.group``).
-
-    With ``sampling.temperature == 0`` this is greedy accuracy; otherwise the mean over ``sampling.n``
-    samples per problem.
-    """
-    mine = problems[env.rank :: env.world_size]
-    batch = generate(rollout, [tokenizer.encode(p.prompt) for p in mine], sampling, seed=seed + env.rank)
-    correct = score_responses(batch, mine, tokenizer).sum()
-    if env.world_size > 1:
-        dist.all_reduce(correct, group=getattr(env, "group", None))
-    return float(correct) / (len(problems) * sampling.n)
-
-
-@attrs.frozen
-class WarmStartConfig(SFTConfig):
-    """The generic SFT stage's settings (``steps``, ``batch_size``, ``optim``) plus the task's label noise."""
-
-    #: fraction of the supervised examples whose answer is replaced by a wrong one (the right sum plus
-    #: or minus 1..9): a controlled imperfection. The policy learns the answer format without being
-    #: sharpened on its own mistakes, so RL's samples still disagree within a group (see README)
-    wrong_answer_fraction: float = attrs.field(default=0.0)
-
-    @wrong_answer_fraction.validator
-    def _check_fraction(self, attribute: attrs.Attribute, value: float) -> None:
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"warm_start.wrong_answer_fraction must be in [0, 1), got {value}")
-
-
-def with_wrong_answers(problems: list[Problem], fraction: float, rng: random.Random) -> list[Problem]:
-    """``problems`` with each answer, with probability ``fraction``, moved by a nonzero offset in
-    [-9, 9] (reflected to stay >= 0). The prompts are unchanged."""
-    out = []
-    for p in problems:
-        if rng.random() < fraction:
+def sft_rows(problems: list[Problem], count: int, wrong_answer_fraction: float, seed: int) -> Iterator[dict[str, Any]]:
+    """``count`` (prompt, response) rows drawn from ``problems``; each answer is, with probability
+    ``wrong_answer_fraction``, moved by a nonzero offset in [-9, 9] (reflected to stay >= 0)."""
+    if not 0.0 <= wrong_answer_fraction < 1.0:
+        raise ValueError(f"wrong_answer_fraction must be in [0, 1), got {wrong_answer_fraction}")
+    rng = random.Random(f"sft-{seed}")
+    for _ in range(count):
+        p = rng.choice(problems)
+        answer = p.answer
+        if rng.random() < wrong_answer_fraction:
             offset = rng.choice([d for d in range(-9, 10) if d != 0])
-            wrong = p.answer + offset if p.answer + offset >= 0 else p.answer - offset
-            p = attrs.evolve(p, answer=wrong)
-        out.append(p)
+            answer = answer + offset if answer + offset >= 0 else answer - offset
+        yield {"prompt": [{"role": "user", "content": p.prompt}], "response": str(answer)}
+
+
+def write_dataset(out_dir: str | Path, task: ArithmeticTask = ArithmeticTask(), *, sft_examples: int = 19_200,
+                  wrong_answer_fraction: float = 0.5, seed: int = 0) -> Path:
+    """Write ``train.jsonl``, ``val.jsonl`` and ``sft.jsonl`` into ``out_dir`` (see the module doc)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train = task.train()
+    files = {
+        "train.jsonl": map(chat_row, train),
+        "val.jsonl": map(chat_row, task.heldout()),
+        "sft.jsonl": sft_rows(train, sft_examples, wrong_answer_fraction, seed),
+    }
+    for name, rows in files.items():
+        tmp = out / f"{name}.tmp"
+        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        tmp.replace(out / name)
     return out
 
 
-def sft_examples(problems: list[Problem], tokenizer: Any) -> list[SFTExample]:
-    """(prompt, answer + EOS) token-id examples: the model learns to write the answer, then stop."""
-    return [
-        SFTExample(tokenizer.encode(p.prompt), tokenizer.encode(str(p.answer)) + [tokenizer.eos_token_id])
-        for p in problems
-    ]
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="runs/data/arithmetic", help="directory for train.jsonl, val.jsonl, sft.jsonl")
+    parser.add_argument("--max-operand", type=int, default=99)
+    parser.add_argument("--max-second-operand", type=int, default=9)
+    parser.add_argument("--num-heldout", type=int, default=100)
+    parser.add_argument("--sft-examples", type=int, default=19_200)
+    parser.add_argument("--wrong-answer-fraction", type=float, default=0.5)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    task = ArithmeticTask(max_operand=args.max_operand, max_second_operand=args.max_second_operand, num_heldout=args.num_heldout)
+    out = write_dataset(args.out, task, sft_examples=args.sft_examples, wrong_answer_fraction=args.wrong_answer_fraction,
+                        seed=args.seed)
+    print(f"wrote {out}/train.jsonl ({task.num_pairs - task.num_heldout} prompts), val.jsonl ({task.num_heldout}), "
+          f"sft.jsonl ({args.sft_examples})")
 
 
-def warm_start(
-    state: Any, stream: TrainStream, tokenizer: Any, cfg: WarmStartConfig, *, data_parallel: tuple[int, int],
-    update_fn: Any = update, metrics_log: Any = None, show_progress: bool = False,
-) -> Any:
-    """The SFT stage on ``cfg.steps`` batches of problems drawn from ``stream`` (the same on every rank),
-    with ``cfg.wrong_answer_fraction`` of the answers made wrong. ``state`` must have been built with
-    ``backends.training.sft.sft_optim(cfg)``; ``update_fn`` / ``data_parallel``: the engine's."""
-    noise = random.Random(f"wrong-answers-{stream.seed}-{stream.drawn}")  # the same draws on every rank
-
-    def next_examples(step: int) -> list[SFTExample]:
-        problems = stream.take(cfg.batch_size)
-        if cfg.wrong_answer_fraction > 0:
-            problems = with_wrong_answers(problems, cfg.wrong_answer_fraction, noise)
-        return sft_examples(problems, tokenizer)
-
-    return run_sft(state, next_examples, cfg, pad_token_id=tokenizer.pad_token_id, data_parallel=data_parallel,
-                   update_fn=update_fn, metrics_log=metrics_log, show_progress=show_progress)
+if __name__ == "__main__":
+    main()

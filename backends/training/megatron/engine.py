@@ -65,7 +65,7 @@ from backends.training.megatron.vocab_parallel import vocab_parallel_logprobs
 from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
 from rlfunc import schedules
 from rlfunc.aggregation import local_normalizers
-from rlfunc.batch import RolloutBatch
+from rlfunc.batch import RolloutBatch, loss_tokens
 
 __all__ = [
     "MegatronConfig",
@@ -305,7 +305,7 @@ def build_critic(
 
 
 def fresh_optimizer(state: MegatronState, optim: OptimConfig) -> MegatronState:
-    """Same weights, a new optimizer and LR schedule (the recipe's RL phase after a warm start).
+    """Same weights, a new optimizer and LR schedule (the recipe's RL phase after an SFT stage).
 
     On the GPU schedule the state's DDP wrapper stays: the new optimizer is built over its gradient
     buffers. (A second wrapper would point every ``main_grad`` at new buffers while the state's module,
@@ -497,7 +497,7 @@ def update(
     cfg = state.cfg
     mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
     norms, (num_tokens, num_seqs, n_max) = gather_counts(
-        local_normalizers(batch.response_mask), len(mbs), group=state.dp_group, group_size=state.dp_size,
+        local_normalizers(loss_tokens(batch)), len(mbs), group=state.dp_group, group_size=state.dp_size,
         device=state.env.device,
     )
     if cfg.trim_padding:

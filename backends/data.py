@@ -1,0 +1,284 @@
+"""Prompt datasets from files: JSONL, parquet or a saved ``datasets`` dir, checked and tokenised up front.
+
+A row holds a prompt (``data.prompt_key``: a string, or a chat in verl's format
+``[{"role": "user", "content": ...}, ...]``), a ground truth (``data.answer_key``; a dotted key such as
+``reward_model.ground_truth`` reads verl's nested column) and any other columns, which reach the reward
+function as keyword arguments. ``data_source`` (``data.source_key``) names the row's source, which routes
+rewards and splits evaluation metrics.
+
+:func:`load_examples` reads every file, checks every row and tokenises every prompt before any training:
+a file that does not parse, a row without the prompt or the answer, a message without a role, or a
+prompt longer than ``data.max_prompt_length`` under ``truncation=error`` is a :class:`DataError` that
+names the file and the row. Chat prompts go through ``tokenizer.apply_chat_template`` (with the
+generation prompt); string prompts are tokenised as they are.
+
+:class:`PromptStream` serves the examples in a seeded order, reshuffled every epoch; its position is one
+integer (``drawn``), which checkpoints record for exact resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+from typing import Any, Iterator, Literal, Mapping, Sequence
+
+import attrs
+
+__all__ = [
+    "CHAT_ROLES", "DataConfig", "DataError", "Example", "LoadReport", "PromptStream", "column_value", "load_examples",
+    "prompt_token_ids", "read_rows",
+]
+
+#: the message roles a chat prompt may hold
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """A data file or row that cannot be used; the message names the file and the row."""
+
+
+@attrs.frozen
+class DataConfig:
+    """Where the prompts come from and how they become token ids."""
+
+    train_files: tuple[str, ...] = ()  #: training data: .jsonl / .json (one object per line), .parquet, or a saved datasets dir
+    val_files: tuple[str, ...] = ()  #: held-out data for evaluation (same format); empty: no evaluation
+    prompt_key: str = "prompt"  #: column holding the prompt: a string or a list of {role, content} messages
+    answer_key: str = "answer"  #: column of the ground truth given to the reward (dotted for nested: reward_model.ground_truth); empty: none
+    source_key: str = "data_source"  #: column naming the row's source (routes rewards, splits eval metrics); rows without it: "default"
+    max_prompt_length: int = attrs.field(default=512, validator=attrs.validators.ge(1))  #: longest prompt in tokens, after the chat template
+    #: what a longer prompt does: error (stop, naming the row), left / right (keep the last / first
+    #: max_prompt_length tokens), filter (drop the row and count it)
+    truncation: Literal["error", "left", "right", "filter"] = "error"
+    shuffle: bool = True  #: reshuffle the training rows every epoch (seeded by the run's seed)
+    #: auto: chat prompts through the tokenizer's chat template; none: no template (chat prompts are an
+    #: error); a path: that Jinja template file instead of the tokenizer's
+    chat_template: str = "auto"
+
+
+@attrs.frozen(eq=False)
+class Example:
+    """One prompt, ready to sample from: its token ids, ground truth and the row's other columns."""
+
+    prompt_ids: tuple[int, ...]
+    ground_truth: Any  #: the answer_key value (None without an answer_key)
+    source: str  #: the data_source column ("default" when the row has none)
+    columns: Mapping[str, Any]  #: every column but the prompt and the answer (data_source included)
+    where: str  #: file and row, for messages: "train.jsonl:line 3" / "data.parquet[row 2]"
+
+
+@attrs.frozen
+class LoadReport:
+    """What :func:`load_examples` did with the rows."""
+
+    rows: int  #: rows read
+    kept: int  #: examples returned
+    filtered: int  #: rows dropped by truncation=filter
+    truncated: int  #: prompts cut by truncation=left / right
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(where, row)`` for every row of a JSONL / JSON-lines, parquet or saved-``datasets`` file or dir."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    if path.is_dir():
+        yield from _dataset_dir_rows(path)
+    elif path.suffix in (".jsonl", ".json"):
+        yield from _jsonl_rows(path)
+    elif path.suffix == ".parquet":
+        yield from _parquet_rows(path)
+    else:
+        raise DataError(f"{path}: unknown data format {path.suffix!r} (use .jsonl, .parquet or a saved datasets dir)")
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:line {number}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+            yield where, row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a damaged or foreign file
+        raise DataError(f"{path}: cannot read as parquet ({type(e).__name__}: {e})") from None
+    for index, row in enumerate(table.to_pylist()):
+        yield f"{path}[row {index}]", row
+
+
+def _dataset_dir_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: not a dataset saved with datasets' save_to_disk ({type(e).__name__}: {e})") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = ", ".join(f"{path / s}" for s in loaded)
+        raise DataError(f"{path}: a DatasetDict with splits {list(loaded)}; give one split's dir: {splits}")
+    for index, row in enumerate(loaded):
+        yield f"{path}[row {index}]", row
+
+
+# ------------------------------------------------------------------------------------------- checks
+
+
+def column_value(row: Mapping[str, Any], key: str, where: str) -> Any:
+    """``row[key]``, following dots into nested mappings; a missing column names what the row has."""
+    value: Any = row
+    for i, part in enumerate(key.split(".")):
+        if not isinstance(value, Mapping) or part not in value:
+            at = ".".join(key.split(".")[:i]) or "the row"
+            have = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise DataError(f"{where}: no column {key!r} ({at} has {have})")
+        value = value[part]
+    return value
+
+
+def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str]]:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise DataError(f"{where}: {key} is an empty string")
+        return prompt
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        raise DataError(f"{where}: {key} must be a string or a non-empty list of messages, got {type(prompt).__name__}")
+    messages = []
+    for i, message in enumerate(prompt):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise DataError(f"{where}: {key}[{i}] must be a {{'role': ..., 'content': ...}} message, got {message!r:.80}")
+        if message["role"] not in CHAT_ROLES:
+            raise DataError(f"{where}: {key}[{i}] has role {message['role']!r}; known roles: {', '.join(CHAT_ROLES)}")
+        if not isinstance(message["content"], str):
+            raise DataError(f"{where}: {key}[{i}].content must be a string, got {type(message['content']).__name__}")
+        messages.append(dict(message))
+    return messages
+
+
+def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto") -> list[int]:
+    """The token ids the model reads for ``prompt``: a chat through the chat template with the
+    generation prompt (``apply_chat_template``'s ids exactly), a string as the tokenizer encodes it."""
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if chat_template == "none":
+        raise DataError("a chat prompt needs a chat template, and data.chat_template=none")
+    template = None if chat_template == "auto" else Path(chat_template).read_text()
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise DataError("the tokenizer has no chat template for chat prompts; give one with data.chat_template=<jinja file>")
+    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, chat_template=template)
+    return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
+
+
+def _fit_length(ids: list[int], cfg: DataConfig, where: str) -> list[int] | None:
+    """``ids`` within ``cfg.max_prompt_length`` by ``cfg.truncation`` (``None``: filtered out)."""
+    if len(ids) <= cfg.max_prompt_length:
+        return ids
+    if cfg.truncation == "error":
+        raise DataError(
+            f"{where}: the prompt has {len(ids)} tokens, more than data.max_prompt_length={cfg.max_prompt_length} "
+            "(raise it, or set data.truncation=left|right|filter)"
+        )
+    if cfg.truncation == "filter":
+        return None
+    return ids[-cfg.max_prompt_length:] if cfg.truncation == "left" else ids[: cfg.max_prompt_length]
+
+
+def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any) -> tuple[list[Example], LoadReport]:
+    """Every row of ``files`` (in order) as an :class:`Example`, checked and tokenised; see the module doc."""
+    if isinstance(files, str):
+        files = (files,)
+    if cfg.chat_template not in ("auto", "none") and not Path(cfg.chat_template).is_file():
+        raise DataError(f"data.chat_template={cfg.chat_template!r}: no such template file (or use auto / none)")
+    examples: list[Example] = []
+    rows = filtered = truncated = 0
+    for path in files:
+        for where, row in read_rows(path):
+            rows += 1
+            prompt = _check_prompt(column_value(row, cfg.prompt_key, where), where, cfg.prompt_key)
+            answer = column_value(row, cfg.answer_key, where) if cfg.answer_key else None
+            try:
+                ids = prompt_token_ids(prompt, tokenizer, chat_template=cfg.chat_template)
+            except DataError as e:
+                raise DataError(f"{where}: {e}") from None
+            fitted = _fit_length(ids, cfg, where)
+            if fitted is None:
+                filtered += 1
+                continue
+            truncated += len(fitted) < len(ids)
+            top_answer = cfg.answer_key if "." not in cfg.answer_key else None  # a nested answer's column stays
+            columns = {k: v for k, v in row.items() if k not in (cfg.prompt_key, top_answer)}
+            source = row.get(cfg.source_key)
+            examples.append(Example(prompt_ids=tuple(fitted), ground_truth=answer,
+                                    source=str(source) if source not in (None, "") else "default",
+                                    columns=columns, where=where))
+    if rows == 0:
+        raise DataError(f"no rows in {', '.join(map(str, files)) or 'the data files (none given)'}")
+    if not examples:
+        raise DataError(f"all {rows} rows of {', '.join(map(str, files))} are longer than data.max_prompt_length="
+                        f"{cfg.max_prompt_length} and were filtered out")
+    return examples, LoadReport(rows=rows, kept=len(examples), filtered=filtered, truncated=truncated)
+
+
+# ------------------------------------------------------------------------------------------- stream
+
+
+class PromptStream:
+    """The examples in a seeded order, epoch after epoch (reshuffled each epoch when ``shuffle``).
+
+    The position is ``drawn`` (examples taken so far): ``PromptStream(examples, seed=s, drawn=d)`` continues
+    exactly where a stream with the same examples and seed stood after ``d`` draws.
+    """
+
+    def __init__(self, examples: Sequence[Example], *, seed: int, shuffle: bool = True, drawn: int = 0) -> None:
+        if not examples:
+            raise DataError("a prompt stream needs at least one example")
+        if drawn < 0:
+            raise ValueError(f"drawn must be >= 0, got {drawn}")
+        self.examples = list(examples)
+        self.seed = seed
+        self.shuffle = shuffle
+        self.drawn = drawn
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next example comes from (0-based)."""
+        return self.drawn // len(self.examples)
+
+    def _order_of(self, epoch: int) -> list[int]:
+        if epoch != self._order_epoch:
+            order = list(range(len(self.examples)))
+            if self.shuffle:
+                random.Random(f"prompt-stream-{self.seed}-{epoch}").shuffle(order)
+            self._order, self._order_epoch = order, epoch
+        return self._order
+
+    def take(self, n: int) -> list[Example]:
+        """The next ``n`` examples (crossing into the next epoch when this one runs out)."""
+        out = []
+        for _ in range(n):
+            epoch, index = divmod(self.drawn, len(self.examples))
+            out.append(self.examples[self._order_of(epoch)[index]])
+            self.drawn += 1
+        return out
+
+    def steps_per_epoch(self, per_step: int) -> int:
+        """Steps of ``per_step`` examples that one epoch gives (the last one may cross into the next)."""
+        return math.ceil(len(self.examples) / per_step)

@@ -1,0 +1,1 @@
+"""Converters from public data sets, as a user downloads them, to the recipes' data format."""

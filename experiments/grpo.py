@@ -1,0 +1,420 @@
+"""GRPO (and the other group-relative estimators and policy losses of rlfunc) on your data, your reward, your model.
+
+Run:  python experiments/grpo.py data.train_files=train.jsonl data.val_files=val.jsonl reward.fn=my_reward.py:score
+      torchrun --standalone --nproc_per_node 2 experiments/grpo.py ...          (FSDP2 over 2 ranks)
+      ... model.path=/path/to/hf_dir            a local Llama / Qwen2 checkpoint (default: a tiny random model)
+      ... preset=demo/arithmetic                the demo (`make demo` writes its data first)
+      --help lists every key with its default and meaning.
+
+Data: JSONL, parquet or a saved datasets dir; ``data.prompt_key`` holds a string or chat messages (rendered by
+the tokenizer's chat template), ``data.answer_key`` the ground truth, every other column reaches the reward.
+Reward: ``reward.fn`` names built-ins (exact, arithmetic, gsm8k, boxed, math, format) or your own
+``fn(response, ground_truth, **columns) -> float | dict`` as ``package.module:function`` / ``file.py:function``.
+Algorithm pieces by name or reference, resolved at start-up (a misspelling fails before any work):
+      ... algo.estimator=rloo algo.policy_loss=gspo algo.estimator=my_pkg.advantages:centered
+DAPO: ``algo.dynamic_sampling=true``, ``reward.overlong_buffer_len=...``, ``algo.overlong_filter=true``,
+``algo.clip_high=0.28``, ``algo.agg=token-mean``.
+Checkpoints and exact resume: ``checkpoint.every=50`` then ``resume=auto`` (same run dir, same metrics).
+
+Reads top to bottom: config -> data and reward (checked) -> model -> [SFT] -> held-out eval -> RL loop
+[rollout + reward (dynamic sampling) -> log-probs -> advantages -> policy update -> weight sync -> log / eval /
+checkpoint] -> held-out eval -> HF export -> summary.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import attrs
+import torch
+import torch.distributed as dist
+
+import rlfunc as rf
+from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
+from backends.checkpoint.resume import CheckpointConfig
+from backends.config import ConfigError, apply_overrides, config_help, resolve_function
+from backends.cpu import tune_process
+from backends.data import DataConfig, PromptStream
+from backends.distributed.collectives import all_reduce_sum
+from backends.distributed.placement import concat_padded
+from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
+from backends.models import ModelConfig, load_tokenizer
+from backends.rewards import RewardConfig, RewardScorer
+from backends.rollout.api import RolloutConfig, build_rollout, decode_responses, generate, shutdown_rollout, sync_weights
+from backends.rollout.evaluation import EvalConfig
+from backends.training.engines import select_engine
+from backends.training.fsdp import FSDPConfig
+from backends.training.fsdp_state import compute_dtype
+from backends.training.lora import LoraConfig
+from backends.training.optim import OptimConfig, with_total_steps
+from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
+from backends.training.reward_model import score as reward_model_score
+from backends.training.sft import SFTConfig
+from experiments.stages import (
+    dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
+)
+
+PRESETS = Path(__file__).resolve().parent / "presets"
+
+
+@attrs.frozen
+class AlgoConfig:
+    #: an outcome estimator over groups: a name of rlfunc.ADVANTAGE_ESTIMATORS that takes group_ids (grpo,
+    #: rloo, reinforce_pp_baseline, ...) or a reference package.module:function / path/to/file.py:function
+    estimator: str = "grpo"
+    norm_by_std: bool = True  #: grpo only: divide by the group's std (false: Dr.GRPO)
+    #: a name of rlfunc.POLICY_LOSSES (vanilla = PPO clip, gspo, cispo, gmpo, ...) or a reference
+    policy_loss: str = "vanilla"
+    clip_low: float = 0.2  #: PPO ratio clip below 1
+    clip_high: float = 0.28  #: PPO ratio clip above 1 (DAPO's clip-higher)
+    agg: str = "token-mean"  #: loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
+    kl_coef: float = 0.0  #: > 0 adds kl_coef * KL(policy || reference) to the loss; the reference is the starting policy
+    kl_kind: str = "k3"  #: the KL estimator: k1, k2, k3 (low-variance), ...
+    entropy_coef: float = 0.0  #: > 0 subtracts entropy_coef * the aggregated token entropy (verl's entropy_coeff)
+    ppo_epochs: int = 1  #: passes over each batch
+    mini_batches: int = 1  #: optimizer steps per pass
+    rollout_is: Literal["none", "token", "sequence"] = "none"  #: truncated importance weights for the rollout / trainer mismatch (TIS)
+    rollout_is_cap: float = 2.0  #: the TIS truncation
+    #: rows whose advantages are all 0 get no forward / backward (they still count in the normalisers, so the
+    #: gradient is unchanged); applied only where exact: an advantage-proportional built-in loss, no KL / entropy
+    skip_zero_advantage: bool = True
+    #: DAPO: keep only groups whose samples got different scores, drawing more prompts until the batch is full
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))  #: dynamic sampling's generation rounds per step at most (then the batch fills up with what was drawn)
+    overlong_filter: bool = False  #: DAPO: responses cut off by rollout.max_new_tokens carry no loss
+
+
+@attrs.frozen
+class ActorConfig:
+    optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0)  #: the RL optimizer
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: sharding, micro-batches, precision (the reference uses it too)
+    backend: str = "fsdp"  #: fsdp (data parallel) or megatron (tensor / pipeline parallel: actor.tp, actor.pp)
+    tp: int = 1  #: megatron tensor-parallel size
+    pp: int = 1  #: megatron pipeline-parallel size
+    lora: LoraConfig = LoraConfig()  #: train a LoRA adapter instead of every weight (actor.lora.rank > 0)
+
+
+@attrs.frozen
+class Config:
+    name: str = "grpo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
+    seed: int = 0  #: seeds the data order, the sampling and the weights of a tiny model
+    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files; 0: evaluate only
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
+    prompts_per_step: int = 32  #: prompts per RL step, over all ranks (verl's data.train_batch_size)
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
+    log_every: int = 10  #: console line every N steps
+    dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)
+    export_hf: bool = True  #: write the trained actor as an HF dir (runs/<run>/final_model) at the end
+    run_root: str = "runs"  #: where run dirs go
+    run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
+    resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
+    checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
+    model: ModelConfig = ModelConfig()  #: the starting policy
+    data: DataConfig = DataConfig()  #: the prompts
+    reward: RewardConfig = RewardConfig()  #: the reward functions
+    reward_model: RewardModelConfig = RewardModelConfig()  #: an optional learned reward, added to the reward functions' score
+    eval: EvalConfig = EvalConfig()  #: held-out evaluation
+    sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
+    actor: ActorConfig = ActorConfig()  #: the trained policy
+    ref_log_prob_micro_batch_size: int = 64  #: rows per reference forward (with algo.kl_coef > 0)
+    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
+    algo: AlgoConfig = AlgoConfig()  #: the algorithm
+
+
+#: keys that may differ between a run and its resumption (where things go and how they are logged)
+RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "eval", "logger", "log_every", "dump_generations_every")
+CONSOLE_KEYS = ("reward_mean", "success_rate", "kl", "entropy", "clip_frac", "grad_norm", "response_length", "step_time_s")
+
+
+def main(argv: list[str]) -> dict:
+    tune_process()  # process-wide allocator / oneDNN settings: before any model is built
+    if "--help" in argv or "-h" in argv:
+        print(__doc__ + "\nconfig keys (key = default: meaning):\n" + config_help(Config()))
+        return {}
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
+    estimator, estimator_kwargs, policy_loss = resolve_algorithm(cfg.algo)  # so does an unknown estimator / loss
+    scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
+    engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
+    build_kwargs = cfg.actor.lora.build_kwargs(cfg.actor.backend)
+    env = init_distributed()
+    log = get_logger("grpo", env)
+    seed_everything(cfg.seed)
+    check_batch_shape(cfg, env.world_size)
+    run = prepare_run(cfg, env, RESUMABLE_KEYS)
+    tokenizer = load_tokenizer(run.model_path)
+    data = load_run_data(cfg, tokenizer, scorer, log, needs_train=cfg.steps != 0)  # bad data fails here, before any model
+    if cfg.steps == 0:
+        return evaluate_only(cfg, run, data, tokenizer, scorer, env)
+    steps = cfg.steps or cfg.epochs * PromptStream(data.train, seed=cfg.seed).steps_per_epoch(cfg.prompts_per_step)
+    mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
+    rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
+    t_start = time.time()
+
+    actor = start_actor(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs=build_kwargs)
+    ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
+    reward_model = build_reward_model(cfg.reward_model.path, env, cfg.reward_model) if cfg.reward_model.path else None
+    reference = None
+    if cfg.algo.kl_coef > 0:
+        reference = engine.build_reference(run.policy_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    first_step, wall_before, before, last_eval = 1, 0.0, {}, {}
+    if run.resume_from is None:
+        before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env) if cfg.eval.before_training else {}
+        mlog.log(0, before)
+    else:  # the actor's weights, AdamW state and step, every rank's RNG, and what the loop carries
+        states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
+        actor, first_step, before, wall_before = states[ckpt_name], extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]
+        stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
+        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+
+    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
+    skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
+    on_policy = rollout_logprobs_are_current(cfg, env.device)  # else the trainer recomputes the log-probs before the update
+    for step in range(first_step, steps + 1):
+        t0 = time.time()
+        # 1. rollout and reward: n samples for this rank's share of the prompts (dynamic sampling draws more)
+        batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor, reward_model)
+        t_rollout = time.time() - t0
+        # 2. log-probs of the sampled tokens under the current policy (and the reference)
+        batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else engine.compute_logprobs(actor, batch).logprobs)
+        if reference is not None:
+            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
+        # 3. group-relative advantages (pure rlfunc; all n samples of a prompt live on one rank)
+        adv, ret = estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs)
+        batch = batch.replace(advantages=adv, returns=ret)
+        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
+        # 4. policy update(s): ppo_epochs x mini_batches optimizer steps
+        t_update = time.time()
+        for _ in range(cfg.algo.ppo_epochs):
+            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
+                actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
+        # 5. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
+        t_sync = time.time()
+        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        times = {"step_time_s": time.time() - t0, "rollout_time_s": t_rollout, "update_time_s": t_sync - t_update,
+                 "sync_time_s": time.time() - t_sync}
+
+        # 6. log, evaluate, dump generations, checkpoint (the actor sharded with AdamW, RNG, the data position)
+        stats = {**sample_stats, **step_stats(batch, skip, times, engine.data_parallel(actor)[1]), **metrics}
+        if cfg.eval.every and step % cfg.eval.every == 0:
+            last_eval = {"step": step, **evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)}
+            stats.update({k: v for k, v in last_eval.items() if k != "step"})
+        mlog.log(step, stats)
+        if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
+            dump_generations(run, step, tokenizer, batch, rows)
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps):
+            extra = {"step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir), "eval_before": before,
+                     "wall_seconds": wall_before + time.time() - t_start}
+            save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
+
+    if last_eval.get("step") == steps:  # the last step's evaluation is the final one
+        after = {k: v for k, v in last_eval.items() if k != "step"}
+    else:
+        after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+        mlog.log(steps, after)
+    if cfg.export_hf:
+        engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
+    summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
+    mlog.close()
+    scorer.close()
+    shutdown_rollout(rollout)
+    shutdown(env)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up checks.
+
+
+def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Callable]:
+    """``(estimator, its extra keyword arguments, policy loss)`` from their config names or references."""
+    # the built-ins that fit the loop: outcome estimators over groups of samples (not gae, reinforce_pp, remax)
+    group_estimators = {name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items() if "group_ids" in inspect.signature(fn).parameters}
+    aliases = {alias: name for alias, name in rf.ADVANTAGE_ESTIMATOR_ALIASES.items() if name in group_estimators}
+    estimator = resolve_function(algo.estimator, group_estimators, "algo.estimator", aliases=aliases)
+    loss_aliases = {name.replace("_", "-"): name for name in rf.POLICY_LOSSES if "_" in name}  # clip-cov = clip_cov
+    policy_loss = resolve_function(algo.policy_loss, rf.POLICY_LOSSES, "algo.policy_loss", aliases=loss_aliases)
+    estimator_kwargs = {"norm_by_std": algo.norm_by_std} if estimator is rf.ADVANTAGE_ESTIMATORS["grpo"] else {}
+    return estimator, estimator_kwargs, policy_loss
+
+
+def check_batch_shape(cfg: Config, world_size: int) -> None:
+    if cfg.prompts_per_step % world_size:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world_size}")
+    if cfg.algo.mini_batches > cfg.prompts_per_step * cfg.rollout.n // world_size:
+        raise ConfigError(f"algo.mini_batches={cfg.algo.mini_batches} is more than the rows a rank has per step")
+
+
+def zero_advantage_rows_are_skippable(algo: AlgoConfig, policy_loss: Callable) -> bool:
+    """Whether zero-advantage rows add exactly nothing to the loss and its gradient: a built-in policy loss
+    whose per-token term is a multiple of the advantage, and no KL or entropy term."""
+    proportional = {rf.POLICY_LOSSES[name] for name in rf.ADVANTAGE_PROPORTIONAL_LOSSES}
+    return algo.skip_zero_advantage and policy_loss in proportional and algo.kl_coef == 0 and algo.entropy_coef == 0
+
+
+def rollout_logprobs_are_current(cfg: Config, device: torch.device) -> bool:
+    """Whether the rollout's log-probs can stand in for the trainer's: one update per batch, no TIS, and the
+    same numerics on both sides (the native engine and the FSDP trainer both in fp32). Elsewhere (bf16,
+    vLLM's kernels) the PPO ratio of the only update would be numeric noise around 1, so the trainer recomputes."""
+    fp32_trainer = cfg.actor.backend == "fsdp" and compute_dtype(cfg.actor.fsdp, device) == torch.float32
+    return (cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1 and cfg.algo.rollout_is == "none"
+            and cfg.rollout.engine == "native" and cfg.rollout.dtype == "float32" and fp32_trainer)
+
+
+def evaluate_only(cfg: Config, run: Any, data: Any, tokenizer: Any, scorer: RewardScorer, env: Any) -> dict:
+    """``steps=0``: the starting policy's held-out metrics, and nothing else."""
+    t0 = time.time()
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
+    after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+    summary = summarize(cfg, run, env, {}, after, steps=0, wall=time.time() - t0, title="GRPO")
+    scorer.close()
+    shutdown_rollout(rollout)
+    shutdown(env)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling: rollout, reward, DAPO's dynamic sampling and overlong shaping.
+
+
+def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, tokenizer: Any, cfg: Config, step: int,
+                     engine: Any, actor: Any, reward_model: Any = None) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
+    """This rank's scored batch for ``step``, the example of each row, and sampling metrics.
+
+    Every round draws ``prompts_per_step`` prompts (this rank samples its share). With dynamic sampling, only
+    groups whose scores differ are kept, and rounds continue until every rank holds its share of informative
+    groups or ``algo.max_sampling_rounds`` is reached; a rank still short then fills up with the last round's
+    other groups (zero advantage: no gradient under GRPO). Every rank runs the same number of rounds.
+    """
+    dp_rank, dp_size = engine.data_parallel(actor)
+    share = cfg.prompts_per_step // dp_size
+    kept: list[tuple[rf.RolloutBatch, list]] = []
+    num_kept, rounds, drawn = 0, 0, 0
+    spare: tuple[rf.RolloutBatch, list] | None = None
+    for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
+        examples = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
+        drawn += cfg.prompts_per_step
+        seed = ((cfg.seed * 1_000_003 + step) * 64 + rounds) * dp_size + dp_rank
+        groups = torch.arange(len(examples)) + (rounds - 1) * share
+        batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed, group_ids=groups)
+        batch = engine.share_batch(actor, batch)
+        rows = [examples[g - (rounds - 1) * share] for g in batch.group_ids.tolist()]
+        batch, reward_metrics = score_batch(batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
+        if not cfg.algo.dynamic_sampling:
+            return batch, rows, mean_over_ranks(reward_metrics)
+        informative = rf.informative_groups(batch.scores, group_ids=batch.group_ids)
+        take, rest = _first_groups(batch.group_ids, informative, share - num_kept)
+        kept.append((rf.select(batch, take), [rows[i] for i in take.tolist()]))
+        spare = (rf.select(batch, rest), [rows[i] for i in rest.tolist()])
+        num_kept += len(set(batch.group_ids[take].tolist()))
+        if all_reduce_sum(torch.tensor([float(num_kept < share)])).item() == 0:
+            break
+    if num_kept < share and spare is not None:  # the cap was reached: fill up with uninformative groups
+        fill, _ = _first_groups(spare[0].group_ids, torch.ones(len(spare[1]), dtype=torch.bool), share - num_kept)
+        kept.append((rf.select(spare[0], fill), [spare[1][i] for i in fill.tolist()]))
+    batch = concat_padded([b for b, _ in kept if rf.batch_size(b) > 0] or [kept[0][0]])
+    rows = [r for _, part in kept for r in part]
+    stats = {"sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
+             "sampling/informative_groups": float(num_kept) / share, **reward_metrics}
+    return batch, rows, mean_over_ranks(stats)
+
+
+def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
+    """Each metric averaged over the ranks that have it (one small object all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return metrics
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, metrics)
+    keys = dict.fromkeys(k for m in every for k in m)
+    return {k: sum(m[k] for m in every if k in m) / sum(k in m for m in every) for k in keys}
+
+
+def _first_groups(group_ids: torch.Tensor, keep: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices of the first ``count`` groups (in row order) among the rows ``keep`` marks, and the rest."""
+    chosen: list[int] = []
+    for g in group_ids[keep].tolist():
+        if g not in chosen and len(chosen) < count:
+            chosen.append(g)
+    taken = torch.isin(group_ids, torch.tensor(chosen, dtype=group_ids.dtype)) & keep
+    return taken.nonzero().squeeze(-1), (~taken).nonzero().squeeze(-1)
+
+
+def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokenizer: Any, cfg: Config,
+                eos_token_ids: tuple[int, ...], reward_model: Any = None) -> tuple[rf.RolloutBatch, dict[str, float]]:
+    """The batch with its scores (the reward functions, plus a reward model's weighted score and DAPO's overlong
+    shaping), the reward functions' success rate and, with the overlong filter, a loss mask without truncated
+    responses."""
+    result = scorer.score(decode_responses(tokenizer, batch), rows)
+    scores, extra = result.scores, {}
+    if reward_model is not None:
+        learned = reward_model_score(reward_model, batch)
+        scores, extra = combine_rewards(scores, learned, rm_weight=cfg.reward_model.weight), {"reward/model": learned.mean().item()}
+    if cfg.reward.overlong_buffer_len:
+        scores = scores + rf.overlong_penalty(batch.response_mask.sum(-1), max_response_length=cfg.rollout.max_new_tokens,
+                                              buffer_length=cfg.reward.overlong_buffer_len,
+                                              penalty_factor=cfg.reward.overlong_penalty_factor)
+    truncated = rf.truncated_responses(batch.response_ids, response_mask=batch.response_mask, eos_token_ids=eos_token_ids)
+    batch = batch.replace(scores=scores)
+    if cfg.algo.overlong_filter:
+        batch = batch.replace(loss_mask=batch.response_mask & ~truncated[:, None])
+    success = (result.scores >= cfg.reward.max_score).float()
+    metrics = {**result.metrics(), **extra, "success_rate": success.mean().item(), "truncated_rate": truncated.float().mean().item()}
+    return batch, metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics and the loss.
+
+
+def step_stats(batch: rf.RolloutBatch, skip: torch.Tensor | None, times: dict[str, float], dp_size: int) -> dict:
+    """The step's reward, length, throughput and skipped-row share over every rank's rows."""
+    local = torch.stack([
+        batch.scores.sum(), batch.response_mask.sum(-1).float().sum(), torch.tensor(float(rf.batch_size(batch))),
+        (batch.prompt_mask.sum() + batch.response_mask.sum()).float(), skip.float().sum() if skip is not None else torch.zeros(()),
+    ])
+    score_sum, length_sum, rows, num_tokens, skipped = all_reduce_sum(local).tolist()
+    world_per_replica = max(rows, 1.0) / max(float(rf.batch_size(batch)) * dp_size, 1.0)  # megatron peers repeat rows
+    return {
+        "reward_mean": score_sum / max(rows, 1.0), "response_length": length_sum / max(rows, 1.0),
+        "tokens_per_s": num_tokens / world_per_replica / times["step_time_s"], **times, "skipped_rows": skipped / max(rows, 1.0),
+    }
+
+
+def split_rows(rows: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:
+    """A per-row mask split like ``rf.split`` splits the batch (or ``None`` for every part)."""
+    return [None] * parts if rows is None else list(torch.tensor_split(rows, parts))
+
+
+def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, policy_loss, algo: AlgoConfig, horizon: int):
+    """Clipped policy loss, plus ``kl_coef`` times a k-estimator KL to the reference when one is given, minus
+    ``entropy_coef`` times the entropy of the policy. Losses count the loss tokens (``rf.loss_tokens``)."""
+    mask = rf.loss_tokens(mb)
+    is_weights, is_metrics = None, {}
+    if algo.rollout_is != "none":  # trainer / rollout log-prob mismatch: truncated importance weights
+        is_weights, is_metrics = rf.rollout_is_weights(
+            mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, response_mask=mask, level=algo.rollout_is, upper=algo.rollout_is_cap,
+        )
+    loss, metrics = policy_loss(
+        out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.agg, norms=norms, horizon=horizon, is_weights=is_weights,
+    )
+    metrics = {**metrics, **is_metrics}
+    if mb.ref_logprobs is not None:
+        kl, _ = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mask, kind=algo.kl_kind, agg=algo.agg, norms=norms, horizon=horizon)
+        loss = loss + algo.kl_coef * kl
+        metrics["kl"] = kl.detach()
+    if algo.entropy_coef > 0:  # exploration bonus: the entropy is differentiable (rlfunc.entropy_from_logits)
+        loss = loss - algo.entropy_coef * rf.aggregate(out.entropy, mask=mask, mode=algo.agg, norms=norms, horizon=horizon)
+    if out.entropy is not None:
+        metrics["entropy"] = rf.aggregate(out.entropy.detach(), mask=mask, mode="token-mean", norms=norms)
+    return loss, metrics
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,415 @@
+"""PPO (verl's default algorithm: actor + critic + GAE) on your data, your reward, your model.
+
+Run:  python experiments/ppo.py data.train_files=train.jsonl data.val_files=val.jsonl reward.fn=gsm8k
+      torchrun --standalone --nproc_per_node 2 experiments/ppo.py ...           (FSDP2 over 2 ranks)
+      ... model.path=/path/to/hf_dir algo.kl_ctrl=adaptive algo.use_kl_loss=true
+      ... preset=ref/dp_ref actor.optim=@optim/fsdp actor.optim.lr=1e-5     (presets, then overrides)
+      ... actor.backend=megatron actor.tp=2 (or actor.pp=2): the actor and the critic on megatron-core
+      --help lists every key with its default and meaning, and the presets.
+
+Data, reward, evaluation and SFT sections are the GRPO recipe's (``experiments/grpo.py``).
+
+Placement (where the roles run):
+      torchrun --standalone --nproc_per_node 4 experiments/ppo.py placement.mode=split \
+          placement.actor_pool=2 placement.critic_pool=2
+actor + rollout on ranks 0-1, critic + reference on ranks 2-3: batches cross between the pools, and the
+critic update runs at the same time as the actor update and weight sync. Colocated (the default) runs
+every role on every rank. Split runs checkpoint, resume and export like colocated ones.
+
+Checkpoints and exact resume: ``checkpoint.every=10`` then ``resume=auto``. A checkpoint holds the actor and
+the critic (weights + AdamW, sharded), the step, every rank's RNG, the data position and the KL controller.
+
+Reads top to bottom: config -> placement -> data and reward (checked) -> model -> [SFT] -> held-out eval -> RL
+loop [rollout + reward -> log-probs (actor, reference) -> values -> token rewards (score - beta * KL) -> GAE ->
+critic update -> actor update -> weight sync -> log / checkpoint] -> held-out eval -> HF / orbax export ->
+summary. The roles and the batch moves between their pools live in ``backends.training.roles``, so the loop
+is the same under both placements: each phase runs on the ranks that hold its role.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+import rlfunc as rf
+from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
+from backends.checkpoint.orbax import save_orbax
+from backends.checkpoint.resume import CheckpointConfig
+from backends.config import ConfigError, apply_overrides, available_presets, config_help
+from backends.cpu import tune_process
+from backends.data import DataConfig, PromptStream
+from backends.distributed.collectives import all_reduce_sum, barrier, global_masked_whiten
+from backends.distributed.placement import PlacementConfig
+from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
+from backends.models import ModelConfig, load_tokenizer
+from backends.rewards import RewardConfig, RewardScorer
+from backends.rollout.api import RolloutConfig, build_rollout, decode_responses, generate, shutdown_rollout, sync_weights
+from backends.rollout.evaluation import EvalConfig
+from backends.training.engines import select_engine
+from backends.training.fsdp import FSDPConfig, value_loss_fn
+from backends.training.optim import OptimConfig, with_total_steps
+from backends.training.reference import ReferenceConfig
+from backends.training.roles import Roles, build_roles
+from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
+from experiments.stages import (
+    RunData, RunPaths, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, summarize,
+)
+
+PRESETS = Path(__file__).resolve().parent / "presets"
+
+
+@attrs.frozen
+class AlgoConfig:
+    """verl's ``algorithm.*`` (adv_estimator=gae) and ``actor/critic`` PPO settings."""
+
+    gamma: float = 1.0  #: GAE discount
+    lam: float = 0.95  #: GAE lambda
+    clip_ratio: float = 0.2  #: PPO ratio clip (verl's actor.clip_ratio_low / high)
+    clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages (verl's default)
+    agg: str = "token-mean"  #: the actor's loss aggregation (verl's actor.loss_agg_mode)
+    cliprange_value: float = 0.5  #: the critic's value clip (verl's critic.cliprange_value)
+    ppo_epochs: int = 1  #: passes over each batch
+    ppo_mini_batch_size: int = 0  #: prompts per optimizer step (global, x rollout.n rows); 0: the whole step's batch
+    critic_warmup: int = 0  #: steps that train only the critic (its value head starts random)
+    kl_in_reward: bool = True  #: subtract beta * KL(policy || reference) from the token rewards (InstructGPT)
+    kl_penalty: str = "kl"  #: the KL estimator in the reward (kl = k1, abs, mse, low_var_kl, ...)
+    kl_ctrl: str = "fixed"  #: fixed | adaptive: how beta moves
+    kl_coef: float = 0.001  #: the (initial) beta of the controller
+    target_kl: float = 0.1  #: the adaptive controller's target KL
+    horizon: int = 10000  #: the adaptive controller's horizon
+    use_kl_loss: bool = False  #: add a KL term to the actor's loss (GRPO-style) instead of / besides the reward penalty
+    kl_loss_coef: float = 0.001  #: the weight of that term
+    kl_loss_type: str = "low_var_kl"  #: its estimator: k1..k3 / low_var_kl, "+" for straight-through gradients
+
+
+@attrs.frozen
+class ActorConfig:
+    optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0)  #: the actor's RL optimizer
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: the actor's sharding, micro-batches and precision
+    #: fsdp or megatron, for the actor *and the critic* (megatron keeps one tp / pp layout per process)
+    backend: str = "fsdp"
+    tp: int = 1  #: megatron tensor-parallel size
+    pp: int = 1  #: megatron pipeline-parallel size
+
+
+@attrs.frozen
+class CriticConfig:
+    optim: OptimConfig = OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0)  #: the critic's optimizer
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: the critic's sharding and micro-batches
+
+
+@attrs.frozen
+class ExportConfig:
+    hf: bool = True  #: actor and critic as HF dirs (actor_hf, critic_hf) that transformers / vLLM load
+    orbax: bool = False  #: the gathered actor train state as an orbax PyTree (JAX interop)
+
+
+@attrs.frozen
+class Config:
+    name: str = "ppo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
+    seed: int = 0  #: seeds the data order, the sampling, the value head and a tiny model's weights
+    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
+    prompts_per_step: int = 32  #: prompts per RL step, over the actor's ranks
+    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
+    log_every: int = 10  #: console line every N steps
+    dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)
+    run_root: str = "runs"  #: where run dirs go
+    run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
+    resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
+    checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
+    model: ModelConfig = ModelConfig()  #: the starting policy (and the critic's backbone)
+    data: DataConfig = DataConfig()  #: the prompts
+    reward: RewardConfig = RewardConfig()  #: the reward functions
+    eval: EvalConfig = EvalConfig()  #: held-out evaluation
+    sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
+    actor: ActorConfig = ActorConfig()  #: the policy
+    critic: CriticConfig = CriticConfig()  #: the value model
+    reference: ReferenceConfig = ReferenceConfig(log_prob_micro_batch_size=64)  #: the frozen reference (verl's ref/*.yaml)
+    placement: PlacementConfig = PlacementConfig()  #: where the roles run
+    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
+    algo: AlgoConfig = AlgoConfig()  #: the algorithm
+    export: ExportConfig = ExportConfig()  #: what is written at the end
+
+
+#: keys that may differ between a run and its resumption (where things go and how they are logged)
+RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "export", "eval", "logger", "log_every", "dump_generations_every")
+CONSOLE_KEYS = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm", "step_time_s")
+
+
+def main(argv: list[str]) -> dict:
+    tune_process()  # process-wide allocator / oneDNN settings: before any model is built
+    if "--help" in argv or "-h" in argv:
+        print(__doc__ + "\nconfig keys (key = default: meaning):\n" + config_help(Config())
+              + "\npresets (preset=<name> or <section>=@<name>):\n  " + "\n  ".join(available_presets(PRESETS)))
+        return {}
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
+    check_config(cfg)
+    scorer = RewardScorer(cfg.reward)  # an unknown reward function fails here
+    # the training engines of the actor and the critic (a bad name or size fails here, before any work)
+    engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
+    critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
+    env = init_distributed()
+    log = get_logger("ppo", env)
+    seed_everything(cfg.seed)
+    roles = build_roles(cfg.placement, env, engine, critic_engine)  # which ranks hold which roles
+    num_mini = num_mini_batches(cfg, roles.pool_size("actor"))
+    run = prepare_run(cfg, env, RESUMABLE_KEYS)
+    tokenizer = load_tokenizer(run.model_path)
+    data = load_run_data(cfg, tokenizer, scorer, log)  # bad data fails here, before any model
+    steps = cfg.steps or cfg.epochs * PromptStream(data.train, seed=cfg.seed).steps_per_epoch(cfg.prompts_per_step)
+    mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
+    rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * num_mini)
+    critic_optim = with_total_steps(cfg.critic.optim, steps * cfg.algo.ppo_epochs * num_mini)
+    t_start = time.time()
+
+    # The actor (after the SFT stage on a fresh run with SFT data); the critic starts from the policy's backbone
+    # with a fresh (seeded) value head; the frozen reference is the starting policy; the rollout engine on the
+    # actor's ranks holds an unsharded copy of the actor.
+    start_actor(cfg, roles, run, data, tokenizer, rl_optim, mlog)
+    roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
+    if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
+        roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
+    rollout = roles.run_on("actor", None, build_rollout, cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
+    if cfg.checkpoint.every or run.resume_from:
+        roles.checkpoint_states()  # an engine that cannot checkpoint says so here, before any RL work
+    kl_ctrl = (
+        rf.adaptive_kl_controller(cfg.algo.kl_coef, target_kl=cfg.algo.target_kl, horizon=cfg.algo.horizon)
+        if cfg.algo.kl_ctrl == "adaptive" else rf.fixed_kl_controller(cfg.algo.kl_coef)
+    )
+    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    first_step, wall_before, before = 1, 0.0, {}
+    if run.resume_from is None:
+        if cfg.eval.before_training:
+            before = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
+        mlog.log(0, before)
+    else:  # each rank loads the roles it holds (split placement: one pool's)
+        states, extra = load_checkpoint(run.resume_from, roles.checkpoint_states(), config=run.must_match)
+        roles.load_checkpoint_states(states)
+        stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
+        kl_ctrl, first_step = rf.KLControllerState(**extra["kl_ctrl"]), extra["step"] + 1
+        before, wall_before = extra["eval_before"], extra["wall_seconds"]
+        rollout = roles.run_on("actor", None, lambda: sync_weights(rollout, roles.actor_weights()))
+
+    actor_loss = functools.partial(ppo_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
+    critic_loss = value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=cfg.rollout.max_new_tokens)
+    for step in range(first_step, steps + 1):
+        t0 = time.time()
+        # 1-2. rollout (n samples per prompt, this rank's share) and reward, on the actor's ranks
+        batch, rows = roles.run_on("actor", "rollout", sample_and_score, roles, rollout, stream, scorer, tokenizer, cfg, step,
+                                   otherwise=(None, None))
+        # 3. log-probs of the sampled tokens under the current policy
+        batch = roles.old_logprobs(batch)
+        # the batch crosses to the critic's ranks (colocated: nothing moves); reference log-probs, values
+        critic_batch = roles.to_critic(batch)
+        critic_batch = roles.compute_values(roles.reference_logprobs(critic_batch))
+        # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
+        critic_batch, kl_ctrl, kl_stats = roles.run_on("critic", "advantages", advantages, critic_batch, kl_ctrl, cfg,
+                                                       roles.env("critic"), otherwise=(critic_batch, kl_ctrl, {}))
+        # advantages (and reference log-probs) go back to the ranks that sampled the rows
+        batch = roles.to_actor(critic_batch, like=batch)
+        # 5. critic update and (after the critic warm-up) actor update, ppo_epochs x mini-batches each
+        #    (split placement: the two pools run them at the same time)
+        critic_metrics = roles.update_critic(critic_batch, critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini)
+        actor_metrics = []
+        if step > cfg.algo.critic_warmup:
+            actor_metrics = roles.update_actor(batch, actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini, with_entropy=True)
+            # 6. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
+            rollout = roles.run_on("actor", "weight_sync", lambda: sync_weights(rollout, roles.actor_weights()))
+        # the critic's side of the step (KL statistics and controller, metrics, times) reaches the actor's ranks
+        kl_stats, critic_metrics, kl_ctrl = roles.share((kl_stats, critic_metrics, kl_ctrl), "critic")
+        times = roles.step_times()
+
+        # 7. log (and evaluate) on the actor's ranks; checkpoint: every role (sharded, with AdamW), RNG, and
+        #    what the loop carries as the actor's leader knows it (split: each pool saves its own roles)
+        stats = {**kl_stats, **mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in mean_metrics(critic_metrics).items()},
+                 "step_time_s": time.time() - t0, **{f"time/{k}_s": v for k, v in times.items()}}
+        roles.run_on("actor", None, log_step, step, batch, rows, stats, cfg, roles, rollout, tokenizer, data, scorer, run, mlog)
+        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps):
+            extra = roles.share({
+                "step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir),
+                "kl_ctrl": {"beta": kl_ctrl.beta, "target_kl": kl_ctrl.target_kl, "horizon": kl_ctrl.horizon},
+                "eval_before": before, "wall_seconds": wall_before + time.time() - t_start,
+            }, "actor")
+            save_checkpoint(run.ckpt_dir, step, roles.checkpoint_states(), extra, keep_last=cfg.checkpoint.keep_last,
+                            config=run.must_match)
+
+    after = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
+    mlog.log(steps, after)
+    export(cfg, roles, run, tokenizer)
+    summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="PPO",
+                        extra={"placement": cfg.placement.mode})
+    barrier()  # both pools' exports are on disk before anyone returns
+    mlog.close()
+    scorer.close()
+    roles.run_on("actor", None, shutdown_rollout, rollout)
+    shutdown(env)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------
+# Losses and rewards: compositions of pure rlfunc functions. The engine passes the global normalisers.
+
+
+def ppo_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig, horizon: int):
+    """Clipped (dual-clip) PPO surrogate, plus ``kl_loss_coef`` times a KL estimate to the reference."""
+    mask = rf.loss_tokens(mb)
+    loss, metrics = rf.ppo_policy_loss(
+        out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
+        clip_low=algo.clip_ratio, clip_high=algo.clip_ratio, dual_clip=algo.clip_ratio_c, agg=algo.agg, norms=norms,
+        horizon=horizon,
+    )
+    if algo.use_kl_loss:
+        kl, _ = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mask, kind=algo.kl_loss_type,
+                           agg=algo.agg, norms=norms, horizon=horizon)
+        loss = loss + algo.kl_loss_coef * kl
+        metrics = {**metrics, "kl_loss": kl.detach()}
+    if out.entropy is not None:
+        metrics = {**metrics, "entropy": rf.aggregate(out.entropy.detach(), mask=mask, mode="token-mean", norms=norms)}
+    return loss, metrics
+
+
+def advantages(batch: rf.RolloutBatch, kl_ctrl: rf.KLControllerState, cfg: Config, env: Any):
+    """Token rewards (score minus beta * KL to the reference) -> GAE -> whitened advantages, on the ranks
+    of ``env`` (the critic's pool); the KL controller sees the KL averaged over those ranks.
+    Returns ``(batch with token_rewards / advantages / returns, new controller, KL statistics)``."""
+    mask = rf.loss_tokens(batch)
+    token_rewards = outcome_token_rewards(batch.scores, response_mask=batch.response_mask)
+    kl_stats = {}
+    if cfg.algo.kl_in_reward:
+        token_rewards, observed_kl = rf.apply_kl_penalty_to_rewards(
+            token_rewards, logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.response_mask,
+            beta=kl_ctrl.beta, kind=cfg.algo.kl_penalty,
+        )
+        observed_kl = (all_reduce_sum(observed_kl.reshape(1), env.group) / env.world_size)[0]  # the same beta on every rank
+        kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
+        kl_ctrl = rf.update_kl_controller(kl_ctrl, observed_kl=observed_kl, n_steps=cfg.prompts_per_step * cfg.rollout.n)
+    adv, ret = rf.gae(token_rewards, values=batch.values, response_mask=batch.response_mask, gamma=cfg.algo.gamma, lam=cfg.algo.lam)
+    adv = global_masked_whiten(adv, mask, group=env.group)  # the whole batch, all ranks of the pool (as verl)
+    return batch.replace(token_rewards=token_rewards, advantages=adv, returns=ret), kl_ctrl, kl_stats
+
+
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``(b,), (b t) -> (b t)``: each sequence's score on its last response token, 0 elsewhere (verl's
+    ``token_level_scores`` of a rule-based reward)."""
+    last = (response_mask.long().cumsum(-1) == response_mask.sum(-1, keepdim=True)) & response_mask
+    return torch.where(last, scores[:, None].to(torch.float32), torch.zeros((), dtype=torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Set-up, the actor pool's per-step work, export.
+
+
+def check_config(cfg: Config) -> None:
+    """Settings that cannot work together fail here, on every rank, before any model is built."""
+    if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
+        raise ConfigError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
+    if cfg.actor.backend == "megatron" and (cfg.placement.mode == "split" or cfg.export.orbax or cfg.reference.ref_in_actor):
+        raise ConfigError(
+            "actor.backend=megatron needs placement.mode=colocated (megatron's parallel layout spans every rank), "
+            "export.orbax=false and reference.ref_in_actor=false (FSDP features)"
+        )
+    if cfg.placement.mode == "split" and cfg.reference.ref_in_actor:
+        raise ConfigError(
+            "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
+            "the reference lives on the critic pool: use placement.mode=colocated or a separate reference"
+        )
+
+
+def num_mini_batches(cfg: Config, actor_ranks: int) -> int:
+    """Optimizer steps per epoch; the prompts are split over the actor's data-parallel ranks (megatron's
+    TP / PP peers share rows)."""
+    model_parallel = cfg.actor.tp * cfg.actor.pp
+    if actor_ranks % model_parallel:
+        raise ConfigError(f"actor.tp * actor.pp = {model_parallel} must divide the actor's {actor_ranks} rank(s)")
+    world_size = actor_ranks // model_parallel
+    if cfg.prompts_per_step % world_size:
+        raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world_size}")
+    size = cfg.algo.ppo_mini_batch_size or cfg.prompts_per_step
+    if cfg.prompts_per_step % size or size % world_size:
+        raise ConfigError(
+            f"algo.ppo_mini_batch_size={size} must divide prompts_per_step={cfg.prompts_per_step} and be divisible "
+            f"by the world size {world_size}"
+        )
+    return cfg.prompts_per_step // size
+
+
+def start_actor(cfg: Config, roles: Roles, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: OptimConfig, mlog: Any) -> None:
+    """The actor on its ranks: on a fresh run with SFT data, the SFT stage, a fresh RL optimizer and the
+    policy's HF dir (every pool builds from it); otherwise the policy that RL starts from."""
+    if run.resume_from is not None or not data.sft:
+        roles.build_actor(run.policy_path, rl_optim)
+        return
+    engine, sft_total = roles.actor_engine, sft_steps(cfg.sft, len(data.sft))
+    roles.build_actor(run.model_path, sft_optim(cfg.sft, sft_total))
+    examples = PromptStream(data.sft, seed=cfg.seed)
+    roles.map_actor(lambda actor: run_sft(actor, lambda step: examples.take(cfg.sft.batch_size), attrs.evolve(cfg.sft, steps=sft_total),
+                                          pad_token_id=tokenizer.pad_token_id, data_parallel=engine.data_parallel(actor),
+                                          update_fn=engine.update, metrics_log=mlog, show_progress=roles.placement.world.is_main))
+    roles.map_actor(lambda actor: engine.fresh_optimizer(actor, rl_optim))
+    roles.run_on("actor", None, engine.export_hf, roles.actor, run.policy_path, tokenizer=tokenizer, overwrite=True)
+    barrier()  # the policy is on disk for every pool
+
+
+def sample_and_score(roles: Roles, rollout: Any, stream: PromptStream, scorer: RewardScorer, tokenizer: Any, cfg: Config,
+                     step: int) -> tuple[rf.RolloutBatch, list]:
+    """This data-parallel rank's share of the step's prompts, ``n`` samples each (explicit per-step seed),
+    scored by the reward functions, and the example of each row; megatron's TP / PP peers train on their
+    replica's first rank's batch."""
+    dp_rank, dp_size = roles.data_parallel()
+    examples = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
+    seed = (cfg.seed * 1_000_003 + step) * dp_size + dp_rank
+    batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed)
+    batch = roles.actor_engine.share_batch(roles.actor, batch)
+    rows = [examples[g] for g in batch.group_ids.tolist()]
+    result = scorer.score(decode_responses(tokenizer, batch), rows)
+    return batch.replace(scores=result.scores), rows
+
+
+def log_step(step: int, batch: rf.RolloutBatch, rows: list, stats: dict, cfg: Config, roles: Roles, rollout: Any, tokenizer: Any,
+             data: RunData, scorer: RewardScorer, run: RunPaths, mlog: Any) -> None:
+    """On the actor's ranks: the batch's statistics averaged over them, the held-out metrics every
+    ``eval.every`` steps, one metrics row, and the generations every ``dump_generations_every`` steps."""
+    env = roles.env("actor")
+    local = torch.stack([
+        batch.scores.mean(), (batch.scores >= cfg.reward.max_score).float().mean(), batch.response_mask.sum(-1).float().mean(),
+        rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(batch.returns, batch.response_mask),
+        (batch.prompt_mask.sum() + batch.response_mask.sum()).float(),
+    ])
+    reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (
+        all_reduce_sum(local, env.group) / env.world_size
+    ).tolist()
+    stats = {
+        "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
+        "values_mean": values_mean, "returns_mean": returns_mean,
+        "tokens_per_s": num_tokens * roles.data_parallel()[1] / stats["step_time_s"], **stats,
+    }
+    if cfg.eval.every and step % cfg.eval.every == 0:
+        stats.update(evaluate_policy(rollout, tokenizer, data, scorer, cfg, env))
+    mlog.log(step, stats)
+    if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
+        dump_generations(run, step, tokenizer, batch, rows, group=env.group)
+
+
+def mean_metrics(rows: list[dict]) -> dict:
+    """Mean of each engine metric over this step's optimizer steps."""
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def export(cfg: Config, roles: Roles, run: RunPaths, tokenizer: Any) -> None:
+    """HF dirs of the actor (a causal LM) and the critic (a value model), orbax of the actor's train state
+    (gathered over the actor's ranks)."""
+    if cfg.export.hf:
+        roles.export_hf(run.run_dir, tokenizer)
+    if cfg.export.orbax:
+        roles.run_on("actor", None, lambda: save_orbax(roles.actor, run.run_dir / "actor_orbax", overwrite=True))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

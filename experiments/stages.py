@@ -1,0 +1,185 @@
+"""The stages every recipe shares, around its RL loop: the run dir and resume point, the data, the optional
+SFT stage, held-out evaluation, generation dumps, the final export and the summary.
+
+A recipe's config carries the sections these read (``model``, ``data``, ``reward``, ``eval``, ``sft``,
+``checkpoint``, ``logger``, ...), so each recipe keeps only its own algorithm and loop.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+
+import rlfunc as rf
+from backends.checkpoint.files import checkpoint_info
+from backends.checkpoint.resume import checkpoint_dir, resume_point, truncate_metrics
+from backends.config import ConfigError, config_to_dict
+from backends.data import Example, PromptStream, load_examples
+from backends.distributed.setup import barrier
+from backends.metrics_log import MetricsLog, plot_curves, read_jsonl, write_generations
+from backends.models import build_char_tokenizer, write_tiny_model
+from backends.rewards import RewardScorer
+from backends.rollout.common import decode_responses
+from backends.rollout.evaluation import evaluate
+from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
+
+__all__ = [
+    "RunData", "RunPaths", "dump_generations", "evaluate_policy", "load_run_data", "metrics_log", "prepare_run",
+    "start_actor", "summarize",
+]
+
+
+@attrs.frozen
+class RunPaths:
+    """Where this run reads and writes, and the checkpoint it resumes from (``None``: a fresh start)."""
+
+    run_dir: Path
+    ckpt_dir: Path
+    model_path: Path  #: the base model: model.path, or the tiny model written into the run dir
+    #: the policy RL starts from as an HF dir: the SFT stage's export when there is one, else the base model.
+    #: The rollout engine and the reference start from it; a resume loads the checkpoint into its architecture.
+    policy_path: Path
+    resume_from: Path | None
+    must_match: dict  #: the config a checkpoint must have been written with
+
+
+def prepare_run(cfg: Any, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
+    """The resume point (checked against this config before anything is built) and the run dir: rank 0
+    writes the config and, without ``model.path``, the tiny base model; a fresh start begins a new
+    metrics log, a resumed one drops what the crashed run logged after its checkpoint."""
+    must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in resumable_keys}
+    resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir, run_root=cfg.run_root,
+                                        name=cfg.name, must_match=must_match)
+    model_path = Path(cfg.model.path) if cfg.model.path else run_dir / "base_model"
+    run = RunPaths(run_dir=run_dir, ckpt_dir=checkpoint_dir(cfg.checkpoint, run_dir), model_path=model_path,
+                   policy_path=run_dir / "sft_model" if cfg.sft.files else model_path,
+                   resume_from=resume_from, must_match=must_match)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
+        if resume_from is None:
+            (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+            if not cfg.model.path:
+                write_tiny_model(model_path, cfg.model.tiny, build_char_tokenizer(model_max_length=cfg.model.tiny.max_position_embeddings))
+    barrier()
+    return run
+
+
+@attrs.frozen
+class RunData:
+    """Everything read from data files, checked before any model is built."""
+
+    train: list[Example]
+    val: list[Example]
+    sft: list[SFTExample]
+
+
+def load_run_data(cfg: Any, tokenizer: Any, scorer: RewardScorer, log: Any, *, needs_train: bool = True) -> RunData:
+    """The training prompts, the held-out prompts (``eval.files``, else ``data.val_files``) and the SFT
+    examples; a bad file, row or length is an error naming it, before any model is built."""
+    if needs_train and not cfg.data.train_files:
+        raise ConfigError("data.train_files is empty: give your training data (.jsonl / .parquet / a saved datasets "
+                          "dir; see the README), or steps=0 for an evaluation-only run")
+    train, val = [], []
+    if needs_train:
+        train, report = load_examples(cfg.data.train_files, cfg.data, tokenizer)
+        log.info(f"training data: {report.kept} prompts from {report.rows} rows of {', '.join(cfg.data.train_files)}"
+                 f" ({report.filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out,"
+                 f" {report.truncated} truncated)")
+    val_files = cfg.eval.files or cfg.data.val_files
+    if val_files:
+        val, report = load_examples(val_files, cfg.data, tokenizer)
+        log.info(f"held-out data: {report.kept} prompts from {', '.join(val_files)} ({report.filtered} filtered out)")
+    elif not needs_train:
+        raise ConfigError("an evaluation-only run (steps=0) needs held-out data: eval.files or data.val_files")
+    scorer.check_sources(sorted({e.source for e in train + val}))
+    sft = load_sft_examples(cfg.sft, tokenizer, chat_template=cfg.data.chat_template) if cfg.sft.files else []
+    if sft:
+        log.info(f"SFT data: {len(sft)} examples from {', '.join(cfg.sft.files)}")
+    return RunData(train=train, val=val, sft=sft)
+
+
+def start_actor(cfg: Any, engine: Any, env: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
+                metrics_log: MetricsLog, *, build_kwargs: dict | None = None) -> Any:
+    """The actor with the RL optimizer. A fresh start with SFT data runs the SFT stage through the same
+    engine (loss on the response tokens) and exports the result as the policy RL starts from; a resume
+    builds that policy's architecture, which the checkpoint's weights then load into."""
+    kwargs = build_kwargs or {}
+    if run.resume_from is not None or not data.sft:
+        return engine.build_actor(run.policy_path, env, rl_optim, engine.config, **kwargs)
+    steps = sft_steps(cfg.sft, len(data.sft))
+    actor = engine.build_actor(run.model_path, env, sft_optim(cfg.sft, steps), engine.config, **kwargs)
+    stream = PromptStream(data.sft, seed=cfg.seed)
+    actor = run_sft(actor, lambda step: stream.take(cfg.sft.batch_size), attrs.evolve(cfg.sft, steps=steps),
+                    pad_token_id=tokenizer.pad_token_id, data_parallel=engine.data_parallel(actor),
+                    update_fn=engine.update, metrics_log=metrics_log, show_progress=env.is_main)
+    actor = engine.fresh_optimizer(actor, rl_optim)
+    engine.export_hf(actor, run.policy_path, tokenizer=tokenizer)
+    return actor
+
+
+def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: Any, env: Any) -> dict[str, float]:
+    """Held-out metrics (:mod:`backends.rollout.evaluation`), ``{}`` without held-out data."""
+    if not data.val:
+        return {}
+    return evaluate(rollout, tokenizer, data.val, scorer, cfg.eval, env, max_new_tokens=cfg.rollout.max_new_tokens,
+                    seed=cfg.seed * 7919 + 10_007)
+
+
+def metrics_log(cfg: Any, run: RunPaths, env: Any, console_keys: Sequence[str]) -> MetricsLog:
+    """The run's metrics sinks (``logger=...``), writing on the main rank only."""
+    return MetricsLog(run.run_dir, enabled=env.is_main, loggers=cfg.logger, run_name=run.run_dir.name,
+                      config=config_to_dict(cfg), console_keys=console_keys, console_every=cfg.log_every,
+                      always_keys=(f"val/mean@{cfg.eval.n}",))
+
+
+def dump_generations(run: RunPaths, step: int, tokenizer: Any, batch: rf.RolloutBatch, rows: Sequence[Example],
+                     group: Any = None) -> None:
+    """``runs/<run>/generations/step_<step>.jsonl``: every sample of the step (all ranks, gathered to rank 0)
+    with its prompt, response, ground truth, source, score and (sequence-mean) advantage."""
+    mask = rf.loss_tokens(batch)
+    advantage = rf.masked_mean(batch.advantages, mask, dim=-1) if batch.advantages is not None else torch.zeros(len(rows))
+    prompts = [tokenizer.decode(ids[m].tolist()) for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
+    mine = [
+        {"prompt": p, "response": r, "ground_truth": e.ground_truth, "data_source": e.source, "score": s, "advantage": a}
+        for p, r, e, s, a in zip(prompts, decode_responses(tokenizer, batch), rows, batch.scores.tolist(), advantage.tolist())
+    ]
+    gathered = [mine]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+    if not dist.is_initialized() or dist.get_rank() == (dist.get_global_rank(group, 0) if group is not None else 0):
+        write_generations(run.run_dir / "generations" / f"step_{step}.jsonl", [row for part in gathered for row in part])
+
+
+def summarize(cfg: Any, run: RunPaths, env: Any, before: dict[str, float], after: dict[str, float], *, steps: int,
+              wall: float, title: str, extra: dict | None = None) -> dict:
+    """The run's summary (``summary.json``, the curves PNG and one verdict line, written by rank 0);
+    ``extra`` adds the recipe's own entries."""
+    key = f"val/mean@{cfg.eval.n}"
+    summary = {
+        "eval_before": before.get(key), "eval_after": after.get(key),
+        "eval_metric": f"held-out success (score >= reward.max_score={cfg.reward.max_score:g}): mean over "
+                       f"{cfg.eval.n} samples per prompt at temperature {cfg.eval.temperature:g}",
+        "before": before, "after": after, "steps": steps, "wall_seconds": round(wall, 1), "world_size": env.world_size,
+        "resumed_from": str(run.resume_from) if run.resume_from is not None else None, "run_dir": str(run.run_dir),
+        **(extra or {}),
+    }
+    if env.is_main:
+        (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        metrics_file = run.run_dir / "metrics.jsonl"
+        if metrics_file.exists():
+            rows = [r for r in read_jsonl(metrics_file) if r["step"] >= 0]
+            plot_curves(rows, ["reward_mean", key, "kl", "entropy", "clip_frac"], run.run_dir / "reward_curve.png", title=title)
+        if before and after:
+            verdict = "rose" if after[key] > before[key] else "did NOT rise"
+            print(f"\nheld-out success {before[key]:.1%} -> {after[key]:.1%}: it {verdict} ({steps} {title} steps, "
+                  f"{wall:.0f} s, {env.world_size} rank(s)); see {run.run_dir}", flush=True)
+        elif after:
+            print(f"\nheld-out success {after[key]:.1%} ({steps} steps); see {run.run_dir}", flush=True)
+    return summary
