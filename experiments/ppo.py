@@ -49,7 +49,10 @@ from backends.distributed.placement import PlacementConfig
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
-from backends.rollout.api import RolloutConfig, build_rollout, decode_responses, generate, shutdown_rollout, sync_weights
+from backends.rollout.api import (
+    RolloutConfig, build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
+    weight_sync_dtype,
+)
 from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig, value_loss_fn
@@ -176,7 +179,9 @@ def main(argv: list[str]) -> dict:
     roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
     if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
-    rollout = roles.run_on("actor", None, build_rollout, cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed)
+    rollout = roles.run_on("actor", None, build_rollout, cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed,
+                           device=env.device, max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}  # how weights reach it
     if cfg.checkpoint.every or run.resume_from:
         roles.checkpoint_states()  # an engine that cannot checkpoint says so here, before any RL work
     kl_ctrl = (
@@ -195,7 +200,7 @@ def main(argv: list[str]) -> dict:
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         kl_ctrl, first_step = rf.KLControllerState(**extra["kl_ctrl"]), extra["step"] + 1
         before, wall_before = extra["eval_before"], extra["wall_seconds"]
-        rollout = roles.run_on("actor", None, lambda: sync_weights(rollout, roles.actor_weights()))
+        rollout = roles.run_on("actor", None, lambda: sync_weights(rollout, roles.actor_weights(**gather)))
 
     actor_loss = functools.partial(ppo_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
     critic_loss = value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=cfg.rollout.max_new_tokens)
@@ -204,6 +209,8 @@ def main(argv: list[str]) -> dict:
         # 1-2. rollout (n samples per prompt, this rank's share) and reward, on the actor's ranks
         batch, rows = roles.run_on("actor", "rollout", sample_and_score, roles, rollout, stream, scorer, tokenizer, cfg, step,
                                    otherwise=(None, None))
+        if step > cfg.algo.critic_warmup:  # a GPU engine frees its memory for the updates, until the weight sync
+            rollout = roles.run_on("actor", None, release_memory, rollout)
         # 3. log-probs of the sampled tokens under the current policy
         batch = roles.old_logprobs(batch)
         # the batch crosses to the critic's ranks (colocated: nothing moves); reference log-probs, values
@@ -221,7 +228,7 @@ def main(argv: list[str]) -> dict:
         if step > cfg.algo.critic_warmup:
             actor_metrics = roles.update_actor(batch, actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini, with_entropy=True)
             # 6. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
-            rollout = roles.run_on("actor", "weight_sync", lambda: sync_weights(rollout, roles.actor_weights()))
+            rollout = roles.run_on("actor", "weight_sync", lambda: sync_weights(rollout, roles.actor_weights(**gather)))
         # the critic's side of the step (KL statistics and controller, metrics, times) reaches the actor's ranks
         kl_stats, critic_metrics, kl_ctrl = roles.share((kl_stats, critic_metrics, kl_ctrl), "critic")
         times = roles.step_times()

@@ -1,4 +1,9 @@
-"""Run a function on N real processes joined by a gloo process group (the multi-rank test harness)."""
+"""Run a function on N real processes joined by a real process group (the multi-rank test harness).
+
+On CPU the group is gloo. Where CUDA has a GPU per rank it is ``cpu:gloo,cuda:nccl``: collectives on CUDA
+tensors go through NCCL (what a GPU cluster runs), those on CPU tensors through gloo, and each rank uses
+``cuda:<rank>``. ``RLFUNC_TEST_BACKEND`` overrides the choice (e.g. ``gloo``).
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def process_group_backend(world_size: int) -> str:
+    """The process-group backend of the multi-rank tests (see the module doc)."""
+    import torch
+
+    override = os.environ.get("RLFUNC_TEST_BACKEND")
+    if override:
+        return override
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
 def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -27,7 +44,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
         import torch
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        backend = process_group_backend(world_size)
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         # plain pickle bytes: torch.multiprocessing would share the result's tensors through file
         # descriptors that the parent fetches from this process, which may have exited by then

@@ -100,8 +100,21 @@ def test_every_shipped_preset_applies_to_its_recipe():
     assert {"ref/dp_ref", "ref/megatron_ref", "ref/ref_in_actor", "optim/fsdp", "optim/megatron", "actor/dp_actor",
             "placement/split", "placement/colocated", "demo/arithmetic", "demo/ppo_arithmetic"} <= set(names)
     for name in names:
-        recipe = grpo if name == "demo/arithmetic" or name.startswith("gsm8k/") else ppo
+        recipe = grpo if name == "demo/arithmetic" or name.startswith(("gsm8k/", "gpu/")) else ppo
         apply_overrides(recipe.Config(), [f"preset={name}"], presets_dir=RECIPE_PRESETS)
+    # the GPU sizing presets stack on the GSM8K one: its data and algorithm, their sizes
+    gpu = [name for name in names if name.startswith("gpu/")]
+    assert {"gpu/qwen2_5_0_5b_1gpu", "gpu/qwen2_5_0_5b_8gpu", "gpu/qwen2_5_7b_8gpu"} <= set(gpu)
+    for name in gpu:
+        cfg = apply_overrides(grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", f"preset={name}"],
+                              presets_dir=RECIPE_PRESETS)
+        assert cfg.reward.fn == ("gsm8k",) and cfg.rollout.n == 5 and cfg.rollout.engine == "vllm"
+        assert cfg.actor.fsdp.gradient_checkpointing and cfg.actor.fsdp.use_remove_padding
+        assert cfg.rollout.vllm.gpu_memory_utilization is not None  # an explicit share: see the presets' notes
+    seven = apply_overrides(grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", "preset=gpu/qwen2_5_7b_8gpu"],
+                            presets_dir=RECIPE_PRESETS)
+    assert seven.model.path == "models/Qwen2.5-7B-Instruct" and seven.rollout.vllm.tensor_parallel_size == 2
+    assert seven.actor.fsdp.max_tokens_per_micro_batch == 24000 and seven.actor.fsdp.token_budget_grouping == "balanced"
     cfg = apply_overrides(
         ppo.Config(), ["preset=ref/dp_ref", "critic.optim=@optim/fsdp", "critic.optim.lr=2e-5"],
         presets_dir=RECIPE_PRESETS,

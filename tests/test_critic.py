@@ -301,7 +301,9 @@ def test_value_loss_decreases_on_a_fixed_target(two_ranks):
         losses = r["regression_losses"]
         # below 0.125, the loss of the best constant (targets are 1 +- 0.5): the critic reads the tokens
         assert losses[-1] < 0.05 and losses[-1] < 0.1 * losses[0], losses
-        assert losses[-1] < min(losses[:-1]), losses
+        # still improving late: Adam at a fixed lr oscillates near the optimum, so compare halves, not the last step
+        half = len(losses) // 2
+        assert min(losses[half:]) < min(losses[:half]), losses
 
 
 @pytest.mark.distributed

@@ -621,3 +621,13 @@ def test_megatron_reference_serves_each_ranks_own_rows(model_dirs):
     for result in run_distributed(_megatron_reference_worker, 2, model_dirs["qwen2"]):
         assert result["shape"] == result["want_shape"]
         assert result["gap"] < 1e-5, result
+
+
+def test_deferred_parameter_gather_is_refused():
+    """megatron's overlap_param_gather would leave the updated weights un-gathered until the next forward, after
+    the rollout's weight sync read them: refused with the reason."""
+    from backends.training.megatron.engine import MegatronOptimConfig
+
+    with pytest.raises(ValueError, match="overlap_param_gather=True is not supported: .*stale weights"):
+        MegatronOptimConfig(overlap_param_gather=True)
+    assert MegatronOptimConfig(overlap_grad_reduce=True).overlap_grad_reduce

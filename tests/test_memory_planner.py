@@ -15,12 +15,15 @@ cache exactly.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
 from backends.training.hf_forward import forward_micro_batch
 from backends.training.hf_modules import enable_checkpointing
-from backends.training.memory_planner import ModelShape, Parallelism, Workload, estimate, main, suggest
+from backends.training.memory_planner import (
+    ModelShape, Parallelism, Workload, colocated_step, estimate, kv_bytes_per_token, largest_micro_batch, main, suggest,
+)
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
 from tests.test_fsdp_engine import make_batch
@@ -58,7 +61,7 @@ def _full_batch(rows: int, p: int, t: int, vocab: int) -> RolloutBatch:
     )
 
 
-def measured_activation_bytes(model, batch: RolloutBatch, *, packed: bool = False) -> int:
+def measured_activation_bytes(model, batch: RolloutBatch, *, packed: bool = False, role: str = "actor") -> int:
     """Distinct storages saved for backward by the engine's forward, plus checkpoint-held layer inputs."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
@@ -80,7 +83,7 @@ def measured_activation_bytes(model, batch: RolloutBatch, *, packed: bool = Fals
     handles = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True) for layer in model.model.layers]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            forward_micro_batch(model, batch, with_entropy=False, packed=packed)
+            forward_micro_batch(model, batch, with_entropy=False, packed=packed, role=role)
     finally:
         for h in handles:
             h.remove()
@@ -229,3 +232,132 @@ def test_errors(tmp_path):
         ModelShape.from_pretrained(str(tmp_path))
     with pytest.raises(ValueError, match="role"):
         Workload(role="judge")
+
+
+def test_a_config_json_file_is_enough(dirs, tmp_path, capsys):
+    """A model's public config.json plans for it before its weights exist."""
+    path = f"{dirs['qwen2-gqa']}/config.json"
+    assert ModelShape.from_pretrained(path) == ModelShape.from_pretrained(dirs["qwen2-gqa"])
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        ModelShape.from_pretrained(str(tmp_path / "missing.json"))
+    main(["--model", path, "--dp", "2", "--micro-batch", "2", "--seq-len", "64", "--device-gib", "0.05",
+          "--vllm-util", "0.5", "--vllm-tp", "1"])
+    out = capsys.readouterr().out
+    assert "colocated with vLLM" in out and "KV cache for" in out
+
+
+def test_critic_holds_a_value_head(dirs):
+    """Parameters of a *ForTokenClassification value model (no lm_head), and its saved tensors: the
+    value head's output is one wide, not the vocabulary."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    for name in CONFIGS:
+        critic = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(dirs[name], num_labels=1))
+        shape = ModelShape.from_pretrained(dirs[name])
+        assert shape.role_params("critic")[0] == sum(p.numel() for p in critic.parameters())
+        assert estimate(shape, Parallelism(), Workload(role="critic")).parameters == _storage_bytes(critic.parameters())
+        critic.train()
+        rows, p, t = 4, 8, 40
+        measured = measured_activation_bytes(critic, _full_batch(rows, p, t, shape.vocab_size), role="critic")
+        est = estimate(shape, Parallelism(), Workload(role="critic", micro_batch_rows=rows, seq_len=p + t, response_len=t + 1))
+        assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
+
+
+def test_offload_keeps_only_the_gathered_compute_copy(dirs):
+    """FSDP2's CPUOffloadPolicy (a GPU feature, so checked against its definition here): shards,
+    gradients and AdamW state live in host memory; the root and two layers are gathered on the device,
+    on one device as well (the module is still sharded to be offloaded)."""
+    shape = ModelShape.from_pretrained(dirs["llama-untied"])
+    work = Workload(compute_dtype="bfloat16", micro_batch_rows=2, seq_len=64, offload=True)
+    for parallel in (Parallelism(), Parallelism(dp=4)):
+        est = estimate(shape, parallel, work)
+        assert est.gradients == est.optimizer == 0
+        assert est.parameters == (shape.root_params + 2 * shape.layer_params) * 2
+    resident = estimate(shape, Parallelism(dp=4), attrs.evolve(work, offload=False))
+    assert resident.activations == est.activations and resident.training_state > est.training_state
+
+
+_FORWARD_PEAK = """
+import sys, torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from backends.training.hf_forward import forward_micro_batch
+from rlfunc.batch import RolloutBatch
+
+def status(key):
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
+
+def batch(rows, p, t):
+    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))
+    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)
+    return RolloutBatch(prompt_ids=ids(p), prompt_mask=ones(p), response_ids=ids(t), response_mask=ones(t),
+                        group_ids=torch.arange(rows))
+
+cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
+model = Qwen2ForCausalLM(cfg).to(getattr(torch, sys.argv[1])).eval()
+with torch.no_grad():
+    forward_micro_batch(model, batch(1, 8, 8), with_entropy=False)
+    big = batch(8, 8, 200)
+    open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
+    before = status("VmRSS:")
+    forward_micro_batch(model, big, with_entropy=False)
+print(status("VmHWM:") - before)
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_forward_peak_matches_a_log_prob_pass(dtype):
+    """A forward without gradients keeps no activations; with a vocabulary much wider than the model
+    (as in real models) its peak is the logits, their fp32 upcast and logsumexp's temporary. Measured as
+    the rise of the peak resident size of a fresh process (blocks this large are mapped from the system
+    and returned to it when freed, so resident size follows the live tensors)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import Qwen2Config
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
+    out = subprocess.run([sys.executable, "-c", _FORWARD_PEAK, dtype], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1])
+    measured = int(out.stdout.strip().splitlines()[-1])
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    est = estimate(ModelShape.from_hf_config(cfg), Parallelism(),
+                   Workload(role="reference", compute_dtype=dtype, micro_batch_rows=8, seq_len=208, response_len=200))
+    assert est.activations == 0
+    assert est.logits == pytest.approx(measured, rel=0.05)
+
+
+def test_colocated_step_phases(dirs):
+    shape = ModelShape.from_pretrained(dirs["llama-untied"])
+    parallel, device = Parallelism(dp=2), 2**30
+    work = Workload(compute_dtype="bfloat16", micro_batch_rows=2, seq_len=64, gradient_checkpointing=True)
+    est = estimate(shape, parallel, work)
+    step = colocated_step(shape, parallel, work, device_bytes=device, vllm_utilization=0.5, resident_bytes=1000,
+                          forward_bytes=500)
+    resident = est.parameters + est.optimizer + 1000  # gradients are freed after the update
+    assert step.update == est.total + 1000
+    assert step.logprob == resident + 500 and step.rollout == resident + device // 2
+    assert step.vllm_weights == shape.num_params * 2 and step.peak == step.rollout
+    assert step.kv_tokens == (device // 2 - step.vllm_weights) // kv_bytes_per_token(shape)
+    # one token's cache as the planner's own KV term counts it; a KV head is replicated past tp = heads
+    assert kv_bytes_per_token(shape) == estimate(shape, Parallelism(), Workload(compute_dtype="bfloat16", kv_seqs=1,
+                                                                                 kv_len=1)).kv_cache
+    assert kv_bytes_per_token(shape, tp=2) == kv_bytes_per_token(shape) // 2 == kv_bytes_per_token(shape, tp=4)
+    # the default share, 90% of what is free at build: the AdamW moments are already there (allocated with the
+    # optimizer), so the rollout phase never goes past 90% of the device plus a tenth of the trainer's state
+    default = colocated_step(shape, parallel, work, device_bytes=device, resident_bytes=1000)
+    assert default.vllm_share == int(0.9 * (device - est.parameters - est.optimizer - 1000))
+    assert default.rollout == resident + default.vllm_share <= device
+
+
+def test_largest_micro_batch_keeps_the_checkpointing_setting(dirs):
+    shape = ModelShape.from_pretrained(dirs["llama-untied"])
+    for gc in (False, True):
+        work = Workload(seq_len=256, gradient_checkpointing=gc)
+        rows = largest_micro_batch(shape, Parallelism(), work, 64 * 2**20)
+        fits = lambda r: estimate(shape, Parallelism(), attrs.evolve(work, micro_batch_rows=r)).total <= 64 * 2**20  # noqa: E731
+        assert rows >= 1 and fits(rows) and not fits(rows + 1)

@@ -261,9 +261,14 @@ def test_varlen_attention_equals_hf_block_diagonal_mask(model_dir):
         whole_row = model(input_ids=packed.input_ids, use_cache=False).logits  # one long sequence: differs
         enable_packed_attention(model)
         ours = model(**model_kwargs(packed)).logits
+        # the layout made once per forward (what the engine passes: no layer reads cu_seq_lens back to the host)
+        kwargs = model_kwargs(packed, block_layout=True)
+        assert "packed_layout" in kwargs and "cu_seq_lens_q" not in kwargs
+        with_layout = model(**kwargs).logits
         # without cu_seq_lens the packed-aware attention reads the boundaries off the position ids
         from_positions = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits
     assert float((ours - hf).abs().max()) < 1e-5
+    assert torch.equal(with_layout, ours)
     assert float((from_positions - hf).abs().max()) < 1e-5
     assert float((whole_row - hf).abs().max()) > 1e-3
 

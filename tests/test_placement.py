@@ -182,7 +182,7 @@ def test_redistribute_between_pools_of_different_sizes_is_exact():
 
 TINY = [
     "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", *TINY_MODEL, "algo.ppo_mini_batch_size=2",
-    "algo.ppo_epochs=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
+    "algo.ppo_epochs=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "actor.optim.lr=3e-4", "critic.optim.lr=1e-3",
 ]
 
 

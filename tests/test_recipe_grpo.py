@@ -73,6 +73,8 @@ def test_bf16_run_skips_zero_advantage_rows(tmp_path, data_dir):
     # a tiny SFT stage: most groups get all-zero rewards, so rows are skipped
     assert any(r["skipped_rows"] > 0 for r in rl)
     assert all(0.0 <= r["skipped_rows"] <= 1.0 and r["update_skipped"] == 0.0 for r in rl)
+    # bf16 on both sides: the trainer recomputes the log-probs (no on-policy shortcut) and the gap is logged
+    assert all(0.0 <= r["logprob_gap/mean"] <= r["logprob_gap/max"] < 1.0 for r in rl)
 
 
 @pytest.mark.slow

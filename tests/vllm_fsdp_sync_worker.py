@@ -1,7 +1,8 @@
 """Run by tests/test_rollout_vllm.py under ``torchrun --nproc_per_node 2``: FSDP2 actor -> vLLM weight sync.
 
 vLLM is built from model A; the FSDP actor holds model B (another init). After streaming the actor's
-gathered weights into vLLM, vLLM's sampled-token log-probs must equal the actor's recomputed ones.
+gathered weights into vLLM, vLLM's sampled-token log-probs must equal the actor's recomputed ones. Both sides
+compute in fp32, also on a GPU (where their defaults are bf16), so the gap measures the sync, not the rounding.
 Arguments: an output directory (each rank writes ``rank<R>.json``) and the vLLM tensor-parallel size
 (1: one engine per rank; 2: one engine sharded over both ranks, each rank still passing its own prompts).
 """
@@ -33,8 +34,8 @@ def main(out_dir: Path, tp: int) -> None:
         write_tiny_model(out_dir / "model_a", TINY)
         write_tiny_model(out_dir / "model_b", attrs.evolve(TINY, seed=3))
     barrier()
-    actor = build_actor(out_dir / "model_b", env, fsdp_cfg=FSDPConfig(micro_batch_size=64))
-    rollout = build_vllm_rollout(out_dir / "model_a", config=VLLMConfig(tensor_parallel_size=tp))
+    actor = build_actor(out_dir / "model_b", env, fsdp_cfg=FSDPConfig(micro_batch_size=64, param_dtype="float32"))
+    rollout = build_vllm_rollout(out_dir / "model_a", config=VLLMConfig(tensor_parallel_size=tp, dtype="float32"))
     prompts = [[5 + env.rank, 6, 7], [8, 9], [10, 11, 12, 13]]
     sampling = SamplingConfig(n=4, max_new_tokens=16)
 
@@ -46,7 +47,7 @@ def main(out_dir: Path, tp: int) -> None:
     batch = generate(rollout, prompts, sampling, seed=env.rank)
     trainer = compute_logprobs(actor, batch).logprobs
     gap = (trainer - batch.rollout_logprobs)[batch.response_mask].abs().max().item()
-    total = all_reduce_sum(torch.tensor(1.5)).item()
+    total = all_reduce_sum(torch.tensor(1.5, device=env.device)).item()
     result = {
         "rank": env.rank, "max_gap": gap, "gap_before_sync": gap_before, "changed": gap_before > 1e-2,
         "tokens": int(batch.response_mask.sum()), "sync_s": sync_s, "all_reduce_after_vllm": total,

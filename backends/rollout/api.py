@@ -1,9 +1,11 @@
 """Rollout engine selection: one config (``rollout.engine=native|vllm``) and one set of calls for both.
 
-``build_rollout(cfg, model_path, tokenizer)`` builds the engine ``cfg.engine`` names; ``generate``,
-``sync_weights`` and ``shutdown_rollout`` dispatch on the engine state's type, so a recipe (and
-``backends.rollout.evaluation``) is written once for both. vLLM is imported only when its engine
-is built: the native path needs no vLLM install.
+``build_rollout(cfg, model_path, tokenizer, max_context=..., device=...)`` builds the engine ``cfg.engine``
+names; ``generate``, ``sync_weights``, ``release_memory`` and ``shutdown_rollout`` dispatch on the engine
+state's type, so a recipe (and ``backends.rollout.evaluation``) is written once for both. ``weight_sync_dtype``
+and :attr:`RolloutConfig.sync_bucket_mb` say how the trainer should gather the weights it sends (in the
+engine's dtype, in buckets). vLLM is imported only when its engine is built: the native path needs no vLLM
+install.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from backends.rollout.native import NativeRollout
 from backends.rollout.vllm import VLLMConfig, VLLMRollout
 from rlfunc.batch import RolloutBatch
 
-__all__ = ["RolloutConfig", "build_rollout", "generate", "sync_weights", "shutdown_rollout", "decode_responses", "SamplingConfig"]
+__all__ = [
+    "RolloutConfig", "SamplingConfig", "build_rollout", "decode_responses", "generate", "release_memory", "shutdown_rollout",
+    "sync_bucket_mb", "sync_weights", "weight_sync_dtype",
+]
 
 
 @attrs.frozen
@@ -35,6 +40,9 @@ class RolloutConfig(SamplingConfig):
     #: the native engine's weight dtype (synced weights are cast to it); the vLLM engine's is vllm.dtype
     dtype: Literal["float32", "bfloat16"] = attrs.field(default="float32")
     vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
+    #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on
+    #: GPU, 16 on CPU (where gloo moves small buffers faster)
+    sync_bucket_mb: float | None = None
 
     @dtype.validator
     def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
@@ -58,13 +66,35 @@ def _sampling_only(sampling: SamplingConfig) -> SamplingConfig:
     return sampling.sampling() if isinstance(sampling, RolloutConfig) else sampling
 
 
-def build_rollout(cfg: RolloutConfig, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0) -> NativeRollout | VLLMRollout:
-    """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun)."""
+def build_rollout(cfg: RolloutConfig, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0,
+                  max_context: int | None = None, device: str | torch.device | None = None) -> NativeRollout | VLLMRollout:
+    """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun).
+
+    ``max_context``: the longest prompt plus response the recipe samples (its ``data.max_prompt_length +
+    rollout.max_new_tokens``): vLLM sizes its KV cache for it (default: the model's max_position_embeddings).
+    ``device``: where the native engine runs (the trainer's device: ``cuda:LOCAL_RANK`` on a GPU node);
+    vLLM places itself.
+    """
     if cfg.engine == "native":
-        return rollout_native.build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype))
+        return rollout_native.build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype), device=device)
     if cfg.engine == "vllm":
-        return rollout_vllm.build_vllm_rollout(model_path, tokenizer, cfg.vllm, seed=seed)
+        return rollout_vllm.build_vllm_rollout(model_path, tokenizer, cfg.vllm, seed=seed, max_context=max_context)
     raise ValueError(f"unknown rollout engine {cfg.engine!r}; known engines: native, vllm")
+
+
+def weight_sync_dtype(cfg: RolloutConfig) -> torch.dtype:
+    """The dtype the engine keeps its weights in: the trainer gathers them in it (half the bytes for bf16)."""
+    if cfg.engine == "vllm":
+        dtype = cfg.vllm.resolved(on_gpu=torch.cuda.is_available()).dtype
+        return getattr(torch, dtype)
+    return getattr(torch, cfg.dtype)
+
+
+def sync_bucket_mb(cfg: RolloutConfig) -> float:
+    """:attr:`RolloutConfig.sync_bucket_mb` made concrete for the device here."""
+    if cfg.sync_bucket_mb is not None:
+        return cfg.sync_bucket_mb
+    return 512.0 if torch.cuda.is_available() else 16.0
 
 
 @functools.singledispatch
@@ -91,6 +121,14 @@ def sync_weights(rollout: Any, named_tensors: Iterable[tuple[str, Tensor]]) -> A
 
 sync_weights.register(NativeRollout, rollout_native.sync_weights)
 sync_weights.register(VLLMRollout, rollout_vllm.sync_weights)
+
+
+def release_memory(rollout: Any) -> Any:
+    """Once a step's sampling is done: let the trainer have the engine's memory until the next weight sync
+    (vLLM on GPU sleeps; the native engine keeps nothing worth freeing). Returns the new engine state."""
+    if isinstance(rollout, VLLMRollout):
+        return rollout_vllm.release_memory(rollout)
+    return rollout
 
 
 def shutdown_rollout(rollout: Any) -> None:

@@ -30,11 +30,22 @@ Log-probabilities. ``rollout_logprobs`` are vLLM's ``raw_logprobs`` of the sampl
 distribution before temperature / top-k / top-p, the same quantity as the native engine's and the
 trainer's (tests/test_rollout_vllm.py measures the gap).
 
-Sleep / wake. On GPU the engine is built with ``enable_sleep_mode`` and, with
-:attr:`VLLMConfig.sleep_between_steps`, :func:`generate` puts it to sleep afterwards (KV cache freed,
-weights offloaded at level 1 or dropped at level 2) so training gets the memory back; :func:`sync_weights`
-wakes the weights before loading and the next :func:`generate` wakes the KV cache. Where the platform
-has no sleep mode (CPU) one log line says so and everything stays resident.
+Sleep / wake. On GPU the engine is built with ``enable_sleep_mode``; with
+:attr:`VLLMConfig.sleep_between_steps`, :func:`release_memory` (which the recipes call once a step's
+sampling is done) puts it to sleep: KV cache freed, weights offloaded to the CPU (level 1) or dropped
+(level 2, the default: the next :func:`sync_weights` loads every tensor anyway), so training gets the
+memory back. :func:`sync_weights` wakes the weights before loading; :func:`generate` wakes the KV cache,
+and refuses to run on weights that level 2 dropped and no sync has restored. Where the platform has no
+sleep mode (CPU) one log line says so and everything stays resident.
+
+GPU defaults (each a :class:`VLLMConfig` field): bf16 weights, CUDA graphs (``enforce_eager=False``), a
+memory share taken from what is free when the engine is built (the colocated trainer already holds its
+weights and optimizer state), and a context of the recipe's longest prompt plus response, not the model's
+``max_position_embeddings``. :func:`plan_gpu_memory` checks before vLLM starts that the weights and the KV
+cache of one longest sequence fit, and names the numbers when they do not.
+
+Version: the in-place ``reload_weights(weights_iterator=...)`` that :func:`sync_weights` uses exists from
+vLLM 0.16.0 on (0.14's took no arguments); an older vLLM is refused at build with that message.
 
 Shutdown. vLLM creates its own process groups on top of the trainer's default group, and its engine
 shutdown destroys them and then the default group. Left to a finalizer at exit, after the trainer
@@ -79,6 +90,10 @@ __all__ = [
     "score_logprobs",
     "sleep",
     "wake_up",
+    "release_memory",
+    "plan_gpu_memory",
+    "check_vllm_version",
+    "MIN_VLLM_VERSION",
     "shutdown_vllm",
     "decode_responses",
 ]
@@ -86,19 +101,32 @@ __all__ = [
 log = logging.getLogger("rlfunc.rollout_vllm")
 
 
+#: the first vLLM release whose ``reload_weights`` takes a weights iterator (what sync_weights needs)
+MIN_VLLM_VERSION = "0.16.0"
+
+
 @attrs.frozen
 class VLLMConfig:
     """How the vLLM engine is built (sampling options live in :class:`SamplingConfig`)."""
 
-    dtype: str = "float32"  #: engine dtype ("float32", "bfloat16", "auto" = the checkpoint's)
+    dtype: str = "auto"  #: engine dtype: auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, float16
     tensor_parallel_size: int = 1  #: ranks per engine; must divide the world size (and the KV heads)
-    gpu_memory_utilization: float = 0.4  #: GPU share for weights + KV cache (the trainer needs the rest)
+    #: GPU share (of the whole device) for vLLM's weights + KV cache; none: 90% of what is free when the engine
+    #: is built (the colocated trainer's weights and optimizer state are already there)
+    gpu_memory_utilization: float | None = None
     kv_cache_gib: int = 1  #: CPU only: KV cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``, an integer)
     max_num_seqs: int = 256  #: sequences decoded together
-    enforce_eager: bool = True  #: no CUDA graphs / torch.compile (fast start; needed for external_launcher on CPU)
+    enforce_eager: bool | None = None  #: no CUDA graphs; none: true on CPU (external_launcher needs it), false on GPU
     enable_prefix_caching: bool = True  #: the n samples of a prompt share its prefill
-    sleep_between_steps: bool = True  #: GPU: free KV cache and weights between generate calls
-    sleep_level: int = 1  #: 1 offloads weights to CPU, 2 drops them (sync_weights reloads every tensor)
+    sleep_between_steps: bool = True  #: GPU: free KV cache and weights while the trainer works (release_memory)
+    sleep_level: int = 2  #: 1 offloads weights to CPU, 2 drops them (the next sync_weights reloads every tensor)
+
+    def resolved(self, *, on_gpu: bool) -> "VLLMConfig":
+        """``auto`` / ``none`` settings made concrete for this platform (utilisation stays ``None``: it
+        needs the free memory, see :func:`plan_gpu_memory`)."""
+        dtype = ("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype
+        eager = (not on_gpu) if self.enforce_eager is None else self.enforce_eager
+        return attrs.evolve(self, dtype=dtype, enforce_eager=eager)
 
 
 @attrs.frozen
@@ -138,6 +166,8 @@ class VLLMRollout:
     can_sleep: bool
     tp_group: Any = attrs.field(default=None, eq=False, repr=False)  #: gloo group of this rank's TP peers
     weights_version: int = 0
+    #: level-2 sleep dropped the weights and no sync_weights has loaded them since: generate refuses
+    weights_dropped: bool = False
 
 
 # --------------------------------------------------------------------------------------------------
@@ -167,13 +197,15 @@ def build_vllm_rollout(
 ) -> VLLMRollout:
     """A vLLM engine over a local HF dir (weights and tokenizer read from it; no hub).
 
-    ``max_context`` (prompt + response positions) defaults to ``config.max_position_embeddings``; EOS ids
-    to ``generation_config`` / ``config`` plus ``tokenizer.eos_token_id`` (as the native engine).
-    Under torchrun every rank must call this together (vLLM creates process groups).
+    ``max_context`` (prompt + response positions; vLLM's ``max_model_len``) should be the recipe's longest
+    prompt plus response: the model's ``max_position_embeddings`` (the default) can be far more than a GPU's
+    KV cache holds. EOS ids default to ``generation_config`` / ``config`` plus ``tokenizer.eos_token_id`` (as
+    the native engine). Under torchrun every rank must call this together (vLLM creates process groups).
     """
     path = Path(model_path)
     hf_cfg = _read_hf_config(path)
     on_gpu = torch.cuda.is_available()
+    config = config.resolved(on_gpu=on_gpu)
     _check_build(path, hf_cfg, config, on_gpu)
     if tokenizer is None:
         from backends.models import load_tokenizer
@@ -181,6 +213,13 @@ def build_vllm_rollout(
         tokenizer = load_tokenizer(path)
     eos, pad = _token_ids(path, hf_cfg, tokenizer, eos_token_ids)
     context = int(max_context or hf_cfg.max_position_embeddings)
+    if context > hf_cfg.max_position_embeddings:
+        raise ValueError(f"max_context={context} (longest prompt + response) is more than the model's "
+                         f"max_position_embeddings={hf_cfg.max_position_embeddings} ({path})")
+    if on_gpu:
+        free, total = torch.cuda.mem_get_info()
+        utilization = plan_gpu_memory(config, hf_cfg, path, context, free_bytes=free, total_bytes=total)
+        config = attrs.evolve(config, gpu_memory_utilization=utilization)
 
     # vLLM reads these when it builds the engine; in-process mode keeps the engine in this process
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -211,6 +250,7 @@ def build_vllm_rollout(
 
 def _check_build(path: Path, hf_cfg: Any, config: VLLMConfig, on_gpu: bool) -> None:
     """Refuse, before vLLM starts, what it cannot build here."""
+    check_vllm_version()
     head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
     if not on_gpu and head_dim < 32:
         raise ValueError(f"vLLM's CPU attention needs head_dim >= 32; {path} has head_dim={head_dim}")
@@ -222,6 +262,88 @@ def _check_build(path: Path, hf_cfg: Any, config: VLLMConfig, on_gpu: bool) -> N
         raise ValueError("tensor_parallel_size > 1 needs torchrun (one process per rank, external_launcher)")
     if config.sleep_level not in (1, 2):
         raise ValueError(f"sleep_level must be 1 or 2, got {config.sleep_level}")
+
+
+def check_vllm_version(installed: str | None = None) -> None:
+    """Refuse a vLLM older than :data:`MIN_VLLM_VERSION` (``installed``: its version; default the imported one)."""
+    from packaging.version import Version
+
+    if installed is None:
+        import vllm
+
+        installed = vllm.__version__
+    if Version(installed).release < Version(MIN_VLLM_VERSION).release:
+        raise RuntimeError(
+            f"vLLM {installed} is too old: rollout.engine=vllm needs vLLM >= {MIN_VLLM_VERSION}, whose "
+            "reload_weights(weights_iterator=...) the weight sync uses (pip install 'vllm>=0.16')"
+        )
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
+def checkpoint_bytes(path: Path, hf_cfg: Any) -> int:
+    """Parameter count of the checkpoint in ``path`` (from its safetensors headers; else estimated from the config)."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        count = 0
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                count += sum(_numel(f.get_slice(name).get_shape()) for name in f.keys())
+        return count
+    h, layers = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
+    kv = getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads) * (h // hf_cfg.num_attention_heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * hf_cfg.intermediate_size
+    return layers * per_layer + hf_cfg.vocab_size * h * (1 if hf_cfg.tie_word_embeddings else 2)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def plan_gpu_memory(config: VLLMConfig, hf_cfg: Any, path: Path, context: int, *, free_bytes: int, total_bytes: int,
+                    params: int | None = None) -> float:
+    """The ``gpu_memory_utilization`` to build with, or an error naming the numbers when the engine cannot fit.
+
+    vLLM may use ``utilization x total`` bytes of the device and refuses to start when less is free. Its
+    weights take ``params x bytes / tp`` and the KV cache must hold at least one sequence of ``context``
+    tokens (``2 x layers x kv_heads x head_dim x bytes x context / tp``). ``None`` utilisation: 90% of the free
+    memory. ``params``: the parameter count (default: read from the checkpoint).
+    """
+    gib = 2**30
+    tp = config.tensor_parallel_size
+    utilization = config.gpu_memory_utilization
+    if utilization is None:
+        utilization = round(0.9 * free_bytes / total_bytes, 3)
+    elif not 0.0 < utilization <= 1.0:
+        raise ValueError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {utilization}")
+    budget = utilization * total_bytes
+    if budget > free_bytes:
+        raise ValueError(
+            f"rollout.vllm.gpu_memory_utilization={utilization} asks for {budget / gib:.1f} GiB of the GPU's "
+            f"{total_bytes / gib:.1f} GiB, but only {free_bytes / gib:.1f} GiB are free (the trainer holds the rest): "
+            f"set it to at most {free_bytes / total_bytes:.2f}, or leave it unset to take 90% of what is free"
+        )
+    size = _dtype_bytes(config.dtype)
+    weights = (params if params is not None else checkpoint_bytes(path, hf_cfg)) * size / tp
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    kv_heads = getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads)
+    kv_per_token = 2 * hf_cfg.num_hidden_layers * kv_heads * head_dim * size / tp
+    if weights + kv_per_token * context > budget:
+        raise ValueError(
+            f"the vLLM engine does not fit: {config.dtype} weights take {weights / gib:.2f} GiB per GPU (tp={tp}) and "
+            f"one sequence of {context} tokens (longest prompt + response) needs {kv_per_token * context / gib:.2f} GiB "
+            f"of KV cache, but its share is {budget / gib:.2f} GiB (gpu_memory_utilization={utilization} of "
+            f"{total_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB free): shorten the responses, raise "
+            "rollout.vllm.tensor_parallel_size, or free trainer memory (actor.fsdp.offload)"
+        )
+    return utilization
 
 
 def _token_ids(path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], int]:
@@ -248,7 +370,7 @@ def _engine_kwargs(path: Path, config: VLLMConfig, context: int, seed: int, *, o
         dtype=config.dtype,
         seed=seed,
         max_model_len=context,
-        enforce_eager=config.enforce_eager,
+        enforce_eager=bool(config.enforce_eager),
         tensor_parallel_size=config.tensor_parallel_size,
         max_num_seqs=config.max_num_seqs,
         enable_prefix_caching=config.enable_prefix_caching,
@@ -324,10 +446,16 @@ def to_sampling_params(sampling: SamplingConfig, eos_token_ids: Sequence[int], *
 
 def sleep(rollout: VLLMRollout) -> VLLMRollout:
     """Free the KV cache and offload (level 1) or drop (level 2) the weights; a no-op where the platform
-    has no sleep mode (logged once at build)."""
+    has no sleep mode (logged once at build). Returns the new state (level 2: ``weights_dropped``)."""
     if rollout.can_sleep and not rollout.llm.llm_engine.is_sleeping():
         rollout.llm.sleep(level=rollout.config.sleep_level)
+        return attrs.evolve(rollout, weights_dropped=rollout.config.sleep_level == 2)
     return rollout
+
+
+def release_memory(rollout: VLLMRollout) -> VLLMRollout:
+    """Between a step's sampling and its weight sync: sleep when ``sleep_between_steps`` (see the module doc)."""
+    return sleep(rollout) if rollout.config.sleep_between_steps else rollout
 
 
 def wake_up(rollout: VLLMRollout, tags: Sequence[str] | None = None) -> VLLMRollout:
@@ -349,11 +477,11 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
     the prefix cache is reset so no KV computed with the old weights is reused. Returns the rollout
     with ``weights_version`` bumped.
     """
+    if rollout.can_sleep and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer's cached blocks go back to the device before vLLM re-allocates
     wake_up(rollout, ["weights"])
-    known: set[str] | None = None
 
     def stream() -> Iterable[tuple[str, Tensor]]:
-        nonlocal known
         for name, tensor in named_tensors:
             if hasattr(tensor, "full_tensor"):
                 tensor = tensor.full_tensor()
@@ -363,7 +491,7 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
 
     rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
     rollout.llm.reset_prefix_cache()
-    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1)
+    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1, weights_dropped=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,11 +533,13 @@ def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[
 
 
 def _run(rollout: VLLMRollout, requests: list, params: list) -> list:
+    if rollout.weights_dropped:
+        raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
+                           "loaded since: call sync_weights before generating")
+    if rollout.can_sleep and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the trainer's cached blocks go back to the device before the KV cache wakes
     wake_up(rollout)
-    outputs = rollout.llm.generate(requests, params, use_tqdm=False)
-    if rollout.config.sleep_between_steps:
-        sleep(rollout)
-    return outputs
+    return rollout.llm.generate(requests, params, use_tqdm=False)
 
 
 def generate(

@@ -16,8 +16,17 @@ megatron engine: :mod:`backends.training.common`.
 
 Sharding: ``fully_shard`` on every decoder layer, then on the root (embeddings, final norm, lm_head,
 tied or not), over a 1-D data-parallel ``DeviceMesh``. Parameters become ``DTensor``s sharded on dim 0;
-gloo on CPU, NCCL on GPU, the same code. At world size 1 with fp32 compute (nothing to shard or cast)
-the module stays a plain module.
+gloo on CPU, NCCL on GPU, the same code. At world size 1 with fp32 compute and no offload (nothing to
+shard, cast or offload) the module stays a plain module, moved to the mesh's device.
+
+Loading: a sharded role read from a local HF dir is built with its parameters on the meta device,
+sharded, and filled from the safetensors files, which only the mesh's first rank reads; it scatters
+each rank's shards over the mesh's process group (:mod:`backends.training.sharded_loading`), so no
+other rank ever holds the whole model. The older path (``from_pretrained`` on every rank, then
+``fully_shard``) stays for what the new one does not cover: a given ``nn.Module``, a LoRA actor (peft
+wraps the loaded model), the critic (a value head built from a causal LM by
+:func:`backends.models.load_value_model`), a plain module at world size 1, a checkpoint without
+safetensors files, and ``FSDPConfig.load_on_every_rank``.
 
 One update (torchtitan-style, explicit):
 
@@ -89,11 +98,12 @@ from backends.training.common import (
     value_loss_fn,
 )
 from backends.training.dp_balance import balance_across_ranks
-from backends.training.fsdp_state import FSDPConfig, TrainState, compute_dtype, needs_own_attention
+from backends.training.fsdp_state import FSDPConfig, TrainState, attention_implementation, compute_dtype, needs_own_attention
 from backends.training.hf_forward import forward_micro_batch
 from backends.training.hf_modules import check_value_module, compile_layers, decoder_layers, enable_checkpointing, load_model
 from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
 from backends.training.packed_attention import enable_packed_attention
+from backends.training.sharded_loading import checkpoint_plan, empty_causal_lm, fill_shards, materialize, mesh_device, safetensors_files
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
 from rlfunc.batch import RolloutBatch, batch_size, loss_tokens
@@ -129,15 +139,16 @@ def shard_module(
 ) -> nn.Module:
     """``fully_shard`` every decoder layer, then the root, over ``mesh``, computing in ``param_dtype``
     (None: the stored dtype) and reducing gradients in ``cfg.reduce_dtype``; ``param_offload`` keeps the
-    shards in host memory. Returns the module (sharded in place), or the plain module when there is
-    nothing to shard, cast or offload."""
+    shards in host memory. Returns the module (sharded in place), or, when there is nothing to shard,
+    cast or offload, the plain module moved to the mesh's device (``fully_shard`` moves the sharded
+    one there itself)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    if mesh.size() == 1 and param_dtype in (None, torch.float32) and not param_offload:
+    if _stays_plain(mesh, param_dtype, param_offload):
         # One rank, no cast, no offload: FSDP2 would only add its hooks and DTensor dispatch, a cost with
         # nothing in return, so the module stays plain. Everything downstream (gradient sync, full
         # weights, DCP checkpoints, which reshard across world sizes) takes both.
-        return model
+        return model.to(mesh_device(mesh))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype))
     # parameter offload keeps the shards in (pinned) host memory and copies them to the GPU per layer
     offload = CPUOffloadPolicy() if param_offload else OffloadPolicy()
@@ -147,6 +158,64 @@ def shard_module(
     # starts with the lm_head, so resharding it would only gather it again right away.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     return model
+
+
+def _stays_plain(mesh: Any, param_dtype: torch.dtype | None, param_offload: bool) -> bool:
+    return mesh.size() == 1 and param_dtype in (None, torch.float32) and not param_offload
+
+
+def _check_offload(env: DistEnv, offload: bool, option: str) -> None:
+    """Offload is a GPU feature: refuse it on a CPU-only process, before anything is loaded."""
+    if offload and env.device.type != "cuda":
+        raise ValueError(
+            f"{option} needs a CUDA device: FSDP2's CPUOffloadPolicy keeps the shards in host memory and copies "
+            f"them to the GPU per layer; this process runs on {env.device.type!r} (on a CPU the parameters are "
+            "already in host memory: leave it off)"
+        )
+
+
+def _sharded_module(
+    source: str | os.PathLike | nn.Module, dtype: torch.dtype, env: DistEnv, mesh: Any, cfg: FSDPConfig, *,
+    param_dtype: torch.dtype | None, trainable: bool, param_offload: bool = False, load: Any = None,
+) -> nn.Module:
+    """The role's module in ``dtype``, made ready for the engine (:func:`_prepare`) and sharded on ``mesh``.
+
+    From a local HF dir whose module gets sharded: built on the meta device and filled from the
+    checkpoint (read by the mesh's first rank only). Otherwise (a given module, ``load`` given, a plain
+    module at world size 1, no safetensors files, ``cfg.load_on_every_rank``) the whole model is loaded
+    on every rank first: ``load()`` when given, else :func:`load_model`.
+    """
+    files = None
+    if load is None and not isinstance(source, nn.Module) and not cfg.load_on_every_rank \
+            and not _stays_plain(mesh, param_dtype, param_offload):
+        files = safetensors_files(source)
+    if files is None:
+        model = load() if load is not None else load_model(source, dtype, attention_implementation(cfg, env.device))
+        _prepare(model, env, cfg, trainable=trainable)
+        return shard_module(model, mesh, cfg, param_dtype, param_offload=param_offload)
+    model = empty_causal_lm(source, dtype, attention_implementation(cfg, env.device))
+    plan = checkpoint_plan(model, files)  # the same errors on every rank, before any collective
+    _prepare(model, env, cfg, trainable=trainable)
+    model = shard_module(model, mesh, cfg, param_dtype, param_offload=param_offload)
+    # offloaded shards live in host memory (FSDP2 pins them there); the buffers on the device
+    materialize(model, mesh_device(mesh), params_device=torch.device("cpu") if param_offload else None)
+    fill_shards(model, plan, mesh)
+    return model
+
+
+def _prepare(model: nn.Module, env: DistEnv, cfg: FSDPConfig, *, trainable: bool) -> None:
+    """What the engine does to a model before sharding it: packed-aware attention where needed, the
+    fused CPU modules, activation checkpointing (trainable roles) or frozen weights (the reference)."""
+    if needs_own_attention(cfg, env.device):
+        enable_packed_attention(model)
+    if env.device.type == "cpu":
+        accelerate(model)
+    if trainable and cfg.gradient_checkpointing:
+        enable_checkpointing(model)
+    if not trainable:
+        model.requires_grad_(False)
+    if getattr(model, "config", None) is not None:
+        model.config.use_cache = False
 
 
 def build_actor(
@@ -160,12 +229,13 @@ def build_actor(
 ) -> TrainState:
     """Load a local HF checkpoint (or take an unsharded HF module), shard it with FSDP2, add AdamW.
 
-    Every rank loads the full fp32 weights on CPU before sharding (fine for the models this runs on a
-    CPU; a large model would be built on the meta device and loaded shard by shard).
+    Master weights are fp32. A checkpoint dir is read shard by shard (see the module docstring,
+    "Loading"); a given module, a LoRA actor and a plain world-size-1 module are loaded whole.
     ``env`` defaults to ``backends.distributed.setup.init_distributed()``; the mesh is
     ``backends.distributed.setup.device_mesh(env)`` (all ranks data-parallel) unless ``mesh`` is given: a 1-D
     ``DeviceMesh`` over a subset of the ranks (a role's pool, see ``backends.distributed.placement``). Only the
-    mesh's ranks call this.
+    mesh's ranks call this. ``fsdp_cfg.offload`` (GPU only, refused before loading elsewhere) keeps
+    parameters, gradients and the optimizer step in host memory.
 
     ``lora``: a ``peft.LoraConfig``; the model is wrapped with ``peft.get_peft_model`` before sharding,
     so only the adapter trains (the base weights are frozen and get no optimizer state). Its reference
@@ -173,29 +243,27 @@ def build_actor(
     """
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)  # fail on a bad schedule before loading anything
-    model = load_model(model_path, torch.float32)
-    if lora is not None:
-        from peft import get_peft_model
+    _check_offload(env, fsdp_cfg.offload, "FSDPConfig.offload=True")
+    attention = attention_implementation(fsdp_cfg, env.device)  # a setting that cannot run fails before loading
+    load = None if lora is None else (lambda: _with_lora(load_model(model_path, torch.float32, attention), lora))
+    return _trainable_state(model_path, env, optim_cfg, fsdp_cfg, schedule, role="actor", mesh=mesh, load=load)
 
-        model = get_peft_model(model, lora)
-    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="actor", mesh=mesh)
+
+def _with_lora(model: nn.Module, lora: Any) -> nn.Module:
+    """``model`` under a peft LoRA adapter (peft wraps a loaded model, so a LoRA actor is loaded whole)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora)
 
 
 def _trainable_state(
-    model: nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig, schedule: Any, role: str,
-    mesh: Any = None,
+    source: str | os.PathLike | nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig,
+    schedule: Any, role: str, mesh: Any = None, load: Any = None,
 ) -> TrainState:
-    """Shard an unsharded fp32 model (master weights) and give it AdamW: the actor and the critic."""
-    if needs_own_attention(fsdp_cfg, env.device):
-        enable_packed_attention(model)
-    if env.device.type == "cpu":
-        accelerate(model)
-    if fsdp_cfg.gradient_checkpointing:
-        enable_checkpointing(model)
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
+    """Build and shard an fp32 model (master weights) and give it AdamW: the actor and the critic."""
     mesh = device_mesh(env) if mesh is None else mesh
-    model = shard_module(model, mesh, fsdp_cfg, compute_dtype(fsdp_cfg, env.device))
+    model = _sharded_module(source, torch.float32, env, mesh, fsdp_cfg, param_dtype=compute_dtype(fsdp_cfg, env.device),
+                            trainable=True, param_offload=fsdp_cfg.offload, load=load)
     model.train()
     optimizer = build_optimizer(model.parameters(), optim_cfg)
     return TrainState(
@@ -222,17 +290,24 @@ def build_critic(
     N(0, initializer_range), with a seeded generator); or an unsharded one-label
     ``*ForTokenClassification`` module. Dropout before the head is 0. Train it with :func:`update` and a
     loss on ``outputs.values`` (:func:`value_loss_fn`); read values with :func:`compute_values`.
-    ``mesh``: as in :func:`build_actor`.
+    ``mesh``: as in :func:`build_actor`. Every rank loads the whole value model before sharding (the
+    value head and the checks of a causal-LM checkpoint are :func:`backends.models.load_value_model`'s).
+    ``fsdp_cfg.offload``: as in :func:`build_actor`.
     """
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)
-    if isinstance(model_path, nn.Module):
-        model = check_value_module(model_path.to(torch.float32))
-    else:
+    _check_offload(env, fsdp_cfg.offload, "FSDPConfig.offload=True")
+
+    def load() -> nn.Module:
+        if isinstance(model_path, nn.Module):
+            return check_value_module(model_path.to(torch.float32))
         model, _tokenizer = load_value_model(
-            model_path, dtype=torch.float32, device="cpu", value_head_init=value_head_init, seed=seed
+            model_path, dtype=torch.float32, device="cpu", value_head_init=value_head_init, seed=seed,
+            attn_implementation=attention_implementation(fsdp_cfg, env.device),
         )
-    return _trainable_state(model, env, optim_cfg, fsdp_cfg, schedule, role="critic", mesh=mesh)
+        return model
+
+    return _trainable_state(model_path, env, optim_cfg, fsdp_cfg, schedule, role="critic", mesh=mesh, load=load)
 
 
 def build_reference(
@@ -247,7 +322,9 @@ def build_reference(
 ) -> TrainState:
     """A forward-only copy of a model (verl's ``ref`` role): no optimizer, no gradients, eval mode.
 
-    Its weights are stored in the compute dtype (no fp32 master copy), sharded like the actor's.
+    Its weights are stored in the compute dtype (no fp32 master copy), sharded and loaded like the
+    actor's (a checkpoint dir shard by shard: the module docstring, "Loading"). ``fsdp_cfg.offload``
+    is the trainable roles' setting; the reference's is ``param_offload``.
     ``log_prob_micro_batch_size`` (rows) is the default micro-batch size of :func:`compute_logprobs`.
     ``mesh``: as in :func:`build_actor`. ``param_offload``: FSDP2's ``CPUOffloadPolicy`` (shards in
     host memory, copied to the GPU layer by layer); it needs CUDA and is refused here otherwise, before
@@ -257,23 +334,10 @@ def build_reference(
     env = init_distributed() if env is None else env
     if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
         raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
-    if param_offload and env.device.type != "cuda":
-        raise ValueError(
-            "reference param_offload=True needs a CUDA device: FSDP2's CPUOffloadPolicy keeps the shards in host "
-            f"memory and copies them to the GPU per layer; this process runs on {env.device.type!r} "
-            "(on a CPU the parameters are already in host memory: leave param_offload off)"
-        )
-    dtype = compute_dtype(fsdp_cfg, env.device)
-    model = load_model(model_path, dtype)
-    if needs_own_attention(fsdp_cfg, env.device):
-        enable_packed_attention(model)
-    if env.device.type == "cpu":
-        accelerate(model)
-    model.requires_grad_(False)
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
+    _check_offload(env, param_offload, "reference param_offload=True")
     mesh = device_mesh(env) if mesh is None else mesh
-    model = shard_module(model, mesh, fsdp_cfg, None, param_offload=param_offload)
+    model = _sharded_module(model_path, compute_dtype(fsdp_cfg, env.device), env, mesh, fsdp_cfg, param_dtype=None,
+                            trainable=False, param_offload=param_offload)
     if compile:
         compile_layers(model)
     model.eval()
@@ -562,7 +626,8 @@ def _clip_and_step(
     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
     if isinstance(grad_norm, DTensor):  # a Partial (per-shard) norm: reduce it to the global one
         grad_norm = grad_norm.full_tensor()
-    host = torch.cat([reduced, grad_norm.reshape(1).float()]).tolist()  # the one metrics sync
+    # with offload the gradients, and so their norm, live in host memory
+    host = torch.cat([reduced, grad_norm.reshape(1).float().to(reduced.device)]).tolist()  # the one metrics sync
     loss_value, metric_values, norm_value = host[0], host[1:-1], host[-1]
     skipped = not (math.isfinite(norm_value) and math.isfinite(loss_value))
     if not skipped:

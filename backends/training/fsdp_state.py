@@ -15,7 +15,11 @@ from backends.distributed.setup import DistEnv
 from backends.training.optim import OptimConfig
 from rlfunc import schedules
 
-__all__ = ["FSDPConfig", "TrainState", "compute_dtype", "needs_own_attention"]
+__all__ = ["ATTENTION_IMPLEMENTATIONS", "FSDPConfig", "TrainState", "attention_implementation", "compute_dtype",
+           "needs_own_attention"]
+
+#: what ``FSDPConfig.attn_implementation`` may name (besides "auto")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager")
 
 
 # --------------------------------------------------------------------------------------------- configs
@@ -59,8 +63,23 @@ class FSDPConfig:
     #: micro-batches in row order; "balanced" uses the fewest micro-batches that fit, the same count on
     #: every rank, with near-equal token sums (Karmarkar-Karp; verl's use_dynamic_bsz)
     token_budget_grouping: Literal["sequential", "balanced"] = "sequential"
+    #: actor and critic on a GPU: FSDP2's CPUOffloadPolicy (verl's param_offload + optimizer_offload):
+    #: parameter shards, gradients and the AdamW step stay in host memory, each layer copied to the GPU
+    #: for its compute. Refused on a CPU-only process. The reference has its own reference.param_offload.
+    offload: bool = False
+    #: load the whole checkpoint on every rank, then shard it (world size x the model in host memory at
+    #: once); by default a sharded role is built on the meta device and the mesh's first rank reads the
+    #: checkpoint and scatters each rank's shards (backends/training/sharded_loading.py)
+    load_on_every_rank: bool = False
+    #: the model's attention: auto (flash_attention_2 on a GPU with the flash-attn package, else sdpa), sdpa,
+    #: flash_attention_2, flash_attention_3, eager. Packed rows on a CPU run the packed-aware attention, through
+    #: the C kernel where it runs (backends/training/packed_attention.py)
+    attn_implementation: str = "auto"
 
     def __attrs_post_init__(self) -> None:
+        if self.attn_implementation not in ("auto", *ATTENTION_IMPLEMENTATIONS):
+            raise ValueError(f"FSDPConfig.attn_implementation must be auto or one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+                             f"got {self.attn_implementation!r}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise ValueError(
                 f"FSDPConfig.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}"
@@ -76,6 +95,26 @@ def compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
     if cfg.param_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, cfg.param_dtype)
+
+
+def attention_implementation(cfg: FSDPConfig, device: torch.device) -> str:
+    """The attention the model is loaded with on ``device`` (see ``FSDPConfig.attn_implementation``); a flash
+    attention where it cannot run is an error naming the setting."""
+    name = cfg.attn_implementation
+    if name == "auto":
+        return "flash_attention_2" if device.type == "cuda" and _flash_attention_installed() else "sdpa"
+    if name.startswith("flash_attention") and device.type != "cuda":
+        raise ValueError(f"attn_implementation={name} needs a CUDA device (this process runs on {device.type}); "
+                         "use sdpa or auto")
+    if name.startswith("flash_attention") and not _flash_attention_installed(name):
+        raise ValueError(f"attn_implementation={name} needs the flash-attn package (pip install flash-attn), or use sdpa / auto")
+    return name
+
+
+def _flash_attention_installed(name: str = "flash_attention_2") -> bool:
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+
+    return is_flash_attn_3_available() if name == "flash_attention_3" else is_flash_attn_2_available()
 
 
 def needs_own_attention(cfg: FSDPConfig, device: torch.device) -> bool:

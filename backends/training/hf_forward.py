@@ -67,12 +67,12 @@ def _forward_packed(
     packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
                                    share_prompts=share_prompts and reads_layouts)
     if role == "critic":
-        out = module(**model_kwargs(packed))
+        out = module(**model_kwargs(packed, block_layout=reads_layouts))
         logits = out.logits
         if logits.dim() != 3 or logits.shape[-1] != 1:
             raise ValueError(f"a critic's model must output one value per token (b, s, 1), got {tuple(logits.shape)}")
         return ModelOutputs(values=unpack(logits[0, packed.predict_index, 0].float(), packed))
-    out = module(**model_kwargs(packed), logits_to_keep=packed.predict_index)
+    out = module(**model_kwargs(packed, block_layout=reads_layouts), logits_to_keep=packed.predict_index)
     logits = out.logits[0]  # (N v): one row per kept response token
     logprobs = unpack(logprobs_from_logits(logits, packed.labels), packed)
     entropy = unpack(entropy_from_logits(logits), packed) if with_entropy else None

@@ -18,11 +18,13 @@ from backends.models import load_causal_lm
 __all__ = ["load_model", "enable_checkpointing", "decoder_layers", "check_value_module", "compile_layers"]
 
 
-def load_model(model: str | os.PathLike | nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A causal LM from a local HF dir (on the CPU), or the given module, in ``dtype``."""
+def load_model(model: str | os.PathLike | nn.Module, dtype: torch.dtype, attn_implementation: str = "sdpa") -> nn.Module:
+    """A causal LM from a local HF dir (on the CPU, with ``attn_implementation``), or the given module, in
+    ``dtype``: the whole model in this process. A sharded role reads a checkpoint shard by shard instead
+    (:mod:`backends.training.sharded_loading`)."""
     if isinstance(model, nn.Module):
         return model.to(dtype)
-    module, _tokenizer = load_causal_lm(model, dtype=dtype, device="cpu")
+    module, _tokenizer = load_causal_lm(model, dtype=dtype, device="cpu", attn_implementation=attn_implementation)
     return module
 
 

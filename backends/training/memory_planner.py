@@ -1,8 +1,10 @@
 """Per-device memory estimate of a training role (and a colocated rollout's KV cache), and settings that fit.
 
 Run: ``python -m backends.training.memory_planner --model DIR --dp 8 --dtype bfloat16 --micro-batch 4 --seq-len 4096
---budget-gib 80 [--gradient-checkpointing] [--kv-seqs 256 --kv-len 4096]`` (``--tiny`` for the tiny
-test model, hidden 256 and 4 layers, instead of ``--model``) prints a table and suggestions.
+--budget-gib 80 [--gradient-checkpointing] [--kv-seqs 256 --kv-len 4096] [--offload] [--device-gib 80
+--vllm-util 0.6 --vllm-tp 2]`` (``--model`` takes a checkpoint dir or a ``config.json`` file; ``--tiny`` the
+tiny test model, hidden 256 and 4 layers) prints a table, suggestions and, with ``--device-gib``, the
+phases of a step colocated with a vLLM engine (:func:`colocated_step`).
 
 What is counted, per device, for a Llama / Qwen2 decoder (``h`` hidden, ``i`` MLP width, ``L`` layers,
 ``V`` vocabulary, ``kv`` = key/value heads x head_dim, ``n`` attention heads, ``T`` tokens of a
@@ -10,7 +12,9 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
 
 - **parameters**: fp32 master weights (the reference role: compute dtype) ``P * 4 / shards``, plus
   the FSDP-gathered compute copy of the root (embeddings, final norm, untied lm_head: kept gathered
-  for the step) and of two decoder layers (one computing, one prefetched) when ``dp > 1``;
+  for the step) and of two decoder layers (one computing, one prefetched) when ``dp > 1``; with
+  ``offload`` (FSDP2's CPUOffloadPolicy) only that gathered copy, and no gradients or optimizer state. A
+  critic holds a one-wide value head instead of the lm_head;
 - **gradients**: as the master weights (fp32, sharded); none for the reference role;
 - **optimizer**: AdamW keeps two fp32 moments per parameter (``8 P / shards``), SGD none;
 - **activations** saved for backward by one micro-batch, counted from what a Hugging Face decoder
@@ -29,15 +33,23 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
   ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
 - **logits** of the kept positions (``V`` per token, compute dtype, plus an fp32 copy under bf16 and
-  the softmax when entropy is computed): the response tokens only (``logits_to_keep``);
+  the softmax when entropy is computed): the response tokens only (``logits_to_keep``). The reference
+  role is a forward pass without gradients: no activations are kept, and its logits term is that pass's
+  peak: the logits, their fp32 upcast and ``logsumexp``'s fp32 temporary;
 - **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
   (``kv_dtype``; on a CPU the native engine keeps an fp32 cache for a bf16 model unless its AVX-512
   decode-attention kernel reads bf16 caches, ``backends/cpu/kernels.py``, and that kernel's caches hold
   whole blocks of 16 slots: ``kv_block``).
 
+A step colocated with vLLM (:func:`colocated_step`) peaks in one of three phases: the update (vLLM
+asleep), the log-prob passes (one forward micro-batch beside the resident state) or the rollout (the
+resident state, gradients freed, plus vLLM's ``gpu_memory_utilization`` share of the device, which holds
+its weights, ``P * bytes / tp``, and its KV cache).
+
 Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. the fp32 upcast of one
-chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU): keep headroom
-(``headroom`` in :func:`suggest`, default 10%).
+chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU), vLLM's CUDA graphs
+(outside its share), the gradient of the logits in backward: keep headroom (``headroom`` in
+:func:`suggest`, default 10%).
 """
 
 from __future__ import annotations
@@ -57,6 +69,11 @@ __all__ = [
     "Suggestion",
     "estimate",
     "suggest",
+    "largest_micro_batch",
+    "ColocatedStep",
+    "colocated_step",
+    "vllm_weight_bytes",
+    "kv_bytes_per_token",
     "format_table",
 ]
 
@@ -105,9 +122,12 @@ class ModelShape:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "ModelShape":
-        """From a local Hugging Face checkpoint dir (reads ``config.json`` only)."""
+        """From a local Hugging Face checkpoint dir, or a ``config.json`` file itself (reads that file only:
+        a model's public config is enough to plan for it before its weights are downloaded)."""
         from transformers import AutoConfig
 
+        if os.path.isfile(path) and str(path).endswith(".json"):
+            return cls.from_hf_config(AutoConfig.from_pretrained(str(path)))
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise FileNotFoundError(f"no config.json in {path!r}: not a Hugging Face checkpoint dir")
         return cls.from_hf_config(AutoConfig.from_pretrained(path))
@@ -142,6 +162,17 @@ class ModelShape:
     def num_params(self) -> int:
         return self.num_layers * self.layer_params + self.root_params
 
+    @property
+    def critic_root_params(self) -> int:
+        """A value model's (``*ForTokenClassification``, one label): embeddings, final norm, a 1-wide head
+        with its bias; no lm_head."""
+        return self.vocab_size * self.hidden_size + self.hidden_size + self.hidden_size + 1
+
+    def role_params(self, role: str) -> tuple[int, int]:
+        """``(all parameters, the root's)`` of the module a role holds (the critic has a value head)."""
+        root = self.critic_root_params if role == "critic" else self.root_params
+        return self.num_layers * self.layer_params + root, root
+
 
 @attrs.frozen
 class Parallelism:
@@ -175,6 +206,9 @@ class Workload:
     #: cache slots are allocated in blocks of this many per sequence (the native CPU engine's decode
     #: kernel: 16, ``backends/cpu/kernels.py``)
     kv_block: int = 1
+    #: FSDP2's CPUOffloadPolicy (FSDPConfig.offload): parameter shards, gradients and optimizer state in host
+    #: memory; the device holds the gathered compute copies only
+    offload: bool = False
 
     def __attrs_post_init__(self) -> None:
         _dtype_bytes(self.compute_dtype)
@@ -236,46 +270,61 @@ def activation_elements_per_token_layer(shape: ModelShape, compute_bytes: int) -
     return (compute + fp32, 0) if compute_bytes == 4 else (compute, fp32)
 
 
+def _state_bytes(shape: ModelShape, parallel: Parallelism, work: Workload, cb: int) -> tuple[int, int, int]:
+    """``(parameters, gradients, optimizer)`` bytes per device."""
+    n_params, root = shape.role_params(work.role)
+    p_local = math.ceil(n_params / parallel.shards)
+    trainable = work.role != "reference"
+    gathered = 0
+    if parallel.dp > 1 or work.offload:  # FSDP gathers a compute copy: the root for the step, two layers at a time
+        gathered = int((root + 2 * shape.layer_params) / (parallel.tp * parallel.pp) * cb)
+    if work.offload:  # FSDP2's CPUOffloadPolicy: shards, gradients and the AdamW step stay in host memory
+        return gathered, 0, 0
+    params = p_local * (4 if trainable else cb) + gathered
+    grads = p_local * 4 if trainable else 0
+    moments = {"adamw": 2, "sgd": 0, "none": 0}[work.optimizer] if trainable else 0
+    return params, grads, p_local * 4 * moments
+
+
+def _activation_bytes(shape: ModelShape, parallel: Parallelism, work: Workload, cb: int) -> tuple[int, int, int]:
+    """``(activations, logits, recompute)`` bytes per device of one micro-batch."""
+    rows, s, h = work.micro_batch_rows, work.seq_len, shape.hidden_size
+    tokens = rows * s
+    keep = rows * (work.response_len if work.response_len is not None else s)
+    # the critic's value head is one wide; the others' lm_head is the vocabulary wide
+    width = 1 if work.role == "critic" else shape.vocab_size // parallel.tp
+    entropy = 4 if work.with_entropy else 0
+    if work.role == "reference":  # forward only: the logits, their fp32 upcast, logsumexp's fp32 temporary
+        return 0, keep * h * cb + keep * width * (cb + (4 if cb != 4 else 0) + 4 + entropy), 0
+    layers = math.ceil(shape.num_layers / parallel.pp)
+    in_flight = parallel.pp  # 1F1B: the first stage holds up to pp micro-batches' activations
+    compute_e, fp32_e = activation_elements_per_token_layer(shape, cb)
+    per_layer = (compute_e * cb + fp32_e * 4) * tokens // parallel.tp
+    recompute = 0
+    if work.gradient_checkpointing:  # a layer keeps its input; one layer's set lives in its recompute
+        stored, recompute = layers * tokens * h * cb, per_layer
+    else:
+        stored = layers * per_layer
+    # shared by the layers: token ids (int64), rotary cos/sin, the padded path's attention mask;
+    # the final norm (fp32 input and rsqrt, normalised output)
+    shared = tokens * (8 + 2 * shape.head_dim * cb) + (rows * s * s * cb if work.padded else 0)
+    final_norm = tokens * ((h + 1) * 4 + h * (cb if cb != 4 else 4))
+    activations = (stored + recompute + shared + final_norm) * in_flight
+    # lm_head input of the kept positions, their logits in fp32 (an upcast copy under bf16), softmax
+    logits = keep * h * cb + keep * width * (4 + entropy)
+    return int(activations), int(logits), int(recompute)
+
+
 def estimate(shape: ModelShape, parallel: Parallelism = Parallelism(), work: Workload = Workload()) -> MemoryEstimate:
     """Per-device bytes of ``work`` on ``shape`` sharded by ``parallel`` (see the module docstring)."""
     cb = _dtype_bytes(work.compute_dtype)
-    shards = parallel.shards
-    p_local = math.ceil(shape.num_params / shards)
-    trainable = work.role != "reference"
-    master_bytes = 4 if trainable else cb
-    params = p_local * master_bytes
-    if parallel.dp > 1:  # FSDP all-gathers a compute copy: the root for the step, two layers at a time
-        gathered = (shape.root_params + 2 * shape.layer_params) / (parallel.tp * parallel.pp)
-        params += int(gathered * cb)
-    grads = p_local * 4 if trainable else 0
-    moments = {"adamw": 2, "sgd": 0, "none": 0}[work.optimizer] if trainable else 0
-    optim = p_local * 4 * moments
-
-    rows, s, h = work.micro_batch_rows, work.seq_len, shape.hidden_size
-    tokens = rows * s
-    layers = math.ceil(shape.num_layers / parallel.pp)
-    in_flight = parallel.pp  # 1F1B: the first stage holds up to pp micro-batches' activations
-    activations = logits = recompute = 0
-    if trainable:
-        compute_e, fp32_e = activation_elements_per_token_layer(shape, cb)
-        per_layer = (compute_e * cb + fp32_e * 4) * tokens // parallel.tp
-        if work.gradient_checkpointing:  # a layer keeps its input; one layer's set lives in its recompute
-            stored, recompute = layers * tokens * h * cb, per_layer
-        else:
-            stored = layers * per_layer
-        # shared by the layers: token ids (int64), rotary cos/sin, the padded path's attention mask;
-        # the final norm (fp32 input and rsqrt, normalised output)
-        shared = tokens * (8 + 2 * shape.head_dim * cb) + (rows * s * s * cb if work.padded else 0)
-        final_norm = tokens * ((h + 1) * 4 + h * (cb if cb != 4 else 4))
-        activations = (stored + recompute + shared + final_norm) * in_flight
-        keep = rows * (work.response_len if work.response_len is not None else s)
-        # lm_head input of the kept positions, their logits in fp32 (an upcast copy under bf16), softmax
-        logits = keep * h * cb + keep * shape.vocab_size // parallel.tp * (4 + (4 if work.with_entropy else 0))
+    params, grads, optim = _state_bytes(shape, parallel, work, cb)
+    activations, logits, recompute = _activation_bytes(shape, parallel, work, cb)
     kv_bytes = _dtype_bytes(work.kv_dtype or work.compute_dtype)
     kv_slots = -(-work.kv_len // work.kv_block) * work.kv_block
     kv = 2 * shape.num_layers * shape.kv_width * kv_slots * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
-    return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=int(activations),
-                          logits=int(logits), kv_cache=kv, recompute=int(recompute))
+    return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=activations,
+                          logits=logits, kv_cache=kv, recompute=recompute)
 
 
 @attrs.frozen
@@ -334,6 +383,67 @@ def suggest(
                       max_tokens_per_micro_batch=rows * work.seq_len, max_kv_seqs=max_kv, estimate=est, reason=reason)
 
 
+def vllm_weight_bytes(shape: ModelShape, *, tp: int = 1, dtype: str = "bfloat16") -> int:
+    """A vLLM engine's weights per device: every parameter in ``dtype``, split over its ``tp`` ranks."""
+    return shape.num_params * _dtype_bytes(dtype) // tp
+
+
+def kv_bytes_per_token(shape: ModelShape, *, tp: int = 1, dtype: str = "bfloat16") -> int:
+    """One token's keys and values on one of an engine's ``tp`` devices (a KV head is replicated when
+    there are fewer heads than ranks)."""
+    heads = max(1, -(-shape.num_kv_heads // tp))
+    return 2 * shape.num_layers * heads * shape.head_dim * _dtype_bytes(dtype)
+
+
+@attrs.frozen
+class ColocatedStep:
+    """Per-device peaks of one RL step with the trainer and a vLLM engine on the same devices (vLLM asleep,
+    its weights and KV cache freed, while the trainer computes)."""
+
+    update: int  #: policy update: the trainer's estimate plus other roles' resident bytes
+    logprob: int  #: log-prob passes: the trainer's resident state (gradients freed), other roles, one forward
+    rollout: int  #: generation: the trainer's resident state, other roles, vLLM's share
+    vllm_share: int  #: gpu_memory_utilization x the device: vLLM's weights, KV cache and activations
+    vllm_weights: int
+    kv_tokens: int  #: tokens of KV cache in the share beside the weights (an upper bound: less vLLM's activations)
+    free_at_build: int  #: free when the engine is built (the optimizer state is created at the first update)
+
+    @property
+    def peak(self) -> int:
+        return max(self.update, self.logprob, self.rollout)
+
+
+def colocated_step(
+    shape: ModelShape, parallel: Parallelism, work: Workload, *, device_bytes: int,
+    vllm_utilization: float | None = None, vllm_tp: int = 1, vllm_dtype: str = "bfloat16",
+    resident_bytes: int = 0, forward_bytes: int = 0,
+) -> ColocatedStep:
+    """The three phases of a colocated step for the trainer ``work`` (kv fields unused) on a device of
+    ``device_bytes``. ``vllm_utilization``: the share of the whole device vLLM may take; ``None`` is the
+    recipes' default, 90% of what is free when the engine is built, after the trainer's weights, AdamW
+    moments (allocated when the optimizer is built, ``backends.training.optim.initialize_state``) and the
+    other roles. ``resident_bytes``: other roles kept on the device
+    (a reference's weights); ``forward_bytes``: the largest forward-only micro-batch of the log-prob passes
+    (:func:`estimate` of a ``reference`` workload, less its parameters)."""
+    est = estimate(shape, parallel, attrs.evolve(work, kv_seqs=0))
+    resident = est.parameters + est.optimizer + resident_bytes  # gradients are freed after each update
+    free_at_build = device_bytes - est.parameters - est.optimizer - resident_bytes
+    share = int(0.9 * free_at_build if vllm_utilization is None else vllm_utilization * device_bytes)
+    weights = vllm_weight_bytes(shape, tp=vllm_tp, dtype=vllm_dtype)
+    per_token = kv_bytes_per_token(shape, tp=vllm_tp, dtype=vllm_dtype)
+    return ColocatedStep(
+        update=est.total + resident_bytes, logprob=resident + forward_bytes, rollout=resident + share,
+        vllm_share=share, vllm_weights=weights, kv_tokens=max(share - weights, 0) // per_token,
+        free_at_build=free_at_build,
+    )
+
+
+def largest_micro_batch(shape: ModelShape, parallel: Parallelism, work: Workload, budget_bytes: float) -> int:
+    """The most rows of ``work.seq_len`` tokens whose estimate fits ``budget_bytes`` (0: none), with the
+    workload's own checkpointing setting."""
+    return _largest_rows(shape, parallel, work, budget_bytes)
+
+
 def format_table(est: MemoryEstimate, title: str = "") -> str:
     gib = 2**30
     lines = [title] if title else []
@@ -362,6 +472,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-seqs", type=int, default=0)
     parser.add_argument("--kv-len", type=int, default=0)
     parser.add_argument("--budget-gib", type=float, default=None, help="per-device memory for suggestions")
+    parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload: shards and optimizer in host memory")
+    parser.add_argument("--device-gib", type=float, default=None,
+                        help="device memory: print the phases of a step colocated with a vLLM engine")
+    parser.add_argument("--vllm-util", type=float, default=None,
+                        help="vLLM's share of the device (default: 90%% of what is free when it is built, after the "
+                             "trainer's weights and optimizer state)")
+    parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size")
     args = parser.parse_args(argv)
     if args.tiny:
         from backends.models import TinyModelConfig, build_char_tokenizer
@@ -373,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Workload(
         role=args.role, compute_dtype=args.dtype, optimizer=args.optimizer, micro_batch_rows=args.micro_batch,
         seq_len=args.seq_len, response_len=args.response_len, gradient_checkpointing=args.gradient_checkpointing,
-        padded=not args.packed, kv_seqs=args.kv_seqs, kv_len=args.kv_len,
+        padded=not args.packed, kv_seqs=args.kv_seqs, kv_len=args.kv_len, offload=args.offload,
     )
     print(f"model: {shape.num_params / 1e6:.2f}M parameters, {shape.num_layers} layers, hidden {shape.hidden_size}, "
           f"vocab {shape.vocab_size}; dp={parallel.dp} tp={parallel.tp} pp={parallel.pp}; {work.compute_dtype}")
@@ -387,6 +504,20 @@ def main(argv: list[str] | None = None) -> None:
               f"max_tokens_per_micro_batch={s.max_tokens_per_micro_batch}")
         if work.kv_len:
             print(f"  rollout KV cache: up to {s.max_kv_seqs} sequences of {work.kv_len} tokens beside the training state")
+    if args.device_gib is not None:
+        _print_colocated(shape, parallel, work, args)
+
+
+def _print_colocated(shape: ModelShape, parallel: Parallelism, work: Workload, args: argparse.Namespace) -> None:
+    gib = 2**30
+    device = args.device_gib * gib
+    step = colocated_step(shape, parallel, work, device_bytes=int(device), vllm_utilization=args.vllm_util,
+                          vllm_tp=args.vllm_tp, vllm_dtype=work.compute_dtype)
+    verdict = "fits" if step.peak <= 0.9 * device else "fits without headroom" if step.peak <= device else "does not fit"
+    print(f"\ncolocated with vLLM (tp={args.vllm_tp}) on a {args.device_gib} GiB device: "
+          f"update {step.update / gib:.1f} GiB, log-probs {step.logprob / gib:.1f} GiB, "
+          f"rollout {step.rollout / gib:.1f} GiB (vLLM share {step.vllm_share / gib:.1f} GiB, "
+          f"weights {step.vllm_weights / gib:.1f} GiB, KV cache for {step.kv_tokens} tokens): {verdict}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import torch
 from rlfunc import schedules
 from rlfunc.schedules import LRSchedule
 
-__all__ = ["OptimConfig", "warmup_steps", "lr_schedule", "lr_multiplier", "lr_at", "build_optimizer", "set_lr", "with_total_steps", "fresh_optimizer"]
+__all__ = ["OptimConfig", "warmup_steps", "lr_schedule", "lr_multiplier", "lr_at", "build_optimizer", "initialize_state", "set_lr", "with_total_steps", "fresh_optimizer"]
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -125,8 +125,38 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
         raise ValueError("build_optimizer got no trainable parameters (all have requires_grad=False)")
     lr_schedule(cfg)  # validate the schedule settings now rather than at the first update
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             fused=fused or None)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                  fused=fused or None)
+    initialize_state(optimizer)
+    return optimizer
+
+
+def initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Allocate the optimizer's state now instead of at its first step, exactly as that step would.
+
+    PyTorch's AdamW creates its two moments per parameter lazily, at the first ``step()``. A colocated
+    rollout engine that is built before then sizes itself to the memory still free, and the moments would
+    then arrive on top of it. One step with zero gradients at lr 0 allocates them, leaves the parameters as
+    they are (an update and decoupled weight decay both scale with lr) and the moments at zero, and the
+    step counters are put back to 0, so the next step is the first, as it would have been.
+    """
+    if optimizer.state:
+        return
+    lrs = []
+    for group in optimizer.param_groups:
+        lrs.append(group["lr"])
+        group["lr"] = 0.0
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for state in optimizer.state.values():
+        if torch.is_tensor(state.get("step")):
+            state["step"].zero_()
+        elif "step" in state:
+            state["step"] = 0
+    optimizer.zero_grad(set_to_none=True)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -181,9 +181,10 @@ class Roles:
                     metrics.append(m)
         return metrics
 
-    def actor_weights(self) -> Any:
-        """The actor's full HF-named tensors (a collective of the actor pool; None off it), for a weight sync."""
-        return self.actor_engine.full_state_dict(self.actor) if self.on_actor else None
+    def actor_weights(self, **gather: Any) -> Any:
+        """The actor's full HF-named tensors (a collective of the actor pool; None off it), for a weight sync;
+        ``gather``: the engine's ``full_state_dict`` options (``dtype``, ``bucket_mb``)."""
+        return self.actor_engine.full_state_dict(self.actor, **gather) if self.on_actor else None
 
     def step_times(self) -> dict[str, float]:
         """Every phase's time this step: the critic pool leader's for its phases, this rank's for the rest

@@ -93,11 +93,23 @@ class MegatronOptimConfig:
     """Megatron's optimizer settings used on a GPU (verl's ``optim/megatron.yaml`` names). The
     learning rate, betas, weight decay, eps and clipping come from :class:`backends.training.optim.OptimConfig`."""
 
-    optimizer: Literal["adam", "sgd"] = "adam"
+    optimizer: Literal["adam", "sgd"] = "adam"  #: megatron's optimizer
     use_distributed_optimizer: bool = True  #: shard optimizer state over data-parallel ranks (ZeRO-1)
-    overlap_grad_reduce: bool = False
-    overlap_param_gather: bool = False
-    grad_reduce_in_fp32: bool = True
+    overlap_grad_reduce: bool = False  #: overlap the gradient reduce-scatter with the backward pass
+    #: refused: megatron defers the updated parameters' all-gather to the next forward, but an RL step reads
+    #: the full weights right after the update (the rollout's weight sync), so nothing could overlap it and
+    #: the sync would send the previous step's weights
+    overlap_param_gather: bool = attrs.field(default=False)
+    grad_reduce_in_fp32: bool = True  #: reduce gradients in fp32
+
+    @overlap_param_gather.validator
+    def _no_deferred_param_gather(self, attribute: attrs.Attribute, value: bool) -> None:
+        if value:
+            raise ValueError(
+                "overlap_param_gather=True is not supported: megatron would all-gather the updated parameters at the "
+                "next forward pass, after the rollout's weight sync has already read them (stale weights); the "
+                "all-gather cannot overlap anything in an RL step, so leave it off"
+            )
 
 
 @attrs.frozen
@@ -370,7 +382,7 @@ def _forward_only(state: MegatronState, batch: RolloutBatch, names: tuple[str, .
 
                 if state.uses_megatron_schedule:
                     got = megatron_forward_backward(
-                        module, [inp], lambda o, i: (o.float().sum() * 0, {"out": head(o)}),
+                        module, [inp], lambda o, i: (o.new_zeros(()), {"out": head(o)}),  # forward only: no loss
                         seq_length=inp.input_ids.shape[1], micro_batch_size=inp.input_ids.shape[0],
                         forward_only=True, loss_scale=1.0,
                     )
@@ -629,10 +641,12 @@ def _stage_module(state: MegatronState) -> nn.Module:
     return state.module.module if state.uses_megatron_schedule and state.optimizer is not None else state.module
 
 
-def full_state_dict(state: MegatronState, *, dtype: torch.dtype | None = None,
-                    device: str | torch.device | None = None) -> Iterator[tuple[str, Tensor]]:
+def full_state_dict(state: MegatronState, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
+                    bucket_mb: float | None = None) -> Iterator[tuple[str, Tensor]]:
     """Stream ``(hf_name, full_tensor)`` on every rank (TP gathered, stages broadcast), HF names and
-    order, for a rollout engine's weight sync. A collective: every rank consumes it in step."""
+    order, for a rollout engine's weight sync. A collective: every rank consumes it in step. ``bucket_mb``
+    is the FSDP engine's setting and is not used here: tensor-parallel shards are gathered along each
+    tensor's own axis and fused tensors split, one tensor at a time."""
     return gather_hf_state(_stage_module(state), state.shape, state.dims, value_head=state.role == "critic",
                            dtype=dtype, device=device)
 

@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from backends.packing import pad_layout
+from backends.training.packed_attention import packed_rows_attention
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "ModelShape",
@@ -163,23 +166,25 @@ class TorchCoreAttention(nn.Module):
         if attention_bias is not None:
             raise ValueError("TorchCoreAttention does not take an attention bias")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._packed(query, key, value, packed_seq_params.cu_seqlens_q)
+            return self._packed(query, key, value, packed_seq_params)
         groups = query.shape[2] // key.shape[2]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # (b h s d)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=groups > 1)
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _packed(self, query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor) -> Tensor:
-        """THD: ``(t h d)`` with sequence boundaries ``cu_seqlens``; one causal block per sequence."""
+    def _packed(self, query: Tensor, key: Tensor, value: Tensor, params: Any) -> Tensor:
+        """THD: ``(t h d)`` with sequence boundaries ``cu_seqlens``; causal within each sequence, through the
+        packed-row attention of :mod:`backends.training.packed_attention` (each sequence a left-aligned block,
+        ``n x L^2`` work, no dense ``t x t`` mask). The block layout comes with the params (made once per
+        micro-batch by ``layout_micro_batch``); else it is built from ``cu_seqlens`` here."""
         t = query.shape[0]
-        seq_id = torch.searchsorted(cu_seqlens[1:].to(query.device), torch.arange(t, device=query.device), right=True)
-        idx = torch.arange(t, device=query.device)
-        allowed = (seq_id[:, None] == seq_id[None, :]) & (idx[None, :] <= idx[:, None])
-        groups = query.shape[1] // key.shape[1]
+        layout = getattr(params, "block_layout", None)
+        if layout is None:
+            layout = pad_layout(tuple(int(x) for x in params.cu_seqlens_q.tolist()), query.device)
         q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))  # (1 h t d)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.softmax_scale, enable_gqa=groups > 1)
-        return out[0].transpose(0, 1).reshape(t, -1)
+        out = packed_rows_attention(q, k, v, layout, self.softmax_scale)  # (1 t h d)
+        return out[0].reshape(t, -1)
 
 
 def _rotary_base_class() -> type:
