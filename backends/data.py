@@ -171,9 +171,11 @@ def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str
     return messages
 
 
-def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto") -> list[int]:
+def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto",
+                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """The token ids the model reads for ``prompt``: a chat through the chat template with the
-    generation prompt (``apply_chat_template``'s ids exactly), a string as the tokenizer encodes it."""
+    generation prompt (``apply_chat_template``'s ids exactly, with the JSON schemas of ``tools`` when a
+    multi-turn run has tools), a string as the tokenizer encodes it."""
     if isinstance(prompt, str):
         return list(tokenizer(prompt)["input_ids"])
     if chat_template == "none":
@@ -181,7 +183,8 @@ def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, 
     template = None if chat_template == "auto" else Path(chat_template).read_text()
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError("the tokenizer has no chat template for chat prompts; give one with data.chat_template=<jinja file>")
-    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, chat_template=template)
+    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, chat_template=template,
+                                            tools=list(tools) if tools else None)
     return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
 
@@ -199,8 +202,10 @@ def _fit_length(ids: list[int], cfg: DataConfig, where: str) -> list[int] | None
     return ids[-cfg.max_prompt_length:] if cfg.truncation == "left" else ids[: cfg.max_prompt_length]
 
 
-def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any) -> tuple[list[Example], LoadReport]:
-    """Every row of ``files`` (in order) as an :class:`Example`, checked and tokenised; see the module doc."""
+def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
+                  tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[Example], LoadReport]:
+    """Every row of ``files`` (in order) as an :class:`Example`, checked and tokenised (chat prompts with the
+    ``tools`` schemas); see the module doc."""
     if isinstance(files, str):
         files = (files,)
     if cfg.chat_template not in ("auto", "none") and not Path(cfg.chat_template).is_file():
@@ -213,7 +218,7 @@ def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any) -> tupl
             prompt = _check_prompt(column_value(row, cfg.prompt_key, where), where, cfg.prompt_key)
             answer = column_value(row, cfg.answer_key, where) if cfg.answer_key else None
             try:
-                ids = prompt_token_ids(prompt, tokenizer, chat_template=cfg.chat_template)
+                ids = prompt_token_ids(prompt, tokenizer, chat_template=cfg.chat_template, tools=tools)
             except DataError as e:
                 raise DataError(f"{where}: {e}") from None
             fitted = _fit_length(ids, cfg, where)

@@ -13,7 +13,7 @@ import json
 import os
 import string
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import attrs
 import torch
@@ -56,7 +56,9 @@ CHAR_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
 )
 
-_DEFAULT_CHARS = string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/"
+# JSON and code characters come last, so the ids of the earlier ones stay what they were
+_DEFAULT_CHARS = (string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/"
+                  + "{}[]\"'_#<>%&|\n")
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -66,11 +68,13 @@ _WEIGHT_FILES = (
 )
 
 
-def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, model_max_length: int = 256) -> Any:
+def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, words: Sequence[str] = (), model_max_length: int = 256) -> Any:
     """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character, with a chat template.
 
     Ids: ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``, then ``chars`` in order (digits, ``+-*=``, space,
-    letters, punctuation by default: 79 symbols), then :data:`CHAT_TOKENS`. Encoding adds no special
+    letters, punctuation, then JSON characters and newline by default: 92 symbols), then :data:`CHAT_TOKENS`,
+    then ``words``: multi-character strings that encode as one (ordinary, not special) token wherever they
+    occur, for a task's frequent text such as the fixed part of its tool-call JSON. Encoding adds no special
     tokens; decoding joins the characters back exactly (``decode(encode("12+34=46")) == "12+34=46"``).
     Padding is on the left, which is what batched generation needs. ``apply_chat_template`` renders
     :data:`CHAR_CHAT_TEMPLATE`, so chat prompts go through the same path as a real instruct model's.
@@ -87,11 +91,16 @@ def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, model_max_length: int =
         vocab[ch] = len(vocab)
     for tok in CHAT_TOKENS:
         vocab[tok] = len(vocab)
+    for word in words:
+        if len(word) < 2 or word in vocab:
+            raise ValueError(f"tokenizer word {word!r} is a single character or already a token")
+        vocab[word] = len(vocab)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
     # whole-token matches before the per-character split (and dropped by skip_special_tokens)
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + CHAT_TOKENS])
+    core.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     return PreTrainedTokenizerFast(
         chat_template=CHAR_CHAT_TEMPLATE,
         tokenizer_object=core,
@@ -156,6 +165,8 @@ class ModelConfig:
 
     path: str = ""  #: a local Hugging Face dir (Llama / Qwen2 family) used as it is; empty: a tiny random model (model.tiny) in the run dir
     tiny: TinyModelConfig = TinyModelConfig()  #: the tiny model written when model.path is empty (char tokenizer with a chat template)
+    #: the tiny model's tokenizer: strings that become one token each (e.g. the fixed part of a task's tool-call JSON)
+    tiny_words: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
 
 def _hf_config(config: TinyModelConfig, tokenizer: Any) -> Any:

@@ -12,6 +12,8 @@ Reward: ``reward.fn`` names built-ins (exact, arithmetic, gsm8k, boxed, math, fo
 ``fn(response, ground_truth, **columns) -> float | dict`` as ``package.module:function`` / ``file.py:function``.
 Algorithm pieces by name or reference, resolved at start-up (a misspelling fails before any work):
       ... algo.estimator=rloo algo.policy_loss=gspo algo.estimator=my_pkg.advantages:centered
+Multi-turn / tools: ``rollout.multi_turn.max_turns=4 rollout.multi_turn.tools=[my_tools.py:search]``: each sample
+is a trajectory of model turns and tool results; the reward reads the last model turn (BUILD.md, "Multi-turn").
 DAPO: ``algo.dynamic_sampling=true``, ``reward.overlong_buffer_len=...``, ``algo.overlong_filter=true``,
 ``algo.clip_high=0.28``, ``algo.agg=token-mean``.
 Checkpoints and exact resume: ``checkpoint.every=50`` then ``resume=auto`` (same run dir, same metrics).
@@ -45,10 +47,12 @@ from backends.distributed.placement import concat_padded
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
+from backends.rollout.agent_loop import sample
 from backends.rollout.api import (
-    RolloutConfig, build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
-    weight_sync_dtype,
+    RolloutConfig, build_rollout, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype,
 )
+from backends.rollout.common import answer_texts
+from backends.rollout.environments import environment_factory
 from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
@@ -131,7 +135,8 @@ class Config:
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
 RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "eval", "logger", "log_every", "dump_generations_every")
-CONSOLE_KEYS = ("reward_mean", "success_rate", "kl", "entropy", "clip_frac", "grad_norm", "response_length", "step_time_s")
+CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl", "entropy", "clip_frac",
+                "grad_norm", "response_length", "step_time_s")
 
 
 def main(argv: list[str]) -> dict:
@@ -142,6 +147,7 @@ def main(argv: list[str]) -> dict:
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
     estimator, estimator_kwargs, policy_loss = resolve_algorithm(cfg.algo)  # so does an unknown estimator / loss
     scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
+    environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None  # ... or tool
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     build_kwargs = cfg.actor.lora.build_kwargs(cfg.actor.backend)
     env = init_distributed()
@@ -152,7 +158,7 @@ def main(argv: list[str]) -> dict:
     tokenizer = load_tokenizer(run.model_path)
     data = load_run_data(cfg, tokenizer, scorer, log, needs_train=cfg.steps != 0)  # bad data fails here, before any model
     if cfg.steps == 0:
-        return evaluate_only(cfg, run, data, tokenizer, scorer, env)
+        return evaluate_only(cfg, run, data, tokenizer, scorer, env, environments)
     steps = cfg.steps or cfg.epochs * PromptStream(data.train, seed=cfg.seed).steps_per_epoch(cfg.prompts_per_step)
     mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
@@ -166,12 +172,12 @@ def main(argv: list[str]) -> dict:
         reference = engine.build_reference(run.policy_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
     # last: a GPU rollout engine takes its share of the memory the trainer's roles left free
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
-                            max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+                            max_context=max_context(cfg))
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}  # how weights reach it
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     first_step, wall_before, before, last_eval = 1, 0.0, {}, {}
     if run.resume_from is None:
-        before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env) if cfg.eval.before_training else {}
+        before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments) if cfg.eval.before_training else {}
         mlog.log(0, before)
     else:  # the actor's weights, AdamW state and step, every rank's RNG, and what the loop carries
         states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
@@ -179,13 +185,14 @@ def main(argv: list[str]) -> dict:
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
 
-    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
+    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg))
     skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
     on_policy = rollout_logprobs_are_current(cfg, env.device)  # else the trainer recomputes the log-probs before the update
     for step in range(first_step, steps + 1):
         t0 = time.time()
         # 1. rollout and reward: n samples for this rank's share of the prompts (dynamic sampling draws more)
-        batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor, reward_model)
+        batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor, reward_model,
+                                                     environments)
         rollout = release_memory(rollout)  # a GPU engine frees its memory for the update until the sync
         t_rollout = time.time() - t0
         # 2. log-probs of the sampled tokens under the current policy (and the reference)
@@ -211,7 +218,7 @@ def main(argv: list[str]) -> dict:
         stats = {**sample_stats, **step_stats(batch, skip, times, engine.data_parallel(actor)[1]), **metrics,
                  **rollout_trainer_gap(batch, on_policy), **device_memory(env)}
         if cfg.eval.every and step % cfg.eval.every == 0:
-            last_eval = {"step": step, **evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)}
+            last_eval = {"step": step, **evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)}
             stats.update({k: v for k, v in last_eval.items() if k != "step"})
         mlog.log(step, stats)
         if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
@@ -224,7 +231,7 @@ def main(argv: list[str]) -> dict:
     if last_eval.get("step") == steps:  # the last step's evaluation is the final one
         after = {k: v for k, v in last_eval.items() if k != "step"}
     else:
-        after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+        after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)
         mlog.log(steps, after)
     if cfg.export_hf:
         engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
@@ -275,12 +282,23 @@ def rollout_logprobs_are_current(cfg: Config, device: torch.device) -> bool:
             and cfg.rollout.engine == "native" and cfg.rollout.dtype == "float32" and fp32_trainer)
 
 
-def evaluate_only(cfg: Config, run: Any, data: Any, tokenizer: Any, scorer: RewardScorer, env: Any) -> dict:
+def max_context(cfg: Config) -> int:
+    """The longest sequence the rollout engine holds: a prompt and its response, or a whole trajectory."""
+    single = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    return single if cfg.rollout.multi_turn.max_turns == 1 else cfg.rollout.multi_turn.max_total_tokens
+
+
+def response_horizon(cfg: Config) -> int:
+    """The most response tokens a row can have (the constant of the seq-mean-token-sum-norm aggregation)."""
+    return cfg.rollout.max_new_tokens if cfg.rollout.multi_turn.max_turns == 1 else cfg.rollout.multi_turn.max_total_tokens
+
+
+def evaluate_only(cfg: Config, run: Any, data: Any, tokenizer: Any, scorer: RewardScorer, env: Any, environments: Any) -> dict:
     """``steps=0``: the starting policy's held-out metrics, and nothing else."""
     t0 = time.time()
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
-                            max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-    after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+                            max_context=max_context(cfg))
+    after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)
     summary = summarize(cfg, run, env, {}, after, steps=0, wall=time.time() - t0, title="GRPO")
     scorer.close()
     shutdown_rollout(rollout)
@@ -293,8 +311,10 @@ def evaluate_only(cfg: Config, run: Any, data: Any, tokenizer: Any, scorer: Rewa
 
 
 def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, tokenizer: Any, cfg: Config, step: int,
-                     engine: Any, actor: Any, reward_model: Any = None) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
-    """This rank's scored batch for ``step``, the example of each row, and sampling metrics.
+                     engine: Any, actor: Any, reward_model: Any = None,
+                     environments: Any = None) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
+    """This rank's scored batch for ``step``, the example of each row, and sampling metrics (with
+    ``environments``, multi-turn trajectories and their metrics).
 
     Every round draws ``prompts_per_step`` prompts (this rank samples its share). With dynamic sampling, only
     groups whose scores differ are kept, and rounds continue until every rank holds its share of informative
@@ -311,10 +331,12 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
         drawn += cfg.prompts_per_step
         seed = ((cfg.seed * 1_000_003 + step) * 64 + rounds) * dp_size + dp_rank
         groups = torch.arange(len(examples)) + (rounds - 1) * share
-        batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed, group_ids=groups)
-        batch = engine.share_batch(actor, batch)
+        episodes = sample(rollout, examples, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
+                          environments=environments, group_ids=groups, chat_template=cfg.data.chat_template)
+        batch = engine.share_batch(actor, episodes.batch)
         rows = [examples[g - (rounds - 1) * share] for g in batch.group_ids.tolist()]
         batch, reward_metrics = score_batch(batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
+        reward_metrics.update(episodes.metrics)
         if not cfg.algo.dynamic_sampling:
             return batch, rows, mean_over_ranks(reward_metrics)
         informative = rf.informative_groups(batch.scores, group_ids=batch.group_ids)
@@ -356,11 +378,13 @@ def _first_groups(group_ids: torch.Tensor, keep: torch.Tensor, count: int) -> tu
 
 def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokenizer: Any, cfg: Config,
                 eos_token_ids: tuple[int, ...], reward_model: Any = None) -> tuple[rf.RolloutBatch, dict[str, float]]:
-    """The batch with its scores (the reward functions, plus a reward model's weighted score and DAPO's overlong
-    shaping), the reward functions' success rate and, with the overlong filter, a loss mask without truncated
-    responses."""
-    result = scorer.score(decode_responses(tokenizer, batch), rows)
+    """The batch with its scores (the reward functions on the answer, plus a reward model's weighted score, a
+    multi-turn trajectory's turn rewards and DAPO's overlong shaping), the reward functions' success rate and, with
+    the overlong filter, a loss mask without truncated responses."""
+    result = scorer.score(answer_texts(tokenizer, batch), rows)
     scores, extra = result.scores, {}
+    if batch.token_rewards is not None:  # the environment's per-turn rewards
+        scores = scores + batch.token_rewards.sum(-1).to(scores.dtype)
     if reward_model is not None:
         learned = reward_model_score(reward_model, batch)
         scores, extra = combine_rewards(scores, learned, rm_weight=cfg.reward_model.weight), {"reward/model": learned.mean().item()}
@@ -371,7 +395,7 @@ def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokeni
     truncated = rf.truncated_responses(batch.response_ids, response_mask=batch.response_mask, eos_token_ids=eos_token_ids)
     batch = batch.replace(scores=scores)
     if cfg.algo.overlong_filter:
-        batch = batch.replace(loss_mask=batch.response_mask & ~truncated[:, None])
+        batch = batch.replace(loss_mask=rf.loss_tokens(batch) & ~truncated[:, None])
     success = (result.scores >= cfg.reward.max_score).float()
     metrics = {**result.metrics(), **extra, "success_rate": success.mean().item(), "truncated_rate": truncated.float().mean().item()}
     return batch, metrics

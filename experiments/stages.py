@@ -24,6 +24,7 @@ from backends.distributed.setup import barrier
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, write_tiny_model
 from backends.rewards import RewardScorer
+from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
 from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
@@ -65,7 +66,8 @@ def prepare_run(cfg: Any, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
         if resume_from is None:
             (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             if not cfg.model.path:
-                write_tiny_model(model_path, cfg.model.tiny, build_char_tokenizer(model_max_length=cfg.model.tiny.max_position_embeddings))
+                write_tiny_model(model_path, cfg.model.tiny, build_char_tokenizer(
+                    words=cfg.model.tiny_words, model_max_length=cfg.model.tiny.max_position_embeddings))
     barrier()
     return run
 
@@ -86,19 +88,20 @@ def load_run_data(cfg: Any, tokenizer: Any, scorer: RewardScorer, log: Any, *, n
         raise ConfigError("data.train_files is empty: give your training data (.jsonl / .parquet / a saved datasets "
                           "dir; see the README), or steps=0 for an evaluation-only run")
     train, val = [], []
+    tools = tool_schemas(cfg.rollout.multi_turn)  # the schemas of a multi-turn run's tools, shown to the model
     if needs_train:
-        train, report = load_examples(cfg.data.train_files, cfg.data, tokenizer)
+        train, report = load_examples(cfg.data.train_files, cfg.data, tokenizer, tools=tools)
         log.info(f"training data: {report.kept} prompts from {report.rows} rows of {', '.join(cfg.data.train_files)}"
                  f" ({report.filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out,"
                  f" {report.truncated} truncated)")
     val_files = cfg.eval.files or cfg.data.val_files
     if val_files:
-        val, report = load_examples(val_files, cfg.data, tokenizer)
+        val, report = load_examples(val_files, cfg.data, tokenizer, tools=tools)
         log.info(f"held-out data: {report.kept} prompts from {', '.join(val_files)} ({report.filtered} filtered out)")
     elif not needs_train:
         raise ConfigError("an evaluation-only run (steps=0) needs held-out data: eval.files or data.val_files")
     scorer.check_sources(sorted({e.source for e in train + val}))
-    sft = load_sft_examples(cfg.sft, tokenizer, chat_template=cfg.data.chat_template) if cfg.sft.files else []
+    sft = load_sft_examples(cfg.sft, tokenizer, chat_template=cfg.data.chat_template, tools=tools) if cfg.sft.files else []
     if sft:
         log.info(f"SFT data: {len(sft)} examples from {', '.join(cfg.sft.files)}")
     return RunData(train=train, val=val, sft=sft)
@@ -123,12 +126,15 @@ def start_actor(cfg: Any, engine: Any, env: Any, run: RunPaths, data: RunData, t
     return actor
 
 
-def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: Any, env: Any) -> dict[str, float]:
-    """Held-out metrics (:mod:`backends.rollout.evaluation`), ``{}`` without held-out data."""
+def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: Any, env: Any,
+                    environments: Any = None) -> dict[str, float]:
+    """Held-out metrics (:mod:`backends.rollout.evaluation`), ``{}`` without held-out data; multi-turn recipes
+    pass their environment factory."""
     if not data.val:
         return {}
     return evaluate(rollout, tokenizer, data.val, scorer, cfg.eval, env, max_new_tokens=cfg.rollout.max_new_tokens,
-                    seed=cfg.seed * 7919 + 10_007)
+                    seed=cfg.seed * 7919 + 10_007, multi_turn=cfg.rollout.multi_turn, environments=environments,
+                    chat_template=cfg.data.chat_template)
 
 
 def metrics_log(cfg: Any, run: RunPaths, env: Any, console_keys: Sequence[str]) -> MetricsLog:
@@ -141,13 +147,14 @@ def metrics_log(cfg: Any, run: RunPaths, env: Any, console_keys: Sequence[str]) 
 def dump_generations(run: RunPaths, step: int, tokenizer: Any, batch: rf.RolloutBatch, rows: Sequence[Example],
                      group: Any = None) -> None:
     """``runs/<run>/generations/step_<step>.jsonl``: every sample of the step (all ranks, gathered to rank 0)
-    with its prompt, response, ground truth, source, score and (sequence-mean) advantage."""
+    with its prompt, response (a multi-turn trajectory whole, tool-call markers and observations included),
+    ground truth, source, score and (sequence-mean) advantage."""
     mask = rf.loss_tokens(batch)
     advantage = rf.masked_mean(batch.advantages, mask, dim=-1) if batch.advantages is not None else torch.zeros(len(rows))
     prompts = [tokenizer.decode(ids[m].tolist()) for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
     mine = [
         {"prompt": p, "response": r, "ground_truth": e.ground_truth, "data_source": e.source, "score": s, "advantage": a}
-        for p, r, e, s, a in zip(prompts, decode_responses(tokenizer, batch), rows, batch.scores.tolist(), advantage.tolist())
+        for p, r, e, s, a in zip(prompts, decode_responses(tokenizer, batch, skip_special_tokens=batch.turn_ids is None), rows, batch.scores.tolist(), advantage.tolist())
     ]
     gathered = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:

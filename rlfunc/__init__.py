@@ -34,3 +34,4 @@ from rlfunc.outcome_advantages import *  # noqa: F401,F403
 from rlfunc.advantages import *  # noqa: F401,F403
 from rlfunc.importance import *  # noqa: F401,F403
 from rlfunc.dapo import *  # noqa: F401,F403
+from rlfunc.turns import *  # noqa: F401,F403

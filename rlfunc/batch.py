@@ -67,6 +67,9 @@ class RolloutBatch:
     #: environment tokens of a multi-turn trajectory); None: every ``response_mask`` token. The model
     #: still reads (attends to) every ``response_mask`` token. See :func:`loss_tokens`.
     loss_mask: Tensor | None = shape_field("b t", dtype="bool")
+    #: multi-turn trajectories: the turn each response token belongs to (a turn: the observation that precedes
+    #: it, then the model's reply), counting from 0
+    turn_ids: Tensor | None = shape_field("b t", dtype="int")
     scores: Tensor | None = shape_field("b", dtype="float")  # one verifiable score per sequence
     advantages: Tensor | None = shape_field("b t", dtype="float")
     returns: Tensor | None = shape_field("b t", dtype="float")

@@ -1,8 +1,9 @@
 """Rollout engine selection: one config (``rollout.engine=native|vllm``) and one set of calls for both.
 
 ``build_rollout(cfg, model_path, tokenizer, max_context=..., device=...)`` builds the engine ``cfg.engine``
-names; ``generate``, ``sync_weights``, ``release_memory`` and ``shutdown_rollout`` dispatch on the engine
-state's type, so a recipe (and ``backends.rollout.evaluation``) is written once for both. ``weight_sync_dtype``
+names; ``generate``, the multi-turn session calls (``start_session``, ``continue_session``, ``end_session``; used by
+:mod:`backends.rollout.agent_loop`), ``sync_weights``, ``release_memory`` and ``shutdown_rollout`` dispatch on the
+engine state's type, so a recipe (and ``backends.rollout.evaluation``) is written once for both. ``weight_sync_dtype``
 and :attr:`RolloutConfig.sync_bucket_mb` say how the trainer should gather the weights it sends (in the
 engine's dtype, in buckets). vLLM is imported only when its engine is built: the native path needs no vLLM
 install.
@@ -21,14 +22,18 @@ from torch import Tensor
 
 from backends.rollout import native as rollout_native
 from backends.rollout import vllm as rollout_vllm
-from backends.rollout.common import SamplingConfig, decode_responses
-from backends.rollout.native import NativeRollout
+from backends.rollout import vllm_session
+from backends.rollout.common import SamplingConfig, TurnOutput, decode_responses
+from backends.rollout.environments import MultiTurnConfig
+from backends.rollout.native import NativeRollout, NativeSession
 from backends.rollout.vllm import VLLMConfig, VLLMRollout
+from backends.rollout.vllm_session import VLLMSession
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
-    "RolloutConfig", "SamplingConfig", "build_rollout", "decode_responses", "generate", "release_memory", "shutdown_rollout",
-    "sync_bucket_mb", "sync_weights", "weight_sync_dtype",
+    "MultiTurnConfig", "RolloutConfig", "SamplingConfig", "TurnOutput", "build_rollout", "continue_session",
+    "decode_responses", "end_session", "generate", "release_memory", "shutdown_rollout", "start_session", "sync_bucket_mb",
+    "sync_weights", "weight_sync_dtype",
 ]
 
 
@@ -43,6 +48,7 @@ class RolloutConfig(SamplingConfig):
     #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on
     #: GPU, 16 on CPU (where gloo moves small buffers faster)
     sync_bucket_mb: float | None = None
+    multi_turn: MultiTurnConfig = MultiTurnConfig()  #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
 
     @dtype.validator
     def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
@@ -111,6 +117,38 @@ def _(rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: Sampli
 @generate.register
 def _(rollout: VLLMRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), **kwargs: Any) -> RolloutBatch:
     return rollout_vllm.generate(rollout, prompts, _sampling_only(sampling), **kwargs)
+
+
+def start_session(rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
+                  max_slots: int) -> NativeSession | VLLMSession:
+    """A multi-turn session over ``prompts`` (``sampling.n`` rows each, in ``generate``'s order) on either engine;
+    ``max_slots``: the most tokens the session adds to a row after its prompt."""
+    if isinstance(rollout, NativeRollout):
+        return rollout_native.start_session(rollout, prompts, _sampling_only(sampling), seed=seed, max_slots=max_slots)
+    if isinstance(rollout, VLLMRollout):
+        return vllm_session.start_session(rollout, prompts, _sampling_only(sampling), seed=seed, max_slots=max_slots)
+    raise TypeError(f"not a rollout engine state: {type(rollout).__name__}")
+
+
+def continue_session(session: Any, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
+                     max_new_tokens: Sequence[int]) -> tuple[Any, TurnOutput]:
+    """Feed each active row its ``forced`` tokens, then sample its next turn (up to EOS or its
+    ``max_new_tokens``); returns the new session and what was added."""
+    if isinstance(session, NativeSession):
+        return rollout_native.continue_session(session, forced, active=active, max_new_tokens=max_new_tokens)
+    if isinstance(session, VLLMSession):
+        return vllm_session.continue_session(session, forced, active=active, max_new_tokens=max_new_tokens)
+    raise TypeError(f"not a multi-turn session: {type(session).__name__}")
+
+
+def end_session(session: Any) -> None:
+    """Free what the session holds (the native engine's KV cache; vLLM's cached prefixes age out on their own)."""
+    if isinstance(session, NativeSession):
+        rollout_native.end_session(session)
+    elif isinstance(session, VLLMSession):
+        vllm_session.end_session(session)
+    else:
+        raise TypeError(f"not a multi-turn session: {type(session).__name__}")
 
 
 @functools.singledispatch

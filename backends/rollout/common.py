@@ -18,6 +18,7 @@ from rlfunc.batch import RolloutBatch, validate
 
 __all__ = [
     "SamplingConfig",
+    "TurnOutput",
     "default_eos_token_ids",
     "prepare_prompts",
     "check_group_ids",
@@ -25,6 +26,7 @@ __all__ = [
     "assemble_batch",
     "sample_tokens",
     "decode_responses",
+    "answer_texts",
 ]
 
 
@@ -52,6 +54,25 @@ class SamplingConfig:
     max_new_tokens: int = attrs.field(default=16, validator=_at_least(1))  #: response length cap
     seed: int = 0  #: seed of the sampling generator (overridable per call: ``generate(..., seed=)``)
     truncate_prompts: bool = False  #: left-truncate prompts that do not fit the context (else raise)
+
+
+@attrs.frozen
+class TurnOutput:
+    """What one model turn of a multi-turn rollout added, per row (what an engine's continue call returns).
+
+    Token-in / token-out: these are the exact ids the engine fed and sampled, never re-encoded text.
+    """
+
+    #: per row: the tokens this call added: the forced ones first, then the sampled ones up to and
+    #: including the end-of-turn (EOS) token, or cut at the row's budget
+    tokens: list[list[int]]
+    #: per row, per added token: the sampled token's raw log-prob (temperature 1, as generate's
+    #: ``rollout_logprobs``); 0.0 for forced tokens
+    logprobs: list[list[float]]
+    #: per row, per added token: True for sampled (model) tokens, False for forced ones
+    sampled: list[list[bool]]
+    #: per row: the turn ended with an EOS token (False: cut by the budget, or inactive)
+    finished: list[bool]
 
 
 def default_eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
@@ -198,3 +219,14 @@ def decode_responses(tokenizer: Any, batch: RolloutBatch, *, skip_special_tokens
     lengths = batch.response_mask.sum(-1).tolist()
     ids = batch.response_ids.tolist()
     return [tokenizer.decode(row[:length], skip_special_tokens=skip_special_tokens) for row, length in zip(ids, lengths)]
+
+
+def answer_texts(tokenizer: Any, batch: RolloutBatch) -> list[str]:
+    """What a reward function reads of each row: its response, or for a multi-turn trajectory (``turn_ids``
+    set) the model's last turn, its own tokens only (EOS and other specials dropped)."""
+    if batch.turn_ids is None:
+        return decode_responses(tokenizer, batch)
+    own = batch.response_mask if batch.loss_mask is None else batch.loss_mask
+    last = torch.where(own, batch.turn_ids, -1).amax(-1, keepdim=True)
+    answer = own & (batch.turn_ids == last)
+    return [tokenizer.decode(ids[keep].tolist(), skip_special_tokens=True) for ids, keep in zip(batch.response_ids, answer)]

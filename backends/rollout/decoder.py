@@ -168,10 +168,14 @@ class Decoder:
     ``backend``, in the rollout's :class:`Workspace` (reused between calls) or allocated here. The
     working batch (the rows a step computes) shrinks through :meth:`keep_rows`, by index or by copy as
     the strategy does it (:attr:`drops_rows_by_index`).
+
+    ``own_cache``: allocate the caches here rather than take the workspace's, so that they outlive other
+    calls on the same workspace (a multi-turn rollout keeps its cache across turns while ``generate``
+    may run in between); :meth:`release` drops them.
     """
 
     def __init__(self, model: Any, rows: int, total_len: int, prepack: bool, workspace: Workspace | None = None,
-                 backend: DecodeBackend = "auto") -> None:
+                 backend: DecodeBackend = "auto", *, own_cache: bool = False) -> None:
         workspace = workspace if workspace is not None else Workspace()
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -196,7 +200,11 @@ class Decoder:
         self.strategy = select_decode_strategy(backend, head_dim=self.head_dim, dtype=self.dtype, device=self.device)
 
         def buffers(name: str, shape: tuple[int, ...], dtype: torch.dtype, count: int, empty: Any) -> list[Tensor]:
-            return workspace.buffers(name, shape, dtype, self.device, count, empty)
+            if not own_cache:
+                return workspace.buffers(name, shape, dtype, self.device, count, empty)
+            if self.device.type == "cpu":
+                return list(empty((count, *shape), dtype).unbind(0))
+            return [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(count)]
 
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
         # to it, so no slot is read before it is written
@@ -262,12 +270,22 @@ class Decoder:
             x = self._mlp(x, lw)
         return self._logits(x)
 
-    def step(self, tokens: Tensor, positions: Tensor, slot: int) -> Tensor:
+    def step(self, tokens: Tensor, positions: Tensor, slot: int, masked: Tensor | None = None) -> Tensor:
         """One new token per working row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``.
-        Returns the logits ``(b v)``."""
+        Returns the logits ``(b v)``.
+
+        ``masked (b)`` bool: the rows whose token is a dummy (nothing to feed this step): their slot is
+        masked for them, so none of their later steps attends to it. Only caches with per-row slot masks
+        take it (the PyTorch strategy's).
+        """
         b = tokens.shape[0]
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # (b hidden)
+        if masked is not None:
+            if not hasattr(self.cache, "mask_slot"):
+                raise NotImplementedError(
+                    f"the {self.strategy.name} decode strategy cannot mask a slot per row: use backend='torch'")
+            self.cache.mask_slot(slot, masked)
         self.cache.begin_step(positions, slot)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(self.strategy.rms_norm(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
@@ -278,3 +296,7 @@ class Decoder:
     def keep_rows(self, index: Tensor) -> None:
         """Keep working rows ``index`` (int64, into the current working batch), in that order."""
         self.cache.keep_rows(index)
+
+    def release(self) -> None:
+        """Drop the caches (the decoder cannot step afterwards)."""
+        self.cache = None

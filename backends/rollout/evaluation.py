@@ -9,12 +9,13 @@ Metrics (verl's ``val/<source>/...`` convention), with ``n`` = ``eval.n``:
   when ``eval.greedy``.
 
 Every rank of ``env`` samples its share of the prompts; the sums are all-reduced over ``env.group``, so every
-rank returns the same numbers.
+rank returns the same numbers. With ``multi_turn`` (``rollout.multi_turn.max_turns > 1``) each sample is a
+trajectory through the run's environments, scored on its last model turn plus its turn rewards, as in training.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -22,8 +23,9 @@ import torch.distributed as dist
 
 from backends.data import Example
 from backends.rewards import RewardScorer
-from backends.rollout.api import generate
-from backends.rollout.common import SamplingConfig, decode_responses
+from backends.rollout.agent_loop import sample
+from backends.rollout.common import SamplingConfig, answer_texts
+from backends.rollout.environments import MultiTurnConfig
 
 __all__ = ["EvalConfig", "evaluate"]
 
@@ -46,7 +48,8 @@ class EvalConfig:
 @torch.no_grad()
 def evaluate(
     rollout: Any, tokenizer: Any, examples: Sequence[Example], scorer: RewardScorer, cfg: EvalConfig, env: Any, *,
-    max_new_tokens: int, seed: int = 10_007,
+    max_new_tokens: int, seed: int = 10_007, multi_turn: MultiTurnConfig = MultiTurnConfig(),
+    environments: Callable[[Example], Any] | None = None, chat_template: str = "auto",
 ) -> dict[str, float]:
     """The metrics of the module docstring over ``examples`` (see there)."""
     examples = list(examples[: cfg.max_prompts] if cfg.max_prompts else examples)
@@ -61,10 +64,12 @@ def evaluate(
     for sampling, column in passes:
         if not mine:
             continue
-        batch = generate(rollout, [list(e.prompt_ids) for e in mine], sampling, seed=seed + env.rank)
+        batch = sample(rollout, mine, tokenizer, sampling, seed=seed + env.rank, multi_turn=multi_turn,
+                       environments=environments, chat_template=chat_template).batch
         rows = [mine[g] for g in batch.group_ids.tolist()]
-        scores = scorer.score(decode_responses(tokenizer, batch), rows).scores
-        success = (scores >= scorer.cfg.max_score).double()
+        outcome = scorer.score(answer_texts(tokenizer, batch), rows).scores
+        success = (outcome >= scorer.cfg.max_score).double()
+        scores = outcome if batch.token_rewards is None else outcome + batch.token_rewards.sum(-1).to(outcome.dtype)
         for row, ok, score in zip(rows, success.tolist(), scores.tolist()):
             s = index[row.source]
             sums[s, column] += ok

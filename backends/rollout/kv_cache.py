@@ -128,7 +128,10 @@ class TorchDecodeStrategy:
 class TorchKVCache:
     """Caches ``(rows, kv_heads, total_len, head_dim)`` per layer; slot ``j`` holds token ``j`` of the
     left-padded prompt followed by the response, for every row alike (RoPE positions differ per row).
-    The working batch is the caches' rows: :meth:`keep_rows` copies them down."""
+    The working batch is the caches' rows: :meth:`keep_rows` copies them down.
+
+    ``key_bias`` masks slots per row, so a step may write a dummy token for some rows
+    (:meth:`mask_slot`): what multi-turn rollouts need, and why they run this strategy only."""
 
     drops_rows_by_index = False
 
@@ -151,6 +154,12 @@ class TorchKVCache:
         kc, vc = self.k[layer], self.v[layer]
         kc.view(k.shape[0], copies, *kc.shape[1:])[:, :, :, :p] = k[:, None]
         vc.view(v.shape[0], copies, *vc.shape[1:])[:, :, :, :p] = v[:, None]
+
+    def mask_slot(self, slot: int, masked: Tensor) -> None:
+        """Slot ``slot`` holds a dummy for the rows where ``masked (rows)`` is true: -inf there, for this
+        step and every later one, 0 for the other rows. The whole column is set, so a slot written again
+        (a multi-turn call retried after an error) keeps no mask of its earlier use."""
+        self.key_bias[:, slot].zero_().masked_fill_(masked, float("-inf"))
 
     def begin_step(self, positions: Tensor, slot: int) -> None:
         """The next :meth:`attend` calls are for new tokens at RoPE ``positions (b)``, cache ``slot``."""

@@ -2,7 +2,8 @@
 
 Same interface and the same :class:`rlfunc.RolloutBatch` out as :mod:`backends.rollout.native`:
 ``build_vllm_rollout(path) -> VLLMRollout``, ``generate(rollout, prompts, sampling, seed=)``,
-``sync_weights(rollout, named_tensors)``, ``decode_responses``.
+``sync_weights(rollout, named_tensors)``, ``decode_responses``. Multi-turn sessions over the same engine (each turn
+re-submits a row's token history, which vLLM's prefix cache mostly holds) are in :mod:`backends.rollout.vllm_session`.
 
 One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint()`` works):
 
@@ -84,8 +85,11 @@ __all__ = [
     "VLLMSamplingConfig",
     "VLLMRollout",
     "build_vllm_rollout",
+    "as_sampling_config",
     "to_sampling_params",
     "generate",
+    "gather_tp_inputs",
+    "run_requests",
     "sync_weights",
     "score_logprobs",
     "sleep",
@@ -396,7 +400,7 @@ class _ConfigView:
 # Sampling parameters
 
 
-def _as_sampling_config(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
+def as_sampling_config(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
     """A :class:`VLLMSamplingConfig` from a mapping, or the config itself; unknown options raise."""
     known = list(_FIELD_TO_VLLM)
     if isinstance(sampling, Mapping):
@@ -498,29 +502,29 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
 # Generation
 
 
-def _gather_tp_prompts(
-    rollout: VLLMRollout, prompts: list[list[int]] | None, seed: int | None, error: Exception | None
-) -> tuple[list[list[list[int]]], list[int], int]:
-    """Every TP peer's prompts and seeds (the sharded engine must see the same requests on each rank).
+def gather_tp_inputs(rollout: VLLMRollout, inputs: Any, error: Exception | None, *, caller: str) -> tuple[list[Any], int]:
+    """Every TP peer's ``inputs`` (any picklable value) and this rank's index in the group: the sharded engine
+    must see the same requests on each rank, so each rank submits all of them and keeps its own outputs.
 
     The gather also carries each peer's input-check result (``error``: why this rank's inputs were
     refused, else None), so that a bad input on one rank raises on every rank of the group instead of
-    leaving its peers waiting in the gather or in the engine. A refused rank raises its own error."""
+    leaving its peers waiting in the gather or in the engine. A refused rank raises its own error;
+    ``caller`` names the call in its peers' error."""
     group = rollout.tp_group
     size = torch.distributed.get_world_size(group)
     gathered: list[Any] = [None] * size
     failure = None if error is None else f"{type(error).__name__}: {error}"
-    torch.distributed.all_gather_object(gathered, (prompts, seed, failure), group=group)
+    torch.distributed.all_gather_object(gathered, (inputs, failure), group=group)
     if error is not None:
         raise error
-    failed = [(peer, g[2]) for peer, g in enumerate(gathered) if g[2] is not None]
+    failed = [(peer, g[1]) for peer, g in enumerate(gathered) if g[1] is not None]
     if failed:
         peer, failure = failed[0]
         raise ValueError(
-            f"generate: the inputs of rank {peer} of the tensor-parallel group were refused ({failure}); "
+            f"{caller}: the inputs of rank {peer} of the tensor-parallel group were refused ({failure}); "
             "the group's ranks share one engine, so none of them generates"
         )
-    return [g[0] for g in gathered], [g[1] for g in gathered], torch.distributed.get_rank(group)
+    return [g[0] for g in gathered], torch.distributed.get_rank(group)
 
 
 def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int) -> tuple[list, list]:
@@ -532,7 +536,9 @@ def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def _run(rollout: VLLMRollout, requests: list, params: list) -> list:
+def run_requests(rollout: VLLMRollout, requests: list, params: list) -> list:
+    """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
+    engine is awake; refused while a level-2 sleep has dropped the weights."""
     if rollout.weights_dropped:
         raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
                            "loaded since: call sync_weights before generating")
@@ -562,26 +568,27 @@ def generate(
     """
     error = None
     try:
-        sampling = _as_sampling_config(sampling)
+        sampling = as_sampling_config(sampling)
         prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
         group_ids = check_group_ids(group_ids, len(prompts))
         seed = sampling.seed if seed is None else seed
     except (TypeError, ValueError) as e:
         if rollout.tp_group is None:
             raise
-        error, prompts = e, None  # raised once the TP peers have heard of it (_gather_tp_prompts)
+        error, prompts = e, None  # raised once the TP peers have heard of it (gather_tp_inputs)
 
     if rollout.tp_group is None:
         requests, params = _requests(prompts, sampling, rollout.eos_token_ids, seed)
-        outputs = _run(rollout, requests, params)
+        outputs = run_requests(rollout, requests, params)
     else:
-        all_prompts, all_seeds, me = _gather_tp_prompts(rollout, prompts, seed, error)
+        gathered, me = gather_tp_inputs(rollout, (prompts, seed), error, caller="generate")
+        all_prompts = [g[0] for g in gathered]
         requests, params = [], []
-        for peer_prompts, peer_seed in zip(all_prompts, all_seeds):
+        for peer_prompts, peer_seed in gathered:
             r, p = _requests(peer_prompts, sampling, rollout.eos_token_ids, peer_seed)
             requests += r
             params += p
-        outputs = _run(rollout, requests, params)
+        outputs = run_requests(rollout, requests, params)
         start = sum(len(p) for p in all_prompts[:me])
         outputs = outputs[start : start + len(prompts)]
 
@@ -624,7 +631,7 @@ def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
             raise ValueError(f"a row has {len(ids)} tokens: more than the context of {rollout.max_context} allows")
         requests.append({"prompt_token_ids": ids})
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
-    outputs = _run(rollout, requests, [params] * len(requests))
+    outputs = run_requests(rollout, requests, [params] * len(requests))
     out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
     for i, (o, length) in enumerate(zip(outputs, lengths)):
         ids = o.prompt_token_ids

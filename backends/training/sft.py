@@ -10,14 +10,17 @@ from an imperfect policy as a real post-training run begins from an SFT model.
 examples however it likes; :func:`load_sft_examples` reads them from data files (``sft.files``): a
 prompt (a string, or chat messages rendered by the chat template with the generation prompt) and a
 response string, trained on the response tokens only (for a chat, the assistant turn as the template
-renders it, end-of-turn included; for a string prompt, the response and EOS).
+renders it, end-of-turn included; for a string prompt, the response and EOS). With ``sft.messages_key`` a row
+is instead a whole conversation (a multi-turn or tool-use trace): the tokens after the first assistant turn's
+generation prompt are the response, and only the assistant turns' tokens are trained on (``loss_mask``); the
+tool and user turns between them are read, not trained on, as in a multi-turn RL rollout.
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -39,6 +42,9 @@ class SFTConfig:
     files: tuple[str, ...] = ()  #: SFT data (.jsonl / .parquet / saved datasets dir); empty: no SFT stage
     prompt_key: str = "prompt"  #: column of the prompt: a string or a list of chat messages
     response_key: str = "response"  #: column of the response string the model is trained to write
+    #: column of a whole conversation (chat messages: user, assistant, tool, ...) trained on its assistant turns
+    #: only; when set, sft.prompt_key and sft.response_key are not read
+    messages_key: str = ""
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over sft.files (when sft.steps is 0)
     steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: SFT updates; 0: sft.epochs passes over the data
     batch_size: int = attrs.field(default=64, validator=attrs.validators.ge(1))  #: global examples per SFT update
@@ -54,14 +60,19 @@ def sft_steps(cfg: SFTConfig, num_examples: int) -> int:
 @attrs.frozen
 class SFTExample:
     """One supervised example: the model reads ``prompt_ids`` and is trained to continue with
-    ``response_ids`` (include the EOS token there when the model should learn to stop)."""
+    ``response_ids`` (include the EOS token there when the model should learn to stop); ``loss_mask``, when
+    given, says which response tokens are trained on (the others are read only)."""
 
     prompt_ids: tuple[int, ...] = attrs.field(converter=tuple)
     response_ids: tuple[int, ...] = attrs.field(converter=tuple)
+    loss_mask: tuple[bool, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
 
     def __attrs_post_init__(self) -> None:
         if not self.prompt_ids or not self.response_ids:
             raise ValueError("an SFT example needs at least one prompt token and one response token")
+        if self.loss_mask is not None and (len(self.loss_mask) != len(self.response_ids) or not any(self.loss_mask)):
+            raise ValueError(f"an SFT example's loss_mask must have one entry per response token "
+                             f"({len(self.response_ids)}) and at least one True, got {len(self.loss_mask)}")
 
 
 def sft_optim(cfg: SFTConfig, steps: int | None = None) -> OptimConfig:
@@ -70,18 +81,20 @@ def sft_optim(cfg: SFTConfig, steps: int | None = None) -> OptimConfig:
     return with_total_steps(cfg.optim, cfg.steps if steps is None else steps)
 
 
-def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "auto") -> list[SFTExample]:
-    """Every row of ``cfg.files`` as an :class:`SFTExample` (see the module doc); a bad row is a
-    :class:`backends.data.DataError` naming the file and row."""
+def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "auto",
+                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[SFTExample]:
+    """Every row of ``cfg.files`` as an :class:`SFTExample` (see the module doc; chats rendered with the ``tools``
+    schemas, as the RL prompts are); a bad row is a :class:`backends.data.DataError` naming the file and row."""
     examples = []
     for path in cfg.files:
         for where, row in read_rows(path):
-            prompt = column_value(row, cfg.prompt_key, where)
-            response = column_value(row, cfg.response_key, where)
-            if not isinstance(response, str) or not response:
-                raise DataError(f"{where}: {cfg.response_key} must be a non-empty string, got {response!r:.60}")
             try:
-                example = _tokenise(prompt, response, tokenizer, chat_template)
+                if cfg.messages_key:
+                    example = _tokenise_conversation(column_value(row, cfg.messages_key, where), tokenizer, chat_template,
+                                                     tools)
+                else:
+                    example = _tokenise(column_value(row, cfg.prompt_key, where),
+                                        column_value(row, cfg.response_key, where), tokenizer, chat_template, tools)
             except (DataError, ValueError) as e:
                 raise DataError(f"{where}: {e}") from None
             if len(example.prompt_ids) + len(example.response_ids) > cfg.max_length:
@@ -93,7 +106,10 @@ def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "a
     return examples
 
 
-def _tokenise(prompt: Any, response: str, tokenizer: Any, chat_template: str) -> SFTExample:
+def _tokenise(prompt: Any, response: Any, tokenizer: Any, chat_template: str,
+              tools: Sequence[Mapping[str, Any]] | None = None) -> SFTExample:
+    if not isinstance(response, str) or not response:
+        raise DataError(f"the response must be a non-empty string, got {response!r:.60}")
     if isinstance(prompt, str):
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no EOS token to end a response with")
@@ -102,15 +118,45 @@ def _tokenise(prompt: Any, response: str, tokenizer: Any, chat_template: str) ->
     if not isinstance(prompt, (list, tuple)) or not prompt:
         raise DataError(f"a prompt must be a string or a non-empty list of messages, got {type(prompt).__name__}")
     messages = [dict(m) for m in prompt]
-    prompt_ids = prompt_token_ids(messages, tokenizer, chat_template=chat_template)
-    template = None if chat_template == "auto" else Path(chat_template).read_text()
-    full = tokenizer.apply_chat_template(messages + [{"role": "assistant", "content": response}], tokenize=True,
-                                         chat_template=template)
-    full = list(full["input_ids"] if hasattr(full, "keys") else full)
+    prompt_ids = prompt_token_ids(messages, tokenizer, chat_template=chat_template, tools=tools)
+    full = _render(messages + [{"role": "assistant", "content": response}], tokenizer, chat_template, tools)
     if full[: len(prompt_ids)] != prompt_ids:
         raise DataError("the chat template renders the prompt differently when the assistant's answer follows it; "
                         "the answer's tokens cannot be separated from the prompt's")
     return SFTExample(prompt_ids, full[len(prompt_ids):])
+
+
+def _render(messages: list[dict], tokenizer: Any, chat_template: str, tools: Sequence[Mapping[str, Any]] | None = None,
+            *, generation_prompt: bool = False) -> list[int]:
+    template = None if chat_template == "auto" else Path(chat_template).read_text()
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=template,
+                                        add_generation_prompt=generation_prompt, tools=list(tools) if tools else None)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _tokenise_conversation(messages: Any, tokenizer: Any, chat_template: str,
+                           tools: Sequence[Mapping[str, Any]] | None = None) -> SFTExample:
+    """A conversation's tokens, cut where each assistant turn starts and ends (see the module doc): every cut is
+    a prefix of the next rendering, so the tokens are exactly what the template renders for the whole chat."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise DataError("a conversation must be a list of chat messages with a role each")
+    messages = [dict(m) for m in messages]
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not turns or turns[0] == 0:
+        raise DataError("a conversation needs a message before its first assistant turn, and an assistant turn")
+    tokens: list[int] = []
+    mask: list[bool] = []
+    for k in turns:
+        # up to the assistant's generation prompt (read), then through the assistant's turn (trained)
+        for ids, trained in ((_render(messages[:k], tokenizer, chat_template, tools, generation_prompt=True), False),
+                             (_render(messages[: k + 1], tokenizer, chat_template, tools), True)):
+            if ids[: len(tokens)] != tokens:
+                raise DataError(f"the chat template renders message {k}'s conversation so that an earlier part "
+                                "changes; its turns' tokens cannot be cut apart")
+            mask += [trained] * (len(ids) - len(tokens))
+            tokens = ids
+    prompt_len = len(_render(messages[: turns[0]], tokenizer, chat_template, tools, generation_prompt=True))
+    return SFTExample(tokens[:prompt_len], tokens[prompt_len:], loss_mask=mask[prompt_len:])
 
 
 def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> rf.RolloutBatch:
@@ -121,15 +167,19 @@ def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> rf.RolloutBa
     prompt_mask = torch.tensor([[False] * (p_len - len(e.prompt_ids)) + [True] * len(e.prompt_ids) for e in examples])
     response_ids = torch.tensor([list(e.response_ids) + [pad_token_id] * (r_len - len(e.response_ids)) for e in examples])
     response_mask = torch.tensor([[True] * len(e.response_ids) + [False] * (r_len - len(e.response_ids)) for e in examples])
+    loss_mask = None
+    if any(e.loss_mask is not None for e in examples):
+        loss_mask = torch.tensor([list(e.loss_mask or [True] * len(e.response_ids)) + [False] * (r_len - len(e.response_ids))
+                                  for e in examples])
     return rf.RolloutBatch(
         prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-        response_mask=response_mask, group_ids=torch.arange(len(examples)),
+        response_mask=response_mask, loss_mask=loss_mask, group_ids=torch.arange(len(examples)),
     )
 
 
 def nll_loss(out: Any, mb: rf.RolloutBatch, norms: rf.Normalizers) -> tuple[Any, dict]:
-    """Token-mean negative log-likelihood of the response tokens, over the global token count."""
-    return rf.aggregate(-out.logprobs, mb.response_mask, "token-mean", norms), {}
+    """Token-mean negative log-likelihood of the trained tokens (``rf.loss_tokens``), over the global count."""
+    return rf.aggregate(-out.logprobs, rf.loss_tokens(mb), "token-mean", norms), {}
 
 
 def run_sft(
