@@ -156,7 +156,8 @@ def _apply(cfg: Any, tree: dict[str, Any], prefix: str, root: Any) -> Any:
         return attrs.evolve(cfg, **changes)
     except (TypeError, ValueError) as e:
         given = ", ".join(f"{prefix}{n}" for n in tree)
-        raise ConfigError(f"{given}: {e}") from e
+        message = e.args[0] if len(e.args) > 1 else e  # attrs' in_ validator adds the attribute, options and value
+        raise ConfigError(f"{given}: {message}") from e
 
 
 def _unknown_key_message(key: str, root: Any) -> str:

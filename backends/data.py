@@ -98,11 +98,15 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path}:line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:line {number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -183,8 +187,12 @@ def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, 
     template = None if chat_template == "auto" else Path(chat_template).read_text()
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise DataError("the tokenizer has no chat template for chat prompts; give one with data.chat_template=<jinja file>")
-    encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, chat_template=template,
-                                            tools=list(tools) if tools else None)
+    try:
+        encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
+                                                chat_template=template, tools=list(tools) if tools else None)
+    except Exception as e:  # a broken template: jinja's errors name neither the template nor the row
+        source = "the tokenizer's chat template" if template is None else f"the chat template {chat_template}"
+        raise DataError(f"{source} failed on this prompt: {type(e).__name__}: {e}") from e
     return list(encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)
 
 

@@ -8,6 +8,7 @@ from ``metrics.jsonl``, and :func:`write_generations` dumps sampled responses as
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -45,7 +46,7 @@ class MetricsLog:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if "jsonl" in loggers:
-            self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+            self._jsonl = _JsonlAppender(self.run_dir / "metrics.jsonl")
         if "tensorboard" in loggers:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -63,7 +64,7 @@ class MetricsLog:
             return
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.append(json.dumps(row))
         numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         if self._tb is not None:
             for k, v in numbers.items():
@@ -82,6 +83,40 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class _JsonlAppender:
+    """Appends whole lines to a JSONL file: a row is on disk in full or not at all.
+
+    Each row is one ``write`` of its bytes to an ``O_APPEND`` descriptor (no buffer that could keep half a
+    row to flush later). A write that fails part-way (a full disk) is cut back off the file before the
+    error is raised, so the rows before it stay intact and the next row starts on a line of its own.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, line: str) -> None:
+        data = (line + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(self._fd, data[written:])
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, size)
+            except OSError:
+                pass
+            reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise OSError(e.errno, f"writing a metrics row to {str(self.path)!r} failed: {reason}; the rows "
+                          "logged before it are intact", str(self.path)) from e
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def _plain(v: Any) -> Any:

@@ -13,7 +13,7 @@ import json
 import os
 import string
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -235,7 +235,12 @@ def check_model_dir(path: Path) -> dict:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
-    hf_config = json.loads(config_file.read_text())
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{str(config_file)!r} is not valid JSON ({e})") from None
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{str(config_file)!r} must hold a JSON object, got {type(hf_config).__name__}")
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
@@ -256,7 +261,16 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise FileNotFoundError(f"{str(path)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json)")
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # a damaged file surfaces as whatever its parser raises
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {type(e).__name__}: {e}") from e
+    if tokenizer.pad_token is None:  # padding needs a token: the end-of-sequence one, as verl does
+        if tokenizer.eos_token is None:
+            raise ValueError(f"the tokenizer in {str(path)!r} has neither a pad token nor an eos token; set "
+                             "pad_token in its tokenizer_config.json")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def load_causal_lm(
@@ -275,12 +289,40 @@ def load_causal_lm(
 
     path = Path(path)
     check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
-    )
+    try:
+        with quiet_transformers():  # its load report is replaced by the checks below
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+                output_loading_info=True, ignore_mismatched_sizes=True,
+            )
+    except Exception as e:  # a truncated safetensors file, a config.json that transformers refuses, ...
+        raise ValueError(f"cannot load the model in {str(path)!r}: {type(e).__name__}: {e}") from e
+    check_loaded_weights(path, info)
     model.to(device)
     model.eval()
-    return model, load_tokenizer(path)
+    tokenizer = load_tokenizer(path)
+    check_vocab(path, model, tokenizer)
+    return model, tokenizer
+
+
+def check_loaded_weights(path: Path, info: Mapping[str, Any]) -> None:
+    """Weights whose shape does not fit ``config.json``, or that the files lack, are an error naming them
+    (transformers would re-initialise them at random and only log it)."""
+    mismatched = [f"{key}: file {tuple(saved)}, config.json {tuple(wanted)}" for key, saved, wanted in info["mismatched_keys"]]
+    if mismatched:
+        raise ValueError(f"the weights in {str(path)!r} do not fit its config.json ({len(mismatched)} of other shape): "
+                         + "; ".join(sorted(mismatched)[:4]))
+    if info["missing_keys"]:
+        raise ValueError(f"the weight files in {str(path)!r} lack {len(info['missing_keys'])} weight(s) of the model, "
+                         f"e.g. {sorted(info['missing_keys'])[:3]}")
+
+
+def check_vocab(path: Path, model: Any, tokenizer: Any) -> None:
+    """Every token id the tokenizer can give (the pad id too) has a row in the model's embedding."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model embeds only {rows} "
+                         "(config.json vocab_size): the tokenizer belongs to another model")
 
 
 # ------------------------------------------------------------------ value models and reward models

@@ -42,9 +42,11 @@ from backends.checkpoint.resume import CheckpointConfig
 from backends.config import ConfigError, apply_overrides, config_help, resolve_function
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
+from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum
 from backends.distributed.placement import concat_padded
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
+from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.agent_loop import sample
@@ -77,16 +79,26 @@ class AlgoConfig:
     norm_by_std: bool = True  #: grpo only: divide by the group's std (false: Dr.GRPO)
     #: a name of rlfunc.POLICY_LOSSES (vanilla = PPO clip, gspo, cispo, gmpo, ...) or a reference
     policy_loss: str = "vanilla"
-    clip_low: float = 0.2  #: PPO ratio clip below 1
-    clip_high: float = 0.28  #: PPO ratio clip above 1 (DAPO's clip-higher)
-    agg: str = "token-mean"  #: loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
+    clip_low: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: PPO ratio clip below 1
+    clip_high: float = attrs.field(default=0.28, validator=attrs.validators.ge(0.0))  #: PPO ratio clip above 1 (DAPO's clip-higher)
+    #: loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
+    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(rf.AGG_MODES))
     kl_coef: float = 0.0  #: > 0 adds kl_coef * KL(policy || reference) to the loss; the reference is the starting policy
-    kl_kind: str = "k3"  #: the KL estimator: k1, k2, k3 (low-variance), ...
+    kl_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))  #: the KL estimator: k1, k2, k3 (low-variance), ...
     entropy_coef: float = 0.0  #: > 0 subtracts entropy_coef * the aggregated token entropy (verl's entropy_coeff)
     ppo_epochs: int = 1  #: passes over each batch
     mini_batches: int = 1  #: optimizer steps per pass
-    rollout_is: Literal["none", "token", "sequence"] = "none"  #: truncated importance weights for the rollout / trainer mismatch (TIS)
+    #: truncated importance weights for the rollout / trainer mismatch (TIS): per token, per sequence (the product of
+    #: its ratios) or geometric (their geometric mean)
+    rollout_is: Literal["none", "token", "sequence", "geometric"] = "none"
     rollout_is_cap: float = 2.0  #: the TIS truncation
+    #: rejection (masked importance sampling): tokens (token) or whole responses (sequence, geometric) whose trainer /
+    #: rollout ratio lies outside [1 / rollout_rs_threshold, rollout_rs_threshold] leave the loss and its normalisers
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    rollout_rs_threshold: float = attrs.field(default=2.0, validator=attrs.validators.gt(1.0))  #: the rejection bound
+    rollout_token_veto: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))  #: > 0 (with rollout_rs): a response with a token ratio below it leaves the loss
+    #: policy_loss=decoupled_ppo: tokens whose proximal / behaviour weight exceeds this leave the loss (0: no cap)
+    behaviour_weight_cap: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     #: rows whose advantages are all 0 get no forward / backward (they still count in the normalisers, so the
     #: gradient is unchanged); applied only where exact: an advantage-proportional built-in loss, no KL / entropy
     skip_zero_advantage: bool = True
@@ -121,6 +133,7 @@ class Config:
     run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
     resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
     checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
+    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
     model: ModelConfig = ModelConfig()  #: the starting policy
     data: DataConfig = DataConfig()  #: the prompts
     reward: RewardConfig = RewardConfig()  #: the reward functions
@@ -134,7 +147,8 @@ class Config:
 
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
-RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "eval", "logger", "log_every", "dump_generations_every")
+RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "deadlines", "eval", "logger", "log_every",
+                  "dump_generations_every")
 CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl", "entropy", "clip_frac",
                 "grad_norm", "response_length", "step_time_s")
 
@@ -150,8 +164,9 @@ def main(argv: list[str]) -> dict:
     environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None  # ... or tool
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     build_kwargs = cfg.actor.lora.build_kwargs(cfg.actor.backend)
-    env = init_distributed()
+    env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     log = get_logger("grpo", env)
+    watchdog.start(cfg.deadlines, env, role="grpo")  # deadlines per phase, and SIGTERM: stop at a step boundary
     seed_everything(cfg.seed)
     check_batch_shape(cfg, env.world_size)
     run = prepare_run(cfg, env, RESUMABLE_KEYS)
@@ -177,65 +192,93 @@ def main(argv: list[str]) -> dict:
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     first_step, wall_before, before, last_eval = 1, 0.0, {}, {}
     if run.resume_from is None:
-        before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments) if cfg.eval.before_training else {}
+        with watchdog.phase("eval", step=0):
+            before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments) if cfg.eval.before_training else {}
         mlog.log(0, before)
     else:  # the actor's weights, AdamW state and step, every rank's RNG, and what the loop carries
-        states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
+        with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
+            states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
         actor, first_step, before, wall_before = states[ckpt_name], extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
-        rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+        with watchdog.phase("weight_sync", step=extra["step"]):
+            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+
+    def save(step: int) -> None:  # the actor sharded with AdamW, RNG, the data position, what the loop carries
+        extra = {"step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir), "eval_before": before,
+                 "wall_seconds": wall_before + time.time() - t_start}
+        with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
+            save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
 
     loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg))
     skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
     on_policy = rollout_logprobs_are_current(cfg, env.device)  # else the trainer recomputes the log-probs before the update
+    preempted_at = None
     for step in range(first_step, steps + 1):
         t0 = time.time()
         # 1. rollout and reward: n samples for this rank's share of the prompts (dynamic sampling draws more)
-        batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor, reward_model,
-                                                     environments)
-        rollout = release_memory(rollout)  # a GPU engine frees its memory for the update until the sync
+        with watchdog.phase("rollout", step=step):
+            batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor,
+                                                         reward_model, environments)
+            rollout = release_memory(rollout)  # a GPU engine frees its memory for the update until the sync
         t_rollout = time.time() - t0
-        # 2. log-probs of the sampled tokens under the current policy (and the reference)
-        batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else engine.compute_logprobs(actor, batch).logprobs)
-        if reference is not None:
-            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
-        # 3. group-relative advantages (pure rlfunc; all n samples of a prompt live on one rank)
-        adv, ret = estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs)
-        batch = batch.replace(advantages=adv, returns=ret)
-        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
-        # 4. policy update(s): ppo_epochs x mini_batches optimizer steps
-        t_update = time.time()
-        for _ in range(cfg.algo.ppo_epochs):
-            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
-                actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
+        with watchdog.phase("update", step=step, op="log-probs (the policy's and the reference's forwards)"):
+            # 2. log-probs of the sampled tokens under the current policy (and the reference)
+            batch = batch.replace(old_logprobs=batch.rollout_logprobs if on_policy else engine.compute_logprobs(actor, batch).logprobs)
+            if reference is not None:
+                batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
+            batch, rejected = reject_mismatched_tokens(batch, cfg.algo)
+            batch, provenance = stamp_policy_version(batch, step - 1)  # synchronous: sampled by the weights being updated
+            # 3. group-relative advantages (pure rlfunc; all n samples of a prompt live on one rank)
+            adv, ret = estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs)
+            batch = batch.replace(advantages=adv, returns=ret)
+            skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
+            # 4. policy update(s): ppo_epochs x mini_batches optimizer steps
+            t_update = time.time()
+            watchdog.waiting_on("engine.update (forward, backward, optimizer step)")
+            for _ in range(cfg.algo.ppo_epochs):
+                for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
+                    actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
         # 5. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
         t_sync = time.time()
-        rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+        with watchdog.phase("weight_sync", step=step):
+            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
         times = {"step_time_s": time.time() - t0, "rollout_time_s": t_rollout, "update_time_s": t_sync - t_update,
                  "sync_time_s": time.time() - t_sync}
 
-        # 6. log, evaluate, dump generations, checkpoint (the actor sharded with AdamW, RNG, the data position)
+        # 6. log, evaluate, dump generations, checkpoint
         stats = {**sample_stats, **step_stats(batch, skip, times, engine.data_parallel(actor)[1]), **metrics,
-                 **rollout_trainer_gap(batch, on_policy), **device_memory(env)}
+                 **rollout_trainer_gap(batch, on_policy), **device_memory(env),
+                 **{k: float(v) for k, v in {**rejected, **provenance}.items()}}
         if cfg.eval.every and step % cfg.eval.every == 0:
-            last_eval = {"step": step, **evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)}
+            with watchdog.phase("eval", step=step):
+                last_eval = {"step": step, **evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)}
             stats.update({k: v for k, v in last_eval.items() if k != "step"})
         mlog.log(step, stats)
         if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
             dump_generations(run, step, tokenizer, batch, rows)
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps):
-            extra = {"step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir), "eval_before": before,
-                     "wall_seconds": wall_before + time.time() - t_start}
-            save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
+        saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps)
+        if saved:
+            save(step)
+        if watchdog.stop_agreed(step):  # SIGTERM on any rank: every rank stops after this step, checkpointed
+            if cfg.checkpoint.every and not saved:
+                save(step)
+            log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None))
+            preempted_at = step
+            break
 
-    if last_eval.get("step") == steps:  # the last step's evaluation is the final one
-        after = {k: v for k, v in last_eval.items() if k != "step"}
+    if preempted_at is not None:  # exit code 0, no final evaluation / export: resume=auto continues from here
+        summary = {"preempted_at_step": preempted_at, "run_dir": str(run.run_dir)}
     else:
-        after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)
-        mlog.log(steps, after)
-    if cfg.export_hf:
-        engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
-    summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
+        if last_eval.get("step") == steps:  # the last step's evaluation is the final one
+            after = {k: v for k, v in last_eval.items() if k != "step"}
+        else:
+            with watchdog.phase("eval", step=steps):
+                after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)
+            mlog.log(steps, after)
+        if cfg.export_hf:
+            with watchdog.phase("checkpoint", step=steps, op="export_hf(final_model)"):
+                engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
+        summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
     mlog.close()
     scorer.close()
     shutdown_rollout(rollout)
@@ -256,6 +299,10 @@ def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Calla
     loss_aliases = {name.replace("_", "-"): name for name in rf.POLICY_LOSSES if "_" in name}  # clip-cov = clip_cov
     policy_loss = resolve_function(algo.policy_loss, rf.POLICY_LOSSES, "algo.policy_loss", aliases=loss_aliases)
     estimator_kwargs = {"norm_by_std": algo.norm_by_std} if estimator is rf.ADVANTAGE_ESTIMATORS["grpo"] else {}
+    try:  # every engine records the behaviour (rollout) log-probs; the trainer supplies proximal and current ones
+        rf.check_logprobs_supplied(policy_loss, available=("current", "proximal", "behaviour"))
+    except ValueError as e:
+        raise ConfigError(f"algo.policy_loss={algo.policy_loss!r}: {e}") from None
     return estimator, estimator_kwargs, policy_loss
 
 
@@ -278,8 +325,29 @@ def rollout_logprobs_are_current(cfg: Config, device: torch.device) -> bool:
     same numerics on both sides (the native engine and the FSDP trainer both in fp32). Elsewhere (bf16,
     vLLM's kernels) the PPO ratio of the only update would be numeric noise around 1, so the trainer recomputes."""
     fp32_trainer = cfg.actor.backend == "fsdp" and compute_dtype(cfg.actor.fsdp, device) == torch.float32
-    return (cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1 and cfg.algo.rollout_is == "none"
+    corrections = cfg.algo.rollout_is != "none" or cfg.algo.rollout_rs != "none" or cfg.algo.policy_loss == "decoupled_ppo"
+    return (cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1 and not corrections
             and cfg.rollout.engine == "native" and cfg.rollout.dtype == "float32" and fp32_trainer)
+
+
+def reject_mismatched_tokens(batch: rf.RolloutBatch, algo: AlgoConfig) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
+    """``algo.rollout_rs``: the loss mask without the tokens (or responses) whose trainer / rollout ratio is out of
+    bounds, before the update, so that the normalisers count only what stays."""
+    if algo.rollout_rs == "none":
+        return batch, {}
+    keep, metrics = rf.rollout_rejection_mask(
+        batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs, response_mask=rf.loss_tokens(batch),
+        level=algo.rollout_rs, upper=algo.rollout_rs_threshold, token_veto=algo.rollout_token_veto or None,
+    )
+    return batch.replace(loss_mask=keep), metrics
+
+
+def stamp_policy_version(batch: rf.RolloutBatch, version: int) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
+    """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
+    and the staleness of the batch at this update is logged."""
+    batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
+    _, metrics = rf.staleness(batch.policy_version, current_version=version, response_mask=rf.loss_tokens(batch))
+    return batch, {f"offpolicy/{k}": v for k, v in metrics.items()}
 
 
 def max_context(cfg: Config) -> int:
@@ -335,7 +403,8 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
                           environments=environments, group_ids=groups, chat_template=cfg.data.chat_template)
         batch = engine.share_batch(actor, episodes.batch)
         rows = [examples[g - (rounds - 1) * share] for g in batch.group_ids.tolist()]
-        batch, reward_metrics = score_batch(batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
+        with watchdog.phase("reward", op="reward functions / reward model on the sampled responses"):
+            batch, reward_metrics = score_batch(batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
         reward_metrics.update(episodes.metrics)
         if not cfg.algo.dynamic_sampling:
             return batch, rows, mean_over_ranks(reward_metrics)
@@ -457,9 +526,13 @@ def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, poli
         is_weights, is_metrics = rf.rollout_is_weights(
             mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, response_mask=mask, level=algo.rollout_is, upper=algo.rollout_is_cap,
         )
+    behaviour = {}
+    if policy_loss is rf.POLICY_LOSSES["decoupled_ppo"]:  # the rollout sampled; the ratio is clipped against old_logprobs
+        behaviour = {"behaviour_logprobs": mb.rollout_logprobs, "behaviour_weight_cap": algo.behaviour_weight_cap or None}
     loss, metrics = policy_loss(
         out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
         clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.agg, norms=norms, horizon=horizon, is_weights=is_weights,
+        **behaviour,
     )
     metrics = {**metrics, **is_metrics}
     if mb.ref_logprobs is not None:

@@ -44,9 +44,11 @@ from backends.checkpoint.resume import CheckpointConfig
 from backends.config import ConfigError, apply_overrides, available_presets, config_help
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
+from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum, barrier, global_masked_whiten
 from backends.distributed.placement import PlacementConfig
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
+from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.api import (
@@ -73,9 +75,9 @@ class AlgoConfig:
 
     gamma: float = 1.0  #: GAE discount
     lam: float = 0.95  #: GAE lambda
-    clip_ratio: float = 0.2  #: PPO ratio clip (verl's actor.clip_ratio_low / high)
-    clip_ratio_c: float = 3.0  #: dual-clip bound for negative advantages (verl's default)
-    agg: str = "token-mean"  #: the actor's loss aggregation (verl's actor.loss_agg_mode)
+    clip_ratio: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: PPO ratio clip (verl's actor.clip_ratio_low / high)
+    clip_ratio_c: float = attrs.field(default=3.0, validator=attrs.validators.gt(1.0))  #: dual-clip bound for negative advantages (verl's default)
+    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(rf.AGG_MODES))  #: the actor's loss aggregation (verl's actor.loss_agg_mode)
     cliprange_value: float = 0.5  #: the critic's value clip (verl's critic.cliprange_value)
     ppo_epochs: int = 1  #: passes over each batch
     ppo_mini_batch_size: int = 0  #: prompts per optimizer step (global, x rollout.n rows); 0: the whole step's batch
@@ -88,7 +90,7 @@ class AlgoConfig:
     horizon: int = 10000  #: the adaptive controller's horizon
     use_kl_loss: bool = False  #: add a KL term to the actor's loss (GRPO-style) instead of / besides the reward penalty
     kl_loss_coef: float = 0.001  #: the weight of that term
-    kl_loss_type: str = "low_var_kl"  #: its estimator: k1..k3 / low_var_kl, "+" for straight-through gradients
+    kl_loss_type: str = attrs.field(default="low_var_kl", validator=attrs.validators.in_(rf.KL_KINDS))  #: its estimator: k1..k3 / low_var_kl, "+" for straight-through gradients
 
 
 @attrs.frozen
@@ -127,6 +129,7 @@ class Config:
     run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
     resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
     checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
+    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
     model: ModelConfig = ModelConfig()  #: the starting policy (and the critic's backbone)
     data: DataConfig = DataConfig()  #: the prompts
     reward: RewardConfig = RewardConfig()  #: the reward functions
@@ -142,7 +145,8 @@ class Config:
 
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
-RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "export", "eval", "logger", "log_every", "dump_generations_every")
+RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "deadlines", "export", "eval", "logger", "log_every",
+                  "dump_generations_every")
 CONSOLE_KEYS = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm", "step_time_s")
 
 
@@ -158,8 +162,9 @@ def main(argv: list[str]) -> dict:
     # the training engines of the actor and the critic (a bad name or size fails here, before any work)
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
-    env = init_distributed()
+    env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     log = get_logger("ppo", env)
+    watchdog.start(cfg.deadlines, env, role="ppo")  # deadlines per phase, and SIGTERM: stop at a step boundary
     seed_everything(cfg.seed)
     roles = build_roles(cfg.placement, env, engine, critic_engine)  # which ranks hold which roles
     num_mini = num_mini_batches(cfg, roles.pool_size("actor"))
@@ -192,43 +197,62 @@ def main(argv: list[str]) -> dict:
     first_step, wall_before, before = 1, 0.0, {}
     if run.resume_from is None:
         if cfg.eval.before_training:
-            before = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
+            with watchdog.phase("eval", step=0):
+                before = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
         mlog.log(0, before)
     else:  # each rank loads the roles it holds (split placement: one pool's)
-        states, extra = load_checkpoint(run.resume_from, roles.checkpoint_states(), config=run.must_match)
+        with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
+            states, extra = load_checkpoint(run.resume_from, roles.checkpoint_states(), config=run.must_match)
         roles.load_checkpoint_states(states)
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         kl_ctrl, first_step = rf.KLControllerState(**extra["kl_ctrl"]), extra["step"] + 1
         before, wall_before = extra["eval_before"], extra["wall_seconds"]
-        rollout = roles.run_on("actor", None, lambda: sync_weights(rollout, roles.actor_weights(**gather)))
+        with watchdog.phase("weight_sync", step=extra["step"]):
+            rollout = roles.run_on("actor", None, lambda: sync_weights(rollout, roles.actor_weights(**gather)))
+
+    def save(step: int) -> None:  # every role (sharded, with AdamW), RNG, what the loop carries (see 7. below)
+        extra = roles.share({
+            "step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir),
+            "kl_ctrl": {"beta": kl_ctrl.beta, "target_kl": kl_ctrl.target_kl, "horizon": kl_ctrl.horizon},
+            "eval_before": before, "wall_seconds": wall_before + time.time() - t_start,
+        }, "actor")
+        with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
+            save_checkpoint(run.ckpt_dir, step, roles.checkpoint_states(), extra, keep_last=cfg.checkpoint.keep_last,
+                            config=run.must_match)
 
     actor_loss = functools.partial(ppo_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
     critic_loss = value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=cfg.rollout.max_new_tokens)
+    preempted_at = None
     for step in range(first_step, steps + 1):
         t0 = time.time()
         # 1-2. rollout (n samples per prompt, this rank's share) and reward, on the actor's ranks
-        batch, rows = roles.run_on("actor", "rollout", sample_and_score, roles, rollout, stream, scorer, tokenizer, cfg, step,
-                                   otherwise=(None, None))
-        if step > cfg.algo.critic_warmup:  # a GPU engine frees its memory for the updates, until the weight sync
-            rollout = roles.run_on("actor", None, release_memory, rollout)
-        # 3. log-probs of the sampled tokens under the current policy
-        batch = roles.old_logprobs(batch)
-        # the batch crosses to the critic's ranks (colocated: nothing moves); reference log-probs, values
-        critic_batch = roles.to_critic(batch)
-        critic_batch = roles.compute_values(roles.reference_logprobs(critic_batch))
-        # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
-        critic_batch, kl_ctrl, kl_stats = roles.run_on("critic", "advantages", advantages, critic_batch, kl_ctrl, cfg,
-                                                       roles.env("critic"), otherwise=(critic_batch, kl_ctrl, {}))
-        # advantages (and reference log-probs) go back to the ranks that sampled the rows
-        batch = roles.to_actor(critic_batch, like=batch)
-        # 5. critic update and (after the critic warm-up) actor update, ppo_epochs x mini-batches each
-        #    (split placement: the two pools run them at the same time)
-        critic_metrics = roles.update_critic(critic_batch, critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini)
-        actor_metrics = []
+        with watchdog.phase("rollout", step=step):
+            batch, rows = roles.run_on("actor", "rollout", sample_and_score, roles, rollout, stream, scorer, tokenizer, cfg, step,
+                                       otherwise=(None, None))
+            if step > cfg.algo.critic_warmup:  # a GPU engine frees its memory for the updates, until the weight sync
+                rollout = roles.run_on("actor", None, release_memory, rollout)
+        with watchdog.phase("update", step=step, op="log-probs, values, advantages"):
+            # 3. log-probs of the sampled tokens under the current policy
+            batch = roles.old_logprobs(batch)
+            # the batch crosses to the critic's ranks (colocated: nothing moves); reference log-probs, values
+            critic_batch = roles.to_critic(batch)
+            critic_batch = roles.compute_values(roles.reference_logprobs(critic_batch))
+            # 4. token rewards (score on the last token, minus beta * KL per token) -> GAE -> whitened advantages
+            critic_batch, kl_ctrl, kl_stats = roles.run_on("critic", "advantages", advantages, critic_batch, kl_ctrl, cfg,
+                                                           roles.env("critic"), otherwise=(critic_batch, kl_ctrl, {}))
+            # advantages (and reference log-probs) go back to the ranks that sampled the rows
+            batch = roles.to_actor(critic_batch, like=batch)
+            # 5. critic update and (after the critic warm-up) actor update, ppo_epochs x mini-batches each
+            #    (split placement: the two pools run them at the same time)
+            watchdog.waiting_on("critic / actor updates (forward, backward, optimizer steps)")
+            critic_metrics = roles.update_critic(critic_batch, critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini)
+            actor_metrics = []
+            if step > cfg.algo.critic_warmup:
+                actor_metrics = roles.update_actor(batch, actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini, with_entropy=True)
         if step > cfg.algo.critic_warmup:
-            actor_metrics = roles.update_actor(batch, actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini, with_entropy=True)
             # 6. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
-            rollout = roles.run_on("actor", "weight_sync", lambda: sync_weights(rollout, roles.actor_weights(**gather)))
+            with watchdog.phase("weight_sync", step=step):
+                rollout = roles.run_on("actor", "weight_sync", lambda: sync_weights(rollout, roles.actor_weights(**gather)))
         # the critic's side of the step (KL statistics and controller, metrics, times) reaches the actor's ranks
         kl_stats, critic_metrics, kl_ctrl = roles.share((kl_stats, critic_metrics, kl_ctrl), "critic")
         times = roles.step_times()
@@ -237,21 +261,28 @@ def main(argv: list[str]) -> dict:
         #    what the loop carries as the actor's leader knows it (split: each pool saves its own roles)
         stats = {**kl_stats, **mean_metrics(actor_metrics), **{f"critic/{k}": v for k, v in mean_metrics(critic_metrics).items()},
                  "step_time_s": time.time() - t0, **{f"time/{k}_s": v for k, v in times.items()}}
-        roles.run_on("actor", None, log_step, step, batch, rows, stats, cfg, roles, rollout, tokenizer, data, scorer, run, mlog)
-        if cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps):
-            extra = roles.share({
-                "step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir),
-                "kl_ctrl": {"beta": kl_ctrl.beta, "target_kl": kl_ctrl.target_kl, "horizon": kl_ctrl.horizon},
-                "eval_before": before, "wall_seconds": wall_before + time.time() - t_start,
-            }, "actor")
-            save_checkpoint(run.ckpt_dir, step, roles.checkpoint_states(), extra, keep_last=cfg.checkpoint.keep_last,
-                            config=run.must_match)
+        with watchdog.phase("eval", step=step, op="log_step (held-out evaluation every eval.every steps)"):
+            roles.run_on("actor", None, log_step, step, batch, rows, stats, cfg, roles, rollout, tokenizer, data, scorer, run, mlog)
+        saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps)
+        if saved:
+            save(step)
+        if watchdog.stop_agreed(step):  # SIGTERM on any rank: every rank stops after this step, checkpointed
+            if cfg.checkpoint.every and not saved:
+                save(step)
+            log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None))
+            preempted_at = step
+            break
 
-    after = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
-    mlog.log(steps, after)
-    export(cfg, roles, run, tokenizer)
-    summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="PPO",
-                        extra={"placement": cfg.placement.mode})
+    if preempted_at is not None:  # exit code 0, no final evaluation / export: resume=auto continues from here
+        summary = {"preempted_at_step": preempted_at, "run_dir": str(run.run_dir)}
+    else:
+        with watchdog.phase("eval", step=steps):
+            after = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
+        mlog.log(steps, after)
+        with watchdog.phase("checkpoint", step=steps, op="export (HF / orbax)"):
+            export(cfg, roles, run, tokenizer)
+        summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="PPO",
+                            extra={"placement": cfg.placement.mode})
     barrier()  # both pools' exports are on disk before anyone returns
     mlog.close()
     scorer.close()
@@ -375,7 +406,8 @@ def sample_and_score(roles: Roles, rollout: Any, stream: PromptStream, scorer: R
     batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed)
     batch = roles.actor_engine.share_batch(roles.actor, batch)
     rows = [examples[g] for g in batch.group_ids.tolist()]
-    result = scorer.score(decode_responses(tokenizer, batch), rows)
+    with watchdog.phase("reward", op="reward functions on the sampled responses"):
+        result = scorer.score(decode_responses(tokenizer, batch), rows)
     return batch.replace(scores=result.scores), rows
 
 
@@ -405,8 +437,9 @@ def log_step(step: int, batch: rf.RolloutBatch, rows: list, stats: dict, cfg: Co
 
 
 def mean_metrics(rows: list[dict]) -> dict:
-    """Mean of each engine metric over this step's optimizer steps."""
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+    """Mean of each engine metric over this step's optimizer steps (a running total: its last value)."""
+    last = ("nonfinite_updates_skipped",)
+    return {k: rows[-1][k] if k in last else sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
 def export(cfg: Config, roles: Roles, run: RunPaths, tokenizer: Any) -> None:

@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from rlfunc.checks import check_shape
+from rlfunc.checks import check_finite_fast, check_shape, is_transformed
 from rlfunc.tree import pytree_dataclass, tree_leaves, tree_map, tree_structure
 
 __all__ = [
@@ -70,6 +70,11 @@ class RolloutBatch:
     #: multi-turn trajectories: the turn each response token belongs to (a turn: the observation that precedes
     #: it, then the model's reply), counting from 0
     turn_ids: Tensor | None = shape_field("b t", dtype="int")
+    #: asynchronous rollout: the version of the policy weights that sampled each response token (the number
+    #: of optimizer updates behind them; a trajectory may span several versions when the weights change
+    #: mid-generation); None: every token comes from the weights being trained. See
+    #: :func:`rlfunc.importance.staleness`.
+    policy_version: Tensor | None = shape_field("b t", dtype="int")
     scores: Tensor | None = shape_field("b", dtype="float")  # one verifiable score per sequence
     advantages: Tensor | None = shape_field("b t", dtype="float")
     returns: Tensor | None = shape_field("b t", dtype="float")
@@ -96,10 +101,17 @@ _DTYPE_OK = {
 }
 
 
+#: float fields that may hold -inf at a loss token (the log-probability of an impossible token); NaN never
+_MAY_BE_INFINITE = frozenset({"rollout_logprobs", "old_logprobs", "ref_logprobs"})
+
+
 def validate(batch: B) -> B:
-    """Check every present field against its declared shape and dtype; return the batch unchanged."""
+    """Check every present field against its declared shape and dtype, and its float values at the loss
+    tokens (NaN there, or inf in anything but a log-probability, would make the loss NaN); return the batch
+    unchanged. Values outside the loss tokens (padding) may be anything."""
     bound: dict[str, int] = {}
     cls_name = type(batch).__name__
+    floats = []
     for f in attrs.fields(type(batch)):
         value = getattr(batch, f.name)
         dims = f.metadata.get("shape")
@@ -109,7 +121,27 @@ def validate(batch: B) -> B:
         kind = f.metadata.get("dtype")
         if kind is not None and not _DTYPE_OK[kind](value.dtype):
             raise TypeError(f"{cls_name}.{f.name} must have a {kind} dtype, got {value.dtype}")
+        if kind == "float":
+            floats.append((f.name, value, dims))
+    _check_values(batch, cls_name, floats)
     return batch
+
+
+def _check_values(batch: Any, cls_name: str, floats: list[tuple[str, Tensor, str]]) -> None:
+    mask = getattr(batch, "loss_mask", None)
+    mask = getattr(batch, "response_mask", None) if mask is None else mask
+    for name, value, dims in floats:
+        usable = isinstance(mask, Tensor) and mask.dtype == torch.bool and mask.shape == value.shape
+        where = mask if dims == "b t" and usable else None
+        if is_transformed(value):
+            continue
+        if name in _MAY_BE_INFINITE:
+            nan = torch.isnan(value) if where is None else torch.isnan(value) & where
+            if bool(nan.any()):
+                idx = tuple(nan.nonzero()[0].tolist())
+                raise ValueError(f"{cls_name}.{name} is NaN at index {idx}, a loss token")
+        else:
+            check_finite_fast(f"{cls_name}.{name} (at the loss tokens)", value, where)
 
 
 def batch_size(batch: Any) -> int:

@@ -52,6 +52,7 @@ from torch import Tensor
 from rlfunc.aggregation import AggMode, Normalizers, aggregate
 from rlfunc.checks import bind, check_floating, check_mask
 from rlfunc.masked import masked_mean, masked_sum
+from rlfunc.offpolicy import decoupled_ppo_policy_loss
 
 __all__ = [
     "ppo_policy_loss",
@@ -62,7 +63,11 @@ __all__ = [
     "clip_cov_policy_loss",
     "kl_cov_policy_loss",
     "gmpo_policy_loss",
+    "decoupled_ppo_policy_loss",
     "POLICY_LOSSES",
+    "LOGPROB_KINDS",
+    "POLICY_LOSS_LOGPROBS",
+    "check_logprobs_supplied",
     "ADVANTAGE_PROPORTIONAL_LOSSES",
     "get_policy_loss",
 ]
@@ -642,6 +647,7 @@ POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(
         "kl_cov": kl_cov_policy_loss,
         "gmpo": gmpo_policy_loss,
         "geo_mean": gmpo_policy_loss,  # verl's name
+        "decoupled_ppo": decoupled_ppo_policy_loss,  # AReaL's decoupled loss, rlfunc.offpolicy
     }
 )
 """The built-in policy losses by name: a read-only mapping (``types.MappingProxyType``). verl's
@@ -656,7 +662,30 @@ rlfunc (``backends.config``); the names here are the built-ins only.
 #: Policy losses whose per-token term is a multiple of the token's advantage, so a row whose
 #: advantages are all 0 adds exactly 0 to the loss and the gradient (see ``zero_advantage_rows``).
 #: Not clip_cov / kl_cov: they pick tokens by a covariance over the whole batch.
-ADVANTAGE_PROPORTIONAL_LOSSES = frozenset({"ppo", "vanilla", "gspo", "sapo", "cispo", "gpg", "gmpo", "geo_mean"})
+ADVANTAGE_PROPORTIONAL_LOSSES = frozenset("ppo vanilla gspo sapo cispo gpg gmpo geo_mean decoupled_ppo".split())
+
+#: Log-probs a loss may read: ``"current"`` (``logprobs``), ``"proximal"`` (``old_logprobs``, the trainer's recompute
+#: at the start of the update) and ``"behaviour"`` (``behaviour_logprobs``, of the policy that sampled the tokens).
+LOGPROB_KINDS: tuple[str, ...] = ("current", "proximal", "behaviour")
+#: The log-probs each built-in loss needs: GPG reads no ratio, decoupled PPO all three.
+POLICY_LOSS_LOGPROBS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {name: LOGPROB_KINDS[:2] for name in POLICY_LOSSES} | {"gpg": LOGPROB_KINDS[:1], "decoupled_ppo": LOGPROB_KINDS}
+)
+
+
+def check_logprobs_supplied(loss: str | PolicyLossFn, *, available: tuple[str, ...] | frozenset[str]) -> None:
+    """At start-up: ``ValueError`` if a configuration supplies fewer log-probs than ``loss`` needs.
+
+    ``loss``: a built-in's name or function, or a user's function (its ``logprobs_needed`` attribute,
+    default ``("current", "proximal")``); ``available``: the :data:`LOGPROB_KINDS` the recipe computes.
+    """
+    fn = get_policy_loss(loss) if isinstance(loss, str) else loss
+    builtin = [name for name, f in POLICY_LOSSES.items() if f is fn]
+    needed = POLICY_LOSS_LOGPROBS[builtin[0]] if builtin else getattr(fn, "logprobs_needed", LOGPROB_KINDS[:2])
+    if unknown := sorted((set(needed) | set(available)) - set(LOGPROB_KINDS)):
+        raise ValueError(f"unknown log-prob kinds {unknown}; known: {', '.join(LOGPROB_KINDS)}")
+    if missing := [kind for kind in needed if kind not in available]:
+        raise ValueError(f"policy loss {loss!r} needs the {', '.join(missing)} log-probs, not supplied here")
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -678,3 +678,44 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(behaviour, mod
     initial = {k: v.float().numpy() for k, v in load_causal_lm(model_dir)[0].state_dict().items()}
     assert max(float(np.abs(first[k] - initial[k]).max()) for k in first) > 0  # weight decay moved them
 
+
+
+# ------------------------------------------------------------------ non-finite policy (optim.nonfinite)
+
+
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_nonfinite_policy_on_one_process(model_dir, policy, tmp_path):
+    """A NaN loss (a NaN advantages batch is refused earlier, by the batch checks) through the real engine update (one process): ``skip`` leaves the weights as they
+    were and counts the update in the running total ``nonfinite_updates_skipped``; ``error`` raises naming
+    the update and the non-finite value, before any optimizer step. Either way the weights never change."""
+    import attrs
+
+    from backends.distributed.setup import init_distributed
+    from backends.training.common import NonFiniteUpdateError
+    from backends.training.fsdp import build_actor, update
+
+    state = build_actor(model_dir, init_distributed(), attrs.evolve(OPTIM, nonfinite=policy), FSDPConfig(micro_batch_size=4))
+    batch = make_batch(0)
+    params = lambda: [_local(p).detach().clone() for p in state.module.parameters()]  # noqa: E731
+    p0 = params()
+    if policy == "error":
+        with pytest.raises(NonFiniteUpdateError, match=r"actor update 0 .*non-finite loss and grad norm"):
+            update(state, batch, _nan_loss)
+        assert _same(p0, params()) and all(p.grad is None for p in state.module.parameters())
+        assert not any(s for s in state.optimizer.state.values() if float(s.get("step", 0)) > 0)
+        return
+    totals = []
+    for _ in range(2):
+        state, m = update(state, batch, _nan_loss)
+        assert m["update_skipped"] == 1.0 and math.isnan(m["loss"])
+        totals.append(m["nonfinite_updates_skipped"])
+    assert totals == [1.0, 2.0] and state.nonfinite_updates_skipped == 2 and state.step == 2
+    assert _same(p0, params())
+    state, m = update(state, batch, pg_loss)  # a finite update steps, the running total stays
+    assert m["update_skipped"] == 0.0 and m["nonfinite_updates_skipped"] == 2.0 and not _same(p0, params())
+    from backends.checkpoint.dcp import load_checkpoint, save_checkpoint  # the total survives a checkpoint
+
+    save_checkpoint(tmp_path, 3, {"actor": state}, {"step": 3})
+    fresh = build_actor(model_dir, init_distributed(), OPTIM, FSDPConfig(micro_batch_size=4))
+    states, _ = load_checkpoint(tmp_path / "step_3", {"actor": fresh})
+    assert states["actor"].nonfinite_updates_skipped == 2 and states["actor"].step == 3

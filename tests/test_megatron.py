@@ -361,6 +361,18 @@ def _nonfinite_worker(rank, world_size, model_dir):
     out["after_nan_metrics"] = m
     out["after_nan_changed"] = not all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
     out["after_nan_step"] = state.step
+    out["skipped_totals"] = (out["nan_metrics"]["nonfinite_updates_skipped"], m["nonfinite_updates_skipped"])
+    # optim.nonfinite=error: raises on every rank, naming the update, before any optimizer step
+    import attrs
+
+    state = E.build_actor(model_dir, env, attrs.evolve(OPTIM, nonfinite="error"), E.MegatronConfig(tp=2, micro_batch_size=4))
+    before = [p.detach().clone() for p in state.module.parameters()]
+    try:
+        E.update(state, batch, _nan_loss)
+        out["error"] = None
+    except FloatingPointError as e:
+        out["error"] = str(e)
+    out["error_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
     destroy_model_parallel()
     return out
 
@@ -375,6 +387,8 @@ def test_non_finite_loss_or_grad_norm_on_one_rank_skips_the_step_on_every_rank(m
             want = {"nan_loss_on_rank_1": True, "inf_norm_on_rank_0": True, "finite_everywhere": False}
             assert flags == want, (tp, pp, flags)
         assert_nonfinite_step_skipped(r, grads_dropped_key="nan_grads_dropped", step_after=2)
+        assert r["skipped_totals"] == (1.0, 1.0)  # optim.nonfinite=skip: a running total
+        assert "actor update 0 " in r["error"] and "non-finite loss" in r["error"] and r["error_unchanged"]
 
 
 # ------------------------------------------------------------------------ bad input (single process)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import attrs
 import pytest
@@ -125,6 +126,22 @@ def test_environment_factory_resolves_tools_at_start_up(tmp_path):
         environment_factory(MultiTurnConfig(max_turns=2, tools=("tests.test_multiturn:nothing_here",)))
     with pytest.raises(ConfigError, match="docstring"):
         environment_factory(MultiTurnConfig(max_turns=2, tools=("tests.test_multiturn:undocumented",)))
+
+
+def test_the_build_md_environment_example_runs(tmp_path):
+    """The documented example (BUILD.md, "Multi-turn rollouts, environments and tools") is real code that works."""
+    doc = (Path(__file__).resolve().parents[1] / "BUILD.md").read_text()
+    code = doc.split("```python\n# my_env.py\n", 1)[1].split("```", 1)[0]
+    assert len(code.splitlines()) < 40
+    (tmp_path / "my_env.py").write_text(code)
+    row = Example(prompt_ids=(1,), ground_truth="42", source="s", columns={}, where="guess.jsonl:line 1")
+    game = environment_factory(MultiTurnConfig(max_turns=6, environment=f"{tmp_path / 'my_env.py'}:make_game"))(row)
+    assert [m["content"] for m in game.step("50").messages] == ["lower"]
+    assert game.step(" 7?").reward < 0
+    assert game.step("42").done
+    tools = environment_factory(MultiTurnConfig(max_turns=3, tools=(f"{tmp_path / 'my_env.py'}:population",)))(row)
+    answer = tools.step('<tool_call>{"name": "population", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert answer.messages[0]["role"] == "tool" and "710000" in answer.messages[0]["content"]
 
 
 def test_observation_tokens_are_the_chat_templates_framing():
@@ -267,7 +284,7 @@ def test_environment_that_raises_or_hangs(native):
         def step(self, response):
             threading.Event().wait(3)
 
-    with pytest.raises(EnvironmentStepError, match=r"test.jsonl:1 raised KeyError.*on_error=end"):
+    with pytest.raises(EnvironmentStepError, match=r"test.jsonl:\d+ raised KeyError.*on_error=end"):
         _run(native, factory=lambda e: Raising())
     # a trajectory whose first turn ended (EOS) met the environment, which raised: it ends there
     episodes, _, _ = _run(native, factory=lambda e: Raising(), on_error="end")

@@ -213,3 +213,35 @@ def test_a_reward_model_adds_to_the_reward_functions(tmp_path, data_dir):
         # the step's reward is the rule-based one plus half the reward model's (a random model: nonzero)
         assert row["reward/model"] != 0.0
         assert row["reward_mean"] == pytest.approx(row["reward/arithmetic"] + 0.5 * row["reward/model"], abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.offpolicy
+def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, data_dir):
+    """A bf16 trainer and rollout (a real log-prob mismatch) with every correction on: token rejection (MIS),
+    geometric-mean TIS and AReaL's decoupled PPO; each logs its numbers, and every token carries its policy
+    version (staleness 0 in the synchronous loop)."""
+    out = run(GRPO, f"run_root={tmp_path}", *tiny(data_dir), "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16",
+              "algo.rollout_rs=token", "algo.rollout_rs_threshold=1.5", "algo.rollout_is=geometric",
+              "algo.policy_loss=decoupled_ppo", "algo.behaviour_weight_cap=5")
+    assert out.returncode == 0, out.stderr[-4000:]
+    rl = metrics(the_run_dir(tmp_path, "grpo"))
+    for row in rl:
+        assert 0.0 <= row["rs_masked_frac"] <= 1.0 and row["is_weight_mean"] > 0.0
+        assert row["offpolicy/staleness_max"] == 0.0 and row["offpolicy/staleness_frac_0"] == 1.0
+        assert row["update_skipped"] == 0.0 and row["grad_norm"] >= 0.0
+
+
+def test_algorithm_settings_are_checked_at_start_up(tmp_path):
+    from backends.config import ConfigError
+    from experiments.grpo import AlgoConfig, resolve_algorithm
+
+    for bad in ({"clip_low": 1.5}, {"clip_high": -1.0}, {"agg": "token-meen"}, {"kl_kind": "k9"}, {"rollout_rs_threshold": 0.5}):
+        with pytest.raises((ValueError, TypeError)):
+            AlgoConfig(**bad)
+    loss = tmp_path / "my_loss.py"
+    loss.write_text("def teacher_forced(logprobs, **kwargs):\n    return logprobs.sum(), {}\n\n"
+                    "teacher_forced.logprobs_needed = ('current', 'teacher')\n")
+    with pytest.raises(ConfigError, match="algo.policy_loss=.*teacher"):
+        resolve_algorithm(AlgoConfig(policy_loss=f"{loss}:teacher_forced"))
+    resolve_algorithm(AlgoConfig(policy_loss="decoupled_ppo"))

@@ -15,6 +15,7 @@ import torch
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.rollout import decoder as rollout_decoder
+from backends.rollout import native
 from backends.rollout.native import (
     SamplingConfig,
     TurnOutput,
@@ -157,6 +158,31 @@ def test_turns_with_forced_tokens_inactive_rows_and_budgets(setup, sampling):
     assert (True, True) in ends and (False, True) in ends  # some turns ended by EOS, others by the budget
     assert session.slot - session.prompt_slots + session.slots_left == session.max_slots
     print(f"\n{len(SCHEDULE)} turns, {sampling}: max |session - forward| log-prob = {worst:.2e}")
+
+
+def test_forced_tokens_go_in_as_one_chunk(setup, monkeypatch):
+    """Each call feeds its queues (the unfed token, then the forced ones) in one forward, and the session is
+    the one the step-by-step feed gives: the same tokens, the same log-probs up to float rounding."""
+    _, tok, _, rollout = setup
+    calls = {"extend": 0, "step": 0}
+    for name in calls:
+        original = getattr(rollout_decoder.Decoder, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(rollout_decoder.Decoder, name, counted)
+    chunked, chunked_outs = _run(rollout, _prompts(tok), SAMPLINGS[0], SCHEDULE)
+    assert calls["extend"] == len(SCHEDULE) - 1  # every call but the first has something to feed
+    stepped_calls = dict(calls)
+    monkeypatch.setattr(native, "_fits_a_chunk", lambda session, plan: False)
+    stepwise, stepwise_outs = _run(rollout, _prompts(tok), SAMPLINGS[0], SCHEDULE)
+    assert calls["extend"] == stepped_calls["extend"] and calls["step"] - stepped_calls["step"] > stepped_calls["step"]
+    assert chunked.tokens == stepwise.tokens
+    for a, b in zip(chunked_outs, stepwise_outs):
+        for row_a, row_b in zip(a.logprobs, b.logprobs):
+            torch.testing.assert_close(torch.tensor(row_a), torch.tensor(row_b), rtol=0, atol=1e-5)
 
 
 def test_unwritten_cache_slots_are_never_read(setup, monkeypatch):

@@ -68,6 +68,7 @@ collectives over a gloo side-group).
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -98,6 +99,7 @@ from backends.checkpoint.files import (
     MARKER,
     CheckpointInfo,
     checkpoint_info,
+    checkpoint_writer,
     clean_stale_dirs,
     fsync_dir,
     latest_checkpoint,
@@ -194,6 +196,7 @@ class PendingCheckpoint:
     _tmp: Path
     _marker: dict
     _keep_last: int | None
+    _write_errors: list = attrs.field(factory=list)  #: OSErrors of the shard writes (checkpoint_writer)
     _finalized: threading.Event = attrs.field(factory=threading.Event)
     _error: BaseException | None = None
     _waited: bool = False
@@ -218,12 +221,14 @@ class PendingCheckpoint:
         self._waited = True
         if _PENDING is self:
             _PENDING = None
-        self._future.result()  # re-raises a failed write
+        try:
+            self._future.result()  # re-raises a failed write (on every rank: DCP agrees on the outcome)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+            raise _save_error(self.path, self._tmp, self._write_errors[0] if self._write_errors else e) from None
         if world_rank() == 0:
             self._finalized.wait()
-            if self._error is not None:
-                raise CheckpointError(f"finalising checkpoint {str(self.path)!r} failed: {self._error}") from self._error
-        gloo_barrier()
+        if not all_ok(self._error is None):  # also the barrier: no rank waits on one that raised
+            raise _save_error(self.path, self._tmp, self._error)
         return self.path
 
 
@@ -274,6 +279,63 @@ def _finalize(tmp: Path, final: Path, marker: dict, keep_last: int | None) -> No
             remove_dir(old)
 
 
+def _failure_reason(error: BaseException | None) -> str:
+    """What went wrong, from DCP's CheckpointException (per-rank failures) or a plain exception; a full disk
+    is said as such."""
+    if error is None:
+        return "rank 0 failed (see its error)"
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, failure = next(iter(failures.items()))
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {_failure_reason(cause)}"
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return f"no space left on device ({error.filename or 'writing the files'})"
+    return f"{type(error).__name__}: {error}"
+
+
+def _save_error(final: Path, tmp: Path, error: BaseException | None) -> CheckpointError:
+    """The error every rank raises for a failed save; rank 0 removes the partial temp dir (space back)."""
+    if world_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    complete = (final / MARKER).is_file() and not tmp.exists()
+    outcome = ("the checkpoint itself is complete" if complete else
+               f"its temp dir {tmp.name} was removed; earlier checkpoints in {str(final.parent)!r} are intact")
+    return CheckpointError(f"saving checkpoint {str(final)!r} failed: {_failure_reason(error)}; {outcome}")
+
+
+def _write_shards(flat: dict[str, Tensor], tmp: Path, final: Path, save_rng: bool) -> None:
+    """Every rank's RNG file and DCP shards into ``tmp``; a failure on any rank (a full disk) raises on all."""
+    import torch.distributed.checkpoint as dcp
+
+    error = None
+    try:
+        if save_rng:
+            write_rng_file(tmp, world_rank())
+    except OSError as e:
+        error = e
+    if not all_ok(error is None):  # before DCP's collectives, which a rank that raised would never join
+        raise _save_error(final, tmp, error)
+    writer, write_errors = checkpoint_writer(tmp)
+    try:
+        with quiet_no_dist():
+            dcp.save(flat, storage_writer=writer, no_dist=not dist.is_initialized())
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        raise _save_error(final, tmp, write_errors[0] if write_errors else e) from None
+
+
+def _finalize_on_rank0(tmp: Path, final: Path, marker: dict, keep_last: int | None) -> None:
+    """Rank 0 finalises; a failure there (a full disk) raises on every rank instead of leaving them waiting."""
+    error = None
+    if world_rank() == 0:
+        try:
+            _finalize(tmp, final, marker, keep_last)
+        except Exception as e:  # noqa: BLE001 - raised on every rank below
+            error = e
+    if not all_ok(error is None):  # also the barrier: the renamed checkpoint is visible to everyone
+        raise _save_error(final, tmp, error)
+
+
 def _check_save_args(step: Any, keep_last: Any) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
@@ -283,13 +345,18 @@ def _check_save_args(step: Any, keep_last: Any) -> None:
 
 def _make_temp_dir(root: Path, step: int) -> Path:
     """Rank 0 creates ``step_<step>.tmp-<hex>`` (after removing crashed saves' leftovers); every rank gets its path."""
-    token = ""
+    token, error = "", None
     if world_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        clean_stale_dirs(root)
-        token = uuid.uuid4().hex
-        (root / f"step_{step}.tmp-{token}").mkdir()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            clean_stale_dirs(root)
+            token = uuid.uuid4().hex
+            (root / f"step_{step}.tmp-{token}").mkdir()
+        except OSError as e:  # a full or read-only disk: said on every rank, not left to hang the others
+            token, error = "", e
     token = broadcast_hex(token)
+    if token.strip("0") == "":  # rank 0 sent no token (a uuid4 is never all zeros)
+        raise CheckpointError(f"cannot create a temp dir for step {step} under {str(root)!r}: {_failure_reason(error)}")
     tmp = root / f"step_{step}.tmp-{token}"
     if not all_ok(tmp.is_dir()):
         raise CheckpointError(
@@ -320,6 +387,7 @@ def _collect_state(name: str, state: Any, flat: dict[str, Tensor]) -> dict[str, 
     fp = state_dict_fingerprint(msd)
     return {
         "step": int(getattr(state, "step", 0)),
+        "nonfinite_updates_skipped": int(getattr(state, "nonfinite_updates_skipped", 0)),  # optim.nonfinite=skip's total
         "fingerprint": fp["sha256"],
         "params": fp["params"],
         "model_type": getattr(getattr(state.module, "config", None), "model_type", None),
@@ -346,16 +414,17 @@ def _marker(step: int, state_meta: dict, flat_config: dict, skeleton: Any, save_
     }
 
 
-def _save_async(flat: dict[str, Tensor], writer: Any, final: Path, tmp: Path, marker: dict, keep_last: int | None) -> PendingCheckpoint:
+def _save_async(flat: dict[str, Tensor], writer_and_errors: tuple, final: Path, tmp: Path, marker: dict, keep_last: int | None) -> PendingCheckpoint:
     """Start DCP's background write over the side-group; rank 0 finalises when it completes."""
     import torch.distributed.checkpoint as dcp
 
     global _PENDING
+    writer, write_errors = writer_and_errors
     group = gloo_group() if dist.is_initialized() else None
     with quiet_no_dist():
         future = dcp.async_save(flat, storage_writer=writer, process_group=group, no_dist=group is None)
     future = getattr(future, "upload_completion", future)  # AsyncSaveResponse on newer torch
-    pending = PendingCheckpoint(final, future, tmp, marker, keep_last)
+    pending = PendingCheckpoint(final, future, tmp, marker, keep_last, write_errors)
     if world_rank() == 0:
         future.add_done_callback(pending._on_done)
     _PENDING = pending
@@ -397,21 +466,13 @@ def save_checkpoint(
     for key, tensor in extra_tensors.items():
         flat[f"extra/{key}"] = tensor
     marker = _marker(step, all_state_meta(state_meta), flat_config, skeleton, save_rng)
-    if save_rng:
-        write_rng_file(tmp, world_rank())
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    writer = FileSystemWriter(str(tmp))
     if async_save:
-        return _save_async(flat, writer, final, tmp, marker, keep_last)
-    with quiet_no_dist():
-        dcp.save(flat, storage_writer=writer, no_dist=not dist.is_initialized())
+        if save_rng:
+            write_rng_file(tmp, world_rank())
+        return _save_async(flat, checkpoint_writer(tmp), final, tmp, marker, keep_last)
+    _write_shards(flat, tmp, final, save_rng)
     gloo_barrier()  # every rank's shard and RNG file is on disk
-    if world_rank() == 0:
-        _finalize(tmp, final, marker, keep_last)
-    gloo_barrier()  # the renamed checkpoint is visible to everyone
+    _finalize_on_rank0(tmp, final, marker, keep_last)
     return final
 
 
@@ -523,7 +584,9 @@ def _apply_loaded(states: Mapping[str, Any], plans: dict[str, tuple[dict, dict]]
             state.optimizer.state.clear()  # never stepped when saved: restore that, not a zero-step state
         saved_step = int(saved_states[name]["step"])
         if hasattr(state, "replace"):
-            new_states[name] = state.replace(step=saved_step)
+            counted = {"nonfinite_updates_skipped": int(saved_states[name].get("nonfinite_updates_skipped", 0))
+                       } if hasattr(state, "nonfinite_updates_skipped") else {}
+            new_states[name] = state.replace(step=saved_step, **counted)
         elif attrs.has(type(state)):
             new_states[name] = attrs.evolve(state, step=saved_step)
         else:

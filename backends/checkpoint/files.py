@@ -9,13 +9,14 @@ leaves only dirs that :func:`list_checkpoints` ignores, and the next save remove
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import attrs
 
@@ -34,6 +35,7 @@ __all__ = [
     "write_json_atomic",
     "remove_dir",
     "clean_stale_dirs",
+    "checkpoint_writer",
 ]
 
 FORMAT = "rlfunc.dcp-checkpoint"
@@ -162,3 +164,42 @@ def checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         config_hash=marker.get("config_hash", ""),
         marker=marker,
     )
+
+
+class _RecordedWrites:
+    """A write stream that remembers the first ``OSError`` its writes raised on ``errors`` (then re-raises it)."""
+
+    def __init__(self, stream: Any, errors: list[OSError]) -> None:
+        self._stream, self._errors = stream, errors
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._stream.write(data)
+        except OSError as e:
+            if e.filename is None:
+                e.filename = getattr(self._stream, "name", None)
+            self._errors.append(e)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def checkpoint_writer(path: Path) -> tuple[Any, list[OSError]]:
+    """A DCP ``FileSystemWriter`` into ``path`` and the list of ``OSError``s its file writes raised: torch's zip
+    writer turns a failed write (a full disk) into "unexpected pos" errors, which the list sees through."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    errors: list[OSError] = []
+
+    class RecordingFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            with super().create_stream(path, mode) as stream:
+                yield _RecordedWrites(stream, errors) if "r" not in mode else stream
+
+    writer = FileSystemWriter(str(path))
+    writer.fs = RecordingFileSystem()
+    return writer, errors
+

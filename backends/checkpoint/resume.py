@@ -23,6 +23,7 @@ writes a newer one; an error is raised on every rank (``SystemExit`` with the me
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -96,4 +97,11 @@ def truncate_metrics(path: Path, step: int | None) -> None:
             continue
         if row.get("step", 0) <= step:
             keep.append(line)
-    path.write_text("".join(line + "\n" for line in keep))
+    tmp = path.with_name(path.name + ".tmp")  # a crash or a full disk mid-write leaves the old file whole
+    try:
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, f"cutting {str(path)!r} back to step {step} failed: {e.strerror or e}; the file is "
+                      "unchanged", str(path)) from e

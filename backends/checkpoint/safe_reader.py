@@ -17,7 +17,7 @@ import torch
 
 from backends.checkpoint.errors import CheckpointCorruptError
 
-__all__ = ["MetadataUnpickler", "safe_reader", "tensor_only_planner"]
+__all__ = ["MetadataUnpickler", "check_data_files", "safe_reader", "tensor_only_planner"]
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -60,9 +60,27 @@ def safe_reader(path: Path) -> Any:
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
+            check_data_files(Path(self.path), metadata)
             return metadata
 
     return SafeFileSystemReader(str(path))
+
+
+def check_data_files(path: Path, metadata: Any) -> None:
+    """Every data file the DCP index points into is there and long enough: a missing or cut-off file is a
+    :class:`CheckpointCorruptError` naming it, before DCP reads any byte (its own error names neither)."""
+    ends: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointCorruptError(f"checkpoint {str(path)!r} lacks its data file {name!r}: the checkpoint is damaged")
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointCorruptError(
+                f"checkpoint {str(path)!r}: data file {name!r} is cut off ({size} bytes; its index needs {end})"
+            )
 
 
 def tensor_only_planner() -> Any:

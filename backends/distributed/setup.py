@@ -123,6 +123,9 @@ def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) ->
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev
+        store = _attempt_store(world, timeout)
+        if store is not None:
+            kwargs["store"] = store
         dist.init_process_group(pg_backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     elif rank is None and world is None:
         # plain `python script.py`: a private single-process group (port 0 = the OS picks a free one)
@@ -132,6 +135,18 @@ def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) ->
     else:
         raise RuntimeError(f"RANK and WORLD_SIZE must be set together (RANK={rank}, WORLD_SIZE={world})")
     return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev, backend=backend)
+
+
+def _attempt_store(world: int, timeout: timedelta) -> Any:
+    """Under torchrun, the agent's TCPStore (``TORCHELASTIC_USE_AGENT_STORE``) outlives a failed attempt, and
+    with ``--max-restarts`` the next attempt's ranks could read the dead ranks' addresses from it and fail to
+    connect (pytorch#135712): the default group's keys get a prefix per attempt. None outside torchrun."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart is None:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"rlfunc/attempt_{restart}", store)
 
 
 def device_mesh(env: DistEnv, shape: Sequence[int] | None = None, names: Sequence[str] = ("dp",)) -> Any:

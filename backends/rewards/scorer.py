@@ -164,7 +164,8 @@ class RewardScorer:
     def score(self, responses: Sequence[str], examples: Sequence[Example]) -> RewardResult:
         """Scores of ``responses[i]`` as an answer to ``examples[i]``."""
         if len(responses) != len(examples):
-            raise ValueError(f"{len(responses)} responses for {len(examples)} examples")
+            raise ValueError(f"RewardScorer.score: {len(responses)} responses for {len(examples)} examples; "
+                             "give one response per example, in the same order")
         calls, weights = [], []  # (sample, function, args), and the function's weight for that sample
         for i, (response, example) in enumerate(zip(responses, examples)):
             for function, weight in self.plan(example.source):

@@ -270,13 +270,16 @@ class Decoder:
             x = self._mlp(x, lw)
         return self._logits(x)
 
-    def step(self, tokens: Tensor, positions: Tensor, slot: int, masked: Tensor | None = None) -> Tensor:
+    def step(self, tokens: Tensor, positions: Tensor, slot: int, masked: Tensor | None = None,
+             rows: Tensor | None = None) -> Tensor:
         """One new token per working row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``.
         Returns the logits ``(b v)``.
 
-        ``masked (b)`` bool: the rows whose token is a dummy (nothing to feed this step): their slot is
+        ``masked (B)`` bool: the rows whose token is a dummy (nothing to feed this step): their slot is
         masked for them, so none of their later steps attends to it. Only caches with per-row slot masks
-        take it (the PyTorch strategy's).
+        take it (the PyTorch strategy's). With ``rows (b)`` (int64 indices of the cache's ``B`` rows, those not
+        masked) only those rows step: ``tokens``, ``positions`` and the logits are theirs, and the masked rows
+        cost nothing but their slot's mask.
         """
         b = tokens.shape[0]
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
@@ -286,12 +289,36 @@ class Decoder:
                 raise NotImplementedError(
                     f"the {self.strategy.name} decode strategy cannot mask a slot per row: use backend='torch'")
             self.cache.mask_slot(slot, masked)
-        self.cache.begin_step(positions, slot)
+        if rows is None:
+            self.cache.begin_step(positions, slot)
+        else:
+            self.cache.begin_step(positions, slot, rows)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(self.strategy.rms_norm(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
             att = self.cache.attend(i, qkv)
             x = self._mlp(lw.o.add_to(x, att.view(b, h * d).to(self.dtype)), lw)
         return self._logits(x)
+
+    def extend(self, tokens: Tensor, positions: Tensor, slot: int, valid: Tensor) -> Tensor:
+        """Several given tokens per row in one forward: ``tokens (b c)`` at RoPE ``positions (b c)`` into cache
+        slots ``[slot, slot + c)``; ``valid (b c)`` marks the real ones (the rest are masked dummies, as
+        :meth:`step`'s ``masked`` rows). Returns the logits ``(b v)`` after each row's last valid token (rows
+        without one get the logits of a dummy: the caller keeps its own). Only the PyTorch strategy's cache takes it.
+        """
+        if not hasattr(self.cache, "attend_chunk"):
+            raise NotImplementedError(f"the {self.strategy.name} decode strategy cannot extend rows by a chunk")
+        b, c = tokens.shape
+        h, kv, d = self.num_heads, self.num_kv, self.head_dim
+        for j in range(c):
+            self.cache.mask_slot(slot + j, ~valid[:, j])
+        self.cache.begin_chunk(positions, slot)
+        x = F.embedding(tokens, self.embed).view(b * c, -1)
+        for i, lw in enumerate(self.layers):
+            qkv = lw.qkv(self.strategy.rms_norm(x, lw.ln1, lw.eps1)).view(b, c, h + 2 * kv, d)
+            att = self.cache.attend_chunk(i, qkv)
+            x = self._mlp(lw.o.add_to(x, att.reshape(b * c, h * d).to(self.dtype)), lw)
+        last = (valid.sum(-1) - 1).clamp_(min=0)
+        return self._logits(x.view(b, c, -1)[torch.arange(b, device=x.device), last])
 
     def keep_rows(self, index: Tensor) -> None:
         """Keep working rows ``index`` (int64, into the current working batch), in that order."""

@@ -161,24 +161,60 @@ class TorchKVCache:
         (a multi-turn call retried after an error) keeps no mask of its earlier use."""
         self.key_bias[:, slot].zero_().masked_fill_(masked, float("-inf"))
 
-    def begin_step(self, positions: Tensor, slot: int) -> None:
-        """The next :meth:`attend` calls are for new tokens at RoPE ``positions (b)``, cache ``slot``."""
+    def begin_step(self, positions: Tensor, slot: int, rows: Tensor | None = None) -> None:
+        """The next :meth:`attend` calls are for new tokens at RoPE ``positions (b)``, cache ``slot``.
+
+        ``rows (b)`` int64: only those cache rows step (``positions`` and the queries are theirs); the slot of
+        every other row is zeroed, so it holds finite numbers behind its mask."""
         bias = self.key_bias[:, None, None, : slot + 1]
-        self._step = (self.cos[positions][:, None], self.sin[positions][:, None], bias, slot)
+        if rows is not None:
+            bias = bias[rows]
+            for cache in (*self.k, *self.v):
+                cache[:, :, slot].zero_()
+        self._step = (self.cos[positions][:, None], self.sin[positions][:, None], bias, slot, rows)
 
     def attend(self, layer: int, qkv: Tensor) -> Tensor:
         """RoPE on the new queries and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to the
         step's slot, and the attention ``(b kv g d)`` of the queries over slots ``[0, slot]``."""
-        cos, sin, bias, slot = self._step
+        cos, sin, bias, slot, rows = self._step
         b, kv = qkv.shape[0], (qkv.shape[1] - self.num_heads) // 2
         h, d = self.num_heads, qkv.shape[2]
         kc, vc = self.k[layer], self.v[layer]
         qk = apply_rope(qkv[:, : h + kv], cos, sin)
-        vc[:, :, slot] = qkv[:, h + kv :]
         q = qk[:, :h].view(b, kv, h // kv, d).to(self.att_dtype)
-        kc[:, :, slot] = qk[:, h:]
-        scores = torch.matmul(q, kc[:, :, : slot + 1].transpose(-1, -2)).mul_(self.scale).add_(bias)
-        return torch.matmul(_softmax(scores), vc[:, :, : slot + 1])
+        if rows is None:
+            vc[:, :, slot] = qkv[:, h + kv :]
+            kc[:, :, slot] = qk[:, h:]
+            keys, values = kc[:, :, : slot + 1], vc[:, :, : slot + 1]
+        else:  # a subset of the rows: gather theirs (the others' attention would be thrown away)
+            vc[rows, :, slot] = qkv[:, h + kv :].to(vc.dtype)
+            kc[rows, :, slot] = qk[:, h:].to(kc.dtype)
+            keys, values = kc[rows, :, : slot + 1], vc[rows, :, : slot + 1]
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
+        return torch.matmul(_softmax(scores), values)
+
+    def begin_chunk(self, positions: Tensor, slot: int) -> None:
+        """The next :meth:`attend_chunk` calls are for ``c`` new tokens per row at RoPE ``positions (b c)``, cache
+        slots ``[slot, slot + c)``; each attends to the slots before it and, causally, to the chunk's earlier ones."""
+        c = positions.shape[1]
+        causal = torch.ones(c, slot + c, dtype=torch.bool, device=positions.device).tril_(diagonal=slot)
+        bias = self.key_bias[:, None, : slot + c].masked_fill(~causal, float("-inf"))  # (b c slot+c)
+        self._step = (self.cos[positions][:, :, None], self.sin[positions][:, :, None], bias[:, None, None], slot)
+
+    def attend_chunk(self, layer: int, qkv: Tensor) -> Tensor:
+        """:meth:`attend` for a chunk: ``qkv (b c h+2kv d)`` -> the attention ``(b c h d)``."""
+        cos, sin, bias, slot = self._step
+        b, c = qkv.shape[:2]
+        h, d = self.num_heads, qkv.shape[3]
+        kv = (qkv.shape[2] - h) // 2
+        kc, vc = self.k[layer], self.v[layer]
+        qk = apply_rope(qkv[:, :, : h + kv], cos, sin)
+        kc[:, :, slot : slot + c] = qk[:, :, h:].transpose(1, 2)
+        vc[:, :, slot : slot + c] = qkv[:, :, h + kv :].transpose(1, 2)
+        q = qk[:, :, :h].reshape(b, c, kv, h // kv, d).permute(0, 2, 3, 1, 4).to(self.att_dtype)  # (b kv g c d)
+        keys, values = kc[:, :, None, : slot + c], vc[:, :, None, : slot + c]  # (b kv 1 L d)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)  # (b kv g c L)
+        return torch.matmul(_softmax(scores), values).permute(0, 3, 1, 2, 4).reshape(b, c, h, d)
 
     def keep_rows(self, index: Tensor) -> None:
         """Keep working rows ``index`` (int64, into the current working batch), in that order."""

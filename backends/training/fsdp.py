@@ -55,7 +55,10 @@ Defined behaviour on bad input (each tested):
   schedule follows the recipe's step count, as in verl) and the metrics say ``update_skipped = 1``.
 - **Non-finite loss or gradient norm** (NaN / inf anywhere): the optimizer step is skipped and the
   gradients are dropped, like verl's ``optimizer_step``; ``grad_norm`` / ``loss`` report the
-  non-finite value and ``update_skipped = 1``; ``state.step`` advances.
+  non-finite value and ``update_skipped = 1``; ``state.step`` advances, and the running total
+  ``nonfinite_updates_skipped`` grows by one. With ``optim.nonfinite=error`` the update raises
+  :class:`~backends.training.common.NonFiniteUpdateError` instead (before the optimizer step, the
+  gradients dropped): either way the weights never change.
 - A row with an empty prompt raises (the first response token would have no context).
 
 Log-probabilities are those of the model's raw distribution (temperature 1), the same convention as
@@ -90,6 +93,7 @@ from backends.training.common import (
     dummy_micro_batch,
     gather_counts,
     global_normalizers,
+    nonfinite_policy,
     micro_batch_groups,
     micro_batches,
     select_rows,
@@ -499,7 +503,8 @@ def update(
 
     Metrics (plain floats, equal on every rank): ``loss`` = the global-batch loss (sum of micro-batch
     losses over micro-batches and ranks), ``grad_norm`` (global, before clipping), ``lr`` (used by this
-    step), ``update_skipped`` (1 for an empty batch or a non-finite loss / grad norm), ``num_tokens``,
+    step), ``update_skipped`` (1 for an empty batch or a non-finite loss / grad norm),
+    ``nonfinite_updates_skipped`` (the running total of updates skipped for a non-finite value), ``num_tokens``,
     ``num_seqs`` (the global normalisers), ``num_micro_batches``, and every ``loss_fn`` metric averaged
     over the micro-batches of all ranks (dummy micro-batches excluded).
 
@@ -535,7 +540,7 @@ def update(
     if num_tokens == 0:
         # Nothing to learn from. Stepping AdamW on zero gradients would still move the parameters
         # (momentum, weight decay), so the step is skipped outright.
-        return new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}
+        return nonfinite_policy(state, new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}, skipped=False)
 
     state.module.train()
     state.optimizer.zero_grad(set_to_none=True)
@@ -544,7 +549,7 @@ def update(
     loss_value, metric_values, norm_value, skipped = _clip_and_step(state, reduced, lr, all_skipped=n_max == 0)
     out = {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **base}
     out.update(zip(names, metric_values))
-    return new_state, out
+    return nonfinite_policy(state, new_state, out, skipped=skipped)  # skipped: the weights did not change
 
 
 def _checked_skip_rows(skip_rows: Tensor | None, batch: RolloutBatch, cfg: FSDPConfig) -> Tensor | None:

@@ -145,6 +145,8 @@ class TrainState:
     step: int = 0
     role: Literal["actor", "reference", "critic"] = "actor"
     log_prob_micro_batch_size: int | None = None  # default micro-batch size of compute_logprobs
+    #: updates skipped for a non-finite loss / grad norm so far (optim.nonfinite=skip; kept in checkpoints)
+    nonfinite_updates_skipped: int = 0
     #: a reference that shares the actor's LoRA-wrapped module: forwards run under ``disable_adapter()``
     #: (the base weights = the actor at step 0), see :func:`reference_from_lora_actor`
     adapter_disabled: bool = False

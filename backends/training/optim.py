@@ -66,6 +66,9 @@ class OptimConfig:
     total_training_steps: int = -1
     #: verl's flag: True counts steps from 0 (the first update is step 0); False from 1 (torchtitan)
     zero_indexed_step: bool = True
+    #: a non-finite loss or gradient norm: "skip" the optimizer step (the weights stay; counted in the
+    #: nonfinite_updates_skipped metric) or "error" (raise before the optimizer step, naming the update and the value)
+    nonfinite: Literal["skip", "error"] = attrs.field(default="skip", validator=attrs.validators.in_(("skip", "error")))
 
     def __attrs_post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

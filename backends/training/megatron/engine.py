@@ -32,7 +32,7 @@ megatron's ``DistributedOptimizer`` built from :class:`MegatronOptimConfig` (ver
 ``optim/megatron.yaml`` fields); the LR is still rlfunc's schedule, written into its param groups.
 
 Defined behaviour matches the FSDP engine: an empty batch or a non-finite loss / grad norm skips the
-optimizer step and drops the gradients (``update_skipped = 1``, ``step`` advances; every rank agrees,
+optimizer step and drops the gradients (``update_skipped = 1``, ``step`` advances; ``optim.nonfinite=error``: raises; every rank agrees,
 on the GPU schedule too, where megatron's optimizer alone would step on NaN gradients in bf16 / fp32);
 a row with an empty prompt raises; bad
 configs (unsupported architecture, TP not dividing the heads / KV heads, PP not dividing the layers,
@@ -53,8 +53,8 @@ from torch import Tensor, nn
 
 from backends.distributed.setup import DistEnv, init_distributed
 from backends.training.common import (
-    LossFn, ModelOutputs, check_batch, check_critic_batch, check_loss_output, gather_counts, micro_batches, to_device,
-    trim_micro_batch, value_loss_fn,
+    LossFn, ModelOutputs, check_batch, check_critic_batch, check_loss_output, gather_counts, micro_batches, nonfinite_policy,
+    to_device, trim_micro_batch, value_loss_fn,
 )
 from backends.training.megatron.convert import HFSource, gather_hf_state, load_hf_into, param_maps, read_hf_source, save_hf
 from backends.training.megatron.layout import ModelInput, layout_micro_batch
@@ -154,6 +154,7 @@ class MegatronState:
     step: int = 0
     role: Literal["actor", "reference", "critic"] = "actor"
     log_prob_micro_batch_size: int | None = None
+    nonfinite_updates_skipped: int = 0  #: updates skipped for a non-finite loss / grad norm so far (optim.nonfinite=skip)
 
     def replace(self, **changes: Any) -> "MegatronState":
         return attrs.evolve(self, **changes)
@@ -519,9 +520,10 @@ def update(
     base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
     new_state = state.replace(step=state.step + 1)
     if num_tokens == 0:
-        return new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}
+        return nonfinite_policy(state, new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}, skipped=False)
     step = _update_megatron if state.uses_megatron_schedule else _update_cpu
-    return new_state, {**base, **step(state, mbs, norms, loss_fn, with_entropy, lr)}
+    out = step(state, mbs, norms, loss_fn, with_entropy, lr)  # skipped: the weights did not change
+    return nonfinite_policy(state, new_state, {**base, **out}, skipped=bool(out["update_skipped"]))
 
 
 def _update_cpu(state: MegatronState, mbs: list[RolloutBatch], norms: Any, loss_fn: LossFn,

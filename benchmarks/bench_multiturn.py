@@ -1,0 +1,150 @@
+"""Multi-turn rollouts on the native engine: the cost of turns, with and without continuing the KV cache.
+
+Three ways to sample model tokens on one random-init model (config B of benchmarks/bench_grpo_vs_trl.py:
+Qwen2, hidden 256, 4 layers, fp32, one torch thread), all rows at once:
+
+- ``session``: up to ``--turns`` turns of at most ``--turn-tokens`` tokens through the agent loop
+  (``run_episodes``), an environment answering every turn with an observation of ``--obs-chars`` characters;
+  the engine keeps its KV cache across turns and feeds each observation in one forward. A random model
+  rarely samples its EOS, so the digits end a turn too (``eos_token_ids``): turns end at random lengths, and
+  a turn cut by its token limit ends the trajectory, as in training;
+- ``reprefill``: the same conversations, but every turn starts a fresh ``generate`` from the whole
+  conversation so far, as an agent loop without a session (or a prefix cache) does;
+- ``single``: the peer without turns, one ``generate`` per row of as many tokens as ``session`` sampled
+  per trajectory on average (EOS only, so it runs to its limit).
+
+Model tokens per second are printed for each (a token counts when the model sampled it, up to and including
+its turn's EOS), with ``session``'s ratio to the other two. Runs alternate between the modes, so a noisy
+neighbour hits all alike; medians over ``--reps``.
+
+    python benchmarks/bench_multiturn.py                      # 16 prompts x 4 samples, 4 turns
+    python benchmarks/bench_multiturn.py --turns 8 --obs-chars 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from backends.data import Example, prompt_token_ids  # noqa: E402
+from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
+from backends.rollout.agent_loop import run_episodes  # noqa: E402
+from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.environments import MultiTurnConfig, Observation, observation_token_ids  # noqa: E402
+from backends.rollout.native import build_native_rollout, generate  # noqa: E402
+
+class FixedObservation:
+    """Answers every turn with the same tool message and never ends the trajectory."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def step(self, response: str) -> Observation:
+        return Observation(messages=[{"role": "tool", "content": self.text}])
+
+
+def model_tokens(batch) -> int:
+    """Sampled tokens of a batch: on the loss mask when there is one, else the response mask."""
+    mask = batch.loss_mask if batch.loss_mask is not None else batch.response_mask
+    return int(mask.sum())
+
+
+def run_single(rollout, prompts, args, seed: int) -> int:
+    single = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.single_tokens)
+    return model_tokens(generate(rollout, prompts, single, seed=seed))
+
+
+def run_session(rollout, examples, tokenizer, sampling, args, seed: int) -> int:
+    cfg = MultiTurnConfig(max_turns=args.turns, max_total_tokens=args.max_total_tokens, workers=4)
+    episodes = run_episodes(rollout, examples, tokenizer, sampling, cfg, lambda e: FixedObservation(args.obs_text),
+                            seed=seed)
+    args.session_tokens.append(model_tokens(episodes.batch) / len(episodes.turns))
+    return model_tokens(episodes.batch)
+
+
+def run_reprefill(rollout, prompts, tokenizer, args, seed: int) -> int:
+    """Every turn a fresh ``generate`` over each live conversation so far (n=1 per conversation)."""
+    observation = observation_token_ids([{"role": "tool", "content": args.obs_text}], tokenizer)
+    live = [list(p) for p in prompts for _ in range(args.n)]
+    one = SamplingConfig(n=1, temperature=1.0, max_new_tokens=args.turn_tokens)
+    eos = set(rollout.eos_token_ids)
+    total = 0
+    for turn in range(args.turns):
+        batch = generate(rollout, live, one, seed=seed + turn)
+        going = []
+        for row, ids in enumerate(batch.response_ids.tolist()):
+            kept = ids[: int(batch.response_mask[row].sum())]
+            total += len(kept)
+            if kept and kept[-1] in eos and turn + 1 < args.turns:  # as the agent loop: a cut turn ends it
+                going.append(live[row] + kept + observation)
+        if not going:
+            break
+        live = going
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=4, help="samples per prompt")
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn-tokens", type=int, default=32, help="most sampled tokens per model turn")
+    parser.add_argument("--obs-chars", type=int, default=16, help="characters of each observation")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    args.obs_text = ("0123456789" * (args.obs_chars // 10 + 1))[: args.obs_chars]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "model", TinyModelConfig())  # config B
+        tokenizer = load_tokenizer(model_dir)
+        prompts = [prompt_token_ids([{"role": "user", "content": f"{i}+{i + 7}="}], tokenizer) for i in range(args.prompts)]
+        observation = observation_token_ids([{"role": "tool", "content": args.obs_text}], tokenizer)
+        args.max_total_tokens = max(map(len, prompts)) + args.turns * (args.turn_tokens + len(observation) + 2)
+        digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+        rollout = build_native_rollout(model_dir, tokenizer, dtype=torch.float32, max_context=args.max_total_tokens + 8,
+                                       eos_token_ids=[tokenizer.eos_token_id, *digits])
+        plain = build_native_rollout(model_dir, tokenizer, dtype=torch.float32, max_context=args.max_total_tokens + 8)
+        examples = [Example(prompt_ids=tuple(p), ground_truth=None, source="bench", columns={}, where=f"prompt {i}")
+                    for i, p in enumerate(prompts)]
+        sampling = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.turn_tokens)
+        args.session_tokens = []
+        run_session(rollout, examples, tokenizer, sampling, args, seed=12345)  # sets the single-turn length
+        args.single_tokens = max(1, round(args.session_tokens[0]))
+        modes = {
+            "session": lambda seed: run_session(rollout, examples, tokenizer, sampling, args, seed),
+            "reprefill": lambda seed: run_reprefill(rollout, prompts, tokenizer, args, seed),
+            "single": lambda seed: run_single(plain, prompts, args, seed),
+        }
+        rates: dict[str, list[float]] = {name: [] for name in modes}
+        for rep in range(args.reps + 1):  # the first round warms up
+            for name, fn in modes.items():
+                start = time.perf_counter()
+                tokens = fn(1000 * rep)
+                if rep:
+                    rates[name].append(tokens / (time.perf_counter() - start))
+
+    print(f"{args.prompts} prompts x {args.n} samples, <= {args.turns} turns x <= {args.turn_tokens} model tokens, "
+          f"{len(observation)}-token observations, {statistics.mean(args.session_tokens):.1f} model tokens per "
+          f"trajectory (single: {args.single_tokens}), config B fp32, {args.threads} thread(s), median of {args.reps}")
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    for name, value in median.items():
+        print(f"  {name:10s} {value:9.0f} model tokens/s")
+    print(f"  session / reprefill {median['session'] / median['reprefill']:.2f}x, "
+          f"session / single {median['session'] / median['single']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
