@@ -27,8 +27,10 @@ from backends.checkpoint.resume import CheckpointConfig
 from backends.config import ConfigError, apply_overrides, config_help
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
+from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum, global_masked_whiten
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
+from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.api import (
@@ -64,6 +66,7 @@ class Config:
     run_dir: str = ""  #: empty: <run_root>/<name>-<time>
     resume: str = "never"  #: this template does not checkpoint: never
     checkpoint: CheckpointConfig = CheckpointConfig()  #: unused by this template
+    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
     model: ModelConfig = ModelConfig()  #: the starting policy
     data: DataConfig = DataConfig()  #: the prompts
     reward: RewardConfig = RewardConfig()  #: the reward functions
@@ -119,7 +122,8 @@ def main(argv: list[str]) -> dict:
         raise ConfigError(f"algo.name must be reinforce_pp_baseline or dr_grpo, got {cfg.algo.name!r}")
     scorer = RewardScorer(cfg.reward)
     engine = select_engine("fsdp", fsdp=cfg.fsdp)
-    env = init_distributed()
+    env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
+    watchdog.start(cfg.deadlines, env, role="custom")  # a stuck phase ends the job with its name and stacks
     seed_everything(cfg.seed)
     run = prepare_run(cfg, env, resumable_keys=())
     tokenizer = load_tokenizer(run.model_path)
@@ -136,29 +140,40 @@ def main(argv: list[str]) -> dict:
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
 
     before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+    preempted = False
     for step in range(1, steps + 1):
         t0 = time.time()
-        examples = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
-        batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout,
-                         seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
-        rollout = release_memory(rollout)
-        rows = [examples[g] for g in batch.group_ids.tolist()]
-        batch = batch.replace(scores=scorer.score(decode_responses(tokenizer, batch), rows).scores)
-        batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)
-        if reference is not None:
-            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
-        batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
-        actor, m = engine.update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
-        rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+        with watchdog.phase("rollout", step=step):
+            examples = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
+            batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout,
+                             seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
+            rollout = release_memory(rollout)
+            rows = [examples[g] for g in batch.group_ids.tolist()]
+            batch = batch.replace(scores=scorer.score(decode_responses(tokenizer, batch), rows).scores)
+        with watchdog.phase("update", step=step):
+            batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)
+            if reference is not None:
+                batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
+            batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
+            actor, m = engine.update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
+        with watchdog.phase("weight_sync", step=step):
+            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
         reward_mean = all_reduce_sum(batch.scores.mean().reshape(1)).item() / env.world_size
         mlog.log(step, {"reward_mean": reward_mean, "step_time_s": time.time() - t0, **m})
+        if watchdog.stop_agreed(step):  # SIGTERM on any rank: all stop after this step (this template does not checkpoint)
+            get_logger("custom", env).warning(watchdog.preemption_note(step, None))
+            steps, preempted = step, True
+            break
 
-    after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
-    mlog.log(steps, after)
-    summary = summarize(cfg, run, env, before, after, steps=steps, wall=time.time() - t_start, title=cfg.algo.name,
-                        extra={"algorithm": cfg.algo.name})
+    summary = {"preempted_at_step": steps}
+    if not preempted:  # a preempted job leaves quickly: no final evaluation
+        after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
+        mlog.log(steps, after)
+        summary = summarize(cfg, run, env, before, after, steps=steps, wall=time.time() - t_start, title=cfg.algo.name,
+                            extra={"algorithm": cfg.algo.name})
     mlog.close()
     scorer.close()
+    watchdog.stop()
     shutdown(env)
     return summary
 
