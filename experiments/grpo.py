@@ -65,7 +65,7 @@ from backends.training.reward_model import RewardModelConfig, build_reward_model
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
 from experiments.stages import (
-    dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
+    checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -256,13 +256,7 @@ def main(argv: list[str]) -> dict:
         mlog.log(step, stats)
         if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
             dump_generations(run, step, tokenizer, batch, rows)
-        saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps)
-        if saved:
-            save(step)
-        if watchdog.stop_agreed(step):  # SIGTERM on any rank: every rank stops after this step, checkpointed
-            if cfg.checkpoint.every and not saved:
-                save(step)
-            log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None))
+        if checkpoint_or_stop(step, steps, cfg, run, save, log):  # SIGTERM on any rank: all stop here, checkpointed
             preempted_at = step
             break
 

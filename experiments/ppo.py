@@ -63,7 +63,7 @@ from backends.training.reference import ReferenceConfig
 from backends.training.roles import Roles, build_roles
 from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
 from experiments.stages import (
-    RunData, RunPaths, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, summarize,
+    RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, summarize,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -263,13 +263,7 @@ def main(argv: list[str]) -> dict:
                  "step_time_s": time.time() - t0, **{f"time/{k}_s": v for k, v in times.items()}}
         with watchdog.phase("eval", step=step, op="log_step (held-out evaluation every eval.every steps)"):
             roles.run_on("actor", None, log_step, step, batch, rows, stats, cfg, roles, rollout, tokenizer, data, scorer, run, mlog)
-        saved = cfg.checkpoint.every and (step % cfg.checkpoint.every == 0 or step == steps)
-        if saved:
-            save(step)
-        if watchdog.stop_agreed(step):  # SIGTERM on any rank: every rank stops after this step, checkpointed
-            if cfg.checkpoint.every and not saved:
-                save(step)
-            log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None))
+        if checkpoint_or_stop(step, steps, cfg, run, save, log):  # SIGTERM on any rank: all stop here, checkpointed
             preempted_at = step
             break
 

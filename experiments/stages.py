@@ -20,6 +20,7 @@ from backends.checkpoint.files import checkpoint_info
 from backends.checkpoint.resume import checkpoint_dir, resume_point, truncate_metrics
 from backends.config import ConfigError, config_to_dict
 from backends.data import Example, PromptStream, load_examples
+from backends.distributed import watchdog
 from backends.distributed.setup import barrier
 from backends.metrics_log import MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, write_tiny_model
@@ -30,6 +31,7 @@ from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
 
 __all__ = [
+    "checkpoint_or_stop",
     "RunData", "RunPaths", "dump_generations", "evaluate_policy", "load_run_data", "metrics_log", "prepare_run",
     "start_actor", "summarize",
 ]
@@ -190,3 +192,17 @@ def summarize(cfg: Any, run: RunPaths, env: Any, before: dict[str, float], after
         elif after:
             print(f"\nheld-out success {after[key]:.1%} ({steps} steps); see {run.run_dir}", flush=True)
     return summary
+
+
+def checkpoint_or_stop(step: int, steps: int, cfg: Any, run: Any, save: Any, log: Any) -> bool:
+    """At the end of ``step``: ``save(step)`` on the ``checkpoint.every`` schedule, then whether the run stops
+    here because some rank got SIGTERM (every rank agrees; the step is checkpointed when checkpoints are on)."""
+    saved = bool(cfg.checkpoint.every) and (step % cfg.checkpoint.every == 0 or step == steps)
+    if saved:
+        save(step)
+    if not watchdog.stop_agreed(step):
+        return False
+    if cfg.checkpoint.every and not saved:
+        save(step)
+    log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None))
+    return True
