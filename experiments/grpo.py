@@ -56,10 +56,11 @@ from backends.rollout.api import (
 from backends.rollout.common import answer_texts
 from backends.rollout.environments import environment_factory
 from backends.rollout.evaluation import EvalConfig
+from backends.rollout.vllm_lora import adapter_engine_config, sync_adapter
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.fsdp_state import compute_dtype
-from backends.training.lora import LoraConfig
+from backends.training.lora import LoraConfig, adapter_state_dict
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reward_model import score as reward_model_score
@@ -164,6 +165,7 @@ def main(argv: list[str]) -> dict:
     environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None  # ... or tool
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     build_kwargs = cfg.actor.lora.build_kwargs(cfg.actor.backend)
+    cfg = check_lora_sync(cfg)  # ... and rollout.vllm.lora_sync=adapter without a LoRA actor on vLLM
     env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     log = get_logger("grpo", env)
     watchdog.start(cfg.deadlines, env, role="grpo")  # deadlines per phase, and SIGTERM: stop at a step boundary
@@ -201,7 +203,7 @@ def main(argv: list[str]) -> dict:
         actor, first_step, before, wall_before = states[ckpt_name], extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         with watchdog.phase("weight_sync", step=extra["step"]):
-            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+            rollout = sync_policy(rollout, engine, actor, cfg, gather, version=extra["step"])
 
     def save(step: int) -> None:  # the actor sharded with AdamW, RNG, the data position, what the loop carries
         extra = {"step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir), "eval_before": before,
@@ -238,10 +240,10 @@ def main(argv: list[str]) -> dict:
             for _ in range(cfg.algo.ppo_epochs):
                 for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
                     actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
-        # 5. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
+        # 5. weight sync: full tensors from the FSDP / megatron shards into the rollout engine (or the LoRA adapter alone)
         t_sync = time.time()
         with watchdog.phase("weight_sync", step=step):
-            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+            rollout = sync_policy(rollout, engine, actor, cfg, gather, version=step)
         times = {"step_time_s": time.time() - t0, "rollout_time_s": t_rollout, "update_time_s": t_sync - t_update,
                  "sync_time_s": time.time() - t_sync}
 
@@ -298,6 +300,29 @@ def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Calla
     except ValueError as e:
         raise ConfigError(f"algo.policy_loss={algo.policy_loss!r}: {e}") from None
     return estimator, estimator_kwargs, policy_loss
+
+
+def check_lora_sync(cfg: Config) -> Config:
+    """Refuse ``rollout.vllm.lora_sync=adapter`` without a LoRA actor on the vLLM engine; with one, the
+    engine's LoRA settings (its rank: ``actor.lora.rank``)."""
+    if cfg.rollout.vllm.lora_sync != "adapter":
+        return cfg
+    if cfg.actor.lora.rank == 0 or cfg.rollout.engine != "vllm":
+        raise ConfigError(f"rollout.vllm.lora_sync=adapter needs a LoRA actor (actor.lora.rank > 0, got "
+                          f"{cfg.actor.lora.rank}) and the vLLM engine (rollout.engine=vllm, got {cfg.rollout.engine!r})")
+    vllm = adapter_engine_config(cfg.rollout.vllm, cfg.actor.lora.rank)
+    return attrs.evolve(cfg, rollout=attrs.evolve(cfg.rollout, vllm=vllm))
+
+
+def sync_policy(rollout: Any, engine: Any, actor: Any, cfg: Config, gather: dict[str, Any], *, version: int) -> Any:
+    """The actor's weights into the rollout engine: merged full tensors, or (``rollout.vllm.lora_sync=adapter``)
+    the LoRA adapter alone, the base weights staying as the engine loaded them at build."""
+    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.lora_sync == "adapter":
+        lora = cfg.actor.lora
+        adapter = adapter_state_dict(actor, dtype=gather["dtype"], bucket_mb=gather["bucket_mb"])
+        return sync_adapter(rollout, adapter, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules,
+                            version=version)
+    return sync_weights(rollout, engine.full_state_dict(actor, **gather))
 
 
 def check_batch_shape(cfg: Config, world_size: int) -> None:

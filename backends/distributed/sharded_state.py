@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["DEFAULT_BUCKET_MB", "full_state_dict", "lora_scaling", "merged_lora", "reshard"]
+__all__ = ["DEFAULT_BUCKET_MB", "full_state_dict", "full_tensors", "lora_scaling", "merged_lora", "reshard"]
 
 #: default size of a weight-sync bucket in MiB (verl's ``update_weights_bucket_megabytes``): large enough
 #: that a model of a few billion parameters takes a handful of collectives, small enough that the one
@@ -64,6 +64,17 @@ def full_state_dict(
     if getattr(module, "peft_config", None) is not None:
         stream = merged_lora(stream, lora_scaling(module))
     yield from stream
+
+
+def full_tensors(
+    named: list[tuple[str, Tensor]], *, dtype: torch.dtype | None = None, bucket_mb: float = DEFAULT_BUCKET_MB
+) -> Iterator[tuple[str, Tensor]]:
+    """``(name, full tensor)`` of chosen state-dict entries, gathered in buckets as :func:`full_state_dict`
+    gathers (a collective: every rank passes the same names in the same order), without its LoRA merging or
+    tie handling; e.g. a LoRA adapter's factors alone."""
+    if not bucket_mb > 0:
+        raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+    return zip([n for n, _ in named], _gathered([t for _, t in named], dtype, int(bucket_mb * 2**20)))
 
 
 def _full_tensors(

@@ -28,6 +28,7 @@ weight-transfer API (``weight_transfer_config``: CUDA IPC or NCCL transports)
 exists to move tensors into an engine in *another* process; with the engine in the trainer's process,
 the tensors are already in its address space (on the GPU already on its device), so the direct
 ``reload_weights`` path is the cheaper one on GPU as well and the only one on CPU.
+A LoRA actor can instead send only its adapter (``lora_sync=adapter``): :mod:`backends.rollout.vllm_lora`.
 
 Log-probabilities. ``rollout_logprobs`` are vLLM's ``raw_logprobs`` of the sampled tokens: the model's
 distribution before temperature / top-k / top-p, the same quantity as the native engine's and the
@@ -81,6 +82,7 @@ from backends.rollout.common import (
     left_pad,
     prepare_prompts,
 )
+from backends.rollout.vllm_lora import LORA_SYNC_MODES, lora_engine_kwargs
 from backends.rollout.weight_sync import staged_weights, streamed_weights
 from rlfunc.batch import RolloutBatch
 
@@ -116,6 +118,9 @@ class VLLMConfig:
     #: weights; one host copy of the weights); stream: each tensor goes to the loader as it arrives (no copy; a
     #: bad one leaves a mix the engine refuses to generate with until a sync succeeds)
     sync_staging: str = attrs.field(default="host", validator=attrs.validators.in_(("host", "stream")))
+    #: a LoRA actor's sync: merged full weights, or adapter (vLLM's LoRA; only the adapter moves; backends.rollout.vllm_lora)
+    lora_sync: str = attrs.field(default="merged", validator=attrs.validators.in_(LORA_SYNC_MODES))
+    max_lora_rank: int | None = None  #: lora_sync=adapter: the largest adapter rank (none: the recipe's actor.lora.rank)
 
     def resolved(self, *, on_gpu: bool) -> "VLLMConfig":
         """``auto`` / ``none`` settings made concrete for this platform (utilisation stays ``None``: it
@@ -168,6 +173,7 @@ class VLLMRollout:
     weight_targets: dict[str, Tensor] | None = attrs.field(default=None, eq=False, repr=False)
     #: why vLLM's loaders failed part-way through the last sync (generate refuses until one succeeds); shared by copies
     sync_failure: list[str] = attrs.field(factory=list, eq=False, repr=False)
+    lora_request: Any = attrs.field(default=None, eq=False)  #: lora_sync=adapter: the active adapter's LoRARequest, passed to every generate (vllm_lora.sync_adapter)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -396,7 +402,7 @@ def _engine_kwargs(path: Path, config: VLLMConfig, context: int, seed: int, *, o
     if on_gpu:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = can_sleep
-    return kwargs
+    return {**kwargs, **lora_engine_kwargs(config, can_sleep=can_sleep)}
 
 
 @attrs.frozen
@@ -573,7 +579,7 @@ def run_requests(rollout: VLLMRollout, requests: list, params: list) -> list:
     if rollout.can_sleep and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the trainer's cached blocks go back to the device before the KV cache wakes
     wake_up(rollout)
-    return rollout.llm.generate(requests, params, use_tqdm=False)
+    return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)
 
 
 def generate(

@@ -3,7 +3,8 @@
 ``LoraConfig`` becomes a ``peft.LoraConfig`` for the FSDP engine's ``build_actor(..., lora=...)``; the
 frozen base weights get no gradients and no optimizer state. The rollout engine and HF exports receive
 the merged weights (``W + alpha / rank * B @ A``, :func:`backends.distributed.sharded_state.full_state_dict`),
-so they see an ordinary model.
+so they see an ordinary model; with ``rollout.vllm.lora_sync=adapter`` the vLLM engine instead receives
+the adapter alone (:func:`adapter_state_dict`, ``backends.rollout.vllm_lora``).
 """
 
 from __future__ import annotations
@@ -11,8 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import torch
+from torch import Tensor
 
-__all__ = ["LoraConfig"]
+from backends.distributed.sharded_state import DEFAULT_BUCKET_MB, full_tensors
+
+__all__ = ["LoraConfig", "adapter_state_dict"]
 
 
 @attrs.frozen
@@ -38,3 +43,24 @@ class LoraConfig:
             raise ValueError("actor.lora.rank > 0 needs the peft package (the `lora` extra: pip install peft)") from None
         return {"lora": peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules),
                                         lora_dropout=self.dropout, bias="none")}
+
+
+def adapter_state_dict(state: Any, *, dtype: torch.dtype | None = None,
+                       bucket_mb: float = DEFAULT_BUCKET_MB) -> dict[str, Tensor]:
+    """The LoRA adapter of a peft actor (``state`` or its ``.module``) alone, not merged: its ``lora_A`` /
+    ``lora_B`` factors gathered to full tensors (cast to ``dtype``; default as stored) under the names of a
+    peft-saved adapter, ``base_model.model.<layer>.lora_A.weight`` (what vLLM's LoRA loader reads).
+
+    A collective over the actor's mesh (every rank calls it); every rank gets the whole adapter.
+    """
+    module = getattr(state, "module", state)
+    configs = dict(getattr(module, "peft_config", None) or {})
+    if len(configs) != 1:
+        raise ValueError(f"adapter_state_dict needs a peft model with exactly one LoRA adapter, got {sorted(configs)}")
+    adapter = next(iter(configs))
+    factors = [(name, value) for name, value in module.state_dict().items()
+               if f".lora_A.{adapter}." in name or f".lora_B.{adapter}." in name]
+    if not factors:
+        raise ValueError(f"the peft model has no lora_A / lora_B factors for its adapter {adapter!r}")
+    return {name.replace(f".{adapter}.weight", ".weight"): full.detach().clone()
+            for name, full in full_tensors(factors, dtype=dtype, bucket_mb=bucket_mb)}
