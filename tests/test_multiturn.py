@@ -280,9 +280,12 @@ def test_environment_that_raises_or_hangs(native):
         def step(self, response):
             raise KeyError("bad state")
 
-    class Hanging:
+    release, answered = threading.Event(), []
+
+    class Hanging:  # answers only once the test releases it: a rollout that waited for one would not return
         def step(self, response):
-            threading.Event().wait(3)
+            release.wait(120)
+            answered.append(1)
 
     with pytest.raises(EnvironmentStepError, match=r"test.jsonl:\d+ raised KeyError.*on_error=end"):
         _run(native, factory=lambda e: Raising())
@@ -290,15 +293,17 @@ def test_environment_that_raises_or_hangs(native):
     episodes, _, _ = _run(native, factory=lambda e: Raising(), on_error="end")
     met = sum(episodes.finished) / len(episodes.finished)
     assert met > 0 and episodes.metrics["multi_turn/errors"] == met and all(t == 1 for t in episodes.turns)
-    t0 = time.time()
-    episodes, _, _ = _run(native, factory=lambda e: Hanging(), on_error="end", timeout=0.5)
-    assert time.time() - t0 < 3 and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(episodes.finished)
-    # one worker, every step hangs: the steps queued behind the first time out too, without waiting for it
-    t0 = time.time()
-    episodes, _, _ = _run(native, factory=lambda e: Hanging(), on_error="end", timeout=0.2, workers=1)
-    assert time.time() - t0 < 2.5 and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(episodes.finished)
-    with pytest.raises(EnvironmentStepError, match="did not answer within rollout.multi_turn.call_timeout_s=0.5"):
-        _run(native, factory=lambda e: Hanging(), timeout=0.5)
+    try:
+        episodes, _, _ = _run(native, factory=lambda e: Hanging(), on_error="end", timeout=0.5)
+        assert not answered and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(episodes.finished)
+        # one worker, every step hangs: the steps queued behind the first time out too, without waiting for it
+        episodes, _, _ = _run(native, factory=lambda e: Hanging(), on_error="end", timeout=0.2, workers=1)
+        assert not answered and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(episodes.finished)
+        with pytest.raises(EnvironmentStepError, match="did not answer within rollout.multi_turn.call_timeout_s=0.5"):
+            _run(native, factory=lambda e: Hanging(), timeout=0.5)
+        assert not answered
+    finally:
+        release.set()
 
 
 def test_environment_must_return_an_observation(native):
