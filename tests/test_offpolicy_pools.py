@@ -374,7 +374,7 @@ def _silent_peer(rank: int, world: int):
 def test_a_silent_peer_is_named_when_the_wait_times_out():
     (message, elapsed), _ = run_distributed(_silent_peer, 2, timeout=60)
     assert "rank 1" in message and "2s" in message, message
-    assert elapsed < 6.0
+    assert elapsed < 30.0  # bounded by the 2 s wait, with room for a loaded machine
 
 
 # ---- into a rollout engine: the stream goes straight into the native engine's sync_weights ----
