@@ -65,6 +65,7 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
+from experiments.offpolicy_loop import OffPolicyConfig, check_offpolicy, run_split
 from experiments.stages import (
     checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
 )
@@ -145,6 +146,8 @@ class Config:
     ref_log_prob_micro_batch_size: int = 64  #: rows per reference forward (with algo.kl_coef > 0)
     rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
     algo: AlgoConfig = AlgoConfig()  #: the algorithm
+    #: asynchronous RL on a split placement: rollout ranks sample ahead while the trainer ranks update
+    offpolicy: OffPolicyConfig = OffPolicyConfig()
 
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
@@ -170,7 +173,8 @@ def main(argv: list[str]) -> dict:
     log = get_logger("grpo", env)
     watchdog.start(cfg.deadlines, env, role="grpo")  # deadlines per phase, and SIGTERM: stop at a step boundary
     seed_everything(cfg.seed)
-    check_batch_shape(cfg, env.world_size)
+    check_offpolicy(cfg, env.world_size)
+    check_batch_shape(cfg, env.world_size - cfg.offpolicy.rollout_ranks)  # the trainer ranks split the prompts
     run = prepare_run(cfg, env, RESUMABLE_KEYS)
     tokenizer = load_tokenizer(run.model_path)
     data = load_run_data(cfg, tokenizer, scorer, log, needs_train=cfg.steps != 0)  # bad data fails here, before any model
@@ -180,6 +184,14 @@ def main(argv: list[str]) -> dict:
     mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
     t_start = time.time()
+    if cfg.offpolicy.rollout_ranks:  # split placement: the rollout pool samples ahead while the trainer pool updates
+        loss = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg))
+        algorithm = (estimator, estimator_kwargs, loss, zero_advantage_rows_are_skippable(cfg.algo, policy_loss))
+        summary = run_split(cfg, env, log, run, data, tokenizer, scorer, environments, engine, build_kwargs, steps, mlog,
+                            rl_optim, algorithm, t_start)
+        scorer.close()
+        shutdown(env)
+        return summary
 
     actor = start_actor(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs=build_kwargs)
     ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
@@ -361,11 +373,12 @@ def reject_mismatched_tokens(batch: rf.RolloutBatch, algo: AlgoConfig) -> tuple[
     return batch.replace(loss_mask=keep), metrics
 
 
-def stamp_policy_version(batch: rf.RolloutBatch, version: int) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
+def stamp_policy_version(batch: rf.RolloutBatch, version: int,
+                         current: int | None = None) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
     """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
-    and the staleness of the batch at this update is logged."""
+    and the staleness of the batch at this update (the trainer at version ``current``, default ``version``) is logged."""
     batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
-    _, metrics = rf.staleness(batch.policy_version, current_version=version, response_mask=rf.loss_tokens(batch))
+    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current, response_mask=rf.loss_tokens(batch))
     return batch, {f"offpolicy/{k}": v for k, v in metrics.items()}
 
 
@@ -444,12 +457,12 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     return batch, rows, mean_over_ranks(stats)
 
 
-def mean_over_ranks(metrics: dict[str, float]) -> dict[str, float]:
-    """Each metric averaged over the ranks that have it (one small object all-gather)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def mean_over_ranks(metrics: dict[str, float], group: Any = None) -> dict[str, float]:
+    """Each metric averaged over the ranks (of ``group``) that have it (one small object all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return metrics
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, metrics)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, metrics, group=group)
     keys = dict.fromkeys(k for m in every for k in m)
     return {k: sum(m[k] for m in every if k in m) / sum(k in m for m in every) for k in keys}
 
@@ -493,13 +506,14 @@ def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokeni
 # Metrics and the loss.
 
 
-def step_stats(batch: rf.RolloutBatch, skip: torch.Tensor | None, times: dict[str, float], dp_size: int) -> dict:
-    """The step's reward, length, throughput and skipped-row share over every rank's rows."""
+def step_stats(batch: rf.RolloutBatch, skip: torch.Tensor | None, times: dict[str, float], dp_size: int,
+               group: Any = None) -> dict:
+    """The step's reward, length, throughput and skipped-row share over every rank's rows (of ``group``)."""
     local = torch.stack([
         batch.scores.sum(), batch.response_mask.sum(-1).float().sum(), torch.tensor(float(rf.batch_size(batch))),
         (batch.prompt_mask.sum() + batch.response_mask.sum()).float(), skip.float().sum() if skip is not None else torch.zeros(()),
     ])
-    score_sum, length_sum, rows, num_tokens, skipped = all_reduce_sum(local).tolist()
+    score_sum, length_sum, rows, num_tokens, skipped = all_reduce_sum(local, group=group).tolist()
     world_per_replica = max(rows, 1.0) / max(float(rf.batch_size(batch)) * dp_size, 1.0)  # megatron peers repeat rows
     return {
         "reward_mean": score_sum / max(rows, 1.0), "response_length": length_sum / max(rows, 1.0),

@@ -1,0 +1,290 @@
+"""The GRPO recipe on a split placement (``offpolicy.rollout_ranks=R``): the last R ranks of the world sample,
+the others train with FSDP, and the two pools overlap.
+
+**Schedule.** With lag ``L`` (``sync``: 0, ``one_step_off``: 1, ``bounded``: ``offpolicy.max_staleness``) the
+batch of step ``s`` is sampled by the weights after update ``max(0, s - 1 - L)``, so its staleness at the update
+is ``min(s - 1, L)``: the rollout runs up to ``L`` steps ahead of the trainer. New weights are taken on this fixed
+schedule (never "whatever arrived last"), so a run is reproducible and ``bounded`` with ``max_staleness=0`` is
+the same run as ``sync``.
+
+**Who does what.** Rollout ranks own the prompt stream (each holds the same seeded stream), build their own
+rollout engine, evaluate before and after training (their pool's group) and ``isend`` each trainer rank its
+share of every step's batch (:mod:`backends.distributed.sample_channel`). Trainer rank ``t`` is served by
+rollout rank ``t % R``; the share of trainer ``t`` is sampled with the seed the colocated loop would give data
+rank ``t``, so the split of the data does not depend on R. The trainers recompute the old log-probs (the batch
+is off-policy), update, and after every update trainer rank 0 broadcasts the weights to the rollout pool
+(:mod:`backends.distributed.weight_broadcast`) while every trainer rank gathers them (a collective of the
+trainer pool).
+
+**Ordering.** Per step every rank does, in this order: the weights' broadcast on the push group (trainer rank 0
+and the rollout ranks), then the world's SIGTERM agreement (:func:`watchdog.stop_agreed`). A rollout rank calls
+both for version ``v`` just before it samples the batch that needs ``v``, so its sampling still overlaps the
+trainer's next ``L`` updates. Samples travel with ``isend`` and never block the rollout rank; a stop drains
+what is still in flight up to the sender's sentinel.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+import rlfunc as rf
+from backends.config import ConfigError
+from backends.data import PromptStream
+from backends.distributed import watchdog
+from backends.distributed.placement import PlacementConfig, build_placement
+from backends.distributed.sample_channel import SampleReceiver, SampleSender, StalenessBound
+from backends.distributed.weight_broadcast import broadcast_weights
+from backends.rollout.agent_loop import sample
+from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
+from experiments.stages import evaluate_policy, summarize
+
+__all__ = ["OffPolicyConfig", "check_offpolicy", "lag", "run_split"]
+
+
+@attrs.frozen
+class OffPolicyConfig:
+    #: sync: sample with the newest weights; one_step_off: the rollout runs one step ahead; bounded: up to
+    #: max_staleness steps ahead (new weights on a fixed schedule, so runs are reproducible)
+    mode: str = attrs.field(default="sync", validator=attrs.validators.in_(("sync", "one_step_off", "bounded")))
+    max_staleness: int = attrs.field(default=1, validator=attrs.validators.ge(0))  #: bounded: the lag in steps
+    #: ranks that only sample (the last ones of the world); 0: every rank samples and trains (colocated)
+    rollout_ranks: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+def lag(cfg: OffPolicyConfig) -> int:
+    """How many updates the rollout pool's weights trail the trainer's when it samples."""
+    return {"sync": 0, "one_step_off": 1}.get(cfg.mode, cfg.max_staleness)
+
+
+def check_offpolicy(cfg: Any, world_size: int) -> None:
+    """Refuse, before any model is built, what the split loop does not do (yet)."""
+    off = cfg.offpolicy
+    if off.mode != "sync" and not off.rollout_ranks:
+        raise ConfigError(f"offpolicy.mode={off.mode} needs a rollout pool: set offpolicy.rollout_ranks >= 1 "
+                          "(the last ranks of the world sample while the others train)")
+    if not off.rollout_ranks:
+        return
+    trainers = world_size - off.rollout_ranks
+    if trainers < 1 or off.rollout_ranks > trainers:
+        raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
+                          "trainer rank and no more rollout ranks than trainer ranks")
+    refused = {
+        "checkpoint.every > 0 / resume (exact resume of the rollout pool's lead is not implemented)":
+            bool(cfg.checkpoint.every) or cfg.resume != "never",
+        "actor.backend=megatron": cfg.actor.backend != "fsdp",
+        "algo.dynamic_sampling": cfg.algo.dynamic_sampling,
+        "algo.kl_coef > 0 (a reference on the trainer pool)": cfg.algo.kl_coef > 0,
+        "reward_model.path": bool(cfg.reward_model.path),
+        "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
+        "eval.every > 0 (only the evaluations before and after training)": bool(cfg.eval.every),
+        "dump_generations_every > 0": bool(cfg.dump_generations_every),
+    }
+    for what, bad in refused.items():
+        if bad:
+            raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} does not support {what} yet")
+
+
+@attrs.frozen
+class Split:
+    """The pools and the groups of the split loop, as seen from this rank."""
+
+    trainers: tuple[int, ...]
+    rollouts: tuple[int, ...]
+    placement: Any
+    push_group: Any  #: trainer rank 0 and every rollout rank: the weights' broadcast
+    lag: int
+    bucket_bytes: int
+
+    @property
+    def is_trainer(self) -> bool:
+        return dist.get_rank() in self.trainers
+
+    def rollout_of(self, trainer: int) -> int:
+        """The rollout rank that serves trainer (pool) rank ``trainer``."""
+        return self.rollouts[trainer % len(self.rollouts)]
+
+    def served_by(self, rollout_rank: int) -> list[int]:
+        """The trainer pool ranks rollout (global) rank ``rollout_rank`` samples for."""
+        return [t for t in range(len(self.trainers)) if self.rollout_of(t) == rollout_rank]
+
+
+def build_split(cfg: Any, env: Any) -> Split:
+    """The trainer and rollout pools (meshes reused from the PPO recipe's split placement) and the push group;
+    a collective of every rank."""
+    world, r = env.world_size, cfg.offpolicy.rollout_ranks
+    placement = build_placement(PlacementConfig(mode="split", actor_pool=world - r, critic_pool=r), env)
+    push = dist.new_group([0, *range(world - r, world)])
+    return Split(trainers=placement.pools["actor"], rollouts=placement.pools["critic"], placement=placement,
+                 push_group=push, lag=lag(cfg.offpolicy), bucket_bytes=int(sync_bucket_mb(cfg.rollout) * 2**20))
+
+
+def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float]) -> dict[str, Any]:
+    """A batch as the sample channel's payload: its fields (tensors or None) and its sampling metrics."""
+    return {"batch": {f.name: getattr(batch, f.name) for f in attrs.fields(type(batch))}, "metrics": metrics}
+
+
+def sample_share(rollout: Any, examples: list, scorer: Any, tokenizer: Any, cfg: Any, step: int, rank: int,
+                 size: int, environments: Any) -> tuple[rf.RolloutBatch, dict[str, float]]:
+    """Trainer pool rank ``rank``'s share of ``step``'s prompts, sampled and scored with the seed the colocated
+    loop gives data rank ``rank`` (one sampling round)."""
+    from experiments.grpo import score_batch
+
+    mine = examples[rank::size]
+    seed = ((cfg.seed * 1_000_003 + step) * 64 + 1) * size + rank
+    episodes = sample(rollout, mine, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
+                      environments=environments, group_ids=torch.arange(len(mine)), chat_template=cfg.data.chat_template)
+    rows = [mine[g] for g in episodes.batch.group_ids.tolist()]
+    with watchdog.phase("reward", step=step, op="reward functions on the sampled responses"):
+        batch, metrics = score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids)
+    return batch, {**metrics, **episodes.metrics}
+
+
+def receive_weights(rollout: Any, split: Split, version: int, device: Any) -> Any:
+    """Version ``version`` of the trainer's weights into the rollout engine (a collective of the push group)."""
+    with watchdog.phase("weight_sync", step=version, op=f"receive weights version {version} from rank 0"):
+        with broadcast_weights(None, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version,
+                               device=device) as stream:
+            if stream.version != version:
+                raise RuntimeError(f"rank {dist.get_rank()} expected weights version {version}, rank 0 sent {stream.version}")
+            return sync_weights(rollout, stream)
+
+
+def push_weights(engine: Any, actor: Any, split: Split, version: int, gather: dict) -> None:
+    """Every trainer rank gathers the full weights; trainer rank 0 broadcasts them to the rollout pool."""
+    with watchdog.phase("weight_sync", step=version, op=f"push weights version {version} to the rollout pool"):
+        tensors = engine.full_state_dict(actor, **gather)
+        if dist.get_rank() == 0:
+            broadcast_weights(tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version)
+        else:
+            for _ in tensors:
+                pass
+
+
+def share_from_rollouts(obj: Any, split: Split) -> Any:
+    """The rollout pool leader's ``obj`` (the held-out metrics) on every rank; a collective of the world."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=split.rollouts[0])
+    return box[0]
+
+
+def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tokenizer: Any, scorer: Any,
+                      environments: Any, steps: int) -> dict:
+    """A rollout rank: weights version 0, the evaluation before training, then per step (maybe) new weights,
+    this rank's batches sent to its trainers; at the end the last weights and the evaluation after training."""
+    from experiments.grpo import max_context
+
+    pool_env = split.placement.env("critic")
+    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
+                            max_context=max_context(cfg))
+    rollout = receive_weights(rollout, split, 0, env.device)
+    with watchdog.phase("eval", step=0):
+        before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments) if cfg.eval.before_training else {}
+    share_from_rollouts(before, split)
+    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    sender = SampleSender(timeout_s=cfg.deadlines.process_group or 1800.0)
+    mine, trainers = split.served_by(dist.get_rank()), len(split.trainers)
+    stopped, version = False, 0
+    for step in range(1, steps + 1):
+        if step - 1 - split.lag >= 1:  # the weights this batch is sampled by, on the fixed schedule
+            version = step - 1 - split.lag
+            rollout = receive_weights(rollout, split, version, env.device)
+            if watchdog.stop_agreed(version):
+                stopped = True
+                break
+        examples = stream.take(cfg.prompts_per_step)
+        with watchdog.phase("rollout", step=step):
+            for t in mine:
+                batch, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers, environments)
+                sender.send_samples(batch_payload(batch, metrics), dst=split.trainers[t], version=version, step=step)
+    for version in (() if stopped else range(version + 1, steps + 1)):  # the updates after the last batch
+        rollout = receive_weights(rollout, split, version, env.device)
+        if watchdog.stop_agreed(version):
+            stopped = True
+            break
+    sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
+    if not stopped:
+        with watchdog.phase("eval", step=steps):
+            after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
+        share_from_rollouts(after, split)
+    shutdown_rollout(rollout)
+    return {}
+
+
+def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any, scorer: Any, environments: Any,
+              engine: Any, build_kwargs: dict, steps: int, mlog: Any, rl_optim: Any, algorithm: Any, t_start: float) -> dict:
+    """The whole RL stage on a split placement (every rank calls it); the summary on the trainers' rank 0."""
+    split = build_split(cfg, env)
+    if not split.is_trainer:
+        summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps)
+        mlog.close()
+        return summary
+    tenv = split.placement.env("actor")
+    actor = engine.build_actor(run.policy_path, tenv, rl_optim, engine.config, mesh=split.placement.mesh("actor"),
+                               **build_kwargs)
+    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
+    push_weights(engine, actor, split, 0, gather)
+    before = share_from_rollouts(None, split)
+    mlog.log(0, before)
+    receiver = SampleReceiver(timeout_s=cfg.deadlines.process_group or 1800.0)
+    src = split.rollout_of(tenv.rank)
+    bound = StalenessBound(max_staleness=split.lag)
+    preempted_at = None
+    for step in range(1, steps + 1):
+        actor, stats = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, algorithm)
+        t_sync = time.time()
+        push_weights(engine, actor, split, step, gather)
+        stats["sync_time_s"] = time.time() - t_sync
+        mlog.log(step, stats)
+        if watchdog.stop_agreed(step):
+            log.warning(watchdog.preemption_note(step))
+            preempted_at = step
+            break
+    dropped = receiver.drain(src=src)  # the batches sampled ahead of a stop, up to the sentinel
+    if preempted_at is not None:
+        log.warning(f"stopped with {dropped} batch(es) from rank {src} in flight, dropped")
+        summary = {"preempted_at_step": preempted_at, "run_dir": str(run.run_dir)}
+    else:
+        after = share_from_rollouts(None, split)
+        mlog.log(steps, after)
+        if cfg.export_hf:
+            with watchdog.phase("checkpoint", step=steps, op="export_hf(final_model)"):
+                engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
+        summary = summarize(cfg, run, env, before, after, steps=steps, wall=time.time() - t_start, title="GRPO")
+    mlog.close()
+    return summary
+
+
+def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, src: int, bound: StalenessBound,
+                 step: int, tenv: Any, algorithm: Any) -> tuple[Any, dict]:
+    """Receive batch ``step``, check its staleness, recompute the old log-probs, advantages, the update."""
+    from experiments.grpo import mean_over_ranks, split_rows, stamp_policy_version, step_stats
+
+    estimator, estimator_kwargs, loss_fn, skip_zero_rows = algorithm
+    t0 = time.time()
+    with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
+        payload, version, sent_step = receiver.recv_samples(src=src)
+    if sent_step != step:
+        raise RuntimeError(f"trainer rank {dist.get_rank()} expected the batch of step {step}, rank {src} sent step {sent_step}")
+    if not bound.admit(step - 1, version):  # the fixed schedule never goes past the bound: a bookkeeping error
+        raise RuntimeError(f"the batch of step {step} from rank {src} is {bound.last} versions old, past the bound {bound.max_staleness}")
+    batch = rf.RolloutBatch(**payload["batch"])
+    t_wait = time.time() - t0
+    with watchdog.phase("update", step=step, op="log-probs, advantages and the policy update"):
+        batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)  # off-policy: always recompute
+        batch, provenance = stamp_policy_version(batch, version, current=step - 1)
+        adv, ret = estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs)
+        batch = batch.replace(advantages=adv, returns=ret)
+        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
+        t_update = time.time()
+        for _ in range(cfg.algo.ppo_epochs):
+            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
+                actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
+    times = {"step_time_s": time.time() - t0, "rollout_time_s": t_wait, "update_time_s": time.time() - t_update}
+    stats = {**mean_over_ranks(payload["metrics"], tenv.group), **step_stats(batch, skip, times, tenv.world_size, group=tenv.group),
+             **metrics, **{k: float(v) for k, v in provenance.items()}, **bound.metrics()}
+    return actor, stats

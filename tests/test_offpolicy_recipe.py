@@ -1,0 +1,88 @@
+"""The GRPO recipe on a split placement (experiments/offpolicy_loop.py): 1 trainer rank + 1 rollout rank under
+torchrun, the rollout pool sampling ahead by a fixed lag."""
+
+import json
+
+import pytest
+
+from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+
+pytestmark = [pytest.mark.offpolicy, pytest.mark.distributed, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return arithmetic_data(tmp_path_factory.mktemp("arithmetic"))
+
+
+def split_run(root, data_dir, *args: str, steps: int = 4):
+    out = run(GRPO, f"run_root={root}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, f"steps={steps}",
+              "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", "offpolicy.rollout_ranks=1", *args, nproc=2)
+    return out
+
+
+def test_one_step_off_runs_one_version_behind(tmp_path, data_dir):
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off")
+    assert out.returncode == 0, out.stderr[-4000:]
+    run_dir = the_run_dir(tmp_path, "grpo")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["wall_seconds"] > 0
+    for key in ("eval_before", "eval_after"):
+        assert 0.0 <= summary[key] <= 1.0
+    rl = metrics(run_dir)
+    assert [r["step"] for r in rl] == [1, 2, 3, 4]
+    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["offpolicy/staleness_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    for key in ("reward_mean", "grad_norm", "staleness/mean", "staleness/rejected", "sync_time_s", "reward/arithmetic"):
+        assert key in rl[-1], key
+    assert all(r["staleness/rejected"] == 0.0 for r in rl)
+    assert (run_dir / "final_model" / "config.json").exists()
+
+
+def _final_weights(root):
+    from safetensors.torch import load_file
+
+    (path,) = (the_run_dir(root, "grpo") / "final_model").glob("*.safetensors")
+    return load_file(path)
+
+
+def test_bounded_zero_is_sync_on_the_split(tmp_path, data_dir):
+    a, b = tmp_path / "bounded", tmp_path / "sync"
+    out = split_run(a, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=0", steps=3)
+    assert out.returncode == 0, out.stderr[-4000:]
+    out = split_run(b, data_dir, "offpolicy.mode=sync", steps=3)
+    assert out.returncode == 0, out.stderr[-4000:]
+    wa, wb = _final_weights(a), _final_weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert (wa[name] == wb[name]).all(), name
+    drop = ("step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "tokens_per_s", "time", "wall_time")
+    ma = [{k: v for k, v in r.items() if k not in drop} for r in metrics(the_run_dir(a, "grpo"))]
+    mb = [{k: v for k, v in r.items() if k not in drop} for r in metrics(the_run_dir(b, "grpo"))]
+    assert [r["reward_mean"] for r in ma] == [r["reward_mean"] for r in mb]
+    assert all(r["staleness/last"] == 0.0 for r in ma)
+
+
+def test_bounded_two_stays_within_the_bound(tmp_path, data_dir):
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=2", steps=5)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rl = metrics(the_run_dir(tmp_path, "grpo"))
+    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert max(r["staleness/max"] for r in rl) <= 2.0
+
+
+def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "kill:rank=1:step=2:phase=rollout"}):
+        out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "deadlines.process_group=60", steps=4)
+    assert out.returncode != 0
+    assert "rank 1" in out.stderr and ("exited" in out.stderr or "failed" in out.stderr), out.stderr[-4000:]
+
+
+def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
+    out = run(GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off")
+    assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "checkpoint.every=2")
+    assert out.returncode != 0 and "checkpoint.every" in out.stderr
