@@ -65,7 +65,7 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
-from experiments.offpolicy_loop import OffPolicyConfig, check_offpolicy, run_split
+from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
     checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
 )
@@ -185,10 +185,14 @@ def main(argv: list[str]) -> dict:
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
     t_start = time.time()
     if cfg.offpolicy.rollout_ranks:  # split placement: the rollout pool samples ahead while the trainer pool updates
-        loss = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg))
-        algorithm = (estimator, estimator_kwargs, loss, zero_advantage_rows_are_skippable(cfg.algo, policy_loss))
+        parts = RecipeParts(
+            estimator=estimator, estimator_kwargs=estimator_kwargs, skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, policy_loss),
+            loss_fn=functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg)),
+            score_batch=score_batch, stamp_policy_version=stamp_policy_version, step_stats=step_stats,
+            mean_over_ranks=mean_over_ranks, split_rows=split_rows, max_context=max_context(cfg),
+        )
         summary = run_split(cfg, env, log, run, data, tokenizer, scorer, environments, engine, build_kwargs, steps, mlog,
-                            rl_optim, algorithm, t_start)
+                            rl_optim, parts, t_start)
         scorer.close()
         shutdown(env)
         return summary

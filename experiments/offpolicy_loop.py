@@ -26,7 +26,7 @@ what is still in flight up to the sender's sentinel.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -38,12 +38,16 @@ from backends.data import PromptStream
 from backends.distributed import watchdog
 from backends.distributed.placement import PlacementConfig, build_placement
 from backends.distributed.sample_channel import SampleReceiver, SampleSender, StalenessBound
-from backends.distributed.weight_broadcast import broadcast_weights
+from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
 from experiments.stages import evaluate_policy, summarize
 
-__all__ = ["OffPolicyConfig", "check_offpolicy", "lag", "run_split"]
+__all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split"]
+
+
+class RolloutPoolError(RuntimeError):
+    """A rollout rank stopped taking part (it exited or froze) while the trainers pushed weights to it."""
 
 
 @attrs.frozen
@@ -54,6 +58,22 @@ class OffPolicyConfig:
     max_staleness: int = attrs.field(default=1, validator=attrs.validators.ge(0))  #: bounded: the lag in steps
     #: ranks that only sample (the last ones of the world); 0: every rank samples and trains (colocated)
     rollout_ranks: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen
+class RecipeParts:
+    """What the split loop takes from the GRPO recipe (handed in, so this module does not import the recipe)."""
+
+    estimator: Callable
+    estimator_kwargs: dict
+    loss_fn: Callable
+    skip_zero_rows: bool
+    score_batch: Callable
+    stamp_policy_version: Callable
+    step_stats: Callable
+    mean_over_ranks: Callable
+    split_rows: Callable
+    max_context: int
 
 
 def lag(cfg: OffPolicyConfig) -> int:
@@ -129,18 +149,16 @@ def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float]) -> dict[str
 
 
 def sample_share(rollout: Any, examples: list, scorer: Any, tokenizer: Any, cfg: Any, step: int, rank: int,
-                 size: int, environments: Any) -> tuple[rf.RolloutBatch, dict[str, float]]:
+                 size: int, environments: Any, parts: RecipeParts) -> tuple[rf.RolloutBatch, dict[str, float]]:
     """Trainer pool rank ``rank``'s share of ``step``'s prompts, sampled and scored with the seed the colocated
     loop gives data rank ``rank`` (one sampling round)."""
-    from experiments.grpo import score_batch
-
     mine = examples[rank::size]
     seed = ((cfg.seed * 1_000_003 + step) * 64 + 1) * size + rank
     episodes = sample(rollout, mine, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
                       environments=environments, group_ids=torch.arange(len(mine)), chat_template=cfg.data.chat_template)
     rows = [mine[g] for g in episodes.batch.group_ids.tolist()]
     with watchdog.phase("reward", step=step, op="reward functions on the sampled responses"):
-        batch, metrics = score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids)
+        batch, metrics = parts.score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids)
     return batch, {**metrics, **episodes.metrics}
 
 
@@ -159,7 +177,11 @@ def push_weights(engine: Any, actor: Any, split: Split, version: int, gather: di
     with watchdog.phase("weight_sync", step=version, op=f"push weights version {version} to the rollout pool"):
         tensors = engine.full_state_dict(actor, **gather)
         if dist.get_rank() == 0:
-            broadcast_weights(tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version)
+            try:
+                broadcast_weights(tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version)
+            except WeightBroadcastError as e:  # the trainer is fine: say which pool to look at
+                raise RolloutPoolError(f"pushing weights version {version} to rollout rank(s) "
+                                       f"{', '.join(map(str, split.rollouts))} failed; one of them exited or froze: {e}") from e
         else:
             for _ in tensors:
                 pass
@@ -173,14 +195,12 @@ def share_from_rollouts(obj: Any, split: Split) -> Any:
 
 
 def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tokenizer: Any, scorer: Any,
-                      environments: Any, steps: int) -> dict:
+                      environments: Any, steps: int, parts: RecipeParts) -> dict:
     """A rollout rank: weights version 0, the evaluation before training, then per step (maybe) new weights,
     this rank's batches sent to its trainers; at the end the last weights and the evaluation after training."""
-    from experiments.grpo import max_context
-
     pool_env = split.placement.env("critic")
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
-                            max_context=max_context(cfg))
+                            max_context=parts.max_context)
     rollout = receive_weights(rollout, split, 0, env.device)
     with watchdog.phase("eval", step=0):
         before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments) if cfg.eval.before_training else {}
@@ -199,7 +219,8 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
         examples = stream.take(cfg.prompts_per_step)
         with watchdog.phase("rollout", step=step):
             for t in mine:
-                batch, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers, environments)
+                batch, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers, environments,
+                                              parts)
                 sender.send_samples(batch_payload(batch, metrics), dst=split.trainers[t], version=version, step=step)
     for version in (() if stopped else range(version + 1, steps + 1)):  # the updates after the last batch
         rollout = receive_weights(rollout, split, version, env.device)
@@ -216,11 +237,11 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
 
 
 def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any, scorer: Any, environments: Any,
-              engine: Any, build_kwargs: dict, steps: int, mlog: Any, rl_optim: Any, algorithm: Any, t_start: float) -> dict:
+              engine: Any, build_kwargs: dict, steps: int, mlog: Any, rl_optim: Any, parts: RecipeParts, t_start: float) -> dict:
     """The whole RL stage on a split placement (every rank calls it); the summary on the trainers' rank 0."""
     split = build_split(cfg, env)
     if not split.is_trainer:
-        summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps)
+        summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps, parts)
         mlog.close()
         return summary
     tenv = split.placement.env("actor")
@@ -235,7 +256,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
     bound = StalenessBound(max_staleness=split.lag)
     preempted_at = None
     for step in range(1, steps + 1):
-        actor, stats = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, algorithm)
+        actor, stats = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, parts)
         t_sync = time.time()
         push_weights(engine, actor, split, step, gather)
         stats["sync_time_s"] = time.time() - t_sync
@@ -260,11 +281,8 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
 
 
 def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, src: int, bound: StalenessBound,
-                 step: int, tenv: Any, algorithm: Any) -> tuple[Any, dict]:
+                 step: int, tenv: Any, parts: RecipeParts) -> tuple[Any, dict]:
     """Receive batch ``step``, check its staleness, recompute the old log-probs, advantages, the update."""
-    from experiments.grpo import mean_over_ranks, split_rows, stamp_policy_version, step_stats
-
-    estimator, estimator_kwargs, loss_fn, skip_zero_rows = algorithm
     t0 = time.time()
     with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
         payload, version, sent_step = receiver.recv_samples(src=src)
@@ -276,15 +294,17 @@ def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, sr
     t_wait = time.time() - t0
     with watchdog.phase("update", step=step, op="log-probs, advantages and the policy update"):
         batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)  # off-policy: always recompute
-        batch, provenance = stamp_policy_version(batch, version, current=step - 1)
-        adv, ret = estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs)
+        batch, provenance = parts.stamp_policy_version(batch, version, current=step - 1)
+        adv, ret = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
+                                   **parts.estimator_kwargs)
         batch = batch.replace(advantages=adv, returns=ret)
-        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
+        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if parts.skip_zero_rows else None
         t_update = time.time()
         for _ in range(cfg.algo.ppo_epochs):
-            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
-                actor, metrics = engine.update(actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
+            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), parts.split_rows(skip, cfg.algo.mini_batches)):
+                actor, metrics = engine.update(actor, mini_batch, parts.loss_fn, with_entropy=True, skip_rows=mini_skip)
     times = {"step_time_s": time.time() - t0, "rollout_time_s": t_wait, "update_time_s": time.time() - t_update}
-    stats = {**mean_over_ranks(payload["metrics"], tenv.group), **step_stats(batch, skip, times, tenv.world_size, group=tenv.group),
+    stats = {**parts.mean_over_ranks(payload["metrics"], tenv.group),
+             **parts.step_stats(batch, skip, times, tenv.world_size, group=tenv.group),
              **metrics, **{k: float(v) for k, v in provenance.items()}, **bound.metrics()}
     return actor, stats
