@@ -88,3 +88,17 @@ def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
     assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
     out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "checkpoint.every=2")
     assert out.returncode != 0 and "checkpoint.every" in out.stderr
+
+
+def test_sigterm_on_the_rollout_rank_stops_every_rank_after_the_same_step(tmp_path, data_dir):
+    """SIGTERM reaches the rollout rank while it samples step 3; it joins the agreement when it takes version 2,
+    so the trainer stops after step 2 and drains the batch sampled ahead; exit code 0."""
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "term:rank=1:step=3:phase=rollout"}):
+        out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", steps=5)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [r["step"] for r in metrics(the_run_dir(tmp_path, "grpo"))] == [1, 2]
+    assert "stopped after step 2" in out.stdout + out.stderr
+    assert "1 batch(es) from rank 1 in flight, dropped" in out.stdout + out.stderr
