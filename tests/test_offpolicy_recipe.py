@@ -48,9 +48,12 @@ def _final_weights(root):
 
 def test_bounded_zero_is_sync_on_the_split(tmp_path, data_dir):
     a, b = tmp_path / "bounded", tmp_path / "sync"
-    out = split_run(a, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=0", steps=3)
+    # a reward that differs within a group (the tiny random model never gets the arithmetic right): real updates
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
+    out = split_run(a, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=0", f"reward.fn={reward}:score", steps=3)
     assert out.returncode == 0, out.stderr[-4000:]
-    out = split_run(b, data_dir, "offpolicy.mode=sync", steps=3)
+    out = split_run(b, data_dir, "offpolicy.mode=sync", f"reward.fn={reward}:score", steps=3)
     assert out.returncode == 0, out.stderr[-4000:]
     wa, wb = _final_weights(a), _final_weights(b)
     assert wa.keys() == wb.keys()
@@ -61,6 +64,7 @@ def test_bounded_zero_is_sync_on_the_split(tmp_path, data_dir):
     mb = [{k: v for k, v in r.items() if k not in drop} for r in metrics(the_run_dir(b, "grpo"))]
     assert [r["reward_mean"] for r in ma] == [r["reward_mean"] for r in mb]
     assert all(r["staleness/last"] == 0.0 for r in ma)
+    assert any(r["grad_norm"] > 0 for r in ma)  # the weights compared did move
 
 
 def test_bounded_two_stays_within_the_bound(tmp_path, data_dir):
