@@ -103,6 +103,7 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
         "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
         "eval.every > 0 (only the evaluations before and after training)": bool(cfg.eval.every),
         "dump_generations_every > 0": bool(cfg.dump_generations_every),
+        "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
     }
     for what, bad in refused.items():
         if bad:
