@@ -2,6 +2,7 @@
 torchrun, the rollout pool sampling ahead by a fixed lag."""
 
 import json
+import re
 
 import pytest
 
@@ -83,8 +84,11 @@ def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
     with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "kill:rank=1:step=2:phase=rollout"}):
         out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "deadlines.process_group=60", steps=4)
     assert out.returncode != 0
-    # the trainer finished step 1 and was pushing its weights when the rollout rank died
-    assert "RolloutPoolError: pushing weights version 1 to rollout rank(s) 1 failed" in out.stderr, out.stderr[-4000:]
+    # the trainer meets the dead rank either pushing version 1 or, when the kill cut off the batch of step 1 that
+    # was still being sent, receiving it: both errors name rank 1
+    named = re.search(r"RolloutPoolError: pushing weights version 1 to rollout rank\(s\) 1 failed|"
+                      r"ChannelError: sample channel on rank 0: .*rank 1 (failed|did not complete)", out.stderr)
+    assert named, out.stderr[-4000:]
 
 
 def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
