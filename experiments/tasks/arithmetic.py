@@ -19,12 +19,13 @@ writes, and then trains on,
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from pathlib import Path
 from typing import Any, Iterator
 
 import attrs
+
+from experiments.tasks import write_jsonl_files
 
 __all__ = ["ArithmeticTask", "Problem", "write_dataset", "chat_row"]
 
@@ -108,11 +109,7 @@ def write_dataset(out_dir: str | Path, task: ArithmeticTask = ArithmeticTask(), 
         "val.jsonl": map(chat_row, task.heldout()),
         "sft.jsonl": sft_rows(train, sft_examples, wrong_answer_fraction, seed),
     }
-    for name, rows in files.items():
-        tmp = out / f"{name}.tmp"
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        tmp.replace(out / name)
-    return out
+    return write_jsonl_files(out, files)
 
 
 def main(argv: list[str] | None = None) -> None:

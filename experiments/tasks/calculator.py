@@ -35,6 +35,8 @@ from typing import Any, Iterator
 
 import attrs
 
+from experiments.tasks import write_jsonl_files
+
 __all__ = ["CalculatorTask", "TOKENIZER_WORDS", "multiply", "tool_call", "write_dataset"]
 
 #: the fixed text of a ``multiply`` call, one token each in the tiny char tokenizer
@@ -128,11 +130,7 @@ def write_dataset(out_dir: str | Path, task: CalculatorTask = CalculatorTask(), 
         "sft.jsonl": sft_conversations(train, sft_examples, direct=direct, wrong_operand=wrong_operand,
                                        wrong_copy=wrong_copy, seed=seed),
     }
-    for name, rows in files.items():
-        tmp = out / f"{name}.tmp"
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-        tmp.replace(out / name)
-    return out
+    return write_jsonl_files(out, files)
 
 
 def main(argv: list[str] | None = None) -> None:
