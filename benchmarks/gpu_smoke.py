@@ -68,7 +68,8 @@ def main() -> None:
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rlfunc-gpu-"))
     data = write_dataset(root / "data", sft_examples=6400)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "4"}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))  # keep the caller's
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "4"}
     torchrun = Path(sys.executable).with_name("torchrun")
     results = {}
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:

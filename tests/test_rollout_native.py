@@ -13,6 +13,7 @@ import copy
 import attrs
 import pytest
 import torch
+from rlfunc.tree import tree_map
 
 from backends.cpu import decode_strategy
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
@@ -131,6 +132,22 @@ def test_generate_returns_a_valid_batch(setup, many_eos):
     assert (lengths[~ended] == t).all() if (~ended).any() else True
     # plain tensors (not inference tensors): usable in autograd by the trainer
     assert not batch.rollout_logprobs.is_inference() and not batch.response_ids.is_inference()
+
+
+@pytest.mark.gpu
+@QWEN2_ONLY
+def test_engine_on_cuda_returns_a_host_batch_with_the_trainers_logprobs(setup):
+    """On a GPU the engine samples on its device and hands back a host batch, as vLLM does: the recipe's
+    rewards, advantages and metrics mix it with host tensors; the trainer moves micro-batches itself."""
+    _, path, model, tok, _ = setup
+    rollout = build_native_rollout(path, device="cuda")
+    batch = generate(rollout, _prompts(tok), SamplingConfig(n=2, max_new_tokens=8, temperature=1.0), seed=0)
+    tensors = [batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.group_ids,
+               batch.rollout_logprobs]
+    assert {t.device.type for t in tensors} == {"cpu"}
+    want = trainer_logprobs(copy.deepcopy(model).cuda(), tree_map(lambda x: x.cuda(), batch))
+    gap = (batch.rollout_logprobs - want.cpu()).abs().masked_fill(~batch.response_mask, 0.0).max()
+    assert float(gap) < 1e-4
 
 
 @QWEN2_ONLY

@@ -259,10 +259,11 @@ def generate(
     prompt_ids, prompt_mask = prompt_ids.to(rollout.device), prompt_mask.to(rollout.device)
     with torch.inference_mode():
         tokens, logprobs = _generate_tokens(rollout, prompt_ids, prompt_mask, sampling, generator)
-    # fresh (non-inference) tensors, so the trainer may use them in autograd
-    response_ids, response_mask, rollout_logprobs = _responses(rollout, tokens.clone(), logprobs.clone())
-    return assemble_batch(prompt_ids.clone(), prompt_mask.clone(), response_ids, response_mask, rollout_logprobs,
-                          n=sampling.n, group_ids=group_ids)
+    # fresh (non-inference) tensors, so the trainer may use them in autograd; on the host, as vLLM's batch is:
+    # rewards, advantages and metrics are host-side, and the trainer moves each micro-batch to its device
+    response_ids, response_mask, rollout_logprobs = (x.cpu() for x in _responses(rollout, tokens.clone(), logprobs.clone()))
+    return assemble_batch(prompt_ids.cpu().clone(), prompt_mask.cpu().clone(), response_ids, response_mask,
+                          rollout_logprobs, n=sampling.n, group_ids=group_ids)
 
 
 def _responses(rollout: NativeRollout, tokens: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
