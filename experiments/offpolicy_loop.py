@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import rlfunc as rf
+from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.config import ConfigError
 from backends.data import PromptStream
 from backends.distributed import watchdog
@@ -41,9 +42,9 @@ from backends.distributed.sample_channel import SampleReceiver, SampleSender, St
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
-from experiments.stages import evaluate_policy, summarize
+from experiments.stages import checkpoint_or_stop, evaluate_policy, summarize
 
-__all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split"]
+__all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split", "sampling_version"]
 
 
 class RolloutPoolError(RuntimeError):
@@ -81,6 +82,29 @@ def lag(cfg: OffPolicyConfig) -> int:
     return {"sync": 0, "one_step_off": 1}.get(cfg.mode, cfg.max_staleness)
 
 
+def sampling_version(step: int, lag: int, every: int = 0, start: int = 0) -> int:
+    """The weights version batch ``step`` is sampled by: ``step - 1 - lag`` on the fixed schedule, but never older
+    than the last checkpoint step before it (``every``: the checkpoint interval, 0 for none) nor than ``start``, the
+    version a resumed run starts from. So a checkpoint drains the pipeline: nothing is sampled ahead of it, and a
+    run resumed from it samples what the uninterrupted run sampled."""
+    last_checkpoint = (step - 1) // every * every if every else 0
+    return max(step - 1 - lag, last_checkpoint, start, 0)
+
+
+def checkpoint_extra(step: int, cfg: Any, run: Any, before: dict, wall_seconds: float, bound: Any) -> dict:
+    """What a split run's checkpoint carries besides the actor, as trainer rank 0 (global rank 0) has it, on every
+    rank (a collective of the world): the step, how many prompts the rollout pool drew (every batch takes
+    ``prompts_per_step``, and nothing is sampled ahead of a checkpoint), the evaluation before training, the wall
+    time so far and the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout ranks)."""
+    extra = None
+    if bound is not None:
+        extra = {"step": step, "drawn": step * cfg.prompts_per_step, "run_dir": str(run.run_dir), "eval_before": before,
+                 "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound)}
+    box = [extra]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def check_offpolicy(cfg: Any, world_size: int) -> None:
     """Refuse, before any model is built, what the split loop does not do (yet)."""
     off = cfg.offpolicy
@@ -94,8 +118,6 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
         raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
                           "trainer rank and no more rollout ranks than trainer ranks")
     refused = {
-        "checkpoint.every > 0 / resume (exact resume of the rollout pool's lead is not implemented)":
-            bool(cfg.checkpoint.every) or cfg.resume != "never",
         "actor.backend=megatron": cfg.actor.backend != "fsdp",
         "algo.dynamic_sampling": cfg.algo.dynamic_sampling,
         "algo.kl_coef > 0 (a reference on the trainer pool)": cfg.algo.kl_coef > 0,
@@ -196,38 +218,50 @@ def share_from_rollouts(obj: Any, split: Split) -> Any:
 
 
 def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tokenizer: Any, scorer: Any,
-                      environments: Any, steps: int, parts: RecipeParts) -> dict:
-    """A rollout rank: weights version 0, the evaluation before training, then per step (maybe) new weights,
-    this rank's batches sent to its trainers; at the end the last weights and the evaluation after training."""
+                      environments: Any, steps: int, parts: RecipeParts, log: Any) -> dict:
+    """A rollout rank: the first weights (version 0, or the checkpoint's), the evaluation before training, then per
+    step the versions its batch needs (:func:`sampling_version`; each one followed by the checkpoint / stop check the
+    trainers make after pushing it) and this rank's batches sent to its trainers; at the end the last versions and
+    the evaluation after training."""
     pool_env = split.placement.env("critic")
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=parts.max_context)
-    rollout = receive_weights(rollout, split, 0, env.device)
-    with watchdog.phase("eval", step=0):
-        before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments) if cfg.eval.before_training else {}
-    share_from_rollouts(before, split)
-    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
+    start, before, t_start, wall_before = 0, {}, time.time(), 0.0
+    if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
+        with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
+            _, extra = load_checkpoint(run.resume_from, {}, config=run.must_match)
+        start, before, wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
+    rollout = receive_weights(rollout, split, start, env.device)
+    if run.resume_from is None:
+        with watchdog.phase("eval", step=0):
+            before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments) if cfg.eval.before_training else {}
+        share_from_rollouts(before, split)
+    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=start * cfg.prompts_per_step)
+
+    def save(version: int) -> None:  # no trained state here: the rollout rank joins the save's collectives
+        if stream.drawn != version * cfg.prompts_per_step:
+            raise RuntimeError(f"rollout rank {dist.get_rank()} drew {stream.drawn} prompts by checkpoint step {version}, "
+                               f"expected {version * cfg.prompts_per_step} (nothing may be sampled ahead of a checkpoint)")
+        extra = checkpoint_extra(version, cfg, run, before, wall_before + time.time() - t_start, bound=None)
+        with watchdog.phase("checkpoint", step=version, op=f"save_checkpoint({run.ckpt_dir}/step_{version})"):
+            save_checkpoint(run.ckpt_dir, version, {}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
+
     sender = SampleSender(timeout_s=cfg.deadlines.process_group or 1800.0)
     mine, trainers = split.served_by(dist.get_rank()), len(split.trainers)
-    stopped, version = False, 0
-    for step in range(1, steps + 1):
-        if step - 1 - split.lag >= 1:  # the weights this batch is sampled by, on the fixed schedule
-            version = step - 1 - split.lag
-            rollout = receive_weights(rollout, split, version, env.device)
-            if watchdog.stop_agreed(version):
-                stopped = True
-                break
+    received, stopped = start, False
+    for step in range(start + 1, steps + 1):
+        need = sampling_version(step, split.lag, cfg.checkpoint.every, start)
+        rollout, received, stopped = receive_through(need, rollout, received, split, env, steps, cfg, run, save, log)
+        if stopped:
+            break
         examples = stream.take(cfg.prompts_per_step)
         with watchdog.phase("rollout", step=step):
             for t in mine:
                 batch, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers, environments,
                                               parts)
-                sender.send_samples(batch_payload(batch, metrics), dst=split.trainers[t], version=version, step=step)
-    for version in (() if stopped else range(version + 1, steps + 1)):  # the updates after the last batch
-        rollout = receive_weights(rollout, split, version, env.device)
-        if watchdog.stop_agreed(version):
-            stopped = True
-            break
+                sender.send_samples(batch_payload(batch, metrics), dst=split.trainers[t], version=received, step=step)
+    if not stopped:  # the updates after the last batch
+        rollout, received, stopped = receive_through(steps, rollout, received, split, env, steps, cfg, run, save, log)
     sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
     if not stopped:
         with watchdog.phase("eval", step=steps):
@@ -237,33 +271,58 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
     return {}
 
 
+def receive_through(version: int, rollout: Any, received: int, split: Split, env: Any, steps: int, cfg: Any, run: Any,
+                    save: Callable[[int], None], log: Any) -> tuple[Any, int, bool]:
+    """The versions after ``received`` up to ``version`` into the rollout engine, in order, each followed by the
+    checkpoint / stop check the trainers make after pushing it: ``(rollout, last received, stopped)``."""
+    while received < version:
+        received += 1
+        rollout = receive_weights(rollout, split, received, env.device)
+        if checkpoint_or_stop(received, steps, cfg, run, save, log):
+            return rollout, received, True
+    return rollout, received, False
+
+
 def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any, scorer: Any, environments: Any,
               engine: Any, build_kwargs: dict, steps: int, mlog: Any, rl_optim: Any, parts: RecipeParts, t_start: float) -> dict:
     """The whole RL stage on a split placement (every rank calls it); the summary on the trainers' rank 0."""
     split = build_split(cfg, env)
     if not split.is_trainer:
-        summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps, parts)
+        summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps, parts, log)
         mlog.close()
         return summary
     tenv = split.placement.env("actor")
     actor = engine.build_actor(run.policy_path, tenv, rl_optim, engine.config, mesh=split.placement.mesh("actor"),
                                **build_kwargs)
+    ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
-    push_weights(engine, actor, split, 0, gather)
-    before = share_from_rollouts(None, split)
-    mlog.log(0, before)
+    start, before, wall_before, bound = 0, {}, 0.0, StalenessBound(max_staleness=split.lag)
+    if run.resume_from is not None:  # the actor's weights, AdamW state and step, every rank's RNG, the counts
+        with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
+            states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
+        actor, start, before, wall_before = states[ckpt_name], extra["step"], extra["eval_before"], extra["wall_seconds"]
+        bound = StalenessBound(**extra["staleness"])
+    push_weights(engine, actor, split, start, gather)
+    if run.resume_from is None:
+        before = share_from_rollouts(None, split)
+        mlog.log(0, before)
+
+    def save(step: int) -> None:  # the actor sharded with AdamW, RNG, the step and the rollout pool's stream position
+        extra = checkpoint_extra(step, cfg, run, before, wall_before + time.time() - t_start, bound=bound)
+        with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
+            save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last,
+                            config=run.must_match)
+
     receiver = SampleReceiver(timeout_s=cfg.deadlines.process_group or 1800.0)
     src = split.rollout_of(tenv.rank)
-    bound = StalenessBound(max_staleness=split.lag)
     preempted_at = None
-    for step in range(1, steps + 1):
+    for step in range(start + 1, steps + 1):
         actor, stats = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, parts)
         t_sync = time.time()
         push_weights(engine, actor, split, step, gather)
         stats["sync_time_s"] = time.time() - t_sync
         mlog.log(step, stats)
-        if watchdog.stop_agreed(step):
-            log.warning(watchdog.preemption_note(step))
+        if checkpoint_or_stop(step, steps, cfg, run, save, log):  # the rollout pool makes the same call for the version
             preempted_at = step
             break
     dropped = receiver.drain(src=src)  # the batches sampled ahead of a stop, up to the sentinel
@@ -276,7 +335,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         if cfg.export_hf:
             with watchdog.phase("checkpoint", step=steps, op="export_hf(final_model)"):
                 engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
-        summary = summarize(cfg, run, env, before, after, steps=steps, wall=time.time() - t_start, title="GRPO")
+        summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
     mlog.close()
     return summary
 

@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import torch
 
 from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
@@ -94,8 +95,8 @@ def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
 def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
     out = run(GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off")
     assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "checkpoint.every=2")
-    assert out.returncode != 0 and "checkpoint.every" in out.stderr
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "algo.dynamic_sampling=true")
+    assert out.returncode != 0 and "does not support algo.dynamic_sampling" in out.stderr
 
 
 def test_sigterm_on_the_rollout_rank_stops_every_rank_after_the_same_step(tmp_path, data_dir):
@@ -110,3 +111,31 @@ def test_sigterm_on_the_rollout_rank_stops_every_rank_after_the_same_step(tmp_pa
     assert [r["step"] for r in metrics(the_run_dir(tmp_path, "grpo"))] == [1, 2]
     assert "stopped after step 2" in out.stdout + out.stderr
     assert "1 batch(es) from rank 1 in flight, dropped" in out.stdout + out.stderr
+
+
+@pytest.mark.checkpoint
+def test_one_step_off_resumes_exactly_from_a_checkpoint(tmp_path, data_dir):
+    """A checkpoint drains the pipeline (the batch after it is sampled with its weights, staleness 0), so a run
+    resumed from it trains on the same batches: the same metrics and the same final weights."""
+    reward = tmp_path / "length_reward.py"
+    reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
+    args = ("offpolicy.mode=one_step_off", "checkpoint.every=2", f"reward.fn={reward}:score")
+    out = split_run(tmp_path, data_dir, *args, steps=5)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run_dir = the_run_dir(tmp_path, "grpo")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2", "step_4", "step_5"]
+    drop = ("step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "tokens_per_s", "time", "wall_time")
+    first = [{k: v for k, v in r.items() if k not in drop} for r in metrics(run_dir)]
+    assert [r["staleness/last"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    weights = _final_weights(tmp_path)
+    resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
+                        steps=5)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    again = [{k: v for k, v in r.items() if k not in drop} for r in metrics(run_dir)]
+    assert [r["step"] for r in again] == [1, 2, 3, 4, 5]
+    differ = [(r["step"], k, f.get(k), r.get(k)) for f, r in zip(first, again) for k in sorted(set(f) | set(r)) if f.get(k) != r.get(k)]
+    assert not differ, differ  # (step, metric, uninterrupted, resumed)
+    assert any(r["grad_norm"] > 0 for r in again[2:])  # the weights compared did move after the resume point
+    resumed_weights = _final_weights(tmp_path)
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("step_2")

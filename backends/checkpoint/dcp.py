@@ -153,7 +153,8 @@ _STATE_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
 def _check_states(states: Mapping[str, Any]) -> None:
-    if not isinstance(states, Mapping) or not states:
+    # empty on a rank that holds no trained state (a rollout-only pool): it still takes part in the collectives
+    if not isinstance(states, Mapping) or (not states and world_size() == 1):
         raise ValueError("states must be a non-empty dict of {name: train state}")
     for name, state in states.items():
         if not isinstance(name, str) or not _STATE_NAME.match(name):
@@ -445,7 +446,8 @@ def save_checkpoint(
     """Save ``states`` (model + optimizer, sharded), ``extra`` and every rank's RNG as ``ckpt_dir/step_<step>``.
 
     Call on every rank, each with the states it holds: all of them, or under split placement its pool's
-    roles (the checkpoint then holds every pool's, and each rank loads its own). ``extra`` must be the
+    roles (the checkpoint then holds every pool's, and each rank loads its own; a rank of a pool that trains
+    nothing, such as a rollout pool, passes ``{}``). ``extra`` must be the
     same on every rank. Returns the checkpoint path (all ranks, after the rename), or with
     ``async_save=True`` a :class:`PendingCheckpoint` whose ``wait()`` returns it. ``keep_last``: keep
     only the newest K complete checkpoints (None: keep all). ``config``: the settings a resume must
