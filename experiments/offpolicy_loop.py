@@ -17,10 +17,16 @@ is off-policy), update, and after every update trainer rank 0 broadcasts the wei
 trainer pool).
 
 **Ordering.** Per step every rank does, in this order: the weights' broadcast on the push group (trainer rank 0
-and the rollout ranks), then the world's SIGTERM agreement (:func:`watchdog.stop_agreed`). A rollout rank calls
-both for version ``v`` just before it samples the batch that needs ``v``, so its sampling still overlaps the
-trainer's next ``L`` updates. Samples travel with ``isend`` and never block the rollout rank; a stop drains
-what is still in flight up to the sender's sentinel.
+and the rollout ranks), then the world's checkpoint / stop check (:func:`experiments.stages.checkpoint_or_stop`:
+the SIGTERM agreement and, on the checkpoint schedule, the save). A rollout rank makes both for version ``v`` just
+before it samples the batch that needs ``v``, so its sampling still overlaps the trainer's next ``L`` updates.
+Samples travel with ``isend`` and never block the rollout rank; a stop drains what is still in flight up to the
+sender's sentinel.
+
+**Checkpoints.** A checkpoint drains the pipeline: the batch after checkpoint step ``c`` is sampled by version
+``c`` (:func:`sampling_version`), so nothing sampled ahead of it is lost or needed, and a run resumed from it trains
+on the batches the uninterrupted run trained on. The trainers save the actor; the rollout ranks save nothing but
+take part, and on resume take the step and the prompt stream's position (``step x prompts_per_step``) from it.
 """
 
 from __future__ import annotations
@@ -239,7 +245,8 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=start * cfg.prompts_per_step)
 
     def save(version: int) -> None:  # no trained state here: the rollout rank joins the save's collectives
-        if stream.drawn != version * cfg.prompts_per_step:
+        scheduled = version % cfg.checkpoint.every == 0 or version == steps  # not a stop's save: nothing sampled ahead
+        if scheduled and stream.drawn != version * cfg.prompts_per_step:
             raise RuntimeError(f"rollout rank {dist.get_rank()} drew {stream.drawn} prompts by checkpoint step {version}, "
                                f"expected {version * cfg.prompts_per_step} (nothing may be sampled ahead of a checkpoint)")
         extra = checkpoint_extra(version, cfg, run, before, wall_before + time.time() - t_start, bound=None)

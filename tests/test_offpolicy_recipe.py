@@ -139,3 +139,24 @@ def test_one_step_off_resumes_exactly_from_a_checkpoint(tmp_path, data_dir):
     resumed_weights = _final_weights(tmp_path)
     assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("step_2")
+
+
+@pytest.mark.checkpoint
+def test_sigterm_with_checkpoints_saves_where_it_stops_and_resumes(tmp_path, data_dir):
+    """SIGTERM on the rollout rank while it samples step 3 (batch 3 drawn ahead of the stop): every rank stops after
+    step 2 and saves there; resume=auto samples step 3 again with the weights of step 2 and finishes the run."""
+    import os
+    from unittest import mock
+
+    args = ("offpolicy.mode=one_step_off", "checkpoint.every=10")
+    with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "term:rank=1:step=3:phase=rollout"}):
+        out = split_run(tmp_path, data_dir, *args, steps=5)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run_dir = the_run_dir(tmp_path, "grpo")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2"]
+    resumed = split_run(tmp_path, data_dir, *args, "resume=auto", f"run_dir={run_dir}", steps=5)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    rl = metrics(run_dir)
+    assert [r["step"] for r in rl] == [1, 2, 3, 4, 5]
+    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 0.0, 1.0, 1.0]  # step 3: sampled by the saved weights
+    assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("step_2")
