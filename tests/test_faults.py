@@ -271,6 +271,22 @@ def test_sigstop_of_one_rank_fires_the_other_ranks_watchdog(grpo_args, tmp_path)
     assert f"exitcode  : {DEADLINE_EXIT_CODE}" in job.stderr  # torchrun's report names the watchdog's exit
 
 
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_frozen_rank_in_the_sft_stage_fires_the_watchdog(grpo_args, tmp_path):
+    """The SFT stage before RL runs under the same "update" deadline: a rank frozen in SFT step -3 (counted up to
+    -1, as in the metrics log) is named by the other rank's watchdog."""
+    data = Path(next(a for a in grpo_args if a.startswith("data.train_files=")).split("=", 1)[1]).parent
+    args = [*grpo_args, *_where(tmp_path), f"sft.files={data / 'sft.jsonl'}", "sft.steps=6", "sft.batch_size=8",
+            "deadlines.update=5", "deadlines.process_group=120"]
+    job = _launch(args, fault="stop:rank=1:step=-3:phase=update")
+    assert job.returncode != 0 and job.after_fault < 60, job.stderr[-4000:]
+    line = next((x for x in job.stderr.splitlines() if "DEADLINE PASSED" in x), "")
+    assert "DEADLINE PASSED on rank 0 of 2 (grpo), step -3: phase 'update'" in line, job.stderr[-4000:]
+    assert "SFT update 4 of 6" in line
+
+
 def _send_sigterm_after_first_checkpoint(ckpt_dir: Path):
     def when(proc) -> bool:
         if not _complete(ckpt_dir):

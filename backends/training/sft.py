@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import rlfunc as rf
 from backends.data import DataError, column_value, prompt_token_ids, read_rows
+from backends.distributed import watchdog
 from backends.training.fsdp import update
 from backends.training.optim import OptimConfig, with_total_steps
 
@@ -206,7 +207,9 @@ def run_sft(
         examples = next_examples(step)
         if len(examples) != cfg.batch_size:
             raise ValueError(f"next_examples({step}) gave {len(examples)} examples, the stage's batch_size is {cfg.batch_size}")
-        state, metrics = update_fn(state, sft_batch(examples[dp_rank::dp_size], pad_token_id), nll_loss)
+        # the RL loop's "update" deadline applies; steps count up to -1 as in the metrics log
+        with watchdog.phase("update", step=step - cfg.steps, op=f"SFT update {step + 1} of {cfg.steps}"):
+            state, metrics = update_fn(state, sft_batch(examples[dp_rank::dp_size], pad_token_id), nll_loss)
         if metrics_log is not None and (step % 20 == 0 or step == cfg.steps - 1):
             metrics_log.log(step - cfg.steps, {"sft_loss": metrics["loss"]})
     return state
