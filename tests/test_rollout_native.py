@@ -13,7 +13,6 @@ import copy
 import attrs
 import pytest
 import torch
-from rlfunc.tree import tree_map
 
 from backends.cpu import decode_strategy
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
@@ -30,6 +29,7 @@ from backends.rollout.native import (
 )
 from rlfunc.batch import RolloutBatch, validate
 from rlfunc.logits import logprobs_from_logits
+from rlfunc.tree import tree_map
 
 TINY = dict(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
