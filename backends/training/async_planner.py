@@ -36,11 +36,16 @@ class SimulatedRun:
     pushed_s: tuple[float, ...]  #: when each weights version reached the rollout pool
 
 
+def per_step(cost: Sequence[float] | float, steps: int) -> list[float]:
+    """One cost per step: a scalar repeated ``steps`` times, or the given sequence as floats."""
+    return [float(cost)] * steps if isinstance(cost, (int, float)) else [float(x) for x in cost]
+
+
 def simulate_split(rollout_s: Sequence[float], train_s: Sequence[float], push_s: Sequence[float] | float = 0.0, *,
                    lag: int) -> SimulatedRun:
     """The split loop's timeline for ``len(rollout_s)`` steps with lag ``lag`` (see the module docstring)."""
     steps = len(rollout_s)
-    push = [float(push_s)] * steps if isinstance(push_s, (int, float)) else [float(x) for x in push_s]
+    push = per_step(push_s, steps)
     if len(train_s) != steps or len(push) != steps:
         raise ValueError(f"rollout_s, train_s and push_s need one cost per step: {steps}, {len(train_s)}, {len(push)}")
     if lag < 0:
@@ -75,8 +80,7 @@ def simulate_split(rollout_s: Sequence[float], train_s: Sequence[float], push_s:
 
 def ideal_overlap(rollout_s: Sequence[float], train_s: Sequence[float], push_s: Sequence[float] | float = 0.0) -> float:
     """The issue's yardstick: (rollout + update) / max(rollout, update), summed over the steps of a synchronous run."""
-    steps = len(rollout_s)
-    push = [float(push_s)] * steps if isinstance(push_s, (int, float)) else list(push_s)
+    push = per_step(push_s, len(rollout_s))
     rollout, update = sum(rollout_s), sum(t + p for t, p in zip(train_s, push))
     return (rollout + update) / max(rollout, update) if max(rollout, update) > 0 else 1.0
 
