@@ -44,7 +44,6 @@ from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum
-from backends.distributed.placement import concat_padded
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
@@ -65,6 +64,7 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
+from experiments.dynamic_sampling import GroupFiller, any_short
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
     checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
@@ -427,9 +427,7 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     """
     dp_rank, dp_size = engine.data_parallel(actor)
     share = cfg.prompts_per_step // dp_size
-    kept: list[tuple[rf.RolloutBatch, list]] = []
-    num_kept, rounds, drawn = 0, 0, 0
-    spare: tuple[rf.RolloutBatch, list] | None = None
+    filler, rounds, drawn = GroupFiller(share), 0, 0
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
         examples = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
         drawn += cfg.prompts_per_step
@@ -444,20 +442,12 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
         reward_metrics.update(episodes.metrics)
         if not cfg.algo.dynamic_sampling:
             return batch, rows, mean_over_ranks(reward_metrics)
-        informative = rf.informative_groups(batch.scores, group_ids=batch.group_ids)
-        take, rest = _first_groups(batch.group_ids, informative, share - num_kept)
-        kept.append((rf.select(batch, take), [rows[i] for i in take.tolist()]))
-        spare = (rf.select(batch, rest), [rows[i] for i in rest.tolist()])
-        num_kept += len(set(batch.group_ids[take].tolist()))
-        if all_reduce_sum(torch.tensor([float(num_kept < share)])).item() == 0:
+        filler.add(batch, rows)
+        if not any_short([filler]):
             break
-    if num_kept < share and spare is not None:  # the cap was reached: fill up with uninformative groups
-        fill, _ = _first_groups(spare[0].group_ids, torch.ones(len(spare[1]), dtype=torch.bool), share - num_kept)
-        kept.append((rf.select(spare[0], fill), [spare[1][i] for i in fill.tolist()]))
-    batch = concat_padded([b for b, _ in kept if rf.batch_size(b) > 0] or [kept[0][0]])
-    rows = [r for _, part in kept for r in part]
+    batch, rows, informative = filler.result()
     stats = {"sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
-             "sampling/informative_groups": float(num_kept) / share, **reward_metrics}
+             "sampling/informative_groups": informative, **reward_metrics}
     return batch, rows, mean_over_ranks(stats)
 
 
@@ -469,16 +459,6 @@ def mean_over_ranks(metrics: dict[str, float], group: Any = None) -> dict[str, f
     dist.all_gather_object(every, metrics, group=group)
     keys = dict.fromkeys(k for m in every for k in m)
     return {k: sum(m[k] for m in every if k in m) / sum(k in m for m in every) for k in keys}
-
-
-def _first_groups(group_ids: torch.Tensor, keep: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row indices of the first ``count`` groups (in row order) among the rows ``keep`` marks, and the rest."""
-    chosen: list[int] = []
-    for g in group_ids[keep].tolist():
-        if g not in chosen and len(chosen) < count:
-            chosen.append(g)
-    taken = torch.isin(group_ids, torch.tensor(chosen, dtype=group_ids.dtype)) & keep
-    return taken.nonzero().squeeze(-1), (~taken).nonzero().squeeze(-1)
 
 
 def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokenizer: Any, cfg: Config,

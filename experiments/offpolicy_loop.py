@@ -26,7 +26,12 @@ sender's sentinel.
 **Checkpoints.** A checkpoint drains the pipeline: the batch after checkpoint step ``c`` is sampled by version
 ``c`` (:func:`sampling_version`), so nothing sampled ahead of it is lost or needed, and a run resumed from it trains
 on the batches the uninterrupted run trained on. The trainers save the actor; the rollout ranks save nothing but
-take part, and on resume take the step and the prompt stream's position (``step x prompts_per_step``) from it.
+take part, and on resume take the step and the prompt stream's position from it (sent with each batch: dynamic
+sampling draws a varying number of prompts per step).
+
+**Dynamic sampling** (``algo.dynamic_sampling``): a rollout rank samples rounds for a batch until every share of the
+pool holds informative groups, all with the weights the schedule gives that batch, so the bound holds and the run
+is as reproducible as without it.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from backends.distributed.sample_channel import SampleReceiver, SampleSender, St
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
+from experiments.dynamic_sampling import GroupFiller, any_short
 from experiments.stages import checkpoint_or_stop, evaluate_policy, summarize
 
 __all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split", "sampling_version"]
@@ -97,14 +103,15 @@ def sampling_version(step: int, lag: int, every: int = 0, start: int = 0) -> int
     return max(step - 1 - lag, last_checkpoint, start, 0)
 
 
-def checkpoint_extra(step: int, cfg: Any, run: Any, before: dict, wall_seconds: float, bound: Any) -> dict:
+def checkpoint_extra(step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any) -> dict:
     """What a split run's checkpoint carries besides the actor, as trainer rank 0 (global rank 0) has it, on every
-    rank (a collective of the world): the step, how many prompts the rollout pool drew (every batch takes
-    ``prompts_per_step``, and nothing is sampled ahead of a checkpoint), the evaluation before training, the wall
-    time so far and the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout ranks)."""
+    rank (a collective of the world): the step, how many prompts the rollout pool had drawn by the batch of that step
+    (``drawn``, sent with the batch: dynamic sampling draws a varying number), the evaluation before training, the
+    wall time so far and the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout
+    ranks, whose ``drawn`` is not used)."""
     extra = None
     if bound is not None:
-        extra = {"step": step, "drawn": step * cfg.prompts_per_step, "run_dir": str(run.run_dir), "eval_before": before,
+        extra = {"step": step, "drawn": drawn, "run_dir": str(run.run_dir), "eval_before": before,
                  "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound)}
     box = [extra]
     dist.broadcast_object_list(box, src=0)
@@ -125,7 +132,6 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
                           "trainer rank and no more rollout ranks than trainer ranks")
     refused = {
         "actor.backend=megatron": cfg.actor.backend != "fsdp",
-        "algo.dynamic_sampling": cfg.algo.dynamic_sampling,
         "algo.kl_coef > 0 (a reference on the trainer pool)": cfg.algo.kl_coef > 0,
         "reward_model.path": bool(cfg.reward_model.path),
         "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
@@ -172,23 +178,57 @@ def build_split(cfg: Any, env: Any) -> Split:
                  push_group=push, lag=lag(cfg.offpolicy), bucket_bytes=int(sync_bucket_mb(cfg.rollout) * 2**20))
 
 
-def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float]) -> dict[str, Any]:
-    """A batch as the sample channel's payload: its fields (tensors or None) and its sampling metrics."""
-    return {"batch": {f.name: getattr(batch, f.name) for f in attrs.fields(type(batch))}, "metrics": metrics}
+def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float], drawn: int) -> dict[str, Any]:
+    """A batch as the sample channel's payload: its fields (tensors or None), its sampling metrics and the prompt
+    stream's position after it (what a checkpoint of its step records)."""
+    return {"batch": {f.name: getattr(batch, f.name) for f in attrs.fields(type(batch))}, "metrics": metrics,
+            "drawn": drawn}
 
 
 def sample_share(rollout: Any, examples: list, scorer: Any, tokenizer: Any, cfg: Any, step: int, rank: int,
-                 size: int, environments: Any, parts: RecipeParts) -> tuple[rf.RolloutBatch, dict[str, float]]:
-    """Trainer pool rank ``rank``'s share of ``step``'s prompts, sampled and scored with the seed the colocated
-    loop gives data rank ``rank`` (one sampling round)."""
+                 size: int, environments: Any, parts: RecipeParts,
+                 rounds: int = 1) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
+    """Trainer pool rank ``rank``'s share of ``step``'s prompts of sampling round ``rounds``, sampled and scored with
+    the seed and group ids the colocated loop gives data rank ``rank``: the batch, each row's example, metrics."""
     mine = examples[rank::size]
-    seed = ((cfg.seed * 1_000_003 + step) * 64 + 1) * size + rank
+    seed = ((cfg.seed * 1_000_003 + step) * 64 + rounds) * size + rank
+    offset = (rounds - 1) * len(mine)
     episodes = sample(rollout, mine, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
-                      environments=environments, group_ids=torch.arange(len(mine)), chat_template=cfg.data.chat_template)
-    rows = [mine[g] for g in episodes.batch.group_ids.tolist()]
+                      environments=environments, group_ids=torch.arange(len(mine)) + offset,
+                      chat_template=cfg.data.chat_template)
+    rows = [mine[g - offset] for g in episodes.batch.group_ids.tolist()]
     with watchdog.phase("reward", step=step, op="reward functions on the sampled responses"):
         batch, metrics = parts.score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids)
-    return batch, {**metrics, **episodes.metrics}
+    return batch, rows, {**metrics, **episodes.metrics}
+
+
+def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any, cfg: Any, step: int, split: Split,
+                environments: Any, parts: RecipeParts, pool_group: Any) -> dict[int, tuple[rf.RolloutBatch, dict]]:
+    """This rollout rank's batch of ``step`` for each trainer (pool rank) it serves, with its metrics. One round of
+    ``prompts_per_step`` prompts; with dynamic sampling, rounds continue (every round with the weights this batch is
+    scheduled for) until every share of the whole rollout pool holds informative groups or ``algo.max_sampling_rounds``
+    is reached, as in the colocated loop (:mod:`experiments.dynamic_sampling`)."""
+    mine, trainers = split.served_by(dist.get_rank()), len(split.trainers)
+    fillers = {t: GroupFiller(cfg.prompts_per_step // trainers) for t in mine}
+    out: dict[int, tuple[rf.RolloutBatch, dict]] = {}
+    drawn = 0
+    for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
+        examples = stream.take(cfg.prompts_per_step)
+        drawn += cfg.prompts_per_step
+        for t in mine:
+            batch, rows, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers,
+                                                environments, parts, rounds)
+            out[t] = (batch, metrics)
+            fillers[t].add(batch, rows)
+        if not cfg.algo.dynamic_sampling or not any_short(list(fillers.values()), group=pool_group):
+            break
+    if not cfg.algo.dynamic_sampling:
+        return out
+    for t, filler in fillers.items():
+        batch, _, informative = filler.result()
+        out[t] = (batch, {**out[t][1], "sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
+                          "sampling/informative_groups": informative})
+    return out
 
 
 def receive_weights(rollout: Any, split: Split, version: int, device: Any) -> Any:
@@ -232,41 +272,40 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
     pool_env = split.placement.env("critic")
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=parts.max_context)
-    start, before, t_start, wall_before = 0, {}, time.time(), 0.0
+    start, before, t_start, wall_before, drawn = 0, {}, time.time(), 0.0, 0
     if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
         with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
             _, extra = load_checkpoint(run.resume_from, {}, config=run.must_match)
-        start, before, wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
+        start, before, wall_before, drawn = extra["step"], extra["eval_before"], extra["wall_seconds"], extra["drawn"]
     rollout = receive_weights(rollout, split, start, env.device)
     if run.resume_from is None:
         with watchdog.phase("eval", step=0):
             before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments) if cfg.eval.before_training else {}
         share_from_rollouts(before, split)
-    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=start * cfg.prompts_per_step)
+    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=drawn)
 
     def save(version: int) -> None:  # no trained state here: the rollout rank joins the save's collectives
+        extra = checkpoint_extra(version, stream.drawn, run, before, wall_before + time.time() - t_start, bound=None)
         scheduled = version % cfg.checkpoint.every == 0 or version == steps  # not a stop's save: nothing sampled ahead
-        if scheduled and stream.drawn != version * cfg.prompts_per_step:
+        if scheduled and stream.drawn != extra["drawn"]:
             raise RuntimeError(f"rollout rank {dist.get_rank()} drew {stream.drawn} prompts by checkpoint step {version}, "
-                               f"expected {version * cfg.prompts_per_step} (nothing may be sampled ahead of a checkpoint)")
-        extra = checkpoint_extra(version, cfg, run, before, wall_before + time.time() - t_start, bound=None)
+                               f"its batch says {extra['drawn']} (nothing may be sampled ahead of a checkpoint)")
         with watchdog.phase("checkpoint", step=version, op=f"save_checkpoint({run.ckpt_dir}/step_{version})"):
             save_checkpoint(run.ckpt_dir, version, {}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
 
     sender = SampleSender(timeout_s=cfg.deadlines.process_group or 1800.0)
-    mine, trainers = split.served_by(dist.get_rank()), len(split.trainers)
+    mine = split.served_by(dist.get_rank())
     received, stopped = start, False
     for step in range(start + 1, steps + 1):
         need = sampling_version(step, split.lag, cfg.checkpoint.every, start)
         rollout, received, stopped = receive_through(need, rollout, received, split, env, steps, cfg, run, save, log)
         if stopped:
             break
-        examples = stream.take(cfg.prompts_per_step)
         with watchdog.phase("rollout", step=step):
-            for t in mine:
-                batch, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers, environments,
-                                              parts)
-                sender.send_samples(batch_payload(batch, metrics), dst=split.trainers[t], version=received, step=step)
+            batches = sample_step(rollout, stream, scorer, tokenizer, cfg, step, split, environments, parts, pool_env.group)
+        for t, (batch, metrics) in batches.items():
+            sender.send_samples(batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received,
+                                step=step)
     if not stopped:  # the updates after the last batch
         rollout, received, stopped = receive_through(steps, rollout, received, split, env, steps, cfg, run, save, log)
     sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
@@ -303,19 +342,19 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
                                **build_kwargs)
     ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
-    start, before, wall_before, bound = 0, {}, 0.0, StalenessBound(max_staleness=split.lag)
+    start, before, wall_before, bound, drawn = 0, {}, 0.0, StalenessBound(max_staleness=split.lag), 0
     if run.resume_from is not None:  # the actor's weights, AdamW state and step, every rank's RNG, the counts
         with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
             states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
         actor, start, before, wall_before = states[ckpt_name], extra["step"], extra["eval_before"], extra["wall_seconds"]
-        bound = StalenessBound(**extra["staleness"])
+        bound, drawn = StalenessBound(**extra["staleness"]), extra["drawn"]
     push_weights(engine, actor, split, start, gather)
     if run.resume_from is None:
         before = share_from_rollouts(None, split)
         mlog.log(0, before)
 
     def save(step: int) -> None:  # the actor sharded with AdamW, RNG, the step and the rollout pool's stream position
-        extra = checkpoint_extra(step, cfg, run, before, wall_before + time.time() - t_start, bound=bound)
+        extra = checkpoint_extra(step, drawn, run, before, wall_before + time.time() - t_start, bound=bound)
         with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
             save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last,
                             config=run.must_match)
@@ -324,7 +363,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
     src = split.rollout_of(tenv.rank)
     preempted_at = None
     for step in range(start + 1, steps + 1):
-        actor, stats = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, parts)
+        actor, stats, drawn = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, parts)
         t_sync = time.time()
         push_weights(engine, actor, split, step, gather)
         stats["sync_time_s"] = time.time() - t_sync
@@ -348,8 +387,9 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
 
 
 def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, src: int, bound: StalenessBound,
-                 step: int, tenv: Any, parts: RecipeParts) -> tuple[Any, dict]:
-    """Receive batch ``step``, check its staleness, recompute the old log-probs, advantages, the update."""
+                 step: int, tenv: Any, parts: RecipeParts) -> tuple[Any, dict, int]:
+    """Receive batch ``step``, check its staleness, recompute the old log-probs, advantages, the update: the actor,
+    the step's metrics and the prompt stream's position after the batch."""
     t0 = time.time()
     with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
         payload, version, sent_step = receiver.recv_samples(src=src)
@@ -374,4 +414,4 @@ def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, sr
     stats = {**parts.mean_over_ranks(payload["metrics"], tenv.group),
              **parts.step_stats(batch, skip, times, tenv.world_size, group=tenv.group),
              **metrics, **{k: float(v) for k, v in provenance.items()}, **bound.metrics()}
-    return actor, stats
+    return actor, stats, payload["drawn"]

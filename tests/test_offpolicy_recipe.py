@@ -95,8 +95,8 @@ def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
 def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
     out = run(GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off")
     assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "algo.dynamic_sampling=true")
-    assert out.returncode != 0 and "does not support algo.dynamic_sampling" in out.stderr
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "eval.every=2")
+    assert out.returncode != 0 and "does not support eval.every" in out.stderr
 
 
 def test_sigterm_on_the_rollout_rank_stops_every_rank_after_the_same_step(tmp_path, data_dir):
@@ -160,3 +160,38 @@ def test_sigterm_with_checkpoints_saves_where_it_stops_and_resumes(tmp_path, dat
     assert [r["step"] for r in rl] == [1, 2, 3, 4, 5]
     assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 0.0, 1.0, 1.0]  # step 3: sampled by the saved weights
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("step_2")
+
+
+DIGIT_REWARD = """
+def starts_with_a_digit(response, ground_truth, **columns):
+    return 1.0 if response[:1].isdigit() else 0.0
+"""
+
+
+@pytest.mark.checkpoint
+def test_dynamic_sampling_on_the_split_resumes_exactly(tmp_path, data_dir):
+    """Dynamic sampling draws a varying number of prompts per step (a reward most groups agree on); the batch carries
+    the stream's position, so a run resumed from a checkpoint draws the same prompts: the same metrics and weights."""
+    reward = tmp_path / "digit_reward.py"
+    reward.write_text(DIGIT_REWARD)
+    args = ("offpolicy.mode=one_step_off", "checkpoint.every=2", "algo.dynamic_sampling=true",
+            "algo.max_sampling_rounds=3", f"reward.fn={reward}:starts_with_a_digit")
+    out = split_run(tmp_path, data_dir, *args, steps=4)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run_dir = the_run_dir(tmp_path, "grpo")
+    drop = ("step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "tokens_per_s", "time", "wall_time")
+    first = [{k: v for k, v in r.items() if k not in drop} for r in metrics(run_dir)]
+    rounds = [r["sampling/rounds"] for r in first]
+    assert [r["sampling/prompts_drawn"] for r in first] == [4.0 * n for n in rounds]
+    assert all(1 <= n <= 3 for n in rounds), rounds  # never past the cap
+    assert sum(rounds[:2]) > 2, rounds  # the resume point is not at 2 x prompts_per_step: the position travelled
+    assert [r["staleness/last"] for r in first] == [0.0, 1.0, 0.0, 1.0]
+    weights = _final_weights(tmp_path)
+    resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
+                        steps=4)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    again = [{k: v for k, v in r.items() if k not in drop} for r in metrics(run_dir)]
+    differ = [(r["step"], k, f.get(k), r.get(k)) for f, r in zip(first, again) for k in sorted(set(f) | set(r)) if f.get(k) != r.get(k)]
+    assert not differ, differ  # (step, metric, uninterrupted, resumed)
+    resumed_weights = _final_weights(tmp_path)
+    assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
