@@ -6,8 +6,10 @@
 - (d) ``bounded`` with ``max_staleness=2``.
 
 Every run starts from the same policy: the arithmetic task's tiny model after the demo's SFT stage (done once,
-``--sft-steps``). Its answers are a few tokens long; ``rollout.max_new_tokens`` and the task's overrides after
-``--`` change the lengths. Each run trains ``--steps`` GRPO steps and reports, from its metrics: the RL
+``--sft-steps``). Its answers are a few tokens long; with ``--long-tail`` the SFT responses restate the answer a
+heavy-tailed number of times before it (``--think-mean`` on average, at most ``--think-max``; see
+experiments/tasks/arithmetic.py), so most responses are short and a few are long, and ``rollout.max_new_tokens``
+grows to fit. Each run trains ``--steps`` GRPO steps and reports, from its metrics: the RL
 loop's time (the trainer's step times plus weight pushes), samples per second, the median rollout wait and update
 time per step, the mean and largest response length and the held-out success before and after.
 
@@ -19,7 +21,8 @@ the machine and the command.
 
     python benchmarks/bench_async.py                                   # a, b, c, d; seeds 0,1,2 for a and c
     python benchmarks/bench_async.py --configs b,c --seeds 0 --steps 40
-    python benchmarks/bench_async.py -- rollout.max_new_tokens=48      # extra overrides for every run
+    python benchmarks/bench_async.py --long-tail --steps 150            # long-tailed response lengths
+    python benchmarks/bench_async.py -- algo.rollout_is=token          # extra overrides for every run
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ def read_run(run_dir: Path, split: bool) -> dict:
         "update_s": statistics.median(r["step_time_s"] - r["rollout_time_s"] for r in steps),
         "push_s": statistics.median(r.get("sync_time_s", 0.0) for r in steps),
         "length": statistics.mean(r["response_length"] for r in steps),
+        "longest": statistics.mean(r["response_length_max"] for r in steps),
         "before": summary["eval_before"], "after": summary["eval_after"],
         "per_step": [(r["num_tokens"], r["rollout_time_s"], r["step_time_s"] - r["rollout_time_s"], r.get("sync_time_s", 0.0))
                      for r in steps],
@@ -96,15 +100,21 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2", help="for (a) and (c); (b) and (d) run the first")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--sft-steps", type=int, default=300, help="SFT updates of the shared start (the demo's)")
+    parser.add_argument("--long-tail", action="store_true", help="heavy-tailed response lengths (filler thoughts)")
+    parser.add_argument("--think-mean", type=float, default=3.0, help="--long-tail: restatements of the answer, mean")
+    parser.add_argument("--think-max", type=int, default=12, help="--long-tail: restatements of the answer, most")
     parser.add_argument("--keep", default="", help="keep the runs under this dir (default: a temporary one)")
     parser.add_argument("overrides", nargs="*", help="extra recipe overrides for every run (after --)")
     args = parser.parse_args()
     from experiments.tasks.arithmetic import write_dataset
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rlfunc-async-"))
-    data = write_dataset(root / "data")
+    think = {"think_mean": args.think_mean, "think_max": args.think_max} if args.long_tail else {}
+    data = write_dataset(root / "data", **think)
     common = ["preset=demo/arithmetic", f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
               "eval.every=0", "logger=jsonl", "checkpoint.every=0"]
+    if args.long_tail:  # room for the longest thought (answers up to 3 digits and a comma), "####" and the answer
+        common.append(f"rollout.max_new_tokens={4 * args.think_max + 8}")
     print(f"start: {args.sft_steps} SFT steps -> {root / 'start'}", flush=True)
     torchrun([*common, f"run_root={root / 'start'}", "name=start", f"sft.files={data / 'sft.jsonl'}",
               f"sft.steps={args.sft_steps}", "steps=1", "eval.max_prompts=8"], root / "start.log")
@@ -126,12 +136,12 @@ def main() -> None:
 
 def report(results: dict[str, list[dict]], steps: int) -> None:
     print(f"\n{steps} GRPO steps per run; medians per step; held-out: mean over seeds (min..max)")
-    print("config | seeds | loop s | samples/s | rollout wait s | update s | push s | resp. length | held-out after")
+    print("config | seeds | loop s | samples/s | rollout wait s | update s | push s | resp. length mean / batch max | held-out after")
     for key, runs in results.items():
         after = [r["after"] for r in runs]
         mean = lambda k: statistics.mean(r[k] for r in runs)  # noqa: E731
         print(f"({key}) {CONFIGS[key][0]} | {len(runs)} | {mean('loop_s'):.1f} | {mean('samples_per_s'):.1f} | "
-              f"{mean('rollout_s'):.3f} | {mean('update_s'):.3f} | {mean('push_s'):.3f} | {mean('length'):.1f} | "
+              f"{mean('rollout_s'):.3f} | {mean('update_s'):.3f} | {mean('push_s'):.3f} | {mean('length'):.1f} / {mean('longest'):.1f} | "
               f"{statistics.mean(after):.1%} ({min(after):.1%}..{max(after):.1%})")
     if "b" not in results:
         return

@@ -43,7 +43,7 @@ from backends.config import ConfigError, apply_overrides, config_help, resolve_f
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
-from backends.distributed.collectives import all_reduce_sum
+from backends.distributed.collectives import all_reduce_max, all_reduce_sum
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
@@ -498,9 +498,12 @@ def step_stats(batch: rf.RolloutBatch, skip: torch.Tensor | None, times: dict[st
         (batch.prompt_mask.sum() + batch.response_mask.sum()).float(), skip.float().sum() if skip is not None else torch.zeros(()),
     ])
     score_sum, length_sum, rows, num_tokens, skipped = all_reduce_sum(local, group=group).tolist()
+    lengths = batch.response_mask.sum(-1).float()
+    longest = all_reduce_max(torch.cat([lengths, lengths.new_zeros(1)]).max(), group=group).item()  # a long tail's cost
     world_per_replica = max(rows, 1.0) / max(float(rf.batch_size(batch)) * dp_size, 1.0)  # megatron peers repeat rows
     return {
         "reward_mean": score_sum / max(rows, 1.0), "response_length": length_sum / max(rows, 1.0),
+        "response_length_max": longest,
         "tokens_per_s": num_tokens / world_per_replica / times["step_time_s"], **times, "skipped_rows": skipped / max(rows, 1.0),
     }
 

@@ -42,6 +42,30 @@ def test_sft_answers_are_wrong_by_the_fraction_and_seeded():
         list(sft_rows(problems, 1, 1.0, seed=0))
 
 
+def test_long_tailed_thoughts_keep_the_answers_and_the_reward():
+    """With ``think_mean``, responses restate the answer a heavy-tailed number of times (up to the cap) before
+    ``####<answer>``; the answers are those of the plain rows (same seed), and the built-in reward accepts the format."""
+    from rlfunc.rewards import arithmetic_reward
+
+    problems = ArithmeticTask().train()
+    plain = list(sft_rows(problems, 4000, 0.4, seed=0))
+    long = list(sft_rows(problems, 4000, 0.4, seed=0, think_mean=3.0, think_max=12))
+    counts = []
+    for p, row in zip(plain, long):
+        thought, answer = row["response"].split("####")
+        assert row["prompt"] == p["prompt"] and answer == p["response"]
+        assert thought == f"{answer}," * thought.count(",")
+        counts.append(thought.count(","))
+        a, b = map(int, row["prompt"][0]["content"][:-1].split("+"))
+        assert arithmetic_reward(row["response"], a + b) == (1.0 if int(answer) == a + b else 0.0)
+    counts.sort()
+    median, p90 = counts[len(counts) // 2], counts[int(0.9 * len(counts))]
+    assert median == 1 and p90 >= 5 and max(counts) == 12  # most short, a long tail, capped
+    assert 0.03 < counts.count(12) / len(counts) < 0.05  # the Lomax tail past the cap: (1 + 12 / 3) ** -2 = 4%
+    with pytest.raises(ValueError, match="think_mean"):
+        list(sft_rows(problems, 1, 0.0, seed=0, think_mean=-1.0))
+
+
 def test_bad_heldout_size():
     with pytest.raises(ValueError, match="num_heldout"):
         ArithmeticTask(max_operand=2, max_second_operand=2, num_heldout=9)

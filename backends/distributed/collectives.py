@@ -59,11 +59,11 @@ def all_reduce_sum(tensor: Tensor, group: Any = None) -> Tensor:
     return out
 
 
-def all_reduce_max(tensor: Tensor) -> Tensor:
-    """Elementwise max of ``tensor`` over all ranks, as a new tensor."""
+def all_reduce_max(tensor: Tensor, group: Any = None) -> Tensor:
+    """Elementwise max of ``tensor`` over all ranks (or those of ``group``), as a new tensor."""
     out = tensor.clone()
     if world_size() > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
 
 

@@ -14,6 +14,12 @@ writes, and then trains on,
 - ``sft.jsonl``: (prompt, response) examples for the SFT stage, drawn from the training pairs with a
   controlled share of wrong answers (off by 1..9): the policy learns the answer format without being
   sharpened on one answer, so RL's samples still disagree within a group.
+
+With ``--think-mean M`` the SFT responses put a "thought" before the final answer: the answer restated ``k`` times
+(``42,42,42,####42``, which the reward accepts), ``k`` drawn from a heavy-tailed (Lomax) distribution with mean
+``M``, at most ``--think-max``. The first number is computed right after the prompt, as in the plain task, and the
+rest is copying, so the task stays as learnable while the policy learns long-tailed response lengths: the workload
+where a batch's generation waits for its longest response (``benchmarks/bench_async.py --long-tail``).
 """
 
 from __future__ import annotations
@@ -83,23 +89,36 @@ def chat_row(problem: Problem) -> dict[str, Any]:
     return {"prompt": [{"role": "user", "content": problem.prompt}], "answer": str(problem.answer), "data_source": "arithmetic"}
 
 
-def sft_rows(problems: list[Problem], count: int, wrong_answer_fraction: float, seed: int) -> Iterator[dict[str, Any]]:
+def thought_length(rng: random.Random, mean: float, cap: int) -> int:
+    """A heavy-tailed length: Lomax (Pareto II) with shape 2 and scale ``mean`` (so its mean is ``mean``; the tail
+    falls off as a power, not exponentially), rounded down and capped at ``cap``."""
+    return min(cap, int(mean * ((1.0 - rng.random()) ** -0.5 - 1.0)))
+
+
+def sft_rows(problems: list[Problem], count: int, wrong_answer_fraction: float, seed: int, *, think_mean: float = 0.0,
+             think_max: int = 12) -> Iterator[dict[str, Any]]:
     """``count`` (prompt, response) rows drawn from ``problems``; each answer is, with probability
-    ``wrong_answer_fraction``, moved by a nonzero offset in [-9, 9] (reflected to stay >= 0)."""
+    ``wrong_answer_fraction``, moved by a nonzero offset in [-9, 9] (reflected to stay >= 0). With ``think_mean > 0``
+    a response is ``<answer>,`` ``k`` times, then ``####<answer>``, ``k`` from :func:`thought_length`."""
     if not 0.0 <= wrong_answer_fraction < 1.0:
         raise ValueError(f"wrong_answer_fraction must be in [0, 1), got {wrong_answer_fraction}")
-    rng = random.Random(f"sft-{seed}")
+    if think_mean < 0 or think_max < 0:
+        raise ValueError(f"think_mean and think_max must be >= 0, got {think_mean} and {think_max}")
+    rng, thoughts = random.Random(f"sft-{seed}"), random.Random(f"think-{seed}")  # the answers do not depend on thoughts
     for _ in range(count):
         p = rng.choice(problems)
         answer = p.answer
         if rng.random() < wrong_answer_fraction:
             offset = rng.choice([d for d in range(-9, 10) if d != 0])
             answer = answer + offset if answer + offset >= 0 else answer - offset
-        yield {"prompt": [{"role": "user", "content": p.prompt}], "response": str(answer)}
+        response = str(answer)
+        if think_mean > 0:
+            response = f"{response}," * thought_length(thoughts, think_mean, think_max) + "####" + response
+        yield {"prompt": [{"role": "user", "content": p.prompt}], "response": response}
 
 
 def write_dataset(out_dir: str | Path, task: ArithmeticTask = ArithmeticTask(), *, sft_examples: int = 19_200,
-                  wrong_answer_fraction: float = 0.5, seed: int = 0) -> Path:
+                  wrong_answer_fraction: float = 0.5, seed: int = 0, think_mean: float = 0.0, think_max: int = 12) -> Path:
     """Write ``train.jsonl``, ``val.jsonl`` and ``sft.jsonl`` into ``out_dir`` (see the module doc)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +126,7 @@ def write_dataset(out_dir: str | Path, task: ArithmeticTask = ArithmeticTask(), 
     files = {
         "train.jsonl": map(chat_row, train),
         "val.jsonl": map(chat_row, task.heldout()),
-        "sft.jsonl": sft_rows(train, sft_examples, wrong_answer_fraction, seed),
+        "sft.jsonl": sft_rows(train, sft_examples, wrong_answer_fraction, seed, think_mean=think_mean, think_max=think_max),
     }
     return write_jsonl_files(out, files)
 
@@ -121,10 +140,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-examples", type=int, default=19_200)
     parser.add_argument("--wrong-answer-fraction", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--think-mean", type=float, default=0.0, help="SFT answers restated this many times on average first (0: no thought)")
+    parser.add_argument("--think-max", type=int, default=12, help="the most restatements of a thought")
     args = parser.parse_args(argv)
     task = ArithmeticTask(max_operand=args.max_operand, max_second_operand=args.max_second_operand, num_heldout=args.num_heldout)
     out = write_dataset(args.out, task, sft_examples=args.sft_examples, wrong_answer_fraction=args.wrong_answer_fraction,
-                        seed=args.seed)
+                        seed=args.seed, think_mean=args.think_mean, think_max=args.think_max)
     print(f"wrote {out}/train.jsonl ({task.num_pairs - task.num_heldout} prompts), val.jsonl ({task.num_heldout}), "
           f"sft.jsonl ({args.sft_examples})")
 
