@@ -135,7 +135,6 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
         "algo.kl_coef > 0 (a reference on the trainer pool)": cfg.algo.kl_coef > 0,
         "reward_model.path": bool(cfg.reward_model.path),
         "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
-        "eval.every > 0 (only the evaluations before and after training)": bool(cfg.eval.every),
         "dump_generations_every > 0": bool(cfg.dump_generations_every),
         "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
     }
@@ -293,12 +292,22 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
         with watchdog.phase("checkpoint", step=version, op=f"save_checkpoint({run.ckpt_dir}/step_{version})"):
             save_checkpoint(run.ckpt_dir, version, {}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
 
+    last_eval: dict = {}
+
+    def after_version(rollout: Any, version: int) -> bool:  # what the trainers do after pushing it, in their order
+        if cfg.eval.every and version % cfg.eval.every == 0:  # with these weights, overlapping the trainer's next updates
+            with watchdog.phase("eval", step=version):
+                last_eval.update(step=version, metrics=evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env,
+                                                                       environments))
+            share_from_rollouts(last_eval["metrics"], split)
+        return checkpoint_or_stop(version, steps, cfg, run, save, log)
+
     sender = SampleSender(timeout_s=cfg.deadlines.process_group or 1800.0)
     mine = split.served_by(dist.get_rank())
     received, stopped = start, False
     for step in range(start + 1, steps + 1):
         need = sampling_version(step, split.lag, cfg.checkpoint.every, start)
-        rollout, received, stopped = receive_through(need, rollout, received, split, env, steps, cfg, run, save, log)
+        rollout, received, stopped = receive_through(need, rollout, received, split, env, after_version)
         if stopped:
             break
         with watchdog.phase("rollout", step=step):
@@ -307,9 +316,9 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
             sender.send_samples(batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received,
                                 step=step)
     if not stopped:  # the updates after the last batch
-        rollout, received, stopped = receive_through(steps, rollout, received, split, env, steps, cfg, run, save, log)
+        rollout, received, stopped = receive_through(steps, rollout, received, split, env, after_version)
     sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
-    if not stopped:
+    if not stopped and last_eval.get("step") != steps:  # else the evaluation on eval.every at the last step is final
         with watchdog.phase("eval", step=steps):
             after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
         share_from_rollouts(after, split)
@@ -317,14 +326,15 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
     return {}
 
 
-def receive_through(version: int, rollout: Any, received: int, split: Split, env: Any, steps: int, cfg: Any, run: Any,
-                    save: Callable[[int], None], log: Any) -> tuple[Any, int, bool]:
-    """The versions after ``received`` up to ``version`` into the rollout engine, in order, each followed by the
-    checkpoint / stop check the trainers make after pushing it: ``(rollout, last received, stopped)``."""
+def receive_through(version: int, rollout: Any, received: int, split: Split, env: Any,
+                    after_version: Callable[[Any, int], bool]) -> tuple[Any, int, bool]:
+    """The versions after ``received`` up to ``version`` into the rollout engine, in order, each followed by
+    ``after_version(rollout, v)``: what the trainers do after pushing it (an evaluation on ``eval.every``, the
+    checkpoint / stop check, which says whether to stop): ``(rollout, last received, stopped)``."""
     while received < version:
         received += 1
         rollout = receive_weights(rollout, split, received, env.device)
-        if checkpoint_or_stop(received, steps, cfg, run, save, log):
+        if after_version(rollout, received):
             return rollout, received, True
     return rollout, received, False
 
@@ -361,12 +371,16 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
 
     receiver = SampleReceiver(timeout_s=cfg.deadlines.process_group or 1800.0)
     src = split.rollout_of(tenv.rank)
-    preempted_at = None
+    preempted_at, last_eval = None, {}
     for step in range(start + 1, steps + 1):
         actor, stats, drawn = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, parts)
         t_sync = time.time()
         push_weights(engine, actor, split, step, gather)
         stats["sync_time_s"] = time.time() - t_sync
+        if cfg.eval.every and step % cfg.eval.every == 0:  # the rollout pool evaluates these weights
+            with watchdog.phase("eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"):
+                last_eval = {"step": step, "metrics": share_from_rollouts(None, split)}
+            stats.update(last_eval["metrics"])
         mlog.log(step, stats)
         if checkpoint_or_stop(step, steps, cfg, run, save, log):  # the rollout pool makes the same call for the version
             preempted_at = step
@@ -376,8 +390,11 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         log.warning(f"stopped with {dropped} batch(es) from rank {src} in flight, dropped")
         summary = {"preempted_at_step": preempted_at, "run_dir": str(run.run_dir)}
     else:
-        after = share_from_rollouts(None, split)
-        mlog.log(steps, after)
+        if last_eval.get("step") == steps:  # the last step's evaluation is the final one
+            after = last_eval["metrics"]
+        else:
+            after = share_from_rollouts(None, split)
+            mlog.log(steps, after)
         if cfg.export_hf:
             with watchdog.phase("checkpoint", step=steps, op="export_hf(final_model)"):
                 engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
