@@ -48,13 +48,13 @@ from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.config import ConfigError
 from backends.data import PromptStream
 from backends.distributed import watchdog
-from backends.distributed.placement import PlacementConfig, build_placement
+from backends.distributed.placement import PlacementConfig, build_placement, concat_padded
 from backends.distributed.sample_channel import SampleReceiver, SampleSender, StalenessBound
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
 from experiments.dynamic_sampling import GroupFiller, any_short
-from experiments.stages import checkpoint_or_stop, evaluate_policy, summarize
+from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, summarize
 
 __all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split", "sampling_version"]
 
@@ -135,7 +135,6 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
         "algo.kl_coef > 0 (a reference on the trainer pool)": cfg.algo.kl_coef > 0,
         "reward_model.path": bool(cfg.reward_model.path),
         "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
-        "dump_generations_every > 0": bool(cfg.dump_generations_every),
         "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
     }
     for what, bad in refused.items():
@@ -202,14 +201,15 @@ def sample_share(rollout: Any, examples: list, scorer: Any, tokenizer: Any, cfg:
 
 
 def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any, cfg: Any, step: int, split: Split,
-                environments: Any, parts: RecipeParts, pool_group: Any) -> dict[int, tuple[rf.RolloutBatch, dict]]:
-    """This rollout rank's batch of ``step`` for each trainer (pool rank) it serves, with its metrics. One round of
+                environments: Any, parts: RecipeParts, pool_group: Any) -> dict[int, tuple[rf.RolloutBatch, dict, list]]:
+    """This rollout rank's batch of ``step`` for each trainer (pool rank) it serves, with its metrics and the example
+    of each row. One round of
     ``prompts_per_step`` prompts; with dynamic sampling, rounds continue (every round with the weights this batch is
     scheduled for) until every share of the whole rollout pool holds informative groups or ``algo.max_sampling_rounds``
     is reached, as in the colocated loop (:mod:`experiments.dynamic_sampling`)."""
     mine, trainers = split.served_by(dist.get_rank()), len(split.trainers)
     fillers = {t: GroupFiller(cfg.prompts_per_step // trainers) for t in mine}
-    out: dict[int, tuple[rf.RolloutBatch, dict]] = {}
+    out: dict[int, tuple[rf.RolloutBatch, dict, list]] = {}
     drawn = 0
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
         examples = stream.take(cfg.prompts_per_step)
@@ -217,16 +217,16 @@ def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any,
         for t in mine:
             batch, rows, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers,
                                                 environments, parts, rounds)
-            out[t] = (batch, metrics)
+            out[t] = (batch, metrics, rows)
             fillers[t].add(batch, rows)
         if not cfg.algo.dynamic_sampling or not any_short(list(fillers.values()), group=pool_group):
             break
     if not cfg.algo.dynamic_sampling:
         return out
     for t, filler in fillers.items():
-        batch, _, informative = filler.result()
+        batch, rows, informative = filler.result()
         out[t] = (batch, {**out[t][1], "sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
-                          "sampling/informative_groups": informative})
+                          "sampling/informative_groups": informative}, rows)
     return out
 
 
@@ -312,9 +312,11 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
             break
         with watchdog.phase("rollout", step=step):
             batches = sample_step(rollout, stream, scorer, tokenizer, cfg, step, split, environments, parts, pool_env.group)
-        for t, (batch, metrics) in batches.items():
+        for t, (batch, metrics, _) in batches.items():
             sender.send_samples(batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received,
                                 step=step)
+        if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
+            dump_samples(run, step, tokenizer, list(batches.values()), parts, pool_env.group)
     if not stopped:  # the updates after the last batch
         rollout, received, stopped = receive_through(steps, rollout, received, split, env, after_version)
     sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
@@ -324,6 +326,19 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
         share_from_rollouts(after, split)
     shutdown_rollout(rollout)
     return {}
+
+
+def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, parts: RecipeParts, group: Any) -> None:
+    """``generations/step_<step>.jsonl`` from the rollout pool (a collective of ``group``): its shares of the step
+    (``(batch, metrics, rows)``) with the advantages the trainers compute from the same scores (the estimator is a
+    pure function of them)."""
+    scored = []
+    for batch, _, _ in shares:  # per share: each trainer's group ids start at 0
+        adv, _ = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
+                                 **parts.estimator_kwargs)
+        scored.append(batch.replace(advantages=adv))
+    rows = [r for _, _, part in shares for r in part]
+    dump_generations(run, step, tokenizer, concat_padded(scored), rows, group=group)
 
 
 def receive_through(version: int, rollout: Any, received: int, split: Split, env: Any,

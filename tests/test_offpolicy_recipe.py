@@ -24,7 +24,7 @@ def split_run(root, data_dir, *args: str, steps: int = 4):
 
 
 def test_one_step_off_runs_one_version_behind(tmp_path, data_dir):
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "eval.every=2")
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "eval.every=2", "dump_generations_every=2")
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "grpo")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -42,6 +42,11 @@ def test_one_step_off_runs_one_version_behind(tmp_path, data_dir):
     # eval.every=2: the rollout pool evaluates the weights of steps 2 and 4; the last one is the final evaluation
     assert ["val/mean@1" in r for r in rl] == [False, True, False, True]
     assert summary["eval_after"] == rl[-1]["val/mean@1"]
+    # the rollout pool dumps its samples of steps 2 and 4, with the advantages the trainer computed from their scores
+    assert sorted(p.name for p in (run_dir / "generations").glob("*.jsonl")) == ["step_2.jsonl", "step_4.jsonl"]
+    dumped = [json.loads(line) for line in (run_dir / "generations" / "step_4.jsonl").read_text().splitlines()]
+    assert len(dumped) == 16 and {"prompt", "response", "ground_truth", "score", "advantage"} <= set(dumped[0])
+    assert sum(r["score"] for r in dumped) / 16 == pytest.approx(rl[-1]["reward_mean"])
 
 
 def _final_weights(root):
@@ -98,8 +103,8 @@ def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
 def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
     out = run(GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off")
     assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "dump_generations_every=2")
-    assert out.returncode != 0 and "does not support dump_generations_every" in out.stderr
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", f"sft.files={data_dir / 'sft.jsonl'}")
+    assert out.returncode != 0 and "does not support sft.files" in out.stderr
 
 
 def test_sigterm_on_the_rollout_rank_stops_every_rank_after_the_same_step(tmp_path, data_dir):
