@@ -132,7 +132,6 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
                           "trainer rank and no more rollout ranks than trainer ranks")
     refused = {
         "actor.backend=megatron": cfg.actor.backend != "fsdp",
-        "algo.kl_coef > 0 (a reference on the trainer pool)": cfg.algo.kl_coef > 0,
         "reward_model.path": bool(cfg.reward_model.path),
         "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
         "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
@@ -365,6 +364,10 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
     tenv = split.placement.env("actor")
     actor = engine.build_actor(run.policy_path, tenv, rl_optim, engine.config, mesh=split.placement.mesh("actor"),
                                **build_kwargs)
+    reference = None
+    if cfg.algo.kl_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
+        reference = engine.build_reference(run.policy_path, tenv, engine.config, mesh=split.placement.mesh("actor"),
+                                           log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
     ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
     start, before, wall_before, bound, drawn = 0, {}, 0.0, StalenessBound(max_staleness=split.lag), 0
@@ -388,7 +391,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
     src = split.rollout_of(tenv.rank)
     preempted_at, last_eval = None, {}
     for step in range(start + 1, steps + 1):
-        actor, stats, drawn = trainer_step(cfg, engine, actor, receiver, src, bound, step, tenv, parts)
+        actor, stats, drawn = trainer_step(cfg, engine, actor, reference, receiver, src, bound, step, tenv, parts)
         t_sync = time.time()
         push_weights(engine, actor, split, step, gather)
         stats["sync_time_s"] = time.time() - t_sync
@@ -418,10 +421,11 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
     return summary
 
 
-def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, src: int, bound: StalenessBound,
-                 step: int, tenv: Any, parts: RecipeParts) -> tuple[Any, dict, int]:
-    """Receive batch ``step``, check its staleness, recompute the old log-probs, advantages, the update: the actor,
-    the step's metrics and the prompt stream's position after the batch."""
+def trainer_step(cfg: Any, engine: Any, actor: Any, reference: Any, receiver: SampleReceiver, src: int,
+                 bound: StalenessBound, step: int, tenv: Any, parts: RecipeParts) -> tuple[Any, dict, int]:
+    """Receive batch ``step``, check its staleness, recompute the old log-probs (and the reference's, with
+    ``algo.kl_coef > 0``), advantages, the update: the actor, the step's metrics and the prompt stream's position
+    after the batch."""
     t0 = time.time()
     with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
         payload, version, sent_step = receiver.recv_samples(src=src)
@@ -433,6 +437,8 @@ def trainer_step(cfg: Any, engine: Any, actor: Any, receiver: SampleReceiver, sr
     t_wait = time.time() - t0
     with watchdog.phase("update", step=step, op="log-probs, advantages and the policy update"):
         batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)  # off-policy: always recompute
+        if reference is not None:
+            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
         batch, provenance = parts.stamp_policy_version(batch, version, current=step - 1)
         adv, ret = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
                                    **parts.estimator_kwargs)
