@@ -209,3 +209,25 @@ def test_dynamic_sampling_on_the_split_resumes_exactly(tmp_path, data_dir):
     assert not differ, differ  # (step, metric, uninterrupted, resumed)
     resumed_weights = _final_weights(tmp_path)
     assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
+
+
+def test_the_data_split_does_not_depend_on_the_number_of_rollout_ranks(tmp_path, data_dir):
+    """2 trainer ranks served by 1 rollout rank, or by 2 (each its own trainer): trainer t's share is sampled with the
+    seed the colocated loop gives data rank t, and dynamic sampling's rounds are agreed over the whole rollout pool, so
+    both runs train on the same batches and end with the same weights."""
+    reward = tmp_path / "digit_reward.py"
+    reward.write_text(DIGIT_REWARD)
+    args = (*data_args(data_dir, sft_steps=0), *TINY_MODEL, "steps=3", "prompts_per_step=4", "rollout.n=4",
+            "eval.max_prompts=4", "offpolicy.mode=one_step_off", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",
+            f"reward.fn={reward}:starts_with_a_digit", "actor.optim.lr=1e-2")
+    runs = {}
+    for rollout_ranks, nproc in ((1, 3), (2, 4)):
+        root = tmp_path / f"r{rollout_ranks}"
+        out = run(GRPO, f"run_root={root}", *args, f"offpolicy.rollout_ranks={rollout_ranks}", nproc=nproc)
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[rollout_ranks] = (metrics(the_run_dir(root, "grpo")), _final_weights(root))
+    (m1, w1), (m2, w2) = runs[1], runs[2]
+    assert [r["sampling/rounds"] for r in m1] == [r["sampling/rounds"] for r in m2]
+    assert [r["reward_mean"] for r in m1] == [r["reward_mean"] for r in m2]
+    assert any(r["grad_norm"] > 0 for r in m1)
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
