@@ -5,7 +5,7 @@ the split loop). Every round the caller samples and scores a round of prompts an
 :meth:`GroupFiller.add`, which keeps the first informative groups up to the share; rounds continue while any
 filler of any rank in the agreement is short (:func:`any_short`: the same number of rounds everywhere) or until
 ``algo.max_sampling_rounds``. A share still short then fills up with the last round's other groups (zero
-advantage: no gradient under GRPO).
+advantage: no gradient under GRPO). :func:`round_seed` is every round's sampling seed, the same in both loops.
 """
 
 from __future__ import annotations
@@ -18,7 +18,20 @@ import rlfunc as rf
 from backends.distributed.collectives import all_reduce_sum
 from backends.distributed.placement import concat_padded
 
-__all__ = ["GroupFiller", "any_short", "first_groups"]
+__all__ = ["GroupFiller", "any_short", "first_groups", "round_seed", "rounds_metrics"]
+
+
+def round_seed(seed: int, step: int, rounds: int, dp_size: int, dp_rank: int) -> int:
+    """The sampling seed of data rank ``dp_rank``'s share in round ``rounds`` of ``step``. The colocated loop and the
+    split loop (where trainer ``t`` takes data rank ``t``'s place) both use it, so a split run samples what the
+    colocated run would, whatever the number of rollout ranks."""
+    return ((seed * 1_000_003 + step) * 64 + rounds) * dp_size + dp_rank
+
+
+def rounds_metrics(rounds: int, drawn: int, informative: float) -> dict[str, float]:
+    """The logged ``sampling/*`` metrics of one step's dynamic sampling."""
+    return {"sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
+            "sampling/informative_groups": informative}
 
 
 def first_groups(group_ids: torch.Tensor, keep: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

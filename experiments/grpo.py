@@ -64,7 +64,7 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
-from experiments.dynamic_sampling import GroupFiller, any_short
+from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
     checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
@@ -431,7 +431,7 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
         examples = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
         drawn += cfg.prompts_per_step
-        seed = ((cfg.seed * 1_000_003 + step) * 64 + rounds) * dp_size + dp_rank
+        seed = round_seed(cfg.seed, step, rounds, dp_size, dp_rank)
         groups = torch.arange(len(examples)) + (rounds - 1) * share
         episodes = sample(rollout, examples, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
                           environments=environments, group_ids=groups, chat_template=cfg.data.chat_template)
@@ -446,8 +446,7 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
         if not any_short([filler]):
             break
     batch, rows, informative = filler.result()
-    stats = {"sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
-             "sampling/informative_groups": informative, **reward_metrics}
+    stats = {**rounds_metrics(rounds, drawn, informative), **reward_metrics}
     return batch, rows, mean_over_ranks(stats)
 
 

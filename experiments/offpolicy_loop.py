@@ -54,7 +54,7 @@ from backends.distributed.sample_channel import SampleReceiver, SampleSender, St
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
-from experiments.dynamic_sampling import GroupFiller, any_short
+from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
 from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, summarize
 
 __all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split", "sampling_version"]
@@ -189,7 +189,7 @@ def sample_share(rollout: Any, examples: list, scorer: Any, tokenizer: Any, cfg:
     """Trainer pool rank ``rank``'s share of ``step``'s prompts of sampling round ``rounds``, sampled and scored with
     the seed and group ids the colocated loop gives data rank ``rank``: the batch, each row's example, metrics."""
     mine = examples[rank::size]
-    seed = ((cfg.seed * 1_000_003 + step) * 64 + rounds) * size + rank
+    seed = round_seed(cfg.seed, step, rounds, size, rank)
     offset = (rounds - 1) * len(mine)
     episodes = sample(rollout, mine, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
                       environments=environments, group_ids=torch.arange(len(mine)) + offset,
@@ -225,8 +225,7 @@ def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any,
         return out
     for t, filler in fillers.items():
         batch, rows, informative = filler.result()
-        out[t] = (batch, {**out[t][1], "sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
-                          "sampling/informative_groups": informative}, rows)
+        out[t] = (batch, {**out[t][1], **rounds_metrics(rounds, drawn, informative)}, rows)
     return out
 
 
