@@ -225,25 +225,45 @@ def _flatten(mapping: dict[str, Any], prefix: str) -> list[str]:
 def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.PathLike) -> list[str]:
     """Replace each ``preset=NAME`` / ``section=@NAME`` by the preset's dotted overrides, in place.
 
-    Each preset's keys are checked against ``cfg`` on their own, so an error names the preset.
+    Each preset is checked against ``cfg`` with the plain overrides given after it, so an error names the
+    preset, and a value the preset sets that only a later override makes valid (``rollout.engine=vllm`` where
+    vLLM is not installed, overridden by ``rollout.engine=native``) is no error.
     """
+    items = list(overrides)
     out: list[str] = []
-    for item in overrides:
-        key, _, text = item.partition("=")
-        key, text = key.strip().lstrip("-"), text.strip()
-        if key == "preset" or text.startswith("@"):
-            name = text[1:] if text.startswith("@") else text
-            mapping, at = load_preset(presets_dir, name)
-            section = at if key == "preset" else key
-            expanded = _flatten(mapping, f"{section}." if section else "")
-            try:
-                apply_overrides(cfg, expanded)
-            except ConfigError as e:
-                raise ConfigError(f"preset {name!r} applied at {section or 'the root'!r}: {e}") from e
-            out.extend(expanded)
-        else:
+    for i, item in enumerate(items):
+        preset = _preset_reference(item)
+        if preset is None:
             out.append(item)
+            continue
+        name, section = preset
+        mapping, at = load_preset(presets_dir, name)
+        section = at if section is None else section
+        expanded = _flatten(mapping, f"{section}." if section else "")
+        later = [o for o in items[i + 1:] if _preset_reference(o) is None]
+        try:
+            apply_overrides(cfg, expanded + later)
+        except ConfigError as e:
+            try:
+                apply_overrides(cfg, later)
+            except ConfigError:
+                pass  # a later override is wrong on its own: reported when everything is applied
+            else:
+                raise ConfigError(f"preset {name!r} applied at {section or 'the root'!r}: {e}") from e
+        out.extend(expanded)
     return out
+
+
+def _preset_reference(item: str) -> tuple[str, str | None] | None:
+    """``(preset name, section)`` for ``preset=NAME`` (section None: the preset's own ``_at_``) or
+    ``section=@NAME``; None for a plain override."""
+    key, _, text = item.partition("=")
+    key, text = key.strip().lstrip("-"), text.strip()
+    if key == "preset":
+        return (text[1:] if text.startswith("@") else text), None
+    if text.startswith("@"):
+        return text[1:], key
+    return None
 
 
 def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os.PathLike | None = None) -> Any:

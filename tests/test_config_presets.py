@@ -87,6 +87,23 @@ def test_preset_keys_are_validated_like_cli_keys(presets):
         apply_overrides(Cfg(), ["preset=list"], presets_dir=presets)
 
 
+def test_a_later_override_can_make_a_presets_value_valid(tmp_path):
+    """A preset that picks the vLLM engine with the native engine's dtype is invalid on its own (and where vLLM
+    is not installed, its engine is too); an override after it that picks the native engine makes it valid."""
+    from experiments import grpo
+
+    (tmp_path / "vllm_bf16.yaml").write_text("rollout:\n  engine: vllm\n  dtype: bfloat16\n")
+    with pytest.raises(ConfigError, match="preset 'vllm_bf16' applied at 'the root'"):
+        apply_overrides(grpo.Config(), ["preset=vllm_bf16"], presets_dir=tmp_path)
+    cfg = apply_overrides(grpo.Config(), ["preset=vllm_bf16", "rollout.engine=native"], presets_dir=tmp_path)
+    assert (cfg.rollout.engine, cfg.rollout.dtype) == ("native", "bfloat16")
+    # a wrong later override is reported as itself, not blamed on the preset before it
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(grpo.Config(), ["preset=vllm_bf16", "rollout.engine=native", "rollout.n=two"],
+                        presets_dir=tmp_path)
+    assert "rollout.n='two' is not an integer" in str(err.value) and "vllm_bf16" not in str(err.value)
+
+
 def test_without_a_presets_dir_preset_is_an_unknown_key(presets):
     with pytest.raises(ConfigError, match="unknown config key 'preset'"):
         apply_overrides(Cfg(), ["preset=ref/small"])
