@@ -28,7 +28,7 @@ import attrs
 
 from backends.config import apply_overrides
 from backends.training.memory_planner import (
-    ModelShape, Parallelism, Workload, colocated_step, estimate, largest_micro_batch,
+    ModelShape, Parallelism, Workload, chunk_rows_for, colocated_step, estimate, largest_micro_batch,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +85,7 @@ class Case:
     all_positions: bool = False  #: log-probs of every position, prompt included (verl's packed path)
     with_entropy: bool = True  #: the update computes the entropy (a softmax kept for backward)
     critic: bool = False  #: PPO: a value model of the same shape trains on the same devices
+    logits_chunk_mib: float = 256.0  #: FSDPConfig.logits_chunk_mib (0: the log-probs of a micro-batch at once)
     vllm_util: float | None = None
     vllm_tp: int = 1
     concurrent: int = 256  #: sequences one engine decodes together (max_num_seqs)
@@ -103,25 +104,25 @@ def write_models(root: Path) -> dict[str, ModelShape]:
     return shapes
 
 
-def _update_work(case: Case, role: str = "actor") -> Workload:
+def _update_work(case: Case, role: str = "actor", chunk_rows: int | None = None) -> Workload:
     seq = case.prompt_len + case.response_len
     common = dict(role=role, compute_dtype="bfloat16", gradient_checkpointing=case.checkpointing,
-                  with_entropy=case.with_entropy and role == "actor", offload=case.offload)
+                  with_entropy=case.with_entropy and role == "actor", offload=case.offload, logits_chunk_rows=chunk_rows)
     if case.tokens is not None:  # a token budget: one-token rows, every position reaching the head
         return Workload(micro_batch_rows=case.tokens, seq_len=1, response_len=1, padded=False, **common)
     keep = seq if case.all_positions else case.response_len
     return Workload(micro_batch_rows=case.rows, seq_len=seq, response_len=keep, padded=not case.packed, **common)
 
 
-def _forward_work(case: Case, rows: int | None) -> Workload:
+def _forward_work(case: Case, rows: int | None, chunk_rows: int | None = None) -> Workload:
     """A log-prob forward of ``rows`` full-length rows, or of the token budget when ``rows`` is None."""
     seq = case.prompt_len + case.response_len
     if rows is None:
         return Workload(role="reference", compute_dtype="bfloat16", micro_batch_rows=case.tokens, seq_len=1,
-                        response_len=1, padded=False)
+                        response_len=1, padded=False, logits_chunk_rows=chunk_rows)
     keep = seq if case.all_positions else case.response_len
     return Workload(role="reference", compute_dtype="bfloat16", micro_batch_rows=rows, seq_len=seq,
-                    response_len=keep, padded=not case.packed)
+                    response_len=keep, padded=not case.packed, logits_chunk_rows=chunk_rows)
 
 
 def _reference(case: Case, shape: ModelShape, parallel: Parallelism) -> tuple[int, int]:
@@ -138,17 +139,18 @@ def _reference(case: Case, shape: ModelShape, parallel: Parallelism) -> tuple[in
 def judge(case: Case, shape: ModelShape) -> dict:
     """The planner's numbers for one case (bytes), its phases and verdict, and what would fit."""
     parallel, device = Parallelism(dp=case.gpus), int(case.device_gib * GIB)
-    work = _update_work(case)
+    chunk_rows = chunk_rows_for(case.logits_chunk_mib, shape.vocab_size)
+    work = _update_work(case, chunk_rows=chunk_rows)
     est = estimate(shape, parallel, work)
     ref, ref_gathered = _reference(case, shape, parallel)
     ref_logits = 0
     if case.reference != "none":
-        ref_logits = estimate(shape, parallel, _forward_work(case, case.logprob_rows)).logits
-    policy_logits = estimate(shape, parallel, _forward_work(case, case.policy_logprob_rows)).logits
+        ref_logits = estimate(shape, parallel, _forward_work(case, case.logprob_rows, chunk_rows)).logits
+    policy_logits = estimate(shape, parallel, _forward_work(case, case.policy_logprob_rows, chunk_rows)).logits
     forward = max(ref_logits + ref_gathered, policy_logits)
     other, critic_update = ref, 0
     if case.critic:  # the critic keeps its weights and AdamW state beside the actor, and trains in turn
-        critic = estimate(shape, parallel, _update_work(case, "critic"))
+        critic = estimate(shape, parallel, _update_work(case, "critic", chunk_rows))
         other += critic.parameters + critic.optimizer
         critic_update = critic.total + est.parameters + est.optimizer + ref
     step = colocated_step(shape, parallel, work, device_bytes=device, vllm_utilization=case.vllm_util,
@@ -157,10 +159,10 @@ def judge(case: Case, shape: ModelShape) -> dict:
     phase, peak = max(phases.items(), key=lambda kv: kv[1])
     verdict = "fits" if peak <= 0.9 * device else "tight" if peak <= device else "OOM"
     budget = 0.9 * device - other  # the update phase, within the planner's headroom
-    rows_work = _update_work(attrs.evolve(case, tokens=None, rows=1))
-    tokens_work = _update_work(attrs.evolve(case, tokens=1))
+    rows_work = _update_work(attrs.evolve(case, tokens=None, rows=1), chunk_rows=chunk_rows)
+    tokens_work = _update_work(attrs.evolve(case, tokens=1), chunk_rows=chunk_rows)
     # log-prob rows: the forward's logits grow linearly with rows, beside the resident state
-    per_row = estimate(shape, parallel, _forward_work(case, 1)).logits
+    per_row = estimate(shape, parallel, _forward_work(case, 1, chunk_rows)).logits
     lp_budget = 0.9 * device - (est.parameters + est.optimizer + other + ref_gathered)
     needed = min(case.concurrent, case.seqs_per_engine) if case.seqs_per_engine else case.concurrent
     return {
@@ -176,8 +178,9 @@ def preset_case(preset: str, model: str, gpus: int, *overrides: str) -> Case:
     """A GPU preset stacked on the GSM8K one (then ``overrides``), read from the resolved recipe config."""
     from experiments import grpo
 
-    cfg = apply_overrides(grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", f"preset={preset}", *overrides],
-                          presets_dir=ROOT / "experiments" / "presets")
+    # the planner reads the rollout.vllm settings but runs no engine: this also works where vLLM is not installed
+    cfg = apply_overrides(grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", f"preset={preset}", "rollout.engine=native",
+                                          *overrides], presets_dir=ROOT / "experiments" / "presets")
     fsdp, vllm = cfg.actor.fsdp, cfg.rollout.vllm
     tokens = fsdp.max_tokens_per_micro_batch
     return Case(
@@ -186,6 +189,7 @@ def preset_case(preset: str, model: str, gpus: int, *overrides: str) -> Case:
         packed=fsdp.use_remove_padding, checkpointing=fsdp.gradient_checkpointing, offload=fsdp.offload,
         reference="resident" if cfg.algo.kl_coef > 0 else "none", logprob_rows=cfg.ref_log_prob_micro_batch_size,
         policy_logprob_rows=None if tokens else fsdp.micro_batch_size,  # the policy's pass micro-batches as its update
+        logits_chunk_mib=fsdp.logits_chunk_mib,
         vllm_util=vllm.gpu_memory_utilization, vllm_tp=vllm.tensor_parallel_size, concurrent=vllm.max_num_seqs,
         seqs_per_engine=cfg.prompts_per_step * cfg.rollout.n // gpus * vllm.tensor_parallel_size,
     )

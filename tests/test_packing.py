@@ -195,6 +195,32 @@ def _assert_actor_equal(batch, padded_result, packed_result):
     assert max(float((packed_grads[k] - padded_grads[k]).abs().max()) for k in padded_grads) / scale < 1e-5
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_chunked_logits_equal_unchunked(model_dir, packed):
+    """The update's log-probs and entropies taken a few logit rows at a time (FSDPConfig.logits_chunk_mib) give
+    the same outputs and gradients, through the entropy too, as the whole micro-batch at once."""
+    torch.manual_seed(0)
+    model, _ = load_causal_lm(model_dir)
+    model.train()
+    batch = make_batch(3)
+
+    def run(chunk_rows):
+        model.zero_grad(set_to_none=True)
+        out = forward_micro_batch(model, batch, with_entropy=True, packed=packed, chunk_rows=chunk_rows)
+        loss = aggregate(-batch.advantages * out.logprobs - 0.1 * out.entropy, batch.response_mask, "token-mean")
+        loss.backward()
+        return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, whole_grads = run(None)
+    chunked, chunked_grads = run(3)
+    mask = batch.response_mask
+    assert _masked_max_diff(chunked.logprobs, whole.logprobs, mask) < 1e-6
+    assert _masked_max_diff(chunked.entropy, whole.entropy, mask) < 1e-6
+    scale = max(float(g.abs().max()) for g in whole_grads.values())
+    assert set(chunked_grads) == set(whole_grads) and scale > 0
+    assert max(float((chunked_grads[k] - whole_grads[k]).abs().max()) for k in whole_grads) / scale < 1e-5
+
+
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
 def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing, block_kernel):
     """Rows with the same prompt hold it once in the packed row: same log-probs, entropies, loss and

@@ -105,6 +105,7 @@ from backends.training.dp_balance import balance_across_ranks
 from backends.training.fsdp_state import FSDPConfig, TrainState, attention_implementation, compute_dtype, needs_own_attention
 from backends.training.hf_forward import forward_micro_batch
 from backends.training.hf_modules import check_value_module, compile_layers, decoder_layers, enable_checkpointing, load_model
+from backends.training.memory_planner import chunk_rows_for
 from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
 from backends.training.packed_attention import enable_packed_attention
 from backends.training.sharded_loading import checkpoint_plan, empty_causal_lm, fill_shards, materialize, mesh_device, safetensors_files
@@ -465,7 +466,7 @@ def _forward_only(
                     mb = trim_micro_batch(mb)
                 outputs = forward_micro_batch(module, to_device(mb, state.env.device), with_entropy=with_entropy,
                                               role=state.role, packed=cfg.use_remove_padding,
-                                              share_prompts=cfg.share_prompts)
+                                              share_prompts=cfg.share_prompts, chunk_rows=chunk_rows(cfg, module))
                 if not real:
                     continue
                 rows = torch.tensor(groups[i], device=out_device)
@@ -591,7 +592,8 @@ def _forward_backward(
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(i == n_max - 1)
         outputs = forward_micro_batch(module, mb, with_entropy=with_entropy, role=state.role,
-                                      packed=cfg.use_remove_padding, share_prompts=cfg.share_prompts)
+                                      packed=cfg.use_remove_padding, share_prompts=cfg.share_prompts,
+                                      chunk_rows=chunk_rows(cfg, module))
         loss, metrics = loss_fn(outputs, mb, norms)
         loss, metrics = check_loss_output(loss, metrics)
         # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.
@@ -643,3 +645,9 @@ def _clip_and_step(
     optimizer.zero_grad(set_to_none=True)
     return loss_value, metric_values, norm_value, skipped
 
+
+def chunk_rows(cfg: FSDPConfig, module: nn.Module) -> int | None:
+    """Logit rows per chunk of the log-prob / entropy pass for ``module``'s vocabulary (None: unchunked, or a
+    model without a ``config.vocab_size``)."""
+    vocab = getattr(getattr(module, "config", None), "vocab_size", None)
+    return chunk_rows_for(cfg.logits_chunk_mib, vocab) if isinstance(vocab, int) and vocab > 0 else None

@@ -71,6 +71,10 @@ class FSDPConfig:
     #: once); by default a sharded role is built on the meta device and the mesh's first rank reads the
     #: checkpoint and scatters each rank's shards (backends/training/sharded_loading.py)
     load_on_every_rank: bool = False
+    #: the log-probs and entropies are taken from this many MiB of fp32 logits at a time (rlfunc/logits.py's
+    #: chunked path, whose backward recomputes each chunk's softmax): the update keeps the logits alone, not
+    #: their fp32 copy, softmax and gradients (about ten fp32 copies of a micro-batch's logits). 0: all at once
+    logits_chunk_mib: float = attrs.field(default=256.0, validator=attrs.validators.ge(0))
     #: the model's attention: auto (flash_attention_2 on a GPU with the flash-attn package, else sdpa), sdpa,
     #: flash_attention_2, flash_attention_3, eager. Packed rows on a CPU run the packed-aware attention, through
     #: the C kernel where it runs (backends/training/packed_attention.py)

@@ -22,7 +22,7 @@ __all__ = ["forward_micro_batch"]
 
 def forward_micro_batch(
     module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str = "actor", packed: bool = False,
-    share_prompts: bool = False,
+    share_prompts: bool = False, chunk_rows: int | None = None,
 ) -> ModelOutputs:
     """Log-probs (and entropies) of the response tokens, or a critic's values; prompts are left-padded.
 
@@ -32,10 +32,12 @@ def forward_micro_batch(
     under the causal mask a real response token only sees tokens before it, so padding after it
     changes nothing, and this keeps the result independent of loss-masking edits to
     ``response_mask``. ``packed``: the same numbers from one packed row (:func:`_forward_packed`),
-    with each distinct prompt held once if ``share_prompts``.
+    with each distinct prompt held once if ``share_prompts``. ``chunk_rows``: the log-probs and entropies
+    are taken that many logit rows at a time (``rlfunc.logprobs_from_logits``'s ``chunk_size``).
     """
     if packed:
-        return _forward_packed(module, mb, with_entropy=with_entropy, role=role, share_prompts=share_prompts)
+        return _forward_packed(module, mb, with_entropy=with_entropy, role=role, share_prompts=share_prompts,
+                               chunk_rows=chunk_rows)
     t = mb.response_ids.shape[1]
     input_ids = torch.cat([mb.prompt_ids, mb.response_ids[:, :-1]], dim=1)
     attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask[:, :-1])], dim=1)
@@ -47,13 +49,14 @@ def forward_micro_batch(
         use_cache=False, logits_to_keep=t,
     )
     logits = out.logits  # (b t v): position p-1+j predicts response token j
-    logprobs = logprobs_from_logits(logits, mb.response_ids)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+    logprobs = logprobs_from_logits(logits, mb.response_ids, chunk_size=chunk_rows)
+    entropy = entropy_from_logits(logits, chunk_size=chunk_rows) if with_entropy else None
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
 
 
 def _forward_packed(
-    module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str, share_prompts: bool = False
+    module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str, share_prompts: bool = False,
+    chunk_rows: int | None = None,
 ) -> ModelOutputs:
     """The micro-batch as one packed row (backends/packing.py): no compute on padding.
 
@@ -74,8 +77,8 @@ def _forward_packed(
         return ModelOutputs(values=unpack(logits[0, packed.predict_index, 0].float(), packed))
     out = module(**model_kwargs(packed, block_layout=reads_layouts), logits_to_keep=packed.predict_index)
     logits = out.logits[0]  # (N v): one row per kept response token
-    logprobs = unpack(logprobs_from_logits(logits, packed.labels), packed)
-    entropy = unpack(entropy_from_logits(logits), packed) if with_entropy else None
+    logprobs = unpack(logprobs_from_logits(logits, packed.labels, chunk_size=chunk_rows), packed)
+    entropy = unpack(entropy_from_logits(logits, chunk_size=chunk_rows), packed) if with_entropy else None
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
 
 

@@ -32,10 +32,14 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   rsqrt; gate and up), so the estimate is an upper bound on that path. Tensor
   parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
   ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
-- **logits** of the kept positions (``V`` per token, compute dtype, plus an fp32 copy under bf16 and
-  the softmax when entropy is computed): the response tokens only (``logits_to_keep``). The reference
-  role is a forward pass without gradients: no activations are kept, and its logits term is that pass's
-  peak: the logits, their fp32 upcast and ``logsumexp``'s fp32 temporary;
+- **logits** of the kept positions (``V`` per token): the response tokens only (``logits_to_keep``).
+  Taken in chunks (``logits_chunk_rows``, the engine's ``FSDPConfig.logits_chunk_mib``), the forward saves
+  them in the compute dtype and the backward (``logits_backward``) adds their gradients (one per
+  log-prob and entropy term) and one chunk's fp32 temporaries. Taken whole, the forward saves an fp32
+  copy (and the softmax when entropy is computed) and the backward's peak holds 8 more fp32 copies with
+  the entropy, 3 without. The reference role is a forward pass without gradients: no activations are
+  kept, and its logits term is that pass's peak: the logits, their fp32 upcast and ``logsumexp``'s fp32
+  temporary (of one chunk when chunked);
 - **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
   (``kv_dtype``; on a CPU the native engine keeps an fp32 cache for a bf16 model unless its AVX-512
   decode-attention kernel reads bf16 caches, ``backends/cpu/kernels.py``, and that kernel's caches hold
@@ -46,10 +50,9 @@ asleep), the log-prob passes (one forward micro-batch beside the resident state)
 resident state, gradients freed, plus vLLM's ``gpu_memory_utilization`` share of the device, which holds
 its weights, ``P * bytes / tp``, and its KV cache).
 
-Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. the fp32 upcast of one
-chunk of logits), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU), vLLM's CUDA graphs
-(outside its share), the gradient of the logits in backward: keep headroom (``headroom`` in
-:func:`suggest`, default 10%).
+Not counted: allocator fragmentation, temporary buffers inside a kernel (e.g. an attention kernel's
+workspace), communication buckets, the CUDA context (about 0.5-1 GiB on a GPU), vLLM's CUDA graphs
+(outside its share): keep headroom (``headroom`` in :func:`suggest`, default 10%).
 """
 
 from __future__ import annotations
@@ -209,6 +212,9 @@ class Workload:
     #: FSDP2's CPUOffloadPolicy (FSDPConfig.offload): parameter shards, gradients and optimizer state in host
     #: memory; the device holds the gathered compute copies only
     offload: bool = False
+    #: rows of logits per chunk of the log-prob / entropy pass (FSDPConfig.logits_chunk_mib); None: the whole
+    #: micro-batch at once
+    logits_chunk_rows: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _dtype_bytes(self.compute_dtype)
@@ -238,6 +244,8 @@ class MemoryEstimate:
     #: part of ``activations``: one layer's saved tensors, alive only while gradient checkpointing
     #: recomputes that layer in backward (0 without checkpointing)
     recompute: int = 0
+    #: beyond the saved ``logits``: the logits' gradients and softmax temporaries at the backward's peak
+    logits_backward: int = 0
 
     @property
     def training_state(self) -> int:
@@ -245,12 +253,13 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.training_state + self.activations + self.logits + self.kv_cache
+        return self.training_state + self.activations + self.logits + self.logits_backward + self.kv_cache
 
     def as_dict(self) -> dict[str, int]:
         return {
             "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-            "activations": self.activations, "logits": self.logits, "kv_cache": self.kv_cache, "total": self.total,
+            "activations": self.activations, "logits": self.logits, "logits_backward": self.logits_backward,
+            "kv_cache": self.kv_cache, "total": self.total,
         }
 
 
@@ -286,16 +295,19 @@ def _state_bytes(shape: ModelShape, parallel: Parallelism, work: Workload, cb: i
     return params, grads, p_local * 4 * moments
 
 
-def _activation_bytes(shape: ModelShape, parallel: Parallelism, work: Workload, cb: int) -> tuple[int, int, int]:
-    """``(activations, logits, recompute)`` bytes per device of one micro-batch."""
+def _activation_bytes(shape: ModelShape, parallel: Parallelism, work: Workload, cb: int) -> tuple[int, int, int, int]:
+    """``(activations, logits, recompute, logits_backward)`` bytes per device of one micro-batch."""
     rows, s, h = work.micro_batch_rows, work.seq_len, shape.hidden_size
     tokens = rows * s
     keep = rows * (work.response_len if work.response_len is not None else s)
     # the critic's value head is one wide; the others' lm_head is the vocabulary wide
     width = 1 if work.role == "critic" else shape.vocab_size // parallel.tp
     entropy = 4 if work.with_entropy else 0
+    chunk = None if work.logits_chunk_rows is None else min(work.logits_chunk_rows, keep)
     if work.role == "reference":  # forward only: the logits, their fp32 upcast, logsumexp's fp32 temporary
-        return 0, keep * h * cb + keep * width * (cb + (4 if cb != 4 else 0) + 4 + entropy), 0
+        if chunk is not None and width > 1:  # the upcast and temporaries of one chunk at a time
+            return 0, keep * h * cb + keep * width * cb + chunk * width * 4 * 3, 0, 0
+        return 0, keep * h * cb + keep * width * (cb + (4 if cb != 4 else 0) + 4 + entropy), 0, 0
     layers = math.ceil(shape.num_layers / parallel.pp)
     in_flight = parallel.pp  # 1F1B: the first stage holds up to pp micro-batches' activations
     compute_e, fp32_e = activation_elements_per_token_layer(shape, cb)
@@ -310,21 +322,30 @@ def _activation_bytes(shape: ModelShape, parallel: Parallelism, work: Workload, 
     shared = tokens * (8 + 2 * shape.head_dim * cb) + (rows * s * s * cb if work.padded else 0)
     final_norm = tokens * ((h + 1) * 4 + h * (cb if cb != 4 else 4))
     activations = (stored + recompute + shared + final_norm) * in_flight
+    if chunk is not None and width > 1:
+        # chunked (rlfunc/logits.py): the logits are saved as they are; backward writes the gradient of the
+        # log-probs and of the entropy into logits-shaped tensors, one chunk's fp32 temporaries at a time
+        logits = keep * h * cb + keep * width * cb
+        backward = keep * width * cb * (2 if work.with_entropy else 1) + chunk * width * 4 * 3
+        return int(activations), int(logits), int(recompute), int(backward)
     # lm_head input of the kept positions, their logits in fp32 (an upcast copy under bf16), softmax
     logits = keep * h * cb + keep * width * (4 + entropy)
-    return int(activations), int(logits), int(recompute)
+    # at the backward's peak, fp32 logits-sized gradients and temporaries of the softmax, the entropy's
+    # shifted logits and products: 10 fp32 copies in all with the entropy (an H200, bf16), 4 without (a CPU)
+    backward = keep * width * 4 * (8 if work.with_entropy else 3) if width > 1 else 0
+    return int(activations), int(logits), int(recompute), int(backward)
 
 
 def estimate(shape: ModelShape, parallel: Parallelism = Parallelism(), work: Workload = Workload()) -> MemoryEstimate:
     """Per-device bytes of ``work`` on ``shape`` sharded by ``parallel`` (see the module docstring)."""
     cb = _dtype_bytes(work.compute_dtype)
     params, grads, optim = _state_bytes(shape, parallel, work, cb)
-    activations, logits, recompute = _activation_bytes(shape, parallel, work, cb)
+    activations, logits, recompute, logits_backward = _activation_bytes(shape, parallel, work, cb)
     kv_bytes = _dtype_bytes(work.kv_dtype or work.compute_dtype)
     kv_slots = -(-work.kv_len // work.kv_block) * work.kv_block
     kv = 2 * shape.num_layers * shape.kv_width * kv_slots * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
     return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=activations,
-                          logits=logits, kv_cache=kv, recompute=recompute)
+                          logits=logits, kv_cache=kv, recompute=recompute, logits_backward=logits_backward)
 
 
 @attrs.frozen
@@ -337,6 +358,11 @@ class Suggestion:
     max_kv_seqs: int  #: rollout sequences of ``kv_len`` tokens whose KV cache fits beside the training state
     estimate: MemoryEstimate  #: at the suggested micro-batch
     reason: str
+
+
+def chunk_rows_for(chunk_mib: float, vocab: int) -> int | None:
+    """``Workload.logits_chunk_rows`` for ``FSDPConfig.logits_chunk_mib`` (the engine's rule) and a vocabulary."""
+    return None if chunk_mib == 0 else max(1, int(chunk_mib * 2**20) // (4 * vocab))
 
 
 def _largest_rows(shape: ModelShape, parallel: Parallelism, work: Workload, budget: float) -> int:
@@ -447,9 +473,9 @@ def largest_micro_batch(shape: ModelShape, parallel: Parallelism, work: Workload
 def format_table(est: MemoryEstimate, title: str = "") -> str:
     gib = 2**30
     lines = [title] if title else []
-    lines.append(f"{'':14s}{'GiB':>10s}{'MiB':>12s}")
+    lines.append(f"{'':16s}{'GiB':>10s}{'MiB':>12s}")
     for name, value in est.as_dict().items():
-        lines.append(f"{name:14s}{value / gib:10.3f}{value / 2**20:12.1f}")
+        lines.append(f"{name:16s}{value / gib:10.3f}{value / 2**20:12.1f}")
     return "\n".join(lines)
 
 
@@ -479,6 +505,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="vLLM's share of the device (default: 90%% of what is free when it is built, after the "
                              "trainer's weights and optimizer state)")
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size")
+    parser.add_argument("--logits-chunk-mib", type=float, default=256.0,
+                        help="FSDPConfig.logits_chunk_mib (the recipes' default; 0: the log-probs of a whole micro-batch at once)")
     args = parser.parse_args(argv)
     if args.tiny:
         from backends.models import TinyModelConfig, build_char_tokenizer
@@ -491,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         role=args.role, compute_dtype=args.dtype, optimizer=args.optimizer, micro_batch_rows=args.micro_batch,
         seq_len=args.seq_len, response_len=args.response_len, gradient_checkpointing=args.gradient_checkpointing,
         padded=not args.packed, kv_seqs=args.kv_seqs, kv_len=args.kv_len, offload=args.offload,
+        logits_chunk_rows=chunk_rows_for(args.logits_chunk_mib, shape.vocab_size // args.tp),
     )
     print(f"model: {shape.num_params / 1e6:.2f}M parameters, {shape.num_layers} layers, hidden {shape.hidden_size}, "
           f"vocab {shape.vocab_size}; dp={parallel.dp} tp={parallel.tp} pp={parallel.pp}; {work.compute_dtype}")
