@@ -8,7 +8,7 @@ schedule (never "whatever arrived last"), so a run is reproducible and ``bounded
 the same run as ``sync``.
 
 **Who does what.** Rollout ranks own the prompt stream (each holds the same seeded stream), build their own
-rollout engine, evaluate before and after training and on ``eval.every`` (their pool's group), dump generations
+rollout engine (and a reward model's replica), evaluate before and after training and on ``eval.every`` (their pool's group), dump generations
 and ``isend`` each trainer rank its share of every step's batch (:mod:`backends.distributed.sample_channel`). Trainer rank ``t`` is served by
 rollout rank ``t % R``; the share of trainer ``t`` is sampled with the seed the colocated loop would give data
 rank ``t``, so the split of the data does not depend on R. The trainers recompute the old log-probs (the batch
@@ -30,6 +30,11 @@ on the batches the uninterrupted run trained on. The trainers save the actor; th
 take part, and on resume take the step and the prompt stream's position from it (sent with each batch: dynamic
 sampling draws a varying number of prompts per step).
 
+**An SFT stage** (``sft.files``) runs on the trainer pool, which exports the policy RL starts from; the rollout
+ranks build their engine from it once trainer rank 0 says the stage is over. It sends one word before every SFT
+update, so a rollout rank waits one update at a time, under the update's deadline, not the whole stage in one
+collective.
+
 **Dynamic sampling** (``algo.dynamic_sampling``): a rollout rank samples rounds for a batch until every share of the
 pool holds informative groups, all with the weights the schedule gives that batch, so the bound holds and the run
 is as reproducible as without it.
@@ -37,6 +42,7 @@ is as reproducible as without it.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Callable
 
@@ -54,8 +60,10 @@ from backends.distributed.sample_channel import SampleReceiver, SampleSender, St
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
+from backends.training.reward_model import build_reward_model
+from backends.training.sft import sft_steps
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
-from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, summarize
+from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, start_actor, summarize
 
 __all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split", "sampling_version"]
 
@@ -133,8 +141,8 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
                           "trainer rank and no more rollout ranks than trainer ranks")
     refused = {
         "actor.backend=megatron": cfg.actor.backend != "fsdp",
-        "reward_model.path": bool(cfg.reward_model.path),
-        "sft.files (an SFT stage before RL)": bool(cfg.sft.files),
+        "reward_model.shard=true (the rollout ranks hold a replicated reward model)": bool(cfg.reward_model.path)
+        and cfg.reward_model.shard,
         "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
     }
     for what, bad in refused.items():
@@ -254,6 +262,33 @@ def push_weights(engine: Any, actor: Any, split: Split, version: int, gather: di
                 pass
 
 
+_SFT_UPDATE, _SFT_DONE = 1, 0  #: what trainer rank 0 tells the rollout pool during an SFT stage
+
+
+def sft_signal(split: Split, word: int, what: str) -> None:
+    """Trainer rank 0 tells the rollout pool that an SFT update starts (``_SFT_UPDATE``) or that the stage is over and
+    the policy exported (``_SFT_DONE``); the other trainer ranks take no part."""
+    if dist.get_rank() != 0:
+        return
+    try:
+        dist.broadcast(torch.tensor([word]), src=0, group=split.push_group)
+    except RuntimeError as e:  # gloo names no peer: say which pool to look at
+        raise RolloutPoolError(f"telling rollout rank(s) {', '.join(map(str, split.rollouts))} {what} failed; "
+                               f"one of them exited: {e}") from e
+
+
+def wait_for_sft(split: Split, steps: int) -> None:
+    """A rollout rank waits for the trainer pool's SFT stage of ``steps`` updates, one update at a time."""
+    word, update = torch.tensor([_SFT_UPDATE]), 0
+    while True:
+        op = f"the trainer pool's SFT update {update + 1} of {steps}" if update < steps else "the SFT policy's export"
+        with watchdog.phase("update", step=update - steps, op=f"waiting for {op}"):
+            dist.broadcast(word, src=0, group=split.push_group)
+        if int(word) == _SFT_DONE:
+            return
+        update += 1
+
+
 def share_from_rollouts(obj: Any, split: Split) -> Any:
     """The rollout pool leader's ``obj`` (the held-out metrics) on every rank; a collective of the world."""
     box = [obj]
@@ -268,8 +303,13 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
     trainers make after pushing it) and this rank's batches sent to its trainers; at the end the last versions and
     the evaluation after training."""
     pool_env = split.placement.env("critic")
+    if run.resume_from is None and data.sft:  # the trainers write the policy this engine starts from
+        wait_for_sft(split, sft_steps(cfg.sft, len(data.sft)))
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=parts.max_context)
+    if cfg.reward_model.path:  # the rollout pool scores its samples, with a replicated reward model
+        reward_model = build_reward_model(cfg.reward_model.path, pool_env, cfg.reward_model)
+        parts = attrs.evolve(parts, score_batch=functools.partial(parts.score_batch, reward_model=reward_model))
     start, before, t_start, wall_before, drawn = 0, {}, time.time(), 0.0, 0
     if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
         with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
@@ -362,8 +402,12 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         mlog.close()
         return summary
     tenv = split.placement.env("actor")
-    actor = engine.build_actor(run.policy_path, tenv, rl_optim, engine.config, mesh=split.placement.mesh("actor"),
-                               **build_kwargs)
+    sft = run.resume_from is None and bool(data.sft)  # a fresh start with SFT data trains and exports the policy first
+    actor = start_actor(cfg, engine, tenv, run, data, tokenizer, rl_optim, mlog,
+                        build_kwargs={**build_kwargs, "mesh": split.placement.mesh("actor")},
+                        before_sft_update=lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
+    if sft:
+        sft_signal(split, _SFT_DONE, "the SFT stage is over")
     reference = None
     if cfg.algo.kl_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
         reference = engine.build_reference(run.policy_path, tenv, engine.config, mesh=split.placement.mesh("actor"),

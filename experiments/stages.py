@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -110,17 +110,25 @@ def load_run_data(cfg: Any, tokenizer: Any, scorer: RewardScorer, log: Any, *, n
 
 
 def start_actor(cfg: Any, engine: Any, env: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
-                metrics_log: MetricsLog, *, build_kwargs: dict | None = None) -> Any:
+                metrics_log: MetricsLog, *, build_kwargs: dict | None = None,
+                before_sft_update: Callable[[int], None] | None = None) -> Any:
     """The actor with the RL optimizer. A fresh start with SFT data runs the SFT stage through the same
     engine (loss on the response tokens) and exports the result as the policy RL starts from; a resume
-    builds that policy's architecture, which the checkpoint's weights then load into."""
+    builds that policy's architecture, which the checkpoint's weights then load into.
+    ``before_sft_update(step)`` is called before each SFT update."""
     kwargs = build_kwargs or {}
     if run.resume_from is not None or not data.sft:
         return engine.build_actor(run.policy_path, env, rl_optim, engine.config, **kwargs)
     steps = sft_steps(cfg.sft, len(data.sft))
     actor = engine.build_actor(run.model_path, env, sft_optim(cfg.sft, steps), engine.config, **kwargs)
     stream = PromptStream(data.sft, seed=cfg.seed)
-    actor = run_sft(actor, lambda step: stream.take(cfg.sft.batch_size), attrs.evolve(cfg.sft, steps=steps),
+
+    def next_examples(step: int) -> list:
+        if before_sft_update is not None:
+            before_sft_update(step)
+        return stream.take(cfg.sft.batch_size)
+
+    actor = run_sft(actor, next_examples, attrs.evolve(cfg.sft, steps=steps),
                     pad_token_id=tokenizer.pad_token_id, data_parallel=engine.data_parallel(actor),
                     update_fn=engine.update, metrics_log=metrics_log, show_progress=env.is_main)
     actor = engine.fresh_optimizer(actor, rl_optim)

@@ -106,11 +106,62 @@ def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
     assert named, out.stderr[-4000:]
 
 
+def test_an_sft_stage_runs_on_the_trainer_pool(tmp_path, data_dir):
+    """sft.files on the split: the trainer pool runs the SFT stage (the rollout rank waits update by update) and
+    exports the policy, which is the colocated recipe's SFT policy to the bit; the rollout pool samples from it."""
+    split, colocated = tmp_path / "split", tmp_path / "colocated"
+    sft = (f"sft.files={data_dir / 'sft.jsonl'}", "sft.steps=3", "sft.batch_size=8", "sft.optim.lr=3e-3")
+    out = split_run(split, data_dir, "offpolicy.mode=one_step_off", *sft, steps=2)
+    assert out.returncode == 0, out.stderr[-4000:]
+    out = run(GRPO, f"run_root={colocated}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "steps=1",
+              "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", *sft)
+    assert out.returncode == 0, out.stderr[-4000:]
+    from safetensors.torch import load_file
+
+    (a,), (b,) = ((the_run_dir(root, "grpo") / "sft_model").glob("*.safetensors") for root in (split, colocated))
+    wa, wb = load_file(a), load_file(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    rows = [json.loads(line) for line in (the_run_dir(split, "grpo") / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "sft_loss" in r] == [-3, -1]
+    rl = metrics(the_run_dir(split, "grpo"))
+    assert [r["step"] for r in rl] == [1, 2] and all(r["staleness/rejected"] == 0.0 for r in rl)
+
+
+def test_a_rollout_rank_dead_during_the_sft_stage_is_named(tmp_path, data_dir):
+    """The rollout rank dies while it waits for SFT update 2 of 3; trainer rank 0 fails at its next word to the
+    pool, naming the rollout rank (no hang)."""
+    import os
+    from unittest import mock
+
+    sft = (f"sft.files={data_dir / 'sft.jsonl'}", "sft.steps=3", "sft.batch_size=8")
+    with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "kill:rank=1:step=-2:phase=update"}):
+        out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "deadlines.process_group=60", *sft, steps=2)
+    assert out.returncode != 0
+    assert re.search(r"RolloutPoolError: telling rollout rank\(s\) 1 SFT update \d starts failed", out.stderr), out.stderr[-4000:]
+
+
+def test_a_reward_model_scores_on_the_rollout_pool(tmp_path, data_dir):
+    """reward_model.path on the split: each rollout rank holds a replica and adds its weighted score to the
+    reward functions' (a random model: nonzero); a sharded reward model is refused before any work."""
+    from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_reward_model
+
+    rm = write_tiny_reward_model(tmp_path / "rm", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                                 intermediate_size=96, seed=7), build_char_tokenizer())
+    runs = tmp_path / "runs"
+    out = split_run(runs, data_dir, "offpolicy.mode=one_step_off", f"reward_model.path={rm}", "reward_model.weight=0.5",
+                    steps=2)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for row in metrics(the_run_dir(runs, "grpo")):
+        assert row["reward/model"] != 0.0
+        assert row["reward_mean"] == pytest.approx(row["reward/arithmetic"] + 0.5 * row["reward/model"], abs=1e-5)
+    out = split_run(tmp_path / "sharded", data_dir, "offpolicy.mode=one_step_off", f"reward_model.path={rm}",
+                    "reward_model.shard=true")
+    assert out.returncode != 0 and "does not support reward_model.shard=true" in out.stderr
+
+
 def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
     out = run(GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off")
     assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", f"sft.files={data_dir / 'sft.jsonl'}")
-    assert out.returncode != 0 and "does not support sft.files" in out.stderr
 
 
 def test_sigterm_on_the_rollout_rank_stops_every_rank_after_the_same_step(tmp_path, data_dir):
