@@ -60,6 +60,7 @@ test-fast: $(TEST_STAMP)
 test-gpu: $(TEST_STAMP)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
 	$(PY) benchmarks/gpu_smoke.py
+	$(PY) benchmarks/gpu_real_scale.py --steps 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -8,8 +8,8 @@ Each phase the recipe marks for its watchdog (``backends.distributed.watchdog.ph
 entry and prints one line on exit: ``MEM <phase> step=N start=<GiB> peak=<GiB> end=<GiB>``
 (``torch.cuda.memory_allocated`` at entry and exit, ``max_memory_allocated`` in between). The update phase
 also holds the log-prob passes: the line ``MEM logprobs`` is their peak, printed (and the peak reset) when
-the optimizer steps begin. A phase nested in another (the reward inside the rollout) resets the outer
-phase's peak, so the outer line counts from the inner phase's start.
+the optimizer steps begin. A phase nested in another (the reward inside the rollout) hands its peak on to the
+outer one, whose line covers both.
 """
 
 from __future__ import annotations
@@ -28,26 +28,38 @@ from backends.distributed import watchdog  # noqa: E402
 
 GIB = 2**30
 _phase, _waiting_on = watchdog.phase, watchdog.waiting_on
+_open_peaks: list[int] = []  #: per open phase, outermost first: its peak before the CUDA peak was last reset
+
+
+def _reset_peak() -> None:
+    """Reset the CUDA peak, first handing it to every open phase."""
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    _open_peaks[:] = [max(p, peak) for p in _open_peaks]
+    torch.cuda.reset_peak_memory_stats()
 
 
 @contextlib.contextmanager
 def phase(kind: str, **kwargs: Any) -> Iterator[None]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _reset_peak()
     start = torch.cuda.memory_allocated()
-    with _phase(kind, **kwargs):
-        yield
-    torch.cuda.synchronize()
-    print(f"MEM {kind} step={kwargs.get('step')} start={start / GIB:.2f} "
-          f"peak={torch.cuda.max_memory_allocated() / GIB:.2f} end={torch.cuda.memory_allocated() / GIB:.2f}", flush=True)
+    _open_peaks.append(start)
+    try:
+        with _phase(kind, **kwargs):
+            yield
+    finally:
+        _reset_peak()
+        peak = _open_peaks.pop()
+    print(f"MEM {kind} step={kwargs.get('step')} start={start / GIB:.2f} peak={peak / GIB:.2f} "
+          f"end={torch.cuda.memory_allocated() / GIB:.2f}", flush=True)
 
 
 def waiting_on(op: str) -> None:
-    if "update" in op:  # the recipes' log-prob passes are done; the optimizer steps begin
+    if "update" in op and _open_peaks:  # the recipes' log-prob passes are done; the optimizer steps begin
         torch.cuda.synchronize()
         print(f"MEM logprobs peak={torch.cuda.max_memory_allocated() / GIB:.2f} "
               f"now={torch.cuda.memory_allocated() / GIB:.2f}", flush=True)
-        torch.cuda.reset_peak_memory_stats()
+        _reset_peak()
     _waiting_on(op)
 
 
