@@ -8,13 +8,14 @@ schedule (never "whatever arrived last"), so a run is reproducible and ``bounded
 the same run as ``sync``.
 
 **Who does what.** Rollout ranks own the prompt stream (each holds the same seeded stream), build their own
-rollout engine (and a reward model's replica), evaluate before and after training and on ``eval.every`` (their pool's group), dump generations
-and ``isend`` each trainer rank its share of every step's batch (:mod:`backends.distributed.sample_channel`). Trainer rank ``t`` is served by
-rollout rank ``t % R``; the share of trainer ``t`` is sampled with the seed the colocated loop would give data
-rank ``t``, so the split of the data does not depend on R. The trainers recompute the old log-probs (the batch
-is off-policy) and, with a KL loss, the reference's (the reference lives on the trainer pool), update, and after every update trainer rank 0 broadcasts the weights to the rollout pool
-(:mod:`backends.distributed.weight_broadcast`) while every trainer rank gathers them (a collective of the
-trainer pool).
+rollout engine (and a reward model's replica), evaluate before and after training and on ``eval.every`` (their
+pool's group), dump generations and ``isend`` each trainer rank its share of every step's batch
+(:mod:`backends.distributed.sample_channel`). Trainer rank ``t`` is served by rollout rank ``t % R``; the share of
+trainer ``t`` is sampled with the seed the colocated loop would give data rank ``t``, so the split of the data does
+not depend on R. The trainers recompute the old log-probs (the batch is off-policy) and, with a KL loss, the
+reference's (the reference lives on the trainer pool), update, and after every update trainer rank 0 broadcasts
+the weights to the rollout pool (:mod:`backends.distributed.weight_broadcast`) while every trainer rank gathers
+them (a collective of the trainer pool).
 
 **Ordering.** Per step every rank does, in this order: the weights' broadcast on the push group (trainer rank 0
 and the rollout ranks), on ``eval.every`` the evaluation's metrics from the rollout pool to the trainers, then the
