@@ -43,7 +43,7 @@ from backends.config import ConfigError, apply_overrides, config_help, resolve_f
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
-from backends.distributed.collectives import all_reduce_max, all_reduce_sum
+from backends.distributed.collectives import all_reduce_max, all_reduce_sum, mean_over_ranks
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
@@ -65,7 +65,7 @@ from backends.training.reward_model import RewardModelConfig, build_reward_model
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
-from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
+from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split, stamp_policy_version
 from experiments.stages import (
     checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
 )
@@ -173,7 +173,11 @@ def main(argv: list[str]) -> dict:
     log = get_logger("grpo", env)
     watchdog.start(cfg.deadlines, env, role="grpo")  # deadlines per phase, and SIGTERM: stop at a step boundary
     seed_everything(cfg.seed)
-    check_offpolicy(cfg, env.world_size)
+    check_offpolicy(cfg, env.world_size, refused={
+        "reward_model.shard=true (the rollout ranks hold a replicated reward model)": bool(cfg.reward_model.path)
+        and cfg.reward_model.shard,
+        "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
+    })
     check_batch_shape(cfg, env.world_size - cfg.offpolicy.rollout_ranks)  # the trainer ranks split the prompts
     run = prepare_run(cfg, env, RESUMABLE_KEYS)
     tokenizer = load_tokenizer(run.model_path)
@@ -185,14 +189,13 @@ def main(argv: list[str]) -> dict:
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
     t_start = time.time()
     if cfg.offpolicy.rollout_ranks:  # split placement: the rollout pool samples ahead while the trainer pool updates
-        parts = RecipeParts(
-            estimator=estimator, estimator_kwargs=estimator_kwargs, skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, policy_loss),
-            loss_fn=functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg)),
-            score_batch=score_batch, stamp_policy_version=stamp_policy_version, step_stats=step_stats,
-            mean_over_ranks=mean_over_ranks, split_rows=split_rows, max_context=max_context(cfg),
-        )
-        summary = run_split(cfg, env, log, run, data, tokenizer, scorer, environments, engine, build_kwargs, steps, mlog,
-                            rl_optim, parts, t_start)
+        parts = RecipeParts(score_batch=score_batch, max_context=max_context(cfg), estimator=estimator,
+                            estimator_kwargs=estimator_kwargs, dynamic_sampling=cfg.algo.dynamic_sampling,
+                            max_sampling_rounds=cfg.algo.max_sampling_rounds, reward_model=cfg.reward_model)
+        make_trainer = functools.partial(build_policy_trainer, cfg, engine, run, data, tokenizer, rl_optim, mlog,
+                                         build_kwargs, estimator, estimator_kwargs, policy_loss)
+        summary = run_split(cfg, env, log, run, data, tokenizer, scorer, environments, steps, mlog, parts, make_trainer,
+                            t_start)
         scorer.close()
         shutdown(env)
         return summary
@@ -377,15 +380,6 @@ def reject_mismatched_tokens(batch: rf.RolloutBatch, algo: AlgoConfig) -> tuple[
     return batch.replace(loss_mask=keep), metrics
 
 
-def stamp_policy_version(batch: rf.RolloutBatch, version: int,
-                         current: int | None = None) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
-    """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
-    and the staleness of the batch at this update (the trainer at version ``current``, default ``version``) is logged."""
-    batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
-    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current, response_mask=rf.loss_tokens(batch))
-    return batch, {f"offpolicy/{k}": v for k, v in metrics.items()}
-
-
 def max_context(cfg: Config) -> int:
     """The longest sequence the rollout engine holds: a prompt and its response, or a whole trajectory."""
     single = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
@@ -448,16 +442,6 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     batch, rows, informative = filler.result()
     stats = {**rounds_metrics(rounds, drawn, informative), **reward_metrics}
     return batch, rows, mean_over_ranks(stats)
-
-
-def mean_over_ranks(metrics: dict[str, float], group: Any = None) -> dict[str, float]:
-    """Each metric averaged over the ranks (of ``group``) that have it (one small object all-gather)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return metrics
-    every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, metrics, group=group)
-    keys = dict.fromkeys(k for m in every for k in m)
-    return {k: sum(m[k] for m in every if k in m) / sum(k in m for m in every) for k in keys}
 
 
 def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokenizer: Any, cfg: Config,
@@ -563,6 +547,78 @@ def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, poli
     if out.entropy is not None:
         metrics["entropy"] = rf.aggregate(out.entropy.detach(), mask=mask, mode="token-mean", norms=norms)
     return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trainer pool of a split run (experiments.offpolicy_loop): the actor and, with a KL loss, the reference.
+
+
+@attrs.define
+class PolicyTrainer:
+    """GRPO's side of the split loop's trainer pool (:class:`experiments.offpolicy_loop.SplitTrainer`)."""
+
+    cfg: Config
+    engine: Any
+    actor: Any
+    reference: Any  #: the frozen starting policy (not checkpointed); None without a KL loss
+    env: Any  #: the trainer pool's DistEnv
+    estimator: Callable
+    estimator_kwargs: dict
+    loss_fn: Callable
+    skip_zero_rows: bool
+    ckpt_name: str
+    title: str = "GRPO"
+
+    def states(self) -> dict[str, Any]:
+        return {self.ckpt_name: self.actor}
+
+    def load(self, states: dict[str, Any], carried: dict) -> None:
+        self.actor = states[self.ckpt_name]
+
+    def carried(self) -> dict:
+        return {}
+
+    def weights(self, **gather: Any) -> Any:
+        return self.engine.full_state_dict(self.actor, **gather)
+
+    def train(self, batch: rf.RolloutBatch, step: int, waited: float) -> dict[str, float]:
+        """Old log-probs (always recomputed: the batch is off-policy), the reference's, advantages, the update."""
+        t0, cfg, engine = time.time(), self.cfg, self.engine
+        batch = batch.replace(old_logprobs=engine.compute_logprobs(self.actor, batch).logprobs)
+        if self.reference is not None:
+            batch = batch.replace(ref_logprobs=engine.compute_logprobs(self.reference, batch).logprobs)
+        adv, ret = self.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
+                                  **self.estimator_kwargs)
+        batch = batch.replace(advantages=adv, returns=ret)
+        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if self.skip_zero_rows else None
+        t_update = time.time()
+        for _ in range(cfg.algo.ppo_epochs):
+            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
+                self.actor, metrics = engine.update(self.actor, mini_batch, self.loss_fn, with_entropy=True, skip_rows=mini_skip)
+        times = {"step_time_s": time.time() - t0 + waited, "rollout_time_s": waited, "update_time_s": time.time() - t_update}
+        return {**step_stats(batch, skip, times, self.env.world_size, group=self.env.group), **metrics}
+
+    def export(self, run: Any, tokenizer: Any) -> None:
+        if self.cfg.export_hf:
+            self.engine.export_hf(self.actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
+
+
+def build_policy_trainer(cfg: Config, engine: Any, run: Any, data: Any, tokenizer: Any, rl_optim: Any, mlog: Any,
+                         build_kwargs: dict, estimator: Callable, estimator_kwargs: dict, policy_loss: Callable,
+                         mesh: Any, env: Any, before_sft_update: Callable[[int], None]) -> PolicyTrainer:
+    """The actor on the trainer pool (after the SFT stage on a fresh run with SFT data) and the reference."""
+    actor = start_actor(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs={**build_kwargs, "mesh": mesh},
+                        before_sft_update=before_sft_update)
+    reference = None
+    if cfg.algo.kl_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
+        reference = engine.build_reference(run.policy_path, env, engine.config, mesh=mesh,
+                                           log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+    return PolicyTrainer(
+        cfg=cfg, engine=engine, actor=actor, reference=reference, env=env, estimator=estimator,
+        estimator_kwargs=estimator_kwargs, skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, policy_loss),
+        loss_fn=functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg)),
+        ckpt_name=engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor",
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""The GRPO recipe on a split placement (``offpolicy.rollout_ranks=R``): the last R ranks of the world sample,
-the others train with FSDP, and the two pools overlap.
+"""The GRPO and PPO recipes on a split placement (``offpolicy.rollout_ranks=R``): the last R ranks of the world
+sample, the others train with FSDP, and the two pools overlap. This module runs the schedule, the rollout ranks and
+the trainer pool's loop; the recipe hands in how to score a batch (:class:`RecipeParts`) and its trainer
+(:class:`SplitTrainer`: GRPO's actor, or PPO's actor, critic and reference), so it imports no recipe.
 
 **Schedule.** With lag ``L`` (``sync``: 0, ``one_step_off``: 1, ``bounded``: ``offpolicy.max_staleness``) the
 batch of step ``s`` is sampled by the weights after update ``max(0, s - 1 - L)``, so its staleness at the update
@@ -13,9 +15,9 @@ pool's group), dump generations and ``isend`` each trainer rank its share of eve
 (:mod:`backends.distributed.sample_channel`). Trainer rank ``t`` is served by rollout rank ``t % R``; the share of
 trainer ``t`` is sampled with the seed the colocated loop would give data rank ``t``, so the split of the data does
 not depend on R. The trainers recompute the old log-probs (the batch is off-policy) and, with a KL loss, the
-reference's (the reference lives on the trainer pool), update, and after every update trainer rank 0 broadcasts
-the weights to the rollout pool (:mod:`backends.distributed.weight_broadcast`) while every trainer rank gathers
-them (a collective of the trainer pool).
+reference's (the reference lives on the trainer pool; so does PPO's critic), update, and after every update trainer
+rank 0 broadcasts the weights to the rollout pool (:mod:`backends.distributed.weight_broadcast`) while every
+trainer rank gathers them (a collective of the trainer pool).
 
 **Ordering.** Per step every rank does, in this order: the weights' broadcast on the push group (trainer rank 0
 and the rollout ranks), on ``eval.every`` the evaluation's metrics from the rollout pool to the trainers, then the
@@ -27,9 +29,10 @@ sender's sentinel.
 
 **Checkpoints.** A checkpoint drains the pipeline: the batch after checkpoint step ``c`` is sampled by version
 ``c`` (:func:`sampling_version`), so nothing sampled ahead of it is lost or needed, and a run resumed from it trains
-on the batches the uninterrupted run trained on. The trainers save the actor; the rollout ranks save nothing but
-take part, and on resume take the step and the prompt stream's position from it (sent with each batch: dynamic
-sampling draws a varying number of prompts per step).
+on the batches the uninterrupted run trained on. The trainers save their states (the actor; PPO's critic too) and
+what the recipe's loop carries (PPO's KL controller); the rollout ranks save nothing but take part, and on resume
+take the step and the prompt stream's position from it (sent with each batch: dynamic sampling draws a varying
+number of prompts per step).
 
 **An SFT stage** (``sft.files``) runs on the trainer pool, which exports the policy RL starts from; the rollout
 ranks build their engine from it once trainer rank 0 says the stage is over. It sends one word before every SFT
@@ -45,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import attrs
 import torch
@@ -56,6 +59,7 @@ from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.config import ConfigError
 from backends.data import PromptStream
 from backends.distributed import watchdog
+from backends.distributed.collectives import mean_over_ranks
 from backends.distributed.placement import PlacementConfig, build_placement, concat_padded
 from backends.distributed.sample_channel import SampleReceiver, SampleSender, StalenessBound
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
@@ -64,9 +68,12 @@ from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb
 from backends.training.reward_model import build_reward_model
 from backends.training.sft import sft_steps
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
-from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, start_actor, summarize
+from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, summarize
 
-__all__ = ["OffPolicyConfig", "RecipeParts", "check_offpolicy", "lag", "run_split", "sampling_version"]
+__all__ = [
+    "OffPolicyConfig", "RecipeParts", "SplitTrainer", "TrainerFactory", "check_offpolicy", "lag", "run_split", "sampling_version",
+    "stamp_policy_version",
+]
 
 
 class RolloutPoolError(RuntimeError):
@@ -85,18 +92,48 @@ class OffPolicyConfig:
 
 @attrs.frozen
 class RecipeParts:
-    """What the split loop takes from the GRPO recipe (handed in, so this module does not import the recipe)."""
+    """What the rollout pool takes from the recipe (handed in, so this module imports no recipe)."""
 
-    estimator: Callable
-    estimator_kwargs: dict
-    loss_fn: Callable
-    skip_zero_rows: bool
+    #: ``(batch, rows, scorer, tokenizer, cfg, eos_token_ids[, reward_model=])`` -> the scored batch and its metrics
     score_batch: Callable
-    stamp_policy_version: Callable
-    step_stats: Callable
-    mean_over_ranks: Callable
-    split_rows: Callable
-    max_context: int
+    max_context: int  #: the longest sequence the rollout engine holds
+    #: a group-relative estimator of the dumped generations' advantages (None: the dumps carry none, as PPO's
+    #: advantages come from the critic on the trainer pool)
+    estimator: Callable | None = None
+    estimator_kwargs: dict = attrs.field(factory=dict)
+    dynamic_sampling: bool = False  #: sample rounds until every share holds informative groups
+    max_sampling_rounds: int = 1
+    reward_model: Any = None  #: the reward model's config, when one scores on the rollout pool
+
+
+class SplitTrainer(Protocol):
+    """The trainer pool's side of a recipe: its trained states, one step's training, the weights it pushes."""
+
+    title: str  #: the summary's title
+
+    def states(self) -> dict[str, Any]:
+        """The states a checkpoint holds, by name (sharded, with their optimizers)."""
+
+    def load(self, states: dict[str, Any], carried: dict) -> None:
+        """Take the states back from a checkpoint, with what :meth:`carried` returned when it was written."""
+
+    def carried(self) -> dict:
+        """What the recipe's loop carries from step to step besides the states (picklable; a KL controller)."""
+
+    def train(self, batch: rf.RolloutBatch, step: int, waited: float) -> dict[str, float]:
+        """Train on the step's batch (stamped with its policy version; ``waited``: seconds spent waiting for it);
+        the step's metrics, the same on every trainer rank."""
+
+    def weights(self, **gather: Any) -> Any:
+        """The policy's full tensors (a collective of the trainer pool), for the push to the rollout pool."""
+
+    def export(self, run: Any, tokenizer: Any) -> None:
+        """What the recipe writes at the end of a run."""
+
+
+#: builds the trainer on the trainer pool: ``(mesh, pool env, before_sft_update)`` -> :class:`SplitTrainer`; on a
+#: fresh start with SFT data it runs the SFT stage first, calling ``before_sft_update(step)`` before each update
+TrainerFactory = Callable[[Any, Any, Callable[[int], None]], SplitTrainer]
 
 
 def lag(cfg: OffPolicyConfig) -> int:
@@ -113,23 +150,25 @@ def sampling_version(step: int, lag: int, every: int = 0, start: int = 0) -> int
     return max(step - 1 - lag, last_checkpoint, start, 0)
 
 
-def checkpoint_extra(step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any) -> dict:
+def checkpoint_extra(step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any,
+                     carried: dict | None = None) -> dict:
     """What a split run's checkpoint carries besides the actor, as trainer rank 0 (global rank 0) has it, on every
     rank (a collective of the world): the step, how many prompts the rollout pool had drawn by the batch of that step
     (``drawn``, sent with the batch: dynamic sampling draws a varying number), the evaluation before training, the
-    wall time so far and the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout
-    ranks, whose ``drawn`` is not used)."""
+    wall time so far, the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout
+    ranks, whose ``drawn`` is not used) and what the recipe's loop carries (``carried``)."""
     extra = None
     if bound is not None:
         extra = {"step": step, "drawn": drawn, "run_dir": str(run.run_dir), "eval_before": before,
-                 "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound)}
+                 "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound), "carried": carried or {}}
     box = [extra]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def check_offpolicy(cfg: Any, world_size: int) -> None:
-    """Refuse, before any model is built, what the split loop does not do (yet)."""
+def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None = None) -> None:
+    """Refuse, before any model is built, what the split loop does not do (yet); ``refused``: the recipe's own
+    settings the split does not take (a description -> whether it is set)."""
     off = cfg.offpolicy
     if off.mode != "sync" and not off.rollout_ranks:
         raise ConfigError(f"offpolicy.mode={off.mode} needs a rollout pool: set offpolicy.rollout_ranks >= 1 "
@@ -140,15 +179,18 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
     if trainers < 1 or off.rollout_ranks > trainers:
         raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
                           "trainer rank and no more rollout ranks than trainer ranks")
-    refused = {
-        "actor.backend=megatron": cfg.actor.backend != "fsdp",
-        "reward_model.shard=true (the rollout ranks hold a replicated reward model)": bool(cfg.reward_model.path)
-        and cfg.reward_model.shard,
-        "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
-    }
-    for what, bad in refused.items():
+    for what, bad in {"actor.backend=megatron": cfg.actor.backend != "fsdp", **(refused or {})}.items():
         if bad:
             raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} does not support {what} yet")
+
+
+def stamp_policy_version(batch: rf.RolloutBatch, version: int,
+                         current: int | None = None) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
+    """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
+    and the staleness of the batch at this update (the trainer at version ``current``, default ``version``) is logged."""
+    batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
+    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current, response_mask=rf.loss_tokens(batch))
+    return batch, {f"offpolicy/{k}": v for k, v in metrics.items()}
 
 
 @attrs.frozen
@@ -220,7 +262,7 @@ def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any,
     fillers = {t: GroupFiller(cfg.prompts_per_step // trainers) for t in mine}
     out: dict[int, tuple[rf.RolloutBatch, dict, list]] = {}
     drawn = 0
-    for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
+    for rounds in range(1, parts.max_sampling_rounds + 1 if parts.dynamic_sampling else 2):
         examples = stream.take(cfg.prompts_per_step)
         drawn += cfg.prompts_per_step
         for t in mine:
@@ -228,9 +270,9 @@ def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any,
                                                 environments, parts, rounds)
             out[t] = (batch, metrics, rows)
             fillers[t].add(batch, rows)
-        if not cfg.algo.dynamic_sampling or not any_short(list(fillers.values()), group=pool_group):
+        if not parts.dynamic_sampling or not any_short(list(fillers.values()), group=pool_group):
             break
-    if not cfg.algo.dynamic_sampling:
+    if not parts.dynamic_sampling:
         return out
     for t, filler in fillers.items():
         batch, rows, informative = filler.result()
@@ -248,10 +290,10 @@ def receive_weights(rollout: Any, split: Split, version: int, device: Any) -> An
             return sync_weights(rollout, stream)
 
 
-def push_weights(engine: Any, actor: Any, split: Split, version: int, gather: dict) -> None:
+def push_weights(trainer: SplitTrainer, split: Split, version: int, gather: dict) -> None:
     """Every trainer rank gathers the full weights; trainer rank 0 broadcasts them to the rollout pool."""
     with watchdog.phase("weight_sync", step=version, op=f"push weights version {version} to the rollout pool"):
-        tensors = engine.full_state_dict(actor, **gather)
+        tensors = trainer.weights(**gather)
         if dist.get_rank() == 0:
             try:
                 broadcast_weights(tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version)
@@ -308,8 +350,8 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
         wait_for_sft(split, sft_steps(cfg.sft, len(data.sft)))
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=parts.max_context)
-    if cfg.reward_model.path:  # the rollout pool scores its samples, with a replicated reward model
-        reward_model = build_reward_model(cfg.reward_model.path, pool_env, cfg.reward_model)
+    if parts.reward_model is not None and parts.reward_model.path:  # the pool scores with a replicated reward model
+        reward_model = build_reward_model(parts.reward_model.path, pool_env, parts.reward_model)
         parts = attrs.evolve(parts, score_batch=functools.partial(parts.score_batch, reward_model=reward_model))
     start, before, t_start, wall_before, drawn = 0, {}, time.time(), 0.0, 0
     if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
@@ -374,9 +416,11 @@ def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, parts: Recip
     pure function of them)."""
     scored = []
     for batch, _, _ in shares:  # per share: each trainer's group ids start at 0
-        adv, _ = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
-                                 **parts.estimator_kwargs)
-        scored.append(batch.replace(advantages=adv))
+        if parts.estimator is not None:
+            adv, _ = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
+                                     **parts.estimator_kwargs)
+            batch = batch.replace(advantages=adv)
+        scored.append(batch)
     rows = [r for _, _, part in shares for r in part]
     dump_generations(run, step, tokenizer, concat_padded(scored), rows, group=group)
 
@@ -395,8 +439,9 @@ def receive_through(version: int, rollout: Any, received: int, split: Split, env
 
 
 def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any, scorer: Any, environments: Any,
-              engine: Any, build_kwargs: dict, steps: int, mlog: Any, rl_optim: Any, parts: RecipeParts, t_start: float) -> dict:
-    """The whole RL stage on a split placement (every rank calls it); the summary on the trainers' rank 0."""
+              steps: int, mlog: Any, parts: RecipeParts, make_trainer: TrainerFactory, t_start: float) -> dict:
+    """The whole RL stage on a split placement (every rank calls it); the summary on the trainers' rank 0.
+    ``make_trainer`` builds the recipe's trainer on the trainer pool (:data:`TrainerFactory`)."""
     split = build_split(cfg, env)
     if not split.is_trainer:
         summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps, parts, log)
@@ -404,41 +449,37 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         return summary
     tenv = split.placement.env("actor")
     sft = run.resume_from is None and bool(data.sft)  # a fresh start with SFT data trains and exports the policy first
-    actor = start_actor(cfg, engine, tenv, run, data, tokenizer, rl_optim, mlog,
-                        build_kwargs={**build_kwargs, "mesh": split.placement.mesh("actor")},
-                        before_sft_update=lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
+    trainer = make_trainer(split.placement.mesh("actor"), tenv,
+                           lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
     if sft:
         sft_signal(split, _SFT_DONE, "the SFT stage is over")
-    reference = None
-    if cfg.algo.kl_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
-        reference = engine.build_reference(run.policy_path, tenv, engine.config, mesh=split.placement.mesh("actor"),
-                                           log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
-    ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
     start, before, wall_before, bound, drawn = 0, {}, 0.0, StalenessBound(max_staleness=split.lag), 0
-    if run.resume_from is not None:  # the actor's weights, AdamW state and step, every rank's RNG, the counts
+    if run.resume_from is not None:  # the trained states with their optimizers, every rank's RNG, the counts
         with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
-            states, extra = load_checkpoint(run.resume_from, {ckpt_name: actor}, config=run.must_match)
-        actor, start, before, wall_before = states[ckpt_name], extra["step"], extra["eval_before"], extra["wall_seconds"]
+            states, extra = load_checkpoint(run.resume_from, trainer.states(), config=run.must_match)
+        trainer.load(states, extra["carried"])
+        start, before, wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
         bound, drawn = StalenessBound(**extra["staleness"]), extra["drawn"]
-    push_weights(engine, actor, split, start, gather)
+    push_weights(trainer, split, start, gather)
     if run.resume_from is None:
         before = share_from_rollouts(None, split)
         mlog.log(0, before)
 
-    def save(step: int) -> None:  # the actor sharded with AdamW, RNG, the step and the rollout pool's stream position
-        extra = checkpoint_extra(step, drawn, run, before, wall_before + time.time() - t_start, bound=bound)
+    def save(step: int) -> None:  # the states sharded with their optimizers, RNG, the step, the pool's stream position
+        extra = checkpoint_extra(step, drawn, run, before, wall_before + time.time() - t_start, bound=bound,
+                                 carried=trainer.carried())
         with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
-            save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last,
+            save_checkpoint(run.ckpt_dir, step, trainer.states(), extra, keep_last=cfg.checkpoint.keep_last,
                             config=run.must_match)
 
     receiver = SampleReceiver(timeout_s=cfg.deadlines.process_group or 1800.0)
     src = split.rollout_of(tenv.rank)
     preempted_at, last_eval = None, {}
     for step in range(start + 1, steps + 1):
-        actor, stats, drawn = trainer_step(cfg, engine, actor, reference, receiver, src, bound, step, tenv, parts)
+        stats, drawn = trainer_step(trainer, receiver, src, bound, step, tenv)
         t_sync = time.time()
-        push_weights(engine, actor, split, step, gather)
+        push_weights(trainer, split, step, gather)
         stats["sync_time_s"] = time.time() - t_sync
         if cfg.eval.every and step % cfg.eval.every == 0:  # the rollout pool evaluates these weights
             with watchdog.phase("eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"):
@@ -458,19 +499,19 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         else:
             after = share_from_rollouts(None, split)
             mlog.log(steps, after)
-        if cfg.export_hf:
-            with watchdog.phase("checkpoint", step=steps, op="export_hf(final_model)"):
-                engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
-        summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
+        with watchdog.phase("checkpoint", step=steps, op="export"):
+            trainer.export(run, tokenizer)
+        summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start,
+                            title=trainer.title)
     mlog.close()
     return summary
 
 
-def trainer_step(cfg: Any, engine: Any, actor: Any, reference: Any, receiver: SampleReceiver, src: int,
-                 bound: StalenessBound, step: int, tenv: Any, parts: RecipeParts) -> tuple[Any, dict, int]:
-    """Receive batch ``step``, check its staleness, recompute the old log-probs (and the reference's, with
-    ``algo.kl_coef > 0``), advantages, the update: the actor, the step's metrics and the prompt stream's position
-    after the batch."""
+def trainer_step(trainer: SplitTrainer, receiver: SampleReceiver, src: int, bound: StalenessBound, step: int,
+                 tenv: Any) -> tuple[dict, int]:
+    """Receive batch ``step``, check its staleness, stamp its policy version and train on it: the step's metrics
+    (the rollout pool's sampling metrics, the recipe's, the staleness counts) and the prompt stream's position after
+    the batch."""
     t0 = time.time()
     with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
         payload, version, sent_step = receiver.recv_samples(src=src)
@@ -478,23 +519,9 @@ def trainer_step(cfg: Any, engine: Any, actor: Any, reference: Any, receiver: Sa
         raise RuntimeError(f"trainer rank {dist.get_rank()} expected the batch of step {step}, rank {src} sent step {sent_step}")
     if not bound.admit(step - 1, version):  # the fixed schedule never goes past the bound: a bookkeeping error
         raise RuntimeError(f"the batch of step {step} from rank {src} is {bound.last} versions old, past the bound {bound.max_staleness}")
-    batch = rf.RolloutBatch(**payload["batch"])
-    t_wait = time.time() - t0
-    with watchdog.phase("update", step=step, op="log-probs, advantages and the policy update"):
-        batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs)  # off-policy: always recompute
-        if reference is not None:
-            batch = batch.replace(ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
-        batch, provenance = parts.stamp_policy_version(batch, version, current=step - 1)
-        adv, ret = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
-                                   **parts.estimator_kwargs)
-        batch = batch.replace(advantages=adv, returns=ret)
-        skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if parts.skip_zero_rows else None
-        t_update = time.time()
-        for _ in range(cfg.algo.ppo_epochs):
-            for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), parts.split_rows(skip, cfg.algo.mini_batches)):
-                actor, metrics = engine.update(actor, mini_batch, parts.loss_fn, with_entropy=True, skip_rows=mini_skip)
-    times = {"step_time_s": time.time() - t0, "rollout_time_s": t_wait, "update_time_s": time.time() - t_update}
-    stats = {**parts.mean_over_ranks(payload["metrics"], tenv.group),
-             **parts.step_stats(batch, skip, times, tenv.world_size, group=tenv.group),
-             **metrics, **{k: float(v) for k, v in provenance.items()}, **bound.metrics()}
-    return actor, stats, payload["drawn"]
+    batch, provenance = stamp_policy_version(rf.RolloutBatch(**payload["batch"]), version, current=step - 1)
+    with watchdog.phase("update", step=step, op="log-probs, advantages and the update"):
+        metrics = trainer.train(batch, step, waited=time.time() - t0)
+    stats = {**mean_over_ranks(payload["metrics"], tenv.group), **metrics,
+             **{k: float(v) for k, v in provenance.items()}, **bound.metrics()}
+    return stats, payload["drawn"]

@@ -45,8 +45,8 @@ from backends.config import ConfigError, apply_overrides, available_presets, con
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
-from backends.distributed.collectives import all_reduce_sum, barrier, global_masked_whiten
-from backends.distributed.placement import PlacementConfig
+from backends.distributed.collectives import all_reduce_max, all_reduce_sum, barrier, global_masked_whiten
+from backends.distributed.placement import PlacementConfig, colocated_on_pool
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig, load_tokenizer
@@ -62,9 +62,11 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reference import ReferenceConfig
 from backends.training.roles import Roles, build_roles
 from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
+from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
     RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, summarize,
 )
+from experiments.stages import start_actor as start_policy
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -91,6 +93,10 @@ class AlgoConfig:
     use_kl_loss: bool = False  #: add a KL term to the actor's loss (GRPO-style) instead of / besides the reward penalty
     kl_loss_coef: float = 0.001  #: the weight of that term
     kl_loss_type: str = attrs.field(default="low_var_kl", validator=attrs.validators.in_(rf.KL_KINDS))  #: its estimator: k1..k3 / low_var_kl, "+" for straight-through gradients
+    #: truncated importance weights for the gap between the sampling and the trained policy (TIS; with
+    #: offpolicy.mode=one_step_off / bounded, older weights): per token, per sequence or their geometric mean
+    rollout_is: str = attrs.field(default="none", validator=attrs.validators.in_(("none", "token", "sequence", "geometric")))
+    rollout_is_cap: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))  #: the TIS truncation
 
 
 @attrs.frozen
@@ -142,6 +148,7 @@ class Config:
     rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
     algo: AlgoConfig = AlgoConfig()  #: the algorithm
     export: ExportConfig = ExportConfig()  #: what is written at the end
+    offpolicy: OffPolicyConfig = OffPolicyConfig()  #: asynchronous training: the rollout on ranks of its own
 
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
@@ -166,8 +173,13 @@ def main(argv: list[str]) -> dict:
     log = get_logger("ppo", env)
     watchdog.start(cfg.deadlines, env, role="ppo")  # deadlines per phase, and SIGTERM: stop at a step boundary
     seed_everything(cfg.seed)
-    roles = build_roles(cfg.placement, env, engine, critic_engine)  # which ranks hold which roles
-    num_mini = num_mini_batches(cfg, roles.pool_size("actor"))
+    check_offpolicy(cfg, env.world_size, refused={
+        "placement.mode=split (the trainer pool holds the actor, the critic and the reference)": cfg.placement.mode == "split"})
+    if cfg.offpolicy.rollout_ranks:  # the trainer pool's roles are placed by the split loop
+        num_mini = num_mini_batches(cfg, env.world_size - cfg.offpolicy.rollout_ranks)
+    else:
+        roles = build_roles(cfg.placement, env, engine, critic_engine)  # which ranks hold which roles
+        num_mini = num_mini_batches(cfg, roles.pool_size("actor"))
     run = prepare_run(cfg, env, RESUMABLE_KEYS)
     tokenizer = load_tokenizer(run.model_path)
     data = load_run_data(cfg, tokenizer, scorer, log)  # bad data fails here, before any model
@@ -176,6 +188,14 @@ def main(argv: list[str]) -> dict:
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * num_mini)
     critic_optim = with_total_steps(cfg.critic.optim, steps * cfg.algo.ppo_epochs * num_mini)
     t_start = time.time()
+    if cfg.offpolicy.rollout_ranks:  # the rollout pool samples ahead while the trainer pool runs every role
+        parts = RecipeParts(score_batch=score_responses, max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+        make_trainer = functools.partial(build_actor_critic_trainer, cfg, engine, critic_engine, run, data, tokenizer,
+                                         rl_optim, critic_optim, mlog, num_mini)
+        summary = run_split(cfg, env, log, run, data, tokenizer, scorer, None, steps, mlog, parts, make_trainer, t_start)
+        scorer.close()
+        shutdown(env)
+        return summary
 
     # The actor (after the SFT stage on a fresh run with SFT data); the critic starts from the policy's backbone
     # with a fresh (seeded) value head; the frozen reference is the starting policy; the rollout engine on the
@@ -189,10 +209,7 @@ def main(argv: list[str]) -> dict:
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}  # how weights reach it
     if cfg.checkpoint.every or run.resume_from:
         roles.checkpoint_states()  # an engine that cannot checkpoint says so here, before any RL work
-    kl_ctrl = (
-        rf.adaptive_kl_controller(cfg.algo.kl_coef, target_kl=cfg.algo.target_kl, horizon=cfg.algo.horizon)
-        if cfg.algo.kl_ctrl == "adaptive" else rf.fixed_kl_controller(cfg.algo.kl_coef)
-    )
+    kl_ctrl = kl_controller(cfg.algo)
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     first_step, wall_before, before = 1, 0.0, {}
     if run.resume_from is None:
@@ -290,13 +307,19 @@ def main(argv: list[str]) -> dict:
 
 
 def ppo_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig, horizon: int):
-    """Clipped (dual-clip) PPO surrogate, plus ``kl_loss_coef`` times a KL estimate to the reference."""
+    """Clipped (dual-clip) PPO surrogate (weighted by truncated importance weights with ``rollout_is``), plus
+    ``kl_loss_coef`` times a KL estimate to the reference."""
     mask = rf.loss_tokens(mb)
+    is_weights, is_metrics = None, {}
+    if algo.rollout_is != "none":  # the sampler's (behaviour) log-probs against the recomputed old ones
+        is_weights, is_metrics = rf.rollout_is_weights(mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, response_mask=mask,
+                                                       level=algo.rollout_is, upper=algo.rollout_is_cap)
     loss, metrics = rf.ppo_policy_loss(
         out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
         clip_low=algo.clip_ratio, clip_high=algo.clip_ratio, dual_clip=algo.clip_ratio_c, agg=algo.agg, norms=norms,
-        horizon=horizon,
+        horizon=horizon, is_weights=is_weights,
     )
+    metrics = {**metrics, **is_metrics}
     if algo.use_kl_loss:
         kl, _ = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mask, kind=algo.kl_loss_type,
                            agg=algo.agg, norms=norms, horizon=horizon)
@@ -342,6 +365,9 @@ def check_config(cfg: Config) -> None:
     """Settings that cannot work together fail here, on every rank, before any model is built."""
     if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
         raise ConfigError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
+    if cfg.rollout.multi_turn.max_turns > 1:
+        raise ConfigError("rollout.multi_turn.max_turns > 1: the PPO recipe samples single-turn responses; multi-turn "
+                          "and tool rollouts run in the GRPO recipe (experiments/grpo.py)")
     if cfg.actor.backend == "megatron" and (cfg.placement.mode == "split" or cfg.export.orbax or cfg.reference.ref_in_actor):
         raise ConfigError(
             "actor.backend=megatron needs placement.mode=colocated (megatron's parallel layout spans every rank), "
@@ -410,6 +436,16 @@ def log_step(step: int, batch: rf.RolloutBatch, rows: list, stats: dict, cfg: Co
     """On the actor's ranks: the batch's statistics averaged over them, the held-out metrics every
     ``eval.every`` steps, one metrics row, and the generations every ``dump_generations_every`` steps."""
     env = roles.env("actor")
+    stats = {**batch_stats(batch, cfg, env, roles.data_parallel()[1], stats["step_time_s"]), **stats}
+    if cfg.eval.every and step % cfg.eval.every == 0:
+        stats.update(evaluate_policy(rollout, tokenizer, data, scorer, cfg, env))
+    mlog.log(step, stats)
+    if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
+        dump_generations(run, step, tokenizer, batch, rows, group=env.group)
+
+
+def batch_stats(batch: rf.RolloutBatch, cfg: Config, env: Any, dp_size: int, step_time_s: float) -> dict:
+    """The step's reward, success, length (mean and largest), values, returns and throughput over the ranks of ``env``."""
     local = torch.stack([
         batch.scores.mean(), (batch.scores >= cfg.reward.max_score).float().mean(), batch.response_mask.sum(-1).float().mean(),
         rf.masked_mean(batch.values, batch.response_mask), rf.masked_mean(batch.returns, batch.response_mask),
@@ -418,16 +454,11 @@ def log_step(step: int, batch: rf.RolloutBatch, rows: list, stats: dict, cfg: Co
     reward_mean, success_rate, response_length, values_mean, returns_mean, num_tokens = (
         all_reduce_sum(local, env.group) / env.world_size
     ).tolist()
-    stats = {
-        "reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
-        "values_mean": values_mean, "returns_mean": returns_mean,
-        "tokens_per_s": num_tokens * roles.data_parallel()[1] / stats["step_time_s"], **stats,
-    }
-    if cfg.eval.every and step % cfg.eval.every == 0:
-        stats.update(evaluate_policy(rollout, tokenizer, data, scorer, cfg, env))
-    mlog.log(step, stats)
-    if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
-        dump_generations(run, step, tokenizer, batch, rows, group=env.group)
+    lengths = batch.response_mask.sum(-1).float()
+    longest = all_reduce_max(torch.cat([lengths, lengths.new_zeros(1)]).max(), env.group).item()  # a long tail's cost
+    return {"reward_mean": reward_mean, "success_rate": success_rate, "response_length": response_length,
+            "response_length_max": longest, "values_mean": values_mean, "returns_mean": returns_mean,
+            "tokens_per_s": num_tokens * dp_size / step_time_s}
 
 
 def mean_metrics(rows: list[dict]) -> dict:
@@ -443,6 +474,91 @@ def export(cfg: Config, roles: Roles, run: RunPaths, tokenizer: Any) -> None:
         roles.export_hf(run.run_dir, tokenizer)
     if cfg.export.orbax:
         roles.run_on("actor", None, lambda: save_orbax(roles.actor, run.run_dir / "actor_orbax", overwrite=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Asynchronous training (offpolicy.rollout_ranks > 0, experiments.offpolicy_loop): the rollout pool samples and
+# scores; the trainer pool holds every role, colocated over its ranks.
+
+
+def score_responses(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokenizer: Any, cfg: Config,
+                    eos_token_ids: tuple[int, ...]) -> tuple[rf.RolloutBatch, dict[str, float]]:
+    """The batch with the reward functions' scores, and their metrics (on the rollout pool)."""
+    result = scorer.score(decode_responses(tokenizer, batch), rows)
+    success = (result.scores >= cfg.reward.max_score).float().mean().item()
+    return batch.replace(scores=result.scores), {**result.metrics(), "success_rate": success}
+
+
+@attrs.define
+class ActorCriticTrainer:
+    """PPO's side of the split loop's trainer pool (:class:`experiments.offpolicy_loop.SplitTrainer`): the actor,
+    the critic and the reference, colocated over the pool; the KL controller is what the loop carries."""
+
+    cfg: Config
+    roles: Roles
+    kl_ctrl: rf.KLControllerState
+    num_mini: int
+    actor_loss: Any
+    critic_loss: Any
+    title: str = "PPO"
+
+    def states(self) -> dict[str, Any]:
+        return self.roles.checkpoint_states()
+
+    def load(self, states: dict[str, Any], carried: dict) -> None:
+        self.roles.load_checkpoint_states(states)
+        self.kl_ctrl = rf.KLControllerState(**carried["kl_ctrl"])
+
+    def carried(self) -> dict:
+        return {"kl_ctrl": {"beta": self.kl_ctrl.beta, "target_kl": self.kl_ctrl.target_kl, "horizon": self.kl_ctrl.horizon}}
+
+    def weights(self, **gather: Any) -> Any:
+        return self.roles.actor_weights(**gather)
+
+    def train(self, batch: rf.RolloutBatch, step: int, waited: float) -> dict[str, float]:
+        """The colocated step's phases 3-5 on the received batch: old log-probs (recomputed: the batch is
+        off-policy), the reference's, values, token rewards -> GAE, critic update, actor update after the warm-up."""
+        t0, cfg, roles = time.time(), self.cfg, self.roles
+        batch = roles.compute_values(roles.reference_logprobs(roles.old_logprobs(batch)))
+        env = roles.env("critic")
+        batch, self.kl_ctrl, kl_stats = advantages(batch, self.kl_ctrl, cfg, env)
+        critic_metrics = roles.update_critic(batch, self.critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=self.num_mini)
+        actor_metrics = []
+        if step > cfg.algo.critic_warmup:
+            actor_metrics = roles.update_actor(batch, self.actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=self.num_mini,
+                                               with_entropy=True)
+        step_time = time.time() - t0 + waited
+        return {**batch_stats(batch, cfg, env, env.world_size, step_time), **kl_stats, **mean_metrics(actor_metrics),
+                **{f"critic/{k}": v for k, v in mean_metrics(critic_metrics).items()},
+                "step_time_s": step_time, "rollout_time_s": waited, **{f"time/{k}_s": v for k, v in roles.step_times().items()}}
+
+    def export(self, run: RunPaths, tokenizer: Any) -> None:
+        export(self.cfg, self.roles, run, tokenizer)
+
+
+def build_actor_critic_trainer(cfg: Config, engine: Any, critic_engine: Any, run: RunPaths, data: RunData, tokenizer: Any,
+                               rl_optim: OptimConfig, critic_optim: OptimConfig, mlog: Any, num_mini: int, mesh: Any,
+                               env: Any, before_sft_update: Any) -> ActorCriticTrainer:
+    """The roles on the trainer pool: the actor (after the SFT stage on a fresh run with SFT data), the critic from the
+    policy's backbone with a seeded value head, the frozen reference; a fresh KL controller."""
+    roles = Roles(placement=colocated_on_pool(env, mesh), actor_engine=engine, critic_engine=critic_engine)
+    roles.actor = start_policy(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs={"mesh": mesh},
+                               before_sft_update=before_sft_update)
+    roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
+    if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
+        roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
+    return ActorCriticTrainer(
+        cfg=cfg, roles=roles, kl_ctrl=kl_controller(cfg.algo), num_mini=num_mini,
+        actor_loss=functools.partial(ppo_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens),
+        critic_loss=value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=cfg.rollout.max_new_tokens),
+    )
+
+
+def kl_controller(algo: AlgoConfig) -> rf.KLControllerState:
+    """The KL controller's starting state (fixed or adaptive beta)."""
+    if algo.kl_ctrl == "adaptive":
+        return rf.adaptive_kl_controller(algo.kl_coef, target_kl=algo.target_kl, horizon=algo.horizon)
+    return rf.fixed_kl_controller(algo.kl_coef)
 
 
 if __name__ == "__main__":

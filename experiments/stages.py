@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import attrs
-import torch
 import torch.distributed as dist
 
 import rlfunc as rf
@@ -160,11 +159,12 @@ def dump_generations(run: RunPaths, step: int, tokenizer: Any, batch: rf.Rollout
     with its prompt, response (a multi-turn trajectory whole, tool-call markers and observations included),
     ground truth, source, score and (sequence-mean) advantage."""
     mask = rf.loss_tokens(batch)
-    advantage = rf.masked_mean(batch.advantages, mask, dim=-1) if batch.advantages is not None else torch.zeros(len(rows))
+    # null where the sampling ranks do not know it (PPO's split: the critic lives on the trainer pool)
+    advantage = rf.masked_mean(batch.advantages, mask, dim=-1).tolist() if batch.advantages is not None else [None] * len(rows)
     prompts = [tokenizer.decode(ids[m].tolist()) for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
     mine = [
         {"prompt": p, "response": r, "ground_truth": e.ground_truth, "data_source": e.source, "score": s, "advantage": a}
-        for p, r, e, s, a in zip(prompts, decode_responses(tokenizer, batch, skip_special_tokens=batch.turn_ids is None), rows, batch.scores.tolist(), advantage.tolist())
+        for p, r, e, s, a in zip(prompts, decode_responses(tokenizer, batch, skip_special_tokens=batch.turn_ids is None), rows, batch.scores.tolist(), advantage)
     ]
     gathered = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:

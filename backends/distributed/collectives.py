@@ -20,6 +20,7 @@ __all__ = [
     "state_ranks",
     "all_reduce_sum",
     "all_reduce_max",
+    "mean_over_ranks",
     "global_masked_whiten",
     "broadcast_object",
     "barrier",
@@ -65,6 +66,16 @@ def all_reduce_max(tensor: Tensor, group: Any = None) -> Tensor:
     if world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
+
+
+def mean_over_ranks(metrics: dict[str, float], group: Any = None) -> dict[str, float]:
+    """Each metric averaged over the ranks (of ``group``) that have it (one small object all-gather)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return metrics
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, metrics, group=group)
+    keys = dict.fromkeys(k for m in every for k in m)
+    return {k: sum(m[k] for m in every if k in m) / sum(k in m for m in every) for k in keys}
 
 
 def global_masked_whiten(

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from backends.distributed.setup import DistEnv, device_mesh
 
-__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "redistribute", "concat_padded", "pad_to", "trim_to"]
+__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "colocated_on_pool", "redistribute", "concat_padded", "pad_to", "trim_to"]
 
 #: the pool each role lives in under split placement
 ROLE_POOL = {"actor": "actor", "rollout": "actor", "critic": "critic", "reference": "critic"}
@@ -164,6 +164,14 @@ def build_placement(cfg: PlacementConfig, env: DistEnv) -> Placement:
                 backend=env.backend, group=mesh.get_group(),
             )
     return Placement(mode=cfg.mode, world=env, pools=pools, meshes=meshes, envs=envs)
+
+
+def colocated_on_pool(env: DistEnv, mesh: Any) -> Placement:
+    """Every role on one pool of ranks (``env``: this rank's DistEnv within the pool, ``mesh``: the pool's 1-D mesh):
+    the trainer pool of an asynchronous run, whose rollout has ranks of its own. Nothing moves between roles."""
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    return Placement(mode="colocated", world=env, pools={"actor": ranks, "critic": ranks},
+                     meshes={"actor": mesh, "critic": mesh}, envs={"actor": env, "critic": env})
 
 
 # ------------------------------------------------------------------------------------ batch transfer
