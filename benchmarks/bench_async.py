@@ -75,6 +75,8 @@ def only_run_dir(root: Path, name: str) -> Path:
 def read_run(run_dir: Path, split: bool) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] >= 1 and "step_time_s" in r]
+    for r in steps:  # PPO's colocated loop logs its phases as time/<phase>_s
+        r.setdefault("rollout_time_s", r.get("time/rollout_s", 0.0))
     summary = json.loads((run_dir / "summary.json").read_text())
     # colocated step_time_s holds the weight sync; the split trainer logs its push as sync_time_s beside it
     loop = [r["step_time_s"] + (r.get("sync_time_s", 0.0) if split else 0.0) for r in steps]

@@ -152,7 +152,7 @@ def sampling_version(step: int, lag: int, every: int = 0, start: int = 0) -> int
 
 def checkpoint_extra(step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any,
                      carried: dict | None = None) -> dict:
-    """What a split run's checkpoint carries besides the actor, as trainer rank 0 (global rank 0) has it, on every
+    """What a split run's checkpoint carries besides the trained states, as trainer rank 0 (global rank 0) has it, on every
     rank (a collective of the world): the step, how many prompts the rollout pool had drawn by the batch of that step
     (``drawn``, sent with the batch: dynamic sampling draws a varying number), the evaluation before training, the
     wall time so far, the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout

@@ -16,6 +16,10 @@ actor + rollout on ranks 0-1, critic + reference on ranks 2-3: batches cross bet
 critic update runs at the same time as the actor update and weight sync. Colocated (the default) runs
 every role on every rank. Split runs checkpoint, resume and export like colocated ones.
 
+Asynchronous (``experiments/offpolicy_loop.py``): ``offpolicy.rollout_ranks=1 offpolicy.mode=one_step_off`` gives the
+rollout ranks of its own that sample the next batch while the other ranks, holding the actor, the critic and the
+reference, train on this one (``algo.rollout_is=token`` corrects for the older sampling weights).
+
 Checkpoints and exact resume: ``checkpoint.every=10`` then ``resume=auto``. A checkpoint holds the actor and
 the critic (weights + AdamW, sharded), the step, every rank's RNG, the data position and the KL controller.
 
