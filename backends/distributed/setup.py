@@ -27,6 +27,7 @@ from backends.distributed.collectives import (  # noqa: F401 - re-exported
     barrier,
     broadcast_object,
     global_masked_whiten,
+    mean_over_ranks,
     state_ranks,
     world_rank,
     world_size,
