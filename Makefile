@@ -56,11 +56,15 @@ test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
 
 ## On a machine with CUDA GPUs (a venv with the CUDA torch and vLLM, BUILD.md "GPU clusters"): the gpu-marked
-## tests, then a short GRPO run with vLLM in bf16 (and one with the native engine) on every GPU, with its numbers.
-test-gpu: $(TEST_STAMP)
-	$(PY) -m pytest -m gpu $(PYTEST_ARGS)
-	$(PY) benchmarks/gpu_smoke.py
-	$(PY) benchmarks/gpu_real_scale.py --steps 2
+## tests, then a short GRPO run with every installed rollout engine in bf16 on every GPU, with its numbers.
+## GPU_PYTHON=python3 uses a Python that already holds CUDA torch and the packages instead of building .venv
+## (a machine with no package index).
+GPU_PYTHON ?=
+GPU_PY := $(or $(GPU_PYTHON),$(PY))
+test-gpu: $(if $(GPU_PYTHON),,$(TEST_STAMP))
+	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS)
+	$(GPU_PY) benchmarks/gpu_smoke.py
+	$(GPU_PY) benchmarks/gpu_real_scale.py --steps 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

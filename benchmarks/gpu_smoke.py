@@ -15,6 +15,7 @@ Paste the output into benchmarks/RESULTS.md with the date, the GPUs and the comm
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -53,7 +54,8 @@ def summarize(run_dir: Path) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default="vllm,native", help="comma-separated rollout engines")
+    parser.add_argument("--engines", default=None,
+                        help="comma-separated rollout engines (default: vllm where it is installed, then native)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--keep", default="", help="keep the runs under this dir (default: a temporary one)")
     args = parser.parse_args()
@@ -72,6 +74,9 @@ def main() -> None:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "4"}
     torchrun = Path(sys.executable).with_name("torchrun")
     results = {}
+    if args.engines is None:
+        args.engines = "vllm,native" if importlib.util.find_spec("vllm") else "native"
+        print(f"engines: {args.engines}" + ("" if "vllm" in args.engines else " (vllm is not installed here)"))
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
         cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(gpus), str(ROOT / "experiments" / "grpo.py"),
                *recipe_args(data, root / "runs", engine, args.steps)]
