@@ -7,10 +7,11 @@ test pays for its own work, not for starting processes and forming a group. The 
 suite's forkserver (``tests/forkserver.py``), so even a new pool starts in about a second.
 
 Between two tests every rank puts back what a test may change in its process (environment, working dir,
-torch's default dtype, grad mode and thread count, the default RNG state, logging handlers, signal handlers,
-megatron-core's model-parallel state) and the ranks meet in a barrier. A pool whose last test failed, timed
-out, lost a rank, destroyed its group or left it unusable is replaced before the next test, and the
-replacement is said on stderr: a failing test cannot poison the next one. A test that breaks the group on
+torch's default dtype, grad mode and thread count, the CPU affinity, the default RNG state, logging and
+signal handlers, megatron-core's model-parallel state) and the ranks meet in a barrier. A pool whose last test
+failed, timed out, lost a rank, destroyed its group or left it unusable (threads left running included) is
+replaced before the next test, and a replacement after a passing test is a warning in the pytest summary: a
+failing test cannot poison the next one. A test that breaks the group on
 purpose (kills or freezes a rank, injects a fault, runs into a deadline) passes ``fresh=True``: it gets a
 pool of its own, closed after it.
 
@@ -86,6 +87,7 @@ class _ProcessState:
         self.default_dtype = torch.get_default_dtype()
         self.grad_enabled = torch.is_grad_enabled()
         self.threads = torch.get_num_threads()
+        self.affinity = os.sched_getaffinity(0)
         self.rng = torch.get_rng_state()
         self.signals = {sig: signal.getsignal(sig) for sig in _SIGNALS}
         self.loggers = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in _all_loggers().items()}
@@ -102,6 +104,7 @@ class _ProcessState:
         torch.set_default_dtype(self.default_dtype)
         torch.set_grad_enabled(self.grad_enabled)
         torch.set_num_threads(self.threads)
+        os.sched_setaffinity(0, self.affinity)
         torch.set_rng_state(self.rng)  # every test starts from a fresh process's default generator
         for sig, handler in self.signals.items():
             if handler is not None:
