@@ -293,9 +293,9 @@ class Decoder:
         Returns the logits ``(b v)``.
 
         ``masked (B)`` bool: the rows whose token is a dummy (nothing to feed this step): their slot is
-        masked for them, so none of their later steps attends to it. With ``rows (b)`` (int64 indices of the cache's ``B`` rows, those not
-        masked) only those rows step: ``tokens``, ``positions`` and the logits are theirs, and the masked rows
-        cost nothing but their slot's mask.
+        masked for them, so none of their later steps attends to it. With ``rows (b)`` (int64 indices of the
+        cache's ``B`` rows, those not masked) only those rows step: ``tokens``, ``positions`` and the logits are
+        theirs, and the masked rows cost nothing but their slot's mask.
         """
         b = tokens.shape[0]
         h, kv, d = self.num_heads, self.num_kv, self.head_dim

@@ -28,8 +28,9 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   packed attention (backends/training/packed_attention.py) saves q, k, v and the output for the
   ``n x max_len`` positions of its left-aligned block, and for short blocks (its batched-matmul
   attention) the ``n x heads x max_len^2`` probabilities: the same for rows of equal length, more for
-  ragged rows (up to 25% more in the tests), which the estimate does not count. Tensor parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
-  ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
+  ragged rows (up to 25% more in the tests), which the estimate does not count. Tensor parallel splits
+  the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps ``L / pp`` layers
+  and up to ``pp`` micro-batches in flight on the first stage (1F1B);
 - **logits** of the kept positions (``V`` per token): the response tokens only (``logits_to_keep``).
   Taken in chunks (``logits_chunk_rows``, the engine's ``FSDPConfig.logits_chunk_mib``), the forward saves
   them in the compute dtype and the backward (``logits_backward``) adds their gradients (one per
