@@ -78,7 +78,6 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from backends.cpu import accelerate
 from backends.distributed.setup import DistEnv, device_mesh, init_distributed
 from backends.distributed.sharded_state import full_state_dict, reshard
 from backends.models import load_value_model
@@ -209,12 +208,10 @@ def _sharded_module(
 
 
 def _prepare(model: nn.Module, env: DistEnv, cfg: FSDPConfig, *, trainable: bool) -> None:
-    """What the engine does to a model before sharding it: packed-aware attention where needed, the
-    fused CPU modules, activation checkpointing (trainable roles) or frozen weights (the reference)."""
+    """What the engine does to a model before sharding it: packed-aware attention where needed, activation
+    checkpointing (trainable roles) or frozen weights (the reference)."""
     if needs_own_attention(cfg, env.device):
         enable_packed_attention(model)
-    if env.device.type == "cpu":
-        accelerate(model)
     if trainable and cfg.gradient_checkpointing:
         enable_checkpointing(model)
     if not trainable:
