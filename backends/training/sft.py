@@ -43,7 +43,7 @@ class SFTConfig:
     files: tuple[str, ...] = ()  #: SFT data (.jsonl / .parquet / saved datasets dir); empty: no SFT stage
     prompt_key: str = "prompt"  #: column of the prompt: a string or a list of chat messages
     response_key: str = "response"  #: column of the response string the model is trained to write
-    #: column of a whole conversation (chat messages: user, assistant, tool, ...) trained on its assistant turns
+    #: column of a whole conversation (chat messages: system, user, assistant, tool) trained on its assistant turns
     #: only; when set, sft.prompt_key and sft.response_key are not read
     messages_key: str = ""
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over sft.files (when sft.steps is 0)
