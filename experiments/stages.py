@@ -204,8 +204,10 @@ def summarize(cfg: Any, run: RunPaths, env: Any, before: dict[str, float], after
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         metrics_file = run.run_dir / "metrics.jsonl"
         if metrics_file.exists():
-            rows = [r for r in read_jsonl(metrics_file) if r["step"] >= 0]
-            plot_curves(rows, ["reward_mean", key, "kl", "entropy", "clip_frac"], run.run_dir / "reward_curve.png", title=title)
+            # the SFT stage's loss, then RL's curves; those constant for the run are left out
+            curves = ["sft_loss", "reward_mean", key, "kl", "entropy", "clip_frac", "multi_turn/turns",
+                      "multi_turn/tool_call_validity"]
+            plot_curves(list(read_jsonl(metrics_file)), curves, run.run_dir / "reward_curve.png", title=title)
         if before and after:
             verdict = "rose" if after[key] > before[key] else "did NOT rise"
             print(f"\nheld-out success {before[key]:.1%} -> {after[key]:.1%}: it {verdict} ({steps} {title} steps, "
