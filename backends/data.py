@@ -7,9 +7,10 @@ function as keyword arguments. ``data_source`` (``data.source_key``) names the r
 rewards and splits evaluation metrics.
 
 :func:`load_examples` reads every file, checks every row and tokenises every prompt before any training:
-a file that does not parse, a row without the prompt or the answer, a message without a role, or a
-prompt longer than ``data.max_prompt_length`` under ``truncation=error`` is a :class:`DataError` that
-names the file and the row. Chat prompts go through ``tokenizer.apply_chat_template`` (with the
+a file that does not parse, a row without the prompt or the answer (or with a null answer), a message without a
+role, or a prompt longer than ``data.max_prompt_length`` under ``truncation=error`` is a :class:`DataError` that
+names the file and the row. A prompt's bytes are checked before it is tokenised (:func:`prompt_byte_limit`), so a
+huge row is refused without building gigabytes of tokens. Chat prompts go through ``tokenizer.apply_chat_template`` (with the
 generation prompt); string prompts are tokenised as they are.
 
 :class:`PromptStream` serves the examples in a seeded order, reshuffled every epoch; its position is one
