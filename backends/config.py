@@ -455,8 +455,8 @@ def _import_module(name: str, key: str, spec: str) -> types.ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise ConfigError(f"{key}={spec!r}: no module named {e.name!r}{_close_modules(e.name)} (is it installed or on "
-                              "PYTHONPATH?)") from None
+            raise ConfigError(f"{key}={spec!r}: no module named {e.name!r}{_close_modules(e.name)} (is it installed "
+                              "or on PYTHONPATH?)") from None
         raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {e}") from e
     except Exception as e:  # the module's own code failed: say which key brought it in
         raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {type(e).__name__}: {e}") from e

@@ -10,8 +10,8 @@ rewards and splits evaluation metrics.
 a file that does not parse, a row without the prompt or the answer (or with a null answer), a message without a
 role, or a prompt longer than ``data.max_prompt_length`` under ``truncation=error`` is a :class:`DataError` that
 names the file and the row. A prompt's bytes are checked before it is tokenised (:func:`prompt_byte_limit`), so a
-huge row is refused without building gigabytes of tokens. Chat prompts go through ``tokenizer.apply_chat_template`` (with the
-generation prompt); string prompts are tokenised as they are.
+huge row is refused without building gigabytes of tokens. Chat prompts go through
+``tokenizer.apply_chat_template`` (with the generation prompt); string prompts are tokenised as they are.
 
 :class:`PromptStream` serves the examples in a seeded order, reshuffled every epoch; its position is one
 integer (``drawn``), which checkpoints record for exact resume.
@@ -237,11 +237,12 @@ def _refuse_by_bytes(nbytes: int, cfg: DataConfig, per_token: int, where: str) -
         return True
     spell = f"data.max_prompt_length={cfg.max_prompt_length} tokens of at most {per_token} bytes each"
     if cfg.truncation == "error":
-        raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text, more than {spell} can hold ({limit:,} bytes): "
-                        "refused before tokenising (raise data.max_prompt_length, or set data.truncation=left|right|filter)")
-    raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text; data.truncation={cfg.truncation} cuts prompts up to "
-                    f"{TRUNCATION_BYTES_FACTOR} x what {spell} can hold ({limit:,} bytes): refused before tokenising "
-                    "(shorten it in the data, or set data.truncation=filter to drop such rows)")
+        raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text, more than {spell} can hold ({limit:,} "
+                        "bytes): refused before tokenising (raise data.max_prompt_length, or set "
+                        "data.truncation=left|right|filter)")
+    raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text; data.truncation={cfg.truncation} cuts prompts "
+                    f"up to {TRUNCATION_BYTES_FACTOR} x what {spell} can hold ({limit:,} bytes): refused before "
+                    "tokenising (shorten it in the data, or set data.truncation=filter to drop such rows)")
 
 
 def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto",
@@ -296,8 +297,8 @@ def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
             prompt = _check_prompt(column_value(row, cfg.prompt_key, where), where, cfg.prompt_key)
             answer = column_value(row, cfg.answer_key, where) if cfg.answer_key else None
             if cfg.answer_key and answer is None:
-                raise DataError(f"{where}: {cfg.answer_key} is null; the reward gets each row's ground truth (give every "
-                                "row one, or set data.answer_key= (empty) for a reward that needs none)")
+                raise DataError(f"{where}: {cfg.answer_key} is null; the reward gets each row's ground truth (give "
+                                "every row one, or set data.answer_key= (empty) for a reward that needs none)")
             if (blank := _empty_content(prompt, cfg.prompt_key)):
                 empty, first_empty = empty + 1, first_empty or f"{where} {blank}"
             if _refuse_by_bytes(_prompt_bytes(prompt), cfg, per_token, where):
@@ -344,8 +345,8 @@ def data_warnings(train_files: Sequence[str], val_files: Sequence[str], reports:
                             f"{report.first_empty_content}); the model reads only the template's markers there")
     train = reports.get("training")
     if train is not None and train.kept < prompts_per_step:
-        warnings.append(f"the training data has {train.kept} prompt(s), fewer than prompts_per_step={prompts_per_step}: "
-                        "every step draws some prompts more than once")
+        warnings.append(f"the training data has {train.kept} prompt(s), fewer than prompts_per_step="
+                        f"{prompts_per_step}: every step draws some prompts more than once")
     return warnings
 
 

@@ -68,8 +68,10 @@ def check_estimator(estimator: Callable[..., Any], kwargs: dict[str, Any], *, ke
         raise _refuse(key, spec, ESTIMATOR_CALL, f"it returned {type(result).__name__}, not (advantages, returns)")
     for name, value in zip(("advantages", "returns"), result):
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not value.is_floating_point():
-            got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise _refuse(key, spec, ESTIMATOR_CALL, f"its {name} must be a float tensor of shape {shape} (b t), got {got}")
+            got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+                else type(value).__name__
+            raise _refuse(key, spec, ESTIMATOR_CALL, f"its {name} must be a float tensor of shape {shape} (b t), "
+                          f"got {got}")
 
 
 def check_policy_loss(loss_fn: Callable[..., Any], *, key: str, spec: str) -> None:
@@ -77,7 +79,8 @@ def check_policy_loss(loss_fn: Callable[..., Any], *, key: str, spec: str) -> No
     on a synthetic micro-batch and differentiate it; a :class:`ConfigError` naming ``key`` and ``spec`` if the call
     fails, or its result is not ``(scalar loss with a gradient, dict of metrics)``."""
     batch = synthetic_batch()
-    batch = batch.replace(advantages=torch.linspace(-1.0, 1.0, batch.response_mask.numel()).reshape(batch.response_mask.shape))
+    shape = batch.response_mask.shape
+    batch = batch.replace(advantages=torch.linspace(-1.0, 1.0, batch.response_mask.numel()).reshape(shape))
     logprobs = (batch.old_logprobs + 0.01).requires_grad_(True)
     norms = rf.local_normalizers(rf.loss_tokens(batch))
     try:
@@ -90,7 +93,8 @@ def check_policy_loss(loss_fn: Callable[..., Any], *, key: str, spec: str) -> No
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
         got = f"a tensor of shape {tuple(loss.shape)}{'' if loss.requires_grad else ' without a gradient'}" \
             if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise _refuse(key, spec, LOSS_CALL, f"its loss must be a scalar tensor that carries the gradient of logprobs, got {got}")
+        raise _refuse(key, spec, LOSS_CALL, "its loss must be a scalar tensor that carries the gradient of logprobs, "
+                      f"got {got}")
     if not isinstance(metrics, dict) or not all(
             isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1) for v in metrics.values()):
         raise _refuse(key, spec, LOSS_CALL, f"its metrics must be a dict of names to numbers, got {str(metrics)[:120]}")

@@ -41,7 +41,9 @@ from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.sft import SFTConfig
-from experiments.stages import SHARED_REGISTRIES, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize
+from experiments.stages import (
+    SHARED_REGISTRIES, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
+)
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 

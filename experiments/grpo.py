@@ -88,7 +88,8 @@ class AlgoConfig:
     #: loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
     agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(rf.AGG_MODES))
     kl_coef: float = 0.0  #: > 0 adds kl_coef * KL(policy || reference) to the loss; the reference is the starting policy
-    kl_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))  #: the KL estimator (rlfunc.KL_KINDS; k3 is low-variance)
+    #: the KL estimator (rlfunc.KL_KINDS; k3 is low-variance)
+    kl_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))
     entropy_coef: float = 0.0  #: > 0 subtracts entropy_coef * the aggregated token entropy (verl's entropy_coeff)
     ppo_epochs: int = 1  #: passes over each batch
     mini_batches: int = 1  #: optimizer steps per pass
@@ -312,7 +313,8 @@ def main(argv: list[str]) -> dict:
 def group_estimators() -> tuple[dict[str, Callable], dict[str, str]]:
     """The built-in estimators that fit the loop, outcome estimators over groups of samples (not gae, reinforce_pp,
     remax), and their aliases."""
-    estimators = {name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items() if "group_ids" in inspect.signature(fn).parameters}
+    estimators = {name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items()
+                  if "group_ids" in inspect.signature(fn).parameters}
     return estimators, {alias: name for alias, name in rf.ADVANTAGE_ESTIMATOR_ALIASES.items() if name in estimators}
 
 
@@ -341,9 +343,11 @@ def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Calla
 def check_algorithm(cfg: Config, estimator: Callable, estimator_kwargs: dict[str, Any], policy_loss: Callable) -> None:
     """The estimator and the policy loss called once as the loop calls them, on a synthetic batch with groups of
     ``rollout.n`` (experiments/algorithm_checks.py): a function that does not fit fails here, before any work."""
-    check_estimator(estimator, estimator_kwargs, key="algo.estimator", spec=cfg.algo.estimator, group_size=cfg.rollout.n)
-    check_policy_loss(functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg)),
-                      key="algo.policy_loss", spec=cfg.algo.policy_loss)
+    check_estimator(estimator, estimator_kwargs, key="algo.estimator", spec=cfg.algo.estimator,
+                    group_size=cfg.rollout.n)
+    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo,
+                                horizon=response_horizon(cfg))
+    check_policy_loss(loss_fn, key="algo.policy_loss", spec=cfg.algo.policy_loss)
 
 
 def check_lora_sync(cfg: Config) -> Config:

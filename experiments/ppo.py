@@ -68,7 +68,8 @@ from backends.training.roles import Roles, build_roles
 from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
-    SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, summarize,
+    SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data,
+    metrics_log, prepare_run, summarize,
 )
 from experiments.stages import start_actor as start_policy
 

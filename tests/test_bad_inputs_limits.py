@@ -115,6 +115,8 @@ ESTIMATOR_PER_ROW = ("def centered(scores, *, group_ids, response_mask):\n"
                      "    return scores - scores.mean(), scores\n")
 LOSS_POSITIONAL = "def my_loss(logprobs, old_logprobs, advantages):\n    return -(logprobs * advantages).mean(), {}\n"
 LOSS_FLOAT = "def my_loss(logprobs, **kwargs):\n    return 0.5, {}\n"
+GENERATOR_REWARD = "def fn(r, g):\n    yield 1.0\n"
+ASYNC_REWARD = "async def fn(r, g):\n    return 1.0\n"
 
 
 @attrs.frozen
@@ -137,22 +139,26 @@ CASES = [
          (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text; data\.truncation=left cuts prompts up to 64 x",),
          ("the same with data.truncation=left", "prompts up to 64 x that bound are cut; longer ones are refused")),
     Case("data-huge-chat-prompt",
-         lambda tmp: _huge_row(tmp, [{"role": "system", "content": "x" * 600_000}, {"role": "user", "content": "y" * 400_000}]),
+         lambda tmp: _huge_row(tmp, [{"role": "system", "content": "x" * 600_000},
+                                     {"role": "user", "content": "y" * 400_000}]),
          DataError, (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text",),
          ("a chat prompt of 1 MB over two messages", "every message's content counts")),
     Case("data-json-array-file",
          lambda tmp: _text_file(tmp, "d.json", json.dumps([ROW, ROW], indent=2)), DataError,
-         (r"d\.json:line 1: not valid JSON", r"the file looks like one JSON array", r"JSON Lines: one JSON object per line"),
+         (r"d\.json:line 1: not valid JSON", r"the file looks like one JSON array",
+          r"JSON Lines: one JSON object per line"),
          ("a .json file holding one JSON array", "data files are JSON Lines; the error says so")),
     Case("data-json-array-one-line", lambda tmp: _text_file(tmp, "d.json", json.dumps([ROW, ROW])), DataError,
          (r"d\.json:line 1: a row must be a JSON object, got list", r"JSON Lines"),
          ("the same array on one line", "the same")),
     Case("data-deep-json",
-         lambda tmp: _text_file(tmp, "d.jsonl", json.dumps(ROW) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"), DataError,
+         lambda tmp: _text_file(tmp, "d.jsonl", json.dumps(ROW) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"),
+         DataError,
          (r"d\.jsonl:line 2: the JSON is nested too deeply to read",),
          ("a line of 100,000 nested arrays", "the parser's recursion limit, naming the file and line")),
     Case("data-null-answer", lambda tmp: load([jsonl(tmp / "d.jsonl", [ROW, {"prompt": "2+2=", "answer": None}])]),
-         DataError, (r"d\.jsonl:line 2: answer is null",), ("a row with answer: null", "every row's ground truth, at load")),
+         DataError, (r"d\.jsonl:line 2: answer is null",),
+         ("a row with answer: null", "every row's ground truth, at load")),
     Case("data-null-answer-parquet", _parquet_null_answer, DataError, (r"d\.parquet\[row 1\]: answer is null",),
          ("the same in parquet", "the same")),
     # ------------------------------------------------------------------------------------ checkpoints
@@ -167,11 +173,11 @@ CASES = [
          ("checkpoint.dir in a read-only place", "a probe file can be written there, at start-up")),
     # ---------------------------------------------------------------------------------------- rewards
     Case("reward-generator-function",
-         lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', 'def fn(r, g):' + chr(10) + '    yield 1.0')}:fn",))),
+         lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', GENERATOR_REWARD)}:fn",))),
          ConfigError, (r"reward\.fn='.*r\.py:fn' is a generator function \(it yields\)", "return, not yield"),
          ("a reward function that yields", "the function is a plain one, at start-up")),
     Case("reward-async-function",
-         lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', 'async def fn(r, g):' + chr(10) + '    return 1.0')}:fn",))),
+         lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', ASYNC_REWARD)}:fn",))),
          ConfigError, (r"reward\.fn='.*r\.py:fn' is an async function",), ("an async reward function", "the same")),
     Case("reward-unpicklable-result-in-a-worker",
          lambda tmp: _score_with(tmp, "def fn(r, g):\n    return (x for x in [1.0])\n", workers=1), RewardError,
@@ -268,11 +274,13 @@ def test_the_byte_bound_never_refuses_a_prompt_that_fits(tmp_path):
     per_token = max_token_bytes(TOK)
     assert per_token == len("<|assistant|>")  # the char tokenizer's longest token
     cfg = DataConfig(max_prompt_length=16, truncation="left")
-    examples, report = load_examples([jsonl(tmp_path / "d.jsonl", [{"prompt": "12345" * 100, "answer": "b"}])], cfg, TOK)
+    examples, report = load_examples([jsonl(tmp_path / "d.jsonl", [{"prompt": "12345" * 100, "answer": "b"}])], cfg,
+                                     TOK)
     assert report.truncated == 1 and examples[0].prompt_ids == tuple(TOK("12345" * 100)["input_ids"][-16:])
     at_bound = "1" * (16 * per_token)
-    with pytest.raises(DataError, match=rf"the prompt has {16 * per_token} tokens, more than data\.max_prompt_length=16"):
-        load_examples([jsonl(tmp_path / "e.jsonl", [{"prompt": at_bound, "answer": "b"}])], DataConfig(max_prompt_length=16), TOK)
+    at_bound_file = jsonl(tmp_path / "e.jsonl", [{"prompt": at_bound, "answer": "b"}])
+    with pytest.raises(DataError, match=rf"the prompt has {16 * per_token} tokens, more than data\.max_prompt_length"):
+        load_examples([at_bound_file], DataConfig(max_prompt_length=16), TOK)
 
 
 # ------------------------------------------------------------------------------------------ warnings

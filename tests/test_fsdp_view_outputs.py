@@ -51,7 +51,8 @@ def multi_turn_batch(rows: int = 8, prompt: int = 4, response: int = 10) -> Roll
     loss_mask[:, :3] = True  # the model's first turn
     loss_mask[:, 6:] = True  # its answer after the observation (tokens 3..5)
     return RolloutBatch(
-        prompt_ids=torch.randint(4, 90, (rows, prompt), generator=g), prompt_mask=torch.ones(rows, prompt, dtype=torch.bool),
+        prompt_ids=torch.randint(4, 90, (rows, prompt), generator=g),
+        prompt_mask=torch.ones(rows, prompt, dtype=torch.bool),
         response_ids=torch.randint(4, 90, (rows, response), generator=g),
         response_mask=torch.ones(rows, response, dtype=torch.bool), loss_mask=loss_mask,
         group_ids=torch.arange(rows) // 4, advantages=torch.randn(rows, response, generator=g),
@@ -94,7 +95,8 @@ def test_a_view_returning_head_under_fsdp2_warns_nothing_and_gives_the_unsharded
     from backends.training.hf_forward import forward_micro_batch
     from rlfunc.aggregation import local_normalizers
 
-    loss, _ = pg_loss(forward_micro_batch(reference, batch, with_entropy=False), batch, local_normalizers(loss_tokens(batch)))
+    outputs = forward_micro_batch(reference, batch, with_entropy=False)
+    loss, _ = pg_loss(outputs, batch, local_normalizers(loss_tokens(batch)))
     loss.backward()
     expected = {n: p.grad.numpy() for n, p in reference.named_parameters()}
 

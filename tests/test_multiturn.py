@@ -476,7 +476,8 @@ MALFORMED_TURNS = {
     "missing closing brace": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>',
     "missing closing brace and marker": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}',
     "closing marker without an opening one": '{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
-    "a second opening before the close": '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    "a second opening before the close":
+        '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
     "extra text after the JSON": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}}</tool_call>',
     "arguments string cut short": '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2"}</tool_call>',
     "empty call": "<tool_call></tool_call>",

@@ -35,7 +35,8 @@ def test_one_step_off_runs_one_version_behind(tmp_path, data_dir):
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
     assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
     assert [r["staleness/run_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
-    for key in ("reward_mean", "grad_norm", "staleness/run_mean", "staleness/rejected", "sync_time_s", "reward/arithmetic"):
+    for key in ("reward_mean", "grad_norm", "staleness/run_mean", "staleness/rejected", "sync_time_s",
+                "reward/arithmetic"):
         assert key in rl[-1], key
     assert all(r["staleness/rejected"] == 0.0 for r in rl)
     assert (run_dir / "final_model" / "config.json").exists()

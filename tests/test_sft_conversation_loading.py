@@ -28,7 +28,8 @@ CHANGING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}={{ m['content'] }};
 def by_renders(messages: list[dict], tok, template: str | None, tools) -> tuple[list[int], list[int], list[bool]]:
     """(prompt ids, response ids, loss mask) from one apply_chat_template call per rendering."""
     def ids(msgs, gen):
-        out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, chat_template=template, tools=tools)
+        out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, chat_template=template,
+                                      tools=tools)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
@@ -63,7 +64,8 @@ def test_conversations_tokenised_once_equal_every_rendering_tokenised(tmp_path, 
     assert len(examples) == len(chats)
     for example, chat in zip(examples, chats):
         prompt, response, mask = by_renders(chat, tok, text, tools)
-        assert (list(example.prompt_ids), list(example.response_ids), list(example.loss_mask)) == (prompt, response, mask)
+        got = (list(example.prompt_ids), list(example.response_ids), list(example.loss_mask))
+        assert got == (prompt, response, mask)
     assert sum(1 for m in chats if sum(x["role"] == "assistant" for x in m) == 2) > 100  # tool-use traces, two turns
 
 
@@ -72,7 +74,7 @@ def test_a_template_that_changes_earlier_tokens_is_an_error_naming_the_row(tmp_p
     (tmp_path / "t.jinja").write_text(CHANGING_TEMPLATE)
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
     (tmp_path / "sft.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-    with pytest.raises(DataError, match=r"sft\.jsonl:line 1: the chat template renders message 1's conversation so that "
-                                        r"an earlier part changes"):
+    with pytest.raises(DataError, match=r"sft\.jsonl:line 1: the chat template renders message 1's conversation "
+                                        r"so that an earlier part changes"):
         load_sft_examples(SFTConfig(files=(str(tmp_path / "sft.jsonl"),), messages_key="messages"), tok,
                           chat_template=str(tmp_path / "t.jinja"))

@@ -11,7 +11,8 @@ from experiments.offpolicy_loop import stamp_policy_version
 
 
 def _batch(rows: int = 4, length: int = 3) -> rf.RolloutBatch:
-    return rf.RolloutBatch(prompt_ids=torch.ones(rows, 2, dtype=torch.long), prompt_mask=torch.ones(rows, 2, dtype=torch.bool),
+    return rf.RolloutBatch(prompt_ids=torch.ones(rows, 2, dtype=torch.long),
+                           prompt_mask=torch.ones(rows, 2, dtype=torch.bool),
                            response_ids=torch.ones(rows, length, dtype=torch.long),
                            response_mask=torch.ones(rows, length, dtype=torch.bool), group_ids=torch.arange(rows))
 

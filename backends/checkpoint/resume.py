@@ -44,7 +44,8 @@ __all__ = ["CheckpointConfig", "check_writable", "checkpoint_dir", "resume_point
 class CheckpointConfig:
     every: int = 0  # save every N RL steps (and at the last step); 0: never
     dir: str = ""  # where step_<N> dirs go; empty: <run_dir>/checkpoints. Keep it stable across restarts.
-    keep_last: int = attrs.field(default=3, validator=attrs.validators.ge(1))  # the newest checkpoints kept (at least 1); older ones are deleted once a newer one is complete
+    #: the newest checkpoints kept (at least 1); older ones are deleted once a newer one is complete
+    keep_last: int = attrs.field(default=3, validator=attrs.validators.ge(1))
 
 
 def checkpoint_dir(cfg: CheckpointConfig, run_dir: str | Path) -> Path:
@@ -78,7 +79,8 @@ def resume_point(
             run_dir = str(Path(run_root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if error is None and cfg.every:  # a save that cannot be written is known now, not after the first steps
             try:
-                check_writable(checkpoint_dir(cfg, run_dir), "the checkpoint dir (checkpoint.dir, default <run_dir>/checkpoints)")
+                check_writable(checkpoint_dir(cfg, run_dir),
+                               "the checkpoint dir (checkpoint.dir, default <run_dir>/checkpoints)")
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
     error, resume_from, run_dir = broadcast_object((error, resume_from, run_dir))
@@ -94,7 +96,8 @@ def check_writable(path: str | os.PathLike, what: str) -> None:
     path = Path(path).absolute()
     ancestor = next(p for p in (path, *path.parents) if p.exists())
     if not ancestor.is_dir():
-        raise NotADirectoryError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is a file, not a directory")
+        raise NotADirectoryError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is a file, not a "
+                                 "directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".rlfunc-write-probe-", dir=ancestor)
     except OSError as e:

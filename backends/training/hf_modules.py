@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_map_only
 from backends.models import load_causal_lm
 
 __all__ = [
-    "load_model", "enable_checkpointing", "decoder_layers", "check_value_module", "compile_layers", "outputs_without_views",
+    "load_model", "enable_checkpointing", "decoder_layers", "check_value_module", "compile_layers",
+    "outputs_without_views",
 ]
 
 

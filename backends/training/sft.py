@@ -177,7 +177,8 @@ def _conversations(rows: list[tuple[str, Any]], tokenizer: Any, chat_template: s
                       _named(where, _render_text, messages[: k + 1], tokenizer, template, tools, False)]
         rendered.append((where, messages, turns, texts))
     try:
-        encoded = tokenizer([texts[-1] for *_, texts in rendered], add_special_tokens=False, return_offsets_mapping=True)
+        encoded = tokenizer([texts[-1] for *_, texts in rendered], add_special_tokens=False,
+                            return_offsets_mapping=True)
     except (NotImplementedError, ValueError, TypeError):  # no offsets (a slow tokenizer): rendering by rendering
         encoded = None
     added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
