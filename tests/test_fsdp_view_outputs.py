@@ -1,12 +1,11 @@
 """A model whose lm_head returns a view, sharded with FSDP2 on 2 gloo ranks: no "returned a view tensor" warning, and
 the gradients of a multi-turn-shaped update (only the model's own tokens in the loss) equal an unsharded run's.
 
-Multi-turn runs printed FSDP2's warning "FSDP2-wrapped module (Qwen2ForCausalLM) returned a view tensor ... can cause
-backward to fail or produce wrong gradients" once per rank. Its cause: on CPUs where the fused kernels run, every
-``nn.Linear`` becomes the fused linear of ``backends.cpu``, which for a product of 2^26 multiply-adds or more computes
-a 2-D result and reshapes it with ``.view``; the lm_head of a multi-turn micro-batch (long responses) crosses that
-size, so the root module's logits were a view. ``ViewLinear`` below returns such a view at every size, so this test
-exercises the engine's fix (``backends.training.hf_modules.outputs_without_views``) on any CPU.
+A linear layer that computes a 2-D product and reshapes it with ``.view`` (what a fused CPU linear does for large
+products, such as the lm_head of a multi-turn micro-batch with its long responses) makes the root module's logits a
+view, and FSDP2 then warns "FSDP2-wrapped module (Qwen2ForCausalLM) returned a view tensor ... can cause backward to
+fail or produce wrong gradients" on every rank. ``ViewLinear`` below returns such a view at every size, so this test
+exercises the engine's guard (``backends.training.hf_modules.outputs_without_views``) on any CPU.
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ def outputs_without_views(module: nn.Module) -> None:
     FSDP2 registers its pre-backward hook (which all-gathers the parameters for backward) on a wrapped module's
     outputs, and warns when one is a view ("returned a view tensor ... can cause backward to fail or produce wrong
     gradients"): an in-place op on such a view would drop the hook. A module whose last op reshapes its result with
-    ``.view`` returns one; the fused linear of ``backends.cpu`` does, for products of 2^26 multiply-adds or more,
-    which a multi-turn micro-batch's lm_head (long responses) reaches. A forward hook registered before
+    ``.view`` returns one: a fused linear that computes a 2-D product and reshapes it (as the lm_head of a multi-turn
+    micro-batch, with its long responses, would run), or a module of the user's. A forward hook registered before
     ``fully_shard`` (so it runs before FSDP's) hands FSDP the same storage as a plain tensor.
     """
     module.register_forward_hook(_unviewed)
