@@ -41,8 +41,9 @@ from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.sft import SFTConfig
+from experiments.algorithm_checks import group_size_warnings
 from experiments.stages import (
-    SHARED_REGISTRIES, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
+    SHARED_REGISTRIES, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize, warn_once,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -130,6 +131,7 @@ def main(argv: list[str]) -> dict:
     seed_everything(cfg.seed)
     run = prepare_run(cfg, env, resumable_keys=())
     tokenizer = load_tokenizer(run.model_path)
+    warn_once(get_logger("custom", env), group_size_warnings(cfg.rollout.n, key="algo.name", spec=cfg.algo.name))
     data = load_run_data(cfg, tokenizer, scorer, get_logger("custom", env))
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = cfg.steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step)
