@@ -215,7 +215,7 @@ def test_each_batch_carries_the_version_of_the_schedule(lag):
         assert trainer_version == step and accepted and token == step
         assert offset == pytest.approx(sample_version)  # the weights that sampled it were that version's
         assert trainer_version - sample_version <= lag
-    assert metrics["staleness/max"] == lag and metrics["staleness/rejected"] == 0
+    assert metrics["staleness/run_max"] == lag and metrics["staleness/rejected"] == 0
     assert metrics["staleness/accepted"] == steps
 
 
@@ -232,14 +232,14 @@ def _never_updated_rollout(rank: int, world: int, max_staleness: int):
         if bound.admit(version, sample_version):
             trained.append(step)
             version += 1
-    return trained, bound.metrics()
+    return trained, {**bound.metrics(), "last": bound.last}
 
 
 def test_a_batch_older_than_the_bound_is_rejected_and_counted():
     (trained, metrics), _ = run_distributed(_never_updated_rollout, 2, 1, timeout=120)
     assert trained == [0, 1]  # staleness 0 and 1; then 2, 2, 2 are over the bound
     assert metrics["staleness/rejected"] == 3 and metrics["staleness/accepted"] == 2
-    assert metrics["staleness/max"] == 1 and metrics["staleness/last"] == 2
+    assert metrics["staleness/run_max"] == 1 and metrics["last"] == 2
 
 
 def test_the_staleness_bound_refuses_a_batch_from_the_future():
