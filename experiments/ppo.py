@@ -129,9 +129,11 @@ class ExportConfig:
 class Config:
     name: str = "ppo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
     seed: int = 0  #: seeds the data order, the sampling, the value head and a tiny model's weights
-    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files
+    #: RL steps; none: epochs x the steps of one pass over data.train_files
+    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    prompts_per_step: int = 32  #: prompts per RL step, over the actor's ranks
+    #: prompts per RL step, over the actor's ranks
+    prompts_per_step: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
     log_every: int = 10  #: console line every N steps
     dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)

@@ -10,7 +10,8 @@ or a dict with a ``score`` and extra numbers, which are logged.
 Every function is resolved when the scorer is built (a misspelt name fails at start-up). User functions
 run in a pool of worker processes (``reward.workers``), each call under ``reward.timeout_s``: a call that
 raises or runs out of time is an error naming the function and the row, or, with ``reward.on_error=zero``,
-a zero that ``reward/errors`` counts. A result that is not a finite number is always an error.
+a zero that ``reward/errors`` counts. A result that is not a finite number (in float32, where scores are
+kept) is always an error.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ __all__ = ["RewardConfig", "RewardError", "RewardResult", "RewardScorer", "resol
 
 #: how much longer than its calls' time limits a batch may take (start-up of a fresh pool, scheduling)
 _BATCH_SLACK_S = 10.0
+#: the largest finite float32: scores and advantages are float32 tensors, so a larger reward would become inf
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardError(RuntimeError):
@@ -189,6 +192,11 @@ class RewardScorer:
             parts[function.label][i] = value
             for key, extra in more.items():
                 extras.setdefault(f"{function.label}/{key}", [None] * len(responses))[i] = extra
+        for i, total in enumerate(totals):
+            if not abs(total) <= FLOAT32_MAX:  # each score fits, but their weighted sum does not (or a weight is not finite)
+                raise RewardError(f"the weighted sum of the reward functions on {examples[i].where} is {total:g} "
+                                  f"(reward.weights={list(self.cfg.weights)}): beyond float32's range, where scores "
+                                  f"are kept (|score| <= {FLOAT32_MAX:.4g})")
         return RewardResult(scores=torch.tensor(totals, dtype=torch.float32), parts=parts, extras=extras, errors=errors)
 
     # ------------------------------------------------------------------------------------ running calls
@@ -265,8 +273,9 @@ def _checked_score(value: Any, function: _Function, where: str) -> tuple[float, 
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(f"reward function {function.spec!r} returned {type(value).__name__} {value!r:.60} on {where}; "
                           "a reward is a number or a dict with a 'score' number")
-    if not math.isfinite(value):
-        raise RewardError(f"reward function {function.spec!r} returned {value} on {where}; a reward must be finite")
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise RewardError(f"reward function {function.spec!r} returned {value} on {where}; a reward must be finite "
+                          f"in float32, where scores are kept (|score| <= {FLOAT32_MAX:.4g})")
     return float(value), extras
 
 
