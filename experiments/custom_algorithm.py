@@ -31,7 +31,7 @@ from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum, global_masked_whiten
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig, load_tokenizer
+from backends.models import ModelConfig
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.api import (
     RolloutConfig, build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
@@ -41,7 +41,9 @@ from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.sft import SFTConfig
-from experiments.stages import evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize
+from experiments.stages import (
+    commit_run, evaluate_policy, load_run_data, metrics_log, prepare_run, run_tokenizer, start_actor, summarize,
+)
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -128,10 +130,11 @@ def main(argv: list[str]) -> dict:
     watchdog.start(cfg.deadlines, env, role="custom")  # a stuck phase ends the job with its name and stacks
     seed_everything(cfg.seed)
     run = prepare_run(cfg, env, resumable_keys=())
-    tokenizer = load_tokenizer(run.model_path)
+    tokenizer = run_tokenizer(cfg, run)  # nothing of the run dir is written before the last check (commit_run)
     data = load_run_data(cfg, tokenizer, scorer, get_logger("custom", env))
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = cfg.steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step)
+    commit_run(cfg, env, run, tokenizer)  # every start-up check passed: the run dir is written from here on
     mlog, t_start = metrics_log(cfg, run, env, ("reward_mean", "kl_mean", "grad_norm")), time.time()
 
     # [SFT], then the policy, the frozen reference it starts from and (last: it takes the memory left) the rollout engine

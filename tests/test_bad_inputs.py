@@ -417,6 +417,10 @@ CASES = [
     Case("reward-raises", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    return 1 / (int(g) - 2)\n"), RewardError,
          (r"raised ZeroDivisionError: division by zero on .*train\.jsonl:line 2", r"reward\.on_error=zero"),
          ("a reward that raises", "the error names the function and the row")),
+    Case("reward-calls-sys-exit", lambda tmp, ctx: score(tmp, ctx, "import sys\ndef fn(r, g):\n    sys.exit(3)\n"), RewardError,
+         (r"my_reward\.py:fn' called sys\.exit\(3\).* on .*train\.jsonl:line 1",),
+         ("a reward that calls sys.exit (in-process; in a worker, tests/test_reward_workers.py)",
+          "an error of the call, not the trainer's end")),
     Case("reward-wrong-length", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    return 0.0\n", responses=3), ValueError,
          (r"RewardScorer\.score: 3 responses for 2 examples",), ("3 responses for 2 rows", "one response per row")),
     # ------------------------------------------------------------------------------ environments / tools

@@ -215,6 +215,8 @@ class RewardScorer:
                 return function.fn(response, ground_truth, **columns)
         except CallTimeout:
             return self._failed(function, example, f"ran longer than reward.timeout_s={self.cfg.timeout_s:g}")
+        except SystemExit as e:  # it would end the trainer, unexplained
+            return self._failed(function, example, f"called sys.exit({e.code!r}) (a reward function returns a score)")
         except Exception as e:
             return self._failed(function, example, f"raised {type(e).__name__}: {e}")
 
