@@ -101,3 +101,15 @@ def test_words_are_one_token_and_a_word_that_cannot_decode_is_refused():
         build_char_tokenizer(words=["héllo"])
     with pytest.raises(ValueError, match="single character or already a token"):
         build_char_tokenizer(words=["ab", "ab"])
+
+
+def test_the_calculator_preset_s_words_arrive_whole():
+    """A preset's list of strings reaches the config item by item (they hold commas and edge spaces), so a tool
+    call is a dozen tokens, within the preset's 16 per turn."""
+    from backends.config import apply_overrides
+    from experiments import grpo
+
+    cfg = apply_overrides(grpo.Config(), ["preset=demo/calculator"], presets_dir=grpo.PRESETS)
+    assert cfg.model.tiny_words == calculator.TOKENIZER_WORDS
+    tok = build_char_tokenizer(words=cfg.model.tiny_words)
+    assert len(tok.encode(calculator.tool_call(900, 115))) == 11 < cfg.rollout.max_new_tokens

@@ -120,6 +120,8 @@ def _cause(error: BaseException) -> str:
     """What went wrong, with the path; a full disk said as such (safetensors' and torch's errors often name neither)."""
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         return f"no space left on device ({error.filename or 'writing the files'})"
+    if "StorageFull" in str(error) or "No space left on device" in str(error):  # safetensors' Rust I/O error
+        return f"no space left on device ({type(error).__name__}: {error})"
     if isinstance(error, FileExistsError):
         return str(error)
     return f"{type(error).__name__}: {error}"

@@ -118,7 +118,7 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` worker processes (spawned) that resolve ``specs`` once and then serve calls."""
+    """``size`` worker processes that resolve ``specs`` once and then serve calls, one at a time each."""
 
     def __init__(self, size: int, specs: Sequence[str], format_pattern: str) -> None:
         self.size, self.specs, self.format_pattern = size, list(specs), format_pattern
@@ -140,10 +140,15 @@ class WorkerPool:
                     break
             self._fill()
             for worker in self._workers:
-                if worker.ready and worker.call is None and queue:
+                if worker.ready and worker.call is None and queue and not worker.conn.closed:
                     index = queue.popleft()
                     spec, args = calls[index]
-                    worker.conn.send((index, spec, args, timeout_s))
+                    try:
+                        worker.conn.send((index, spec, args, timeout_s))
+                    except OSError:  # it ended while idle: the call goes to another worker
+                        queue.appendleft(index)
+                        worker.stop()
+                        continue
                     worker.call = (index, time.monotonic() + timeout_s + KILL_AFTER_S)
             losses += self._collect(outcomes, timeout_s)
         return [o if o is not None else ("skipped", "not run") for o in outcomes]
