@@ -42,10 +42,12 @@ venv: $(TEST_STAMP)
 venv-demo: $(STAMP)
 
 ## The main job: write the synthetic arithmetic task's data files, then GRPO on them with FSDP2 on $(NPROC)
-## CPU ranks (a few minutes): the general recipe, reading the task like any user's data.
+## CPU ranks (a few minutes): the general recipe, reading the task like any user's data. Ctrl-C stops after the
+## step, with a checkpoint when checkpoints are on (torchrun's wait before its SIGKILL above deadlines.stop_grace).
 demo: $(STAMP)
 	$(PY) -m experiments.tasks.arithmetic --out runs/data/arithmetic
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) experiments/grpo.py preset=demo/arithmetic $(ARGS)
+	OMP_NUM_THREADS=1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) \
+		experiments/grpo.py preset=demo/arithmetic $(ARGS)
 
 ## The whole suite (unit, property, distributed and end-to-end tests); it ends with its 20 slowest tests, so
 ## the suite's time stays visible in every log.

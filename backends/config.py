@@ -29,6 +29,7 @@ import importlib
 import importlib.util
 import inspect
 import io
+import json
 import os
 import sys
 import textwrap
@@ -97,8 +98,10 @@ def parse_value(text: str, tp: Any, key: str = "value") -> Any:
                 return choice
         raise ConfigError(f"{key}={text!r} is not one of {', '.join(map(repr, args))}")
     if origin in (tuple, list):
-        body = stripped.strip("()[]")
-        parts = [p for p in (s.strip() for s in body.split(",")) if p]
+        parts = _json_list(stripped)
+        if parts is None:
+            body = stripped.strip("()[]")
+            parts = [p for p in (s.strip() for s in body.split(",")) if p]
         if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
             items = [parse_value(p, args[0], key) for p in parts]
         elif origin is tuple and args:
@@ -201,14 +204,29 @@ def load_preset(presets_dir: str | os.PathLike, name: str) -> tuple[dict[str, An
 
 
 def _yaml_text(value: Any) -> str:
-    """A YAML scalar / list as the text a command-line override would carry."""
+    """A YAML scalar / list as the text a command-line override would carry (a list as a JSON array, so that
+    items holding commas or edge spaces arrive whole)."""
     if value is None:
         return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return ",".join(_yaml_text(v) for v in value)
+        return json.dumps([v if isinstance(v, str) else _yaml_text(v) for v in value])
     return str(value)
+
+
+def _json_list(text: str) -> list[str] | None:
+    """The items of a JSON array (``["a, b", " c"]``: each string exactly as written), or None for other text,
+    which is split on commas (``[a,b]``, ``a,b``)."""
+    if not text.startswith("["):
+        return None
+    try:
+        items = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(items, list):
+        return None
+    return [v if isinstance(v, str) else json.dumps(v) for v in items]
 
 
 def _flatten(mapping: dict[str, Any], prefix: str) -> list[str]:

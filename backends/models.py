@@ -1,4 +1,4 @@
-"""Local Hugging Face causal LMs: an offline char-level tokenizer, tiny random models, and loading.
+"""Local Hugging Face causal LMs: an offline byte-level tokenizer, tiny random models, and loading.
 
 Nothing here touches the network: the tokenizer is built with ``tokenizers``, tiny models are random
 initialised and written with ``save_pretrained`` (safetensors), and :func:`load_causal_lm` reads a local
@@ -24,6 +24,8 @@ __all__ = [
     "CHAT_TOKENS",
     "CHAR_CHAT_TEMPLATE",
     "build_char_tokenizer",
+    "byte_symbols",
+    "QWEN2_PRETOKENIZE_REGEX",
     "TinyModelConfig",
     "ModelConfig",
     "build_tiny_model",
@@ -60,6 +62,12 @@ CHAR_CHAT_TEMPLATE = (
 _DEFAULT_CHARS = (string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/"
                   + "{}[]\"'_#<>%&|\n")
 
+#: Qwen2's pre-tokenizer split (transformers' ``Qwen2Tokenizer``). The tiny tokenizer uses Qwen2's whole pipeline
+#: because ``AutoTokenizer`` rebuilds any ``model_type: qwen2`` dir's tokenizer with it, keeping only the vocabulary
+#: of ``tokenizer.json``: with the same pipeline on both sides every loader gives the same ids.
+QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -68,39 +76,58 @@ _WEIGHT_FILES = (
 )
 
 
-def build_char_tokenizer(chars: str = _DEFAULT_CHARS, *, words: Sequence[str] = (), model_max_length: int = 256) -> Any:
-    """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character, with a chat template.
+def byte_symbols() -> dict[int, str]:
+    """GPT-2's byte -> printable symbol table (what ``tokenizers``' ByteLevel pre-tokenizer writes for each byte):
+    printable Latin-1 bytes stand for themselves, the others (space, control bytes, ...) for ``chr(256 + k)``."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(256 + k) for k, b in enumerate(moved)}}
 
-    Ids: ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``, then ``chars`` in order (digits, ``+-*=``, space,
-    letters, punctuation, then JSON characters and newline by default: 92 symbols), then :data:`CHAT_TOKENS`,
+
+def build_char_tokenizer(*, words: Sequence[str] = (), model_max_length: int = 256) -> Any:
+    """A byte-level ``PreTrainedTokenizerFast`` built offline: one token per byte (so one per ASCII character),
+    with a chat template.
+
+    Ids: ``<pad>=0, <bos>=1, <eos>=2, <unk>=3``, then the common characters (digits, ``+-*=``, space, letters,
+    punctuation, JSON characters and newline: 92 symbols), then :data:`CHAT_TOKENS`, then the other 164 bytes,
     then ``words``: multi-character strings that encode as one (ordinary, not special) token wherever they
-    occur, for a task's frequent text such as the fixed part of its tool-call JSON. Encoding adds no special
-    tokens; decoding joins the characters back exactly (``decode(encode("12+34=46")) == "12+34=46"``).
-    Padding is on the left, which is what batched generation needs. ``apply_chat_template`` renders
-    :data:`CHAR_CHAT_TEMPLATE`, so chat prompts go through the same path as a real instruct model's.
+    occur, for a task's frequent text such as the fixed part of its tool-call JSON. Every text round-trips
+    (``decode(encode(t)) == t`` for NFC-normalised text: the pipeline NFC-normalises, as Qwen2's does; a
+    character outside ASCII costs its UTF-8 bytes), whether the tokenizer is used as built or loaded back from
+    a saved dir by ``AutoTokenizer`` (as a ``Qwen2Tokenizer`` for a Qwen2 model dir: see
+    :data:`QWEN2_PRETOKENIZE_REGEX`). Encoding adds no special tokens. Padding is on the left, which is what
+    batched generation needs. ``apply_chat_template`` renders :data:`CHAR_CHAT_TEMPLATE`, so chat prompts go
+    through the same path as a real instruct model's.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    if len(set(chars)) != len(chars):
-        raise ValueError(f"chars contains duplicates: {chars!r}")
+    symbols = byte_symbols()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in chars:
-        if ch in vocab:
-            raise ValueError(f"character {ch!r} collides with a special token")
-        vocab[ch] = len(vocab)
+    for ch in _DEFAULT_CHARS:
+        vocab[symbols[ord(ch)]] = len(vocab)
     for tok in CHAT_TOKENS:
         vocab[tok] = len(vocab)
+    for symbol in symbols.values():
+        vocab.setdefault(symbol, len(vocab))
     for word in words:
-        if len(word) < 2 or word in vocab:
+        if len(word) < 2 or word in vocab or word in _DEFAULT_CHARS:
             raise ValueError(f"tokenizer word {word!r} is a single character or already a token")
         vocab[word] = len(vocab)
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    # whole-token matches before the per-character split (and dropped by skip_special_tokens)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    core.decoder = decoders.ByteLevel()
+    # whole-token matches before the byte split (and dropped by skip_special_tokens)
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + CHAT_TOKENS])
     core.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
+    for word in words:  # the byte-level decoder reads a token's characters as bytes where it can
+        if core.decode(core.encode(word).ids) != word:
+            raise ValueError(f"tokenizer word {word!r} does not decode back to itself (a word mixing characters "
+                             "outside ASCII with no space); leave it out, its bytes are tokens already")
     return PreTrainedTokenizerFast(
         chat_template=CHAR_CHAT_TEMPLATE,
         tokenizer_object=core,

@@ -31,7 +31,7 @@ from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum, global_masked_whiten
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig, load_tokenizer
+from backends.models import ModelConfig
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.api import (
     RolloutConfig, build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
@@ -43,7 +43,8 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.sft import SFTConfig
 from experiments.algorithm_checks import group_size_warnings
 from experiments.stages import (
-    SHARED_REGISTRIES, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize, warn_once,
+    SHARED_REGISTRIES, commit_run, evaluate_policy, load_run_data, metrics_log, prepare_run, run_tokenizer, start_actor,
+    summarize, warn_once,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -60,9 +61,11 @@ class AlgoConfig:
 class Config:
     name: str = "custom_algorithm"  #: the run's name (the run dir is <run_root>/<name>-<time>)
     seed: int = 0  #: seeds the data order, the sampling and a tiny model's weights
-    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files
+    #: RL steps; none: epochs x the steps of one pass over data.train_files
+    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    prompts_per_step: int = 16  #: prompts per RL step, over all ranks
+    #: prompts per RL step, over all ranks
+    prompts_per_step: int = attrs.field(default=16, validator=attrs.validators.ge(1))
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
     log_every: int = 10  #: console line every N steps
     run_root: str = "runs"  #: where run dirs go
@@ -130,11 +133,12 @@ def main(argv: list[str]) -> dict:
     watchdog.start(cfg.deadlines, env, role="custom")  # a stuck phase ends the job with its name and stacks
     seed_everything(cfg.seed)
     run = prepare_run(cfg, env, resumable_keys=())
-    tokenizer = load_tokenizer(run.model_path)
+    tokenizer = run_tokenizer(cfg, run)  # nothing of the run dir is written before the last check (commit_run)
     warn_once(get_logger("custom", env), group_size_warnings(cfg.rollout.n, key="algo.name", spec=cfg.algo.name))
     data = load_run_data(cfg, tokenizer, scorer, get_logger("custom", env))
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = cfg.steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step)
+    commit_run(cfg, env, run, tokenizer)  # every start-up check passed: the run dir is written from here on
     mlog, t_start = metrics_log(cfg, run, env, ("reward_mean", "kl_mean", "grad_norm")), time.time()
 
     # [SFT], then the policy, the frozen reference it starts from and (last: it takes the memory left) the rollout engine

@@ -46,7 +46,7 @@ from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_max, all_reduce_sum, mean_over_ranks
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig, load_tokenizer
+from backends.models import ModelConfig
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import (
@@ -68,8 +68,8 @@ from experiments.algorithm_checks import check_estimator, check_policy_loss, gro
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split, stamp_policy_version
 from experiments.stages import (
-    SHARED_REGISTRIES, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run,
-    start_actor, summarize, warn_once,
+    SHARED_REGISTRIES, checkpoint_or_stop, commit_run, dump_generations, evaluate_policy, export_final, load_run_data,
+    metrics_log, prepare_run, run_tokenizer, start_actor, summarize, warn_once,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -127,9 +127,11 @@ class ActorConfig:
 class Config:
     name: str = "grpo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
     seed: int = 0  #: seeds the data order, the sampling and the weights of a tiny model
-    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files; 0: evaluate only
+    #: RL steps; none: epochs x the steps of one pass over data.train_files; 0: evaluate only
+    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    prompts_per_step: int = 32  #: prompts per RL step, over all ranks (verl's data.train_batch_size)
+    #: prompts per RL step, over all ranks (verl's data.train_batch_size)
+    prompts_per_step: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
     log_every: int = 10  #: console line every N steps
     dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)
@@ -185,13 +187,15 @@ def main(argv: list[str]) -> dict:
     })
     check_batch_shape(cfg, env.world_size - cfg.offpolicy.rollout_ranks)  # the trainer ranks split the prompts
     run = prepare_run(cfg, env, RESUMABLE_KEYS)
-    tokenizer = load_tokenizer(run.model_path)
+    tokenizer = run_tokenizer(cfg, run)  # nothing of the run dir is written before the last check (commit_run)
     data = load_run_data(cfg, tokenizer, scorer, log, needs_train=cfg.steps != 0)  # bad data fails here, before any model
     if cfg.steps == 0:
+        commit_run(cfg, env, run, tokenizer)
         return evaluate_only(cfg, run, data, tokenizer, scorer, env, environments)
     steps = cfg.steps or cfg.epochs * PromptStream(data.train, seed=cfg.seed).steps_per_epoch(cfg.prompts_per_step)
-    mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * cfg.algo.mini_batches)
+    commit_run(cfg, env, run, tokenizer)  # every start-up check passed: the run dir is written from here on
+    mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
     t_start = time.time()
     if cfg.offpolicy.rollout_ranks:  # split placement: the rollout pool samples ahead while the trainer pool updates
         parts = RecipeParts(score_batch=score_batch, max_context=max_context(cfg), estimator=estimator,
@@ -234,6 +238,11 @@ def main(argv: list[str]) -> dict:
                  "wall_seconds": wall_before + time.time() - t_start}
         with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
             save_checkpoint(run.ckpt_dir, step, {ckpt_name: actor}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
+
+    def rescue(step: int) -> None:  # the weights of a failed export, as a checkpoint (under the engine's own names)
+        nonlocal ckpt_name
+        ckpt_name = engine.checkpoint_name(actor, "actor")
+        save(step)
 
     loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg))
     skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
@@ -297,7 +306,8 @@ def main(argv: list[str]) -> dict:
             mlog.log(steps, after)
         if cfg.export_hf:
             with watchdog.phase("checkpoint", step=steps, op="export_hf(final_model)"):
-                engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer, overwrite=True)
+                export_final(lambda: engine.export_hf(actor, run.run_dir / "final_model", tokenizer=tokenizer,
+                                                      overwrite=True), run, steps, save=rescue)
         summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
     mlog.close()
     scorer.close()

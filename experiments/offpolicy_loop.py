@@ -68,7 +68,7 @@ from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb
 from backends.training.reward_model import build_reward_model
 from backends.training.sft import sft_steps
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
-from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, summarize
+from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, export_final, summarize
 
 __all__ = [
     "OffPolicyConfig", "RecipeParts", "SplitTrainer", "TrainerFactory", "check_offpolicy", "lag", "run_split", "sampling_version",
@@ -501,8 +501,8 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         else:
             after = share_from_rollouts(None, split)
             mlog.log(steps, after)
-        with watchdog.phase("checkpoint", step=steps, op="export"):
-            trainer.export(run, tokenizer)
+        with watchdog.phase("checkpoint", step=steps, op="export"):  # the rollout pool cannot join a save here
+            export_final(lambda: trainer.export(run, tokenizer), run, steps, save=None)
         summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start,
                             title=trainer.title)
     mlog.close()

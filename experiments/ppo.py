@@ -53,7 +53,7 @@ from backends.distributed.collectives import all_reduce_max, all_reduce_sum, bar
 from backends.distributed.placement import PlacementConfig, colocated_on_pool
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig, load_tokenizer
+from backends.models import ModelConfig
 from backends.rewards import RewardConfig, RewardScorer
 from backends.rollout.api import (
     RolloutConfig, build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
@@ -68,8 +68,8 @@ from backends.training.roles import Roles, build_roles
 from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
-    SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data,
-    metrics_log, prepare_run, summarize,
+    SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, commit_run, dump_generations, evaluate_policy, export_final,
+    load_run_data, metrics_log, prepare_run, run_tokenizer, summarize,
 )
 from experiments.stages import start_actor as start_policy
 
@@ -130,9 +130,11 @@ class ExportConfig:
 class Config:
     name: str = "ppo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
     seed: int = 0  #: seeds the data order, the sampling, the value head and a tiny model's weights
-    steps: int | None = None  #: RL steps; none: epochs x the steps of one pass over data.train_files
+    #: RL steps; none: epochs x the steps of one pass over data.train_files
+    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    prompts_per_step: int = 32  #: prompts per RL step, over the actor's ranks
+    #: prompts per RL step, over the actor's ranks
+    prompts_per_step: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
     log_every: int = 10  #: console line every N steps
     dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)
@@ -187,12 +189,13 @@ def main(argv: list[str]) -> dict:
         roles = build_roles(cfg.placement, env, engine, critic_engine)  # which ranks hold which roles
         num_mini = num_mini_batches(cfg, roles.pool_size("actor"))
     run = prepare_run(cfg, env, RESUMABLE_KEYS)
-    tokenizer = load_tokenizer(run.model_path)
+    tokenizer = run_tokenizer(cfg, run)  # nothing of the run dir is written before the last check (commit_run)
     data = load_run_data(cfg, tokenizer, scorer, log)  # bad data fails here, before any model
     steps = cfg.steps or cfg.epochs * PromptStream(data.train, seed=cfg.seed).steps_per_epoch(cfg.prompts_per_step)
-    mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
     rl_optim = with_total_steps(cfg.actor.optim, steps * cfg.algo.ppo_epochs * num_mini)
     critic_optim = with_total_steps(cfg.critic.optim, steps * cfg.algo.ppo_epochs * num_mini)
+    commit_run(cfg, env, run, tokenizer)  # every start-up check passed: the run dir is written from here on
+    mlog = metrics_log(cfg, run, env, CONSOLE_KEYS)
     t_start = time.time()
     if cfg.offpolicy.rollout_ranks:  # the rollout pool samples ahead while the trainer pool runs every role
         parts = RecipeParts(score_batch=score_responses, max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
@@ -297,7 +300,8 @@ def main(argv: list[str]) -> dict:
             after = roles.run_on("actor", None, evaluate_policy, rollout, tokenizer, data, scorer, cfg, roles.env("actor"), otherwise={})
         mlog.log(steps, after)
         with watchdog.phase("checkpoint", step=steps, op="export (HF / orbax)"):
-            export(cfg, roles, run, tokenizer)
+            export_final(lambda: export(cfg, roles, run, tokenizer), run, steps,
+                         save=save if cfg.placement.mode == "colocated" else None)  # split: the pools export apart
         summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="PPO",
                             extra={"placement": cfg.placement.mode})
     barrier()  # both pools' exports are on disk before anyone returns

@@ -1,6 +1,9 @@
 """The stages every recipe shares, around its RL loop: the run dir and resume point, the data, the optional
 SFT stage, held-out evaluation, generation dumps, the final export and the summary.
 
+A recipe starts ``prepare_run`` -> ``run_tokenizer`` -> ``load_run_data`` (and its own checks) -> ``commit_run``:
+nothing of a run dir is written or removed before the last check has passed.
+
 A recipe's config carries the sections these read (``model``, ``data``, ``reward``, ``eval``, ``sft``,
 ``checkpoint``, ``logger``, ...), so each recipe keeps only its own algorithm and loop.
 """
@@ -16,13 +19,14 @@ import torch.distributed as dist
 
 import rlfunc as rf
 from backends.checkpoint.files import checkpoint_info
+from backends.checkpoint.hf_export import ExportError
 from backends.checkpoint.resume import checkpoint_dir, resume_point, truncate_metrics
 from backends.config import ConfigError, config_to_dict
 from backends.data import Example, PromptStream, data_warnings, load_examples
 from backends.distributed import watchdog
 from backends.distributed.setup import barrier
 from backends.metrics_log import LOGGERS, MetricsLog, plot_curves, read_jsonl, write_generations
-from backends.models import build_char_tokenizer, write_tiny_model
+from backends.models import build_char_tokenizer, check_model_dir, load_tokenizer, write_tiny_model
 from backends.rewards import BUILTIN_REWARDS, RewardScorer
 from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
@@ -30,9 +34,9 @@ from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
 
 __all__ = [
-    "SHARED_REGISTRIES", "checkpoint_or_stop",
+    "SHARED_REGISTRIES", "checkpoint_or_stop", "commit_run", "export_final",
     "RunData", "RunPaths", "dump_generations", "evaluate_policy", "load_run_data", "metrics_log", "prepare_run",
-    "start_actor", "summarize", "warn_once",
+    "run_tokenizer", "start_actor", "summarize", "warn_once",
 ]
 
 
@@ -55,26 +59,46 @@ class RunPaths:
 
 
 def prepare_run(cfg: Any, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
-    """The resume point (checked against this config before anything is built) and the run dir: rank 0
-    writes the config and, without ``model.path``, the tiny base model; a fresh start begins a new
-    metrics log, a resumed one drops what the crashed run logged after its checkpoint."""
+    """The resume point (checked against this config before anything is built) and the run dir, the same on every
+    rank. Nothing is written here: :func:`commit_run` writes once every start-up check has passed, so a typo never
+    costs an existing run its records. A fresh start in the dir of a finished run is refused."""
     must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in resumable_keys}
     resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir, run_root=cfg.run_root,
                                         name=cfg.name, must_match=must_match)
+    if resume_from is None and (run_dir / "summary.json").is_file():
+        how = ("it has no checkpoint to continue from (resume=auto found none)" if cfg.resume == "auto" else
+               "continue it with resume=auto (from its last checkpoint)")
+        raise ConfigError(f"run_dir={str(run_dir)!r} holds a finished run (its summary.json): a fresh start would "
+                          f"overwrite its records; {how}, or give another run_dir")
+    if cfg.model.path:
+        check_model_dir(Path(cfg.model.path))
     model_path = Path(cfg.model.path) if cfg.model.path else run_dir / "base_model"
-    run = RunPaths(run_dir=run_dir, ckpt_dir=checkpoint_dir(cfg.checkpoint, run_dir), model_path=model_path,
-                   policy_path=run_dir / "sft_model" if cfg.sft.files else model_path,
-                   resume_from=resume_from, must_match=must_match)
+    return RunPaths(run_dir=run_dir, ckpt_dir=checkpoint_dir(cfg.checkpoint, run_dir), model_path=model_path,
+                    policy_path=run_dir / "sft_model" if cfg.sft.files else model_path,
+                    resume_from=resume_from, must_match=must_match)
+
+
+def run_tokenizer(cfg: Any, run: RunPaths) -> Any:
+    """The run's tokenizer, with nothing written yet: ``model.path``'s or a resumed run's base model's, else the
+    tiny model's, built as :func:`commit_run` will write it (it gives the same ids loaded back: the tokenizer
+    tests check it)."""
+    if cfg.model.path or run.resume_from is not None:
+        return load_tokenizer(run.model_path)
+    return build_char_tokenizer(words=cfg.model.tiny_words, model_max_length=cfg.model.tiny.max_position_embeddings)
+
+
+def commit_run(cfg: Any, env: Any, run: RunPaths, tokenizer: Any) -> None:
+    """After every start-up check: rank 0 writes the run dir (the config and, without ``model.path``, the tiny
+    base model with ``tokenizer``); a fresh start begins a new metrics log, a resumed one drops what the crashed
+    run logged after its checkpoint."""
     if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
-        if resume_from is None:
-            (run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        truncate_metrics(run.run_dir / "metrics.jsonl", checkpoint_info(run.resume_from).step if run.resume_from else None)
+        if run.resume_from is None:
+            (run.run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             if not cfg.model.path:
-                write_tiny_model(model_path, cfg.model.tiny, build_char_tokenizer(
-                    words=cfg.model.tiny_words, model_max_length=cfg.model.tiny.max_position_embeddings))
+                write_tiny_model(run.model_path, cfg.model.tiny, tokenizer)
     barrier()
-    return run
 
 
 @attrs.frozen
@@ -217,9 +241,31 @@ def summarize(cfg: Any, run: RunPaths, env: Any, before: dict[str, float], after
     return summary
 
 
+def export_final(export: Callable[[], Any], run: Any, steps: int, save: Callable[[int], None] | None) -> None:
+    """The final export. If it fails, the trained weights stay on disk: the last step's checkpoint is kept, or,
+    with checkpoints off, ``save(steps)`` writes one now (``save=None``: the caller cannot), and the error names it,
+    the export dir and how to export again. Call on every rank that exports (and saves)."""
+    try:
+        export()
+    except ExportError as e:
+        final = run.ckpt_dir / f"step_{steps}"
+        if not (final / "COMPLETE").is_file():
+            if save is None:
+                raise ExportError(f"{e}; no checkpoint of step {steps} holds the trained weights "
+                                  "(checkpoint.every=0): they are lost with this process") from e
+            try:
+                save(steps)
+            except Exception as saving:  # noqa: BLE001 - a full disk fails both; said in one error
+                raise ExportError(f"{e}; saving the trained weights as the checkpoint {final} failed too: "
+                                  f"{type(saving).__name__}: {saving}") from e
+        raise ExportError(f"{e}. The trained weights are kept in the checkpoint {final}: export them again (once the "
+                          f"cause is fixed) with resume=auto run_dir={run.run_dir}") from e
+
+
 def checkpoint_or_stop(step: int, steps: int, cfg: Any, run: Any, save: Any, log: Any) -> bool:
     """At the end of ``step``: ``save(step)`` on the ``checkpoint.every`` schedule, then whether the run stops
-    here because some rank got SIGTERM (every rank agrees; the step is checkpointed when checkpoints are on)."""
+    here because some rank got SIGTERM or Ctrl-C (every rank agrees; the step is checkpointed when checkpoints
+    are on, and one line says how to continue)."""
     saved = bool(cfg.checkpoint.every) and (step % cfg.checkpoint.every == 0 or step == steps)
     if saved:
         save(step)
@@ -227,5 +273,6 @@ def checkpoint_or_stop(step: int, steps: int, cfg: Any, run: Any, save: Any, log
         return False
     if cfg.checkpoint.every and not saved:
         save(step)
-    log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None))
+    where = f"run_dir={run.run_dir}" + (f" checkpoint.dir={cfg.checkpoint.dir}" if cfg.checkpoint.dir else "")
+    log.warning(watchdog.preemption_note(step, run.ckpt_dir if cfg.checkpoint.every else None, resume_args=where))
     return True

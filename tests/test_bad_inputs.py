@@ -214,6 +214,26 @@ def _bad_marker(tmp: Path, ctx: Ctx) -> Any:
     return _load_ckpt(path)
 
 
+def _overwrite_tensor(tmp: Path, ctx: Ctx, name: str, value: float) -> Any:
+    """Two floats of ``value`` written over the middle of tensor ``name``'s bytes on disk, then a load."""
+    import struct
+
+    from backends.checkpoint.integrity import describe_items
+
+    path = ctx.copy_checkpoint(tmp)
+    _, file, offset, length = next(item for item in describe_items(path, 1) if item[0] == name)
+    with open(path / file, "r+b") as f:
+        f.seek(offset + length // 2)
+        f.write(struct.pack("<2f", value, value))
+    return _load_ckpt(path)
+
+
+def _cut_rng_file(tmp: Path, ctx: Ctx) -> Any:
+    path = ctx.copy_checkpoint(tmp)
+    _truncate(path / "rng" / "rank_0.safetensors", 1 / 3)
+    return _load_ckpt(path)
+
+
 def _tmp_checkpoint_dir(tmp: Path, ctx: Ctx) -> Any:
     path = tmp / "ckpt" / "step_3.tmp-1a2b3c"
     path.mkdir(parents=True)
@@ -272,6 +292,10 @@ CASES = [
          lambda tmp, ctx: __import__("experiments.grpo").grpo.check_batch_shape(grpo_config("prompts_per_step=6"), 4),
          ConfigError, (r"prompts_per_step=6 must be divisible by the world size 4",),
          ("prompts_per_step=6 on 4 ranks", "the batch splits over the ranks")),
+    Case("config-negative-steps", lambda tmp, ctx: grpo_config("steps=-1"), ConfigError,
+         (r"steps: 'steps' must be >= 0: -1",), ("steps=-1", "a step count is >= 0 (0: evaluate only)")),
+    Case("config-zero-prompts-per-step", lambda tmp, ctx: grpo_config("prompts_per_step=0"), ConfigError,
+         (r"^prompts_per_step: 'prompts_per_step' must be >= 1: 0$",), ("prompts_per_step=0", "the key itself is named")),
     # ------------------------------------------------------------------------------------ data files
     Case("data-missing-file", lambda tmp, ctx: load([str(tmp / "nope.jsonl")], ctx), DataError,
          (r"nope\.jsonl: no such file",), ("a data file that is not there", "every file exists")),
@@ -336,7 +360,7 @@ CASES = [
          (r"tokenizer in '.*/tok' has neither a pad token nor an eos token",),
          ("a tokenizer with neither pad nor eos token", "a pad token (the eos token when there is none)")),
     Case("tokenizer-bigger-than-model", _big_tokenizer, ValueError,
-         (r"tokenizer in '.*/model' has 140 tokens but the model embeds only 100",),
+         (r"tokenizer in '.*/model' has 306 tokens but the model embeds only 266",),
          ("a tokenizer of another (larger) vocabulary", "every token id has an embedding row")),
     # ----------------------------------------------------------------------------------- model dirs
     Case("model-missing-dir", lambda tmp, ctx: load_causal_lm(tmp / "nope"), FileNotFoundError,
@@ -380,11 +404,23 @@ CASES = [
     Case("reward-returns-nan", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    return float('nan') if g == '2' else 1.0\n"),
          RewardError, (r"my_reward\.py:fn' returned nan on .*train\.jsonl:line 2", "must be finite"),
          ("a reward that returns NaN", "every score is a finite number, naming the row")),
+    Case("reward-beyond-float32", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    return -1e308 if g == '2' else 1e308\n"),
+         RewardError, (r"my_reward\.py:fn' returned 1e\+308 on .*train\.jsonl:line 1", r"finite in float32.*3\.403e\+38"),
+         ("a reward of 1e308 (inf in float32)", "scores fit float32, where they are kept; never a success")),
+    Case("reward-weighted-sum-beyond-float32",
+         lambda tmp, ctx: RewardScorer(RewardConfig(fn=("exact",), weights=(1e39,))).score(["2"], load(
+             [jsonl(tmp / "d.jsonl", [{"prompt": "1+1=", "answer": "2"}])], ctx)[0]),
+         RewardError, (r"weighted sum of the reward functions on .*d\.jsonl:line 1 is 1e\+39", r"reward\.weights=\[1e\+39\]"),
+         ("reward.weights=[1e39]", "the weighted sum fits float32 too")),
     Case("reward-returns-none", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    pass\n"), RewardError,
          (r"returned NoneType None on .*train\.jsonl:line 1",), ("a reward that returns None", "the same")),
     Case("reward-raises", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    return 1 / (int(g) - 2)\n"), RewardError,
          (r"raised ZeroDivisionError: division by zero on .*train\.jsonl:line 2", r"reward\.on_error=zero"),
          ("a reward that raises", "the error names the function and the row")),
+    Case("reward-calls-sys-exit", lambda tmp, ctx: score(tmp, ctx, "import sys\ndef fn(r, g):\n    sys.exit(3)\n"), RewardError,
+         (r"my_reward\.py:fn' called sys\.exit\(3\).* on .*train\.jsonl:line 1",),
+         ("a reward that calls sys.exit (in-process; in a worker, tests/test_reward_workers.py)",
+          "an error of the call, not the trainer's end")),
     Case("reward-wrong-length", lambda tmp, ctx: score(tmp, ctx, "def fn(r, g):\n    return 0.0\n", responses=3), ValueError,
          (r"RewardScorer\.score: 3 responses for 2 examples",), ("3 responses for 2 rows", "one response per row")),
     # ------------------------------------------------------------------------------ environments / tools
@@ -419,6 +455,16 @@ CASES = [
          ("a damaged COMPLETE marker", "the marker parses")),
     Case("checkpoint-cut-data-file", _cut_data_file, CheckpointCorruptError,
          (r"checkpoint '.*/step_2': data file '__0_0\.distcp' is cut off",), ("a cut-off .distcp data file", "every data file is whole")),
+    Case("checkpoint-overwritten-bytes", lambda tmp, ctx: _overwrite_tensor(tmp, ctx, "actor/model/0.weight", 0.5),
+         CheckpointCorruptError, (r"checkpoint '.*/step_2' is damaged: tensor 'actor/model/0\.weight' \(bytes \d+\.\.\d+ of "
+                                  r"'__0_0\.distcp'\) does not match the sha256 recorded when it was saved",),
+         ("finite floats written over a tensor's bytes", "a hash per tensor, recorded at save, before any byte is loaded")),
+    Case("checkpoint-nan-bytes", lambda tmp, ctx: _overwrite_tensor(tmp, ctx, "actor/optim/state.0.weight.exp_avg", float("nan")),
+         CheckpointCorruptError, (r"tensor 'actor/optim/state\.0\.weight\.exp_avg' .* does not match the sha256",),
+         ("NaN bytes in an optimizer moment", "the same")),
+    Case("checkpoint-cut-rng-file", _cut_rng_file, CheckpointCorruptError,
+         (r"checkpoint '.*/step_2' is damaged: file 'rng/rank_0\.safetensors' does not match",),
+         ("a cut-off RNG file", "the RNG files are hashed too, named by path")),
     Case("checkpoint-other-model",
          lambda tmp, ctx: __import__("backends.checkpoint.dcp").checkpoint.dcp.load_checkpoint(
              ctx.copy_checkpoint(tmp), {"actor": State(torch.nn.Linear(8, 4), None)}),

@@ -9,7 +9,9 @@ injected fault, timed from the fault to the exit:
 (b) SIGSTOP of one rank: the other rank's watchdog fires within its deadline, naming phase and operation;
 (c) SIGTERM to the job's ranks: a checkpoint, exit code 0; ``resume=auto`` ends with the same metrics;
 (d) ``torchrun --max-restarts 1 ... resume=auto`` with a crash on the first attempt: the restart continues
-    from the last checkpoint and ends with the same metrics.
+    from the last checkpoint and ends with the same metrics;
+(e) Ctrl-C to torchrun (SIGINT, which it forwards): both ranks stop after the same step with a checkpoint and
+    one line each saying how to continue.
 """
 
 from __future__ import annotations
@@ -347,3 +349,28 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(grpo_args, uninterrup
     assert summary["resumed_from"].endswith(f"step_{EVERY}")  # the crash came before step 4's checkpoint
     compared = _same_metrics(uninterrupted, _rows(tmp_path / "run"), after=EVERY)
     print(f"(d) restarted from {Path(summary['resumed_from']).name}: {compared} metric values equal the uninterrupted run's")
+
+
+def _ctrl_c_after_first_checkpoint(ckpt_dir: Path):
+    def when(proc) -> bool:
+        if not _complete(ckpt_dir):
+            return False
+        # what a terminal's Ctrl-C does: SIGINT to torchrun's process group (the ranks run in sessions of their own,
+        # and torchrun forwards it to them)
+        os.killpg(proc.pid, signal.SIGINT)
+        return True
+    return when
+
+
+@pytest.mark.faults
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ctrl_c_to_torchrun_checkpoints_and_says_how_to_continue(grpo_args, tmp_path):
+    job = _launch([*grpo_args, *_where(tmp_path)], when=_ctrl_c_after_first_checkpoint(tmp_path / "ckpt"))
+    print(f"\n(e) Ctrl-C (SIGINT to torchrun) after step 2's checkpoint: the job ended {job.after_fault:.1f} s later")
+    assert "SIGINT: stopped after step " in job.stderr, job.stderr[-4000:]
+    stopped = int(job.stderr.split("SIGINT: stopped after step ")[1].split(";")[0])
+    assert 2 <= stopped < STEPS and _complete(tmp_path / "ckpt")[-1] == stopped
+    assert job.stderr.count(f"SIGINT: stopped after step {stopped};") == 2  # both ranks stopped after the same step
+    assert f"Continue with resume=auto (run_dir={tmp_path / 'run'} checkpoint.dir={tmp_path / 'ckpt'})" in job.stderr
+    assert "KeyboardInterrupt" not in job.stderr and not (tmp_path / "run" / "summary.json").exists()

@@ -1,4 +1,4 @@
-"""backends.models: the offline char tokenizer, tiny Llama / Qwen2 checkpoints, and loading them back."""
+"""backends.models: the offline byte-level tokenizer, tiny Llama / Qwen2 checkpoints, and loading them back."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from backends.models import (
+    CHAT_TOKENS,
+    SPECIAL_TOKENS,
     SUPPORTED_MODEL_TYPES,
     TinyModelConfig,
     build_char_tokenizer,
@@ -35,16 +37,17 @@ def test_char_tokenizer_round_trip():
     assert tok.decode(tok.encode("What is 3 * 4? 12.")) == "What is 3 * 4? 12."
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.unk_token_id) == (0, 1, 2, 3)
     assert tok.padding_side == "left"
-    assert 66 <= len(tok) <= 100
-    assert tok.encode("1~2") == [tok.convert_tokens_to_ids("1"), tok.unk_token_id, tok.convert_tokens_to_ids("2")]
+    assert len(tok) == len(SPECIAL_TOKENS) + len(CHAT_TOKENS) + 256  # a token per byte
+    assert tok.encode("1~2") == [tok.convert_tokens_to_ids(c) for c in "1~2"]
+    assert len(tok.encode("é")) == 2 and tok.decode(tok.encode("1 é~")) == "1 é~"  # UTF-8 bytes, nothing unknown
     assert tok.decode([*ids, tok.eos_token_id], skip_special_tokens=True) == "12+34=46"
     batch = tok(["1+1=", "10+10="], padding=True)
     assert batch["input_ids"][0][:2] == [tok.pad_token_id] * 2 and batch["attention_mask"][0][:2] == [0, 0]
 
 
-def test_char_tokenizer_rejects_duplicates():
-    with pytest.raises(ValueError, match="duplicates"):
-        build_char_tokenizer("aab")
+def test_char_tokenizer_rejects_duplicate_words():
+    with pytest.raises(ValueError, match="already a token"):
+        build_char_tokenizer(words=["ab", "ab"])
 
 
 def test_round_trip_same_logits(tiny_dir):

@@ -18,7 +18,7 @@ import torch
 import rlfunc as rf
 from backends.config import ConfigError
 from backends.data import Example, prompt_token_ids
-from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model
+from backends.models import CHAT_TOKENS, TinyModelConfig, build_char_tokenizer, write_tiny_model
 from backends.rollout.agent_loop import EnvironmentStepError, run_episodes, sample
 from backends.rollout.api import build_rollout, RolloutConfig
 from backends.rollout.common import SamplingConfig, answer_texts
@@ -175,8 +175,15 @@ def native(tmp_path_factory):
     tok = build_char_tokenizer()
     path = write_tiny_model(tmp_path_factory.mktemp("mt"), TINY, tok)
     rollout = build_rollout(RolloutConfig(), path, tok)
-    rollout = attrs.evolve(rollout, eos_token_ids=(tok.eos_token_id, *tok.convert_tokens_to_ids(list("0123456789abcdefghijklmnopqrstuvwxyz"))))
+    rollout = attrs.evolve(rollout, eos_token_ids=(tok.eos_token_id, *tok.convert_tokens_to_ids(list("0123456789abcdefghijklmnopqrstuvwxyz")),
+                                                   *rare_byte_ids(tok)))
     return tok, path, rollout
+
+
+def rare_byte_ids(tok) -> range:
+    """The byte tokens after the chat tokens (bytes outside the common characters): ending a turn on them too keeps
+    a random model's turns as short as they were with a character vocabulary."""
+    return range(tok.convert_tokens_to_ids(CHAT_TOKENS[-1]) + 1, len(tok))
 
 
 def _examples(tok, texts=("1+2=", "12+34=", "7*8=")):

@@ -38,11 +38,11 @@ SAMPLINGS = [SamplingConfig(n=2, seed=0), SamplingConfig(n=2, temperature=0.7, t
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """(fp32 HF model, tokenizer, model dir, fp32 rollout whose EOS set is also 0, 1 and 2)."""
+    """(fp32 HF model, tokenizer, model dir, fp32 rollout whose EOS set is also the digits)."""
     path = write_tiny_model(tmp_path_factory.mktemp("qwen2"), TinyModelConfig(**TINY))
     model, tok = load_causal_lm(path)
     # some digits end a turn too, so turns end by EOS at many different steps (and some hit their budget)
-    eos = [tok.eos_token_id] + tok.convert_tokens_to_ids(list("012"))
+    eos = [tok.eos_token_id] + tok.convert_tokens_to_ids(list("0123456789"))
     return model, tok, path, build_native_rollout(path, tok, eos_token_ids=eos)
 
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from backends.distributed.collectives import world_size
 
-__all__ = ["gloo_group", "gloo_barrier", "broadcast_hex", "all_ok", "all_state_meta", "quiet_no_dist"]
+__all__ = ["gloo_group", "gloo_barrier", "broadcast_hex", "all_ok", "all_state_meta", "all_merged", "first_message",
+           "quiet_no_dist"]
 
 #: [the default group the side-group was made for, the side-group]; made again when the default group is
 #: another one (a process that destroyed its group and made a new one)
@@ -65,16 +66,29 @@ def all_state_meta(state_meta: dict[str, Any]) -> dict[str, Any]:
     """Every rank's ``{state name: metadata}`` merged, in rank order (a state held by several ranks is
     described alike by each). Under split placement a rank holds only its pool's states, and rank 0
     writes the marker for all of them."""
+    return all_merged(state_meta)
+
+
+def all_merged(values: dict[str, Any]) -> dict[str, Any]:
+    """Every rank's JSON-able dict merged, in rank order (the first rank's value wins for a key several hold)."""
     world = world_size()
     if world == 1:
-        return state_meta
+        return values
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, json.dumps(state_meta), group=gloo_group())
+    dist.all_gather_object(gathered, json.dumps(values), group=gloo_group())
     merged: dict[str, Any] = {}
     for text in gathered:
-        for name, meta in json.loads(text).items():
-            merged.setdefault(name, meta)
+        for name, value in json.loads(text).items():
+            merged.setdefault(name, value)
     return merged
+
+
+def first_message(message: str | None) -> str | None:
+    """The first rank's non-None ``message``, on every rank (None when no rank has one)."""
+    if world_size() == 1:
+        return message
+    gathered = all_merged({} if message is None else {"message": message})
+    return gathered.get("message")
 
 
 @contextlib.contextmanager

@@ -31,7 +31,10 @@ Layout and atomicity::
     <ckpt_dir>/step_<N>/            a complete checkpoint (has COMPLETE)
         COMPLETE                    JSON marker, written last: step, world size, per-state model
                                     fingerprint (parameter names + shapes), config + its hash,
-                                    optimizer hyper-parameters, the extra tree's JSON skeleton
+                                    optimizer hyper-parameters, the extra tree's JSON skeleton, and a
+                                    SHA-256 per tensor chunk and per other file, which a load checks
+                                    first (``integrity``: a damaged byte is an error naming the file
+                                    and the tensor)
         .metadata, __<r>_0.distcp   DCP files (tensors only)
         rng/rank_<r>.safetensors    per-rank RNG states
     <ckpt_dir>/step_<N>.tmp-<hex>/  a save in progress (or one that crashed): ignored, removed by the
@@ -107,6 +110,7 @@ from backends.checkpoint.files import (
     remove_dir,
     write_json_atomic,
 )
+from backends.checkpoint.integrity import record_integrity, verify_integrity
 from backends.checkpoint.fingerprint import (
     config_diff,
     config_hash,
@@ -205,6 +209,7 @@ class PendingCheckpoint:
     def _on_done(self, future: Any) -> None:  # rank 0, in the writer thread
         try:
             if future.exception() is None:
+                self._marker["integrity"] = record_integrity(self._tmp, saved_by=1)
                 _finalize(self._tmp, self.path, self._marker, self._keep_last)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
@@ -474,6 +479,7 @@ def save_checkpoint(
         return _save_async(flat, checkpoint_writer(tmp), final, tmp, marker, keep_last)
     _write_shards(flat, tmp, final, save_rng)
     gloo_barrier()  # every rank's shard and RNG file is on disk
+    marker["integrity"] = record_integrity(tmp, saved_by=world_size())
     _finalize_on_rank0(tmp, final, marker, keep_last)
     return final
 
@@ -650,6 +656,9 @@ def load_checkpoint(
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
         raise CheckpointCorruptError(f"cannot read the DCP metadata of {str(info.path)!r}: {e}") from None
     available = metadata.state_dict_metadata
+    if not verify_integrity(info.path, info.marker):
+        warnings.warn(f"checkpoint {str(info.path)!r} records no hashes (written by an older rlfunc): its bytes are "
+                      "not verified", stacklevel=2)
 
     flat: dict[str, Tensor] = {}
     plans = _load_targets(states, model_sds, saved_states, flat)

@@ -16,12 +16,15 @@ causal LM, a value model (``*ForTokenClassification``, ``num_labels=1``) or any 
 the KV cache off) and, when ``dtype`` is given, that dtype.
 
 The directory appears atomically: it is written as ``<out_dir>.tmp-<hex>`` and renamed when complete.
-An existing ``out_dir`` is an error unless ``overwrite=True``.
+An existing ``out_dir`` is an error unless ``overwrite=True``. A failed write (a full disk) is an
+:class:`ExportError` on every rank of the state, naming the dir and the cause; an earlier export in
+``out_dir`` stays as it was.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import shutil
 import uuid
@@ -34,7 +37,11 @@ import torch.distributed as dist
 from backends.distributed.collectives import state_ranks
 from backends.distributed.sharded_state import full_state_dict
 
-__all__ = ["export_hf", "hf_model_class"]
+__all__ = ["ExportError", "export_hf", "hf_model_class"]
+
+
+class ExportError(RuntimeError):
+    """Writing the HF dir failed (raised on every rank of the exported state)."""
 
 
 def hf_model_class(module: torch.nn.Module) -> type:
@@ -93,11 +100,31 @@ def export_hf(
             # tied weights come as one tensor object under two names: keep them one tensor
             tensors[name] = shared.setdefault(id(tensor), tensor)
 
+    failure = None
     if rank == 0:
-        _write(module, tensors, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size)
-    if size > 1:
-        dist.barrier(group=group)
+        try:
+            _write(module, tensors, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size)
+        except Exception as e:  # noqa: BLE001 - every rank raises it below, not only the writer
+            failure = e
+    cause = _cause(failure) if failure is not None else None
+    if size > 1:  # also the barrier: no rank returns before the dir is complete
+        said = [cause]
+        dist.broadcast_object_list(said, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        cause = said[0]
+    if cause is not None:
+        raise ExportError(f"exporting the model to {str(out)!r} failed: {cause}") from failure
     return out
+
+
+def _cause(error: BaseException) -> str:
+    """What went wrong, with the path; a full disk said as such (safetensors' and torch's errors often name neither)."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return f"no space left on device ({error.filename or 'writing the files'})"
+    if "StorageFull" in str(error) or "No space left on device" in str(error):  # safetensors' Rust I/O error
+        return f"no space left on device ({type(error).__name__}: {error})"
+    if isinstance(error, FileExistsError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def _share_tied(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:

@@ -8,8 +8,9 @@ it builds anything::
                                         run_root=cfg.run_root, name=cfg.name, must_match=must_match)
     truncate_metrics(run_dir / "metrics.jsonl", checkpoint_info(resume_from).step if resume_from else None)
 
-- ``resume``: ``never`` | ``auto`` (the newest complete checkpoint under the checkpoint dir, or a fresh
-  start if there is none) | a ``step_<N>`` dir.
+- ``resume``: ``never`` | ``auto`` (the newest complete checkpoint under the checkpoint dir whose bytes match
+  their hashes, a damaged newer one passed over with a warning; a fresh start if there is none) | a
+  ``step_<N>`` dir.
 - A resumed run continues in the run dir the checkpoint recorded (unless ``run_dir`` is given), and
   its ``metrics.jsonl`` is cut back to the checkpoint's step: the steps the crashed run logged after
   its last checkpoint are run, and logged, again.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,13 +33,15 @@ from pathlib import Path
 import attrs
 import torch.distributed as dist
 
-from backends.checkpoint.dcp import resolve_resume
-from backends.checkpoint.errors import CheckpointMismatchError
-from backends.checkpoint.files import checkpoint_info
+from backends.checkpoint.dcp import resolve_resume, wait_for_pending_save
+from backends.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from backends.checkpoint.files import checkpoint_info, list_checkpoints
+from backends.checkpoint.integrity import damage
 from backends.checkpoint.fingerprint import config_diff, flatten_config
 from backends.distributed.collectives import broadcast_object
 
-__all__ = ["CheckpointConfig", "check_writable", "checkpoint_dir", "resume_point", "truncate_metrics"]
+__all__ = ["CheckpointConfig", "check_writable", "checkpoint_dir", "resume_point", "newest_whole_checkpoint",
+           "truncate_metrics"]
 
 
 @attrs.frozen
@@ -63,7 +67,7 @@ def resume_point(
             ckpt_dir = cfg.dir or (str(checkpoint_dir(cfg, run_dir)) if run_dir else None)
             if resume == "auto" and ckpt_dir is None:
                 raise ValueError("resume=auto needs checkpoint.dir (or run_dir) to look for checkpoints in")
-            path = resolve_resume(resume, ckpt_dir)
+            path = newest_whole_checkpoint(ckpt_dir) if resume == "auto" else resolve_resume(resume, ckpt_dir)
             if path is not None:
                 info = checkpoint_info(path)
                 diff = config_diff(info.config, flatten_config(must_match))
@@ -87,6 +91,26 @@ def resume_point(
     if error is not None:
         raise SystemExit(f"error: {error}")
     return (Path(resume_from) if resume_from else None), Path(run_dir)
+
+
+def newest_whole_checkpoint(ckpt_dir: str | Path) -> Path | None:
+    """``resume=auto``'s checkpoint: the newest complete one whose bytes match the hashes recorded at its save. A
+    damaged one is passed over loudly (on stderr, naming the damage) for the one before it; all damaged is an
+    error (starting afresh would drop the run's progress without a word)."""
+    wait_for_pending_save()
+    damaged = []
+    for path in reversed(list_checkpoints(ckpt_dir)):
+        problem = damage(path)
+        if problem is None:
+            for note in damaged:
+                sys.stderr.write(f"[rlfunc] WARNING resume=auto: passing over a damaged checkpoint: {note}; resuming "
+                                 f"from {str(path)!r} instead\n")
+            return path
+        damaged.append(problem)
+    if damaged:
+        raise CheckpointCorruptError(f"resume=auto: every checkpoint in {str(ckpt_dir)!r} is damaged:\n  "
+                                     + "\n  ".join(damaged))
+    return None
 
 
 def check_writable(path: str | os.PathLike, what: str) -> None:

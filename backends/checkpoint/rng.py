@@ -15,6 +15,8 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from backends.checkpoint.errors import CheckpointCorruptError
+
 __all__ = ["capture_rng_state", "restore_rng_state", "rng_file", "write_rng_file", "read_rng_file"]
 
 
@@ -77,7 +79,11 @@ def read_rng_file(root: Path, rank: int) -> tuple[dict[str, Tensor], dict[str, A
     path = rng_file(root, rank)
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads((f.metadata() or {})["rng"])
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["rng"])
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # a cut-off or overwritten file surfaces as whatever safetensors or json raises
+        raise CheckpointCorruptError(f"the RNG file {str(path)!r} of rank {rank} cannot be read "
+                                     f"({type(e).__name__}: {e}): the checkpoint is damaged") from None
     return tensors, meta

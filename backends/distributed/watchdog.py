@@ -16,9 +16,13 @@ is gone or frozen, a kernel); such calls release the GIL. As a backstop for a C 
 ``faulthandler.dump_traceback_later`` (a C-level timer) is armed ``BACKSTOP_S`` after the first deadline.
 The process-group timeout (``deadlines.process_group``) bounds every collective as well.
 
-**Preemption.** :func:`start` installs a SIGTERM handler that only sets a flag. At each step boundary the
-recipe calls :func:`stop_agreed`: a one-element max all-reduce of the flag, so every rank stops after the
-same step (then the recipe checkpoints and returns, exit code 0; ``resume=auto`` continues).
+**Preemption and Ctrl-C.** :func:`start` installs a handler for SIGTERM and SIGINT (Ctrl-C; torchrun forwards
+it to the ranks) that only sets a flag. At each step boundary the recipe calls :func:`stop_agreed`: a
+one-element max all-reduce of the flag, so every rank stops after the same step (then the recipe checkpoints,
+prints one line saying how to continue and returns, exit code 0; ``resume=auto`` continues). A second SIGINT
+ends the process at once (exit code 130, no checkpoint). The wait for the boundary is bounded:
+``deadlines.stop_grace`` seconds after the first signal the watchdog ends a rank that has not reached it,
+naming the phase it is in, like a deadline.
 
 Fault injection for tests (``RLFUNC_FAULT``) is in :mod:`backends.distributed.faults`; phases call it on
 entry, and it does nothing when the variable is unset.
@@ -72,6 +76,10 @@ class DeadlineConfig:
     checkpoint: float = _seconds(3600.0)  #: saving or loading a checkpoint
     eval: float = _seconds(3600.0)  #: one held-out evaluation
     collective: float = _seconds(1800.0)  #: a step-boundary collective (the preemption flag's all-reduce)
+    #: after SIGTERM or Ctrl-C, the longest a rank may take to reach the end of its step (then it stops, with a
+    #: checkpoint); past it the rank exits naming the phase it is in. Under torchrun, keep
+    #: TORCH_ELASTIC_SHUTDOWN_TIMEOUT (torchrun's wait before its SIGKILL, 30 s by default) above it
+    stop_grace: float = _seconds(60.0)
     #: the process-group timeout: no single collective waits longer (0: torch's default, 30 min)
     process_group: float = _seconds(1800.0)
 
@@ -146,16 +154,36 @@ class Watchdog:
                 f"deadlines.{late.kind}={late.deadline_s:g} s; waiting on: {late.op} (thread {late.thread}). "
                 f"Every thread's stack follows; the process exits with code {DEADLINE_EXIT_CODE}.")
 
+    def stop_overdue(self, now: float | None = None) -> str | None:
+        """The report of a rank that got a stop signal ``deadlines.stop_grace`` seconds ago and has not reached
+        the step boundary; None otherwise."""
+        grace, since = self.deadlines.stop_grace, _stop_signal["at"]
+        now = time.monotonic() if now is None else now
+        if not grace or since is None or _boundary_reached.is_set() or now - since <= grace:
+            return None
+        with self._lock:
+            inner = self._open[-1] if self._open else None
+        where = f"rank {self.rank} of {self.world_size}" + (f" ({self.role})" if self.role else "")
+        stuck = ("between phases" if inner is None else
+                 f"in phase {inner.kind!r} of {f'step {inner.step}' if inner.step is not None else 'no step'} for "
+                 f"{now - inner.started:.1f} s, waiting on: {inner.op} (thread {inner.thread})")
+        return (f"STOP GRACE PASSED on {where}: {_stop_signal['name']} arrived {now - since:.1f} s ago and the step did "
+                f"not reach its end within deadlines.stop_grace={grace:g} s; stuck {stuck}. Every thread's stack "
+                f"follows; the process exits with code {DEADLINE_EXIT_CODE}, without a checkpoint.")
+
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
             late = self.overdue()
             if late is not None:
-                self._fire(late)
+                self._fire(self.report(late))
+            stuck = self.stop_overdue()
+            if stuck is not None:
+                self._fire(stuck)
 
-    def _fire(self, late: _Phase) -> None:
+    def _fire(self, report: str) -> None:
         stream = self.stream or sys.stderr
         try:
-            stream.write(f"\n[rank {self.rank}] {self.report(late)}\n")
+            stream.write(f"\n[rank {self.rank}] {report}\n")
             stream.flush()
             faulthandler.dump_traceback(file=stream, all_threads=True)
             stream.flush()
@@ -175,7 +203,10 @@ class Watchdog:
 
 
 _current: Watchdog | None = None
-_sigterm = threading.Event()
+_sigterm = threading.Event()  #: a stop signal (SIGTERM or SIGINT) arrived since start()
+_stop_signal: dict[str, Any] = {"name": None, "at": None}  #: the first one: its name and monotonic time
+_boundary_reached = threading.Event()  #: every rank agreed to stop: the grace no longer applies
+_replaced_sigint: list[Any] = []  #: the SIGINT handler start() replaced, put back by stop()
 
 
 def start(deadlines: DeadlineConfig, env: Any = None, *, role: str = "", poll_s: float = 1.0) -> Watchdog:
@@ -183,19 +214,25 @@ def start(deadlines: DeadlineConfig, env: Any = None, *, role: str = "", poll_s:
     global _current
     stop()
     rank, world = (env.rank, env.world_size) if env is not None else (0, 1)
-    _current = Watchdog(deadlines, rank=rank, world_size=world, role=role, poll_s=poll_s)
     _sigterm.clear()
+    _boundary_reached.clear()
+    _stop_signal.update(name=None, at=None)
+    _current = Watchdog(deadlines, rank=rank, world_size=world, role=role, poll_s=poll_s)
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+        _replaced_sigint[:] = [signal.signal(signal.SIGINT, _on_stop_signal)]
     return _current
 
 
 def stop() -> None:
-    """Close this process's watchdog, if one runs (the SIGTERM handler stays: a late signal is just a flag)."""
+    """Close this process's watchdog, if one runs. The SIGTERM handler stays (a late signal is just a flag);
+    Ctrl-C gets its earlier handler back."""
     global _current
     if _current is not None:
         _current.close()
         _current = None
+    if _replaced_sigint and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _replaced_sigint.pop())
 
 
 def current() -> Watchdog | None:
@@ -220,28 +257,44 @@ def waiting_on(op: str) -> None:
         _current.waiting_on(op)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    name = signal.Signals(signum).name
+    if _sigterm.is_set():
+        if signum == signal.SIGINT:  # a second Ctrl-C: the user does not want to wait for the step's end
+            sys.stderr.write(f"[rlfunc] {name} again (pid {os.getpid()}): stopping now, without a checkpoint\n")
+            sys.stderr.flush()
+            os._exit(128 + signal.SIGINT)
+        return
+    _stop_signal.update(name=name, at=time.monotonic())
     _sigterm.set()
-    sys.stderr.write(f"[rlfunc] SIGTERM received (pid {os.getpid()}): stopping at the next step boundary\n")
+    grace = _current.deadlines.stop_grace if _current is not None else 0
+    within = f" (within deadlines.stop_grace={grace:g} s)" if grace else ""
+    again = "; Ctrl-C again stops at once, without a checkpoint" if signum == signal.SIGINT else ""
+    sys.stderr.write(f"[rlfunc] {name} received (pid {os.getpid()}): stopping at the next step boundary{within}{again}\n")
 
 
 def stop_requested() -> bool:
-    """Whether this process got SIGTERM since :func:`start`."""
+    """Whether this process got SIGTERM or SIGINT since :func:`start`."""
     return _sigterm.is_set()
 
 
 def stop_agreed(step: int | None = None) -> bool:
-    """Whether any rank got SIGTERM: a max all-reduce of the flag (every rank must call it at the same step
-    boundary, so all of them stop after the same step)."""
+    """Whether any rank got SIGTERM or SIGINT: a max all-reduce of the flag (every rank must call it at the same
+    step boundary, so all of them stop after the same step)."""
     with phase("collective", step=step, op="all_reduce(max) of the preemption flag at the step boundary"):
         flag = torch.tensor([1.0 if _sigterm.is_set() else 0.0])
-        return bool(all_reduce_max(flag).item() > 0)
+        agreed = bool(all_reduce_max(flag).item() > 0)
+    if agreed:
+        _boundary_reached.set()
+    return agreed
 
 
-def preemption_note(step: int, ckpt_dir: Any = None) -> str:
-    """The log line of a run that stops after ``step`` on SIGTERM (``ckpt_dir``: where its checkpoint went)."""
+def preemption_note(step: int, ckpt_dir: Any = None, resume_args: str = "the same checkpoint.dir / run_dir") -> str:
+    """The line of a run that stops after ``step`` on SIGTERM or Ctrl-C (``ckpt_dir``: where its checkpoint went;
+    ``resume_args``: the keys that find it again)."""
+    what = _stop_signal["name"] or "SIGTERM"
     if ckpt_dir is None:
-        return (f"SIGTERM: stopped after step {step} WITHOUT a checkpoint (checkpoint.every=0): a restart begins "
-                f"again from step 1; set checkpoint.every=N to keep the progress of a preempted run")
-    return (f"SIGTERM: stopped after step {step}; its checkpoint is {ckpt_dir}/step_{step}; exit code 0. "
-            f"Continue with resume=auto (the same checkpoint.dir / run_dir)")
+        return (f"{what}: stopped after step {step} WITHOUT a checkpoint (checkpoint.every=0): a restart begins "
+                f"again from step 1; set checkpoint.every=N to keep the progress of an interrupted run")
+    return (f"{what}: stopped after step {step}; its checkpoint is {ckpt_dir}/step_{step}; exit code 0. "
+            f"Continue with resume=auto ({resume_args})")

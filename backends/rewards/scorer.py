@@ -8,23 +8,20 @@ per sample as ``fn(response, ground_truth, **columns)``, where ``columns`` are t
 or a dict with a ``score`` and extra numbers, which are logged.
 
 Every function is resolved when the scorer is built (a misspelt name fails at start-up). User functions
-run in a pool of worker processes (``reward.workers``), each call under ``reward.timeout_s``: a call that
-raises or runs out of time is an error naming the function and the row, or, with ``reward.on_error=zero``,
-a zero that ``reward/errors`` counts. A result that is not a finite number is always an error.
+run in worker processes (``reward.workers``, :mod:`backends.rewards.workers`), each call under
+``reward.timeout_s``: a call that raises, runs out of time or ends its worker process (named at once, with how
+it ended) is an error naming the function and the row, or, with ``reward.on_error=zero``, a zero that
+``reward/errors`` counts (a worker lost is said on the console too). A result that is not a finite number (in float32, where scores are
+kept) is always an error.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import multiprocessing
 import numbers
-import pickle
-import signal
-import threading
-import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Literal, Mapping, Sequence
+import sys
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import attrs
 import torch
@@ -32,12 +29,13 @@ import torch
 from backends.config import ConfigError, resolve_function
 from backends.data import Example
 from backends.rewards.builtins import BUILTIN_REWARDS, builtin_reward
+from backends.rewards.workers import CallTimeout, WorkerPool, time_limit
 
 __all__ = ["RewardConfig", "RewardError", "RewardResult", "RewardScorer", "resolve_reward"]
 
 
-#: how much longer than its calls' time limits a batch may take (start-up of a fresh pool, scheduling)
-_BATCH_SLACK_S = 10.0
+#: the largest finite float32: scores and advantages are float32 tensors, so a larger reward would become inf
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class RewardError(RuntimeError):
@@ -205,6 +203,11 @@ class RewardScorer:
             parts[function.label][i] = value
             for key, extra in more.items():
                 extras.setdefault(f"{function.label}/{key}", [None] * len(responses))[i] = extra
+        for i, total in enumerate(totals):
+            if not abs(total) <= FLOAT32_MAX:  # each score fits, but their weighted sum does not (or a weight is not finite)
+                raise RewardError(f"the weighted sum of the reward functions on {examples[i].where} is {total:g} "
+                                  f"(reward.weights={list(self.cfg.weights)}): beyond float32's range, where scores "
+                                  f"are kept (|score| <= {FLOAT32_MAX:.4g})")
         return RewardResult(scores=torch.tensor(totals, dtype=torch.float32), parts=parts, extras=extras, errors=errors)
 
     # ------------------------------------------------------------------------------------ running calls
@@ -223,42 +226,45 @@ class RewardScorer:
     def _in_process(self, function: _Function, args: tuple, example: Example) -> Any:
         response, ground_truth, columns = args
         try:
-            with _time_limit(self.cfg.timeout_s):
+            with time_limit(self.cfg.timeout_s):
                 return function.fn(response, ground_truth, **columns)
-        except _CallTimeout:
+        except CallTimeout:
             return self._failed(function, example, f"ran longer than reward.timeout_s={self.cfg.timeout_s:g}")
+        except SystemExit as e:  # it would end the trainer, unexplained
+            return self._failed(function, example, f"called sys.exit({e.code!r}) (a reward function returns a score)")
         except Exception as e:
             return self._failed(function, example, f"raised {type(e).__name__}: {e}")
 
     def _in_pool(self, calls: list, examples: Sequence[Example]) -> list[Any]:
         if self._pool is None:
-            specs = sorted({f.spec for f in self._functions()})
-            ctx = multiprocessing.get_context("spawn")  # never fork a process that holds process groups and threads
-            self._pool = ctx.Pool(self.workers, initializer=_worker_init, initargs=(specs, self.cfg.format_pattern))
-            # the workers import and resolve the functions first: that start-up is not a call's time
-            self._pool.map(_ping, range(self.workers), chunksize=1)
-        pending = [self._pool.apply_async(_worker_call, (f.spec, args, self.cfg.timeout_s)) for _, f, args in calls]
-        # each call is bounded inside its worker; this bounds the batch when a worker hangs in C code or dies
-        deadline = time.monotonic() + self.cfg.timeout_s * math.ceil(len(calls) / self.workers) + _BATCH_SLACK_S
-        out: list[Any] = []
-        for (i, function, _), result in zip(calls, pending):
-            try:
-                status, value = result.get(timeout=max(0.0, deadline - time.monotonic()))
-            except multiprocessing.TimeoutError:
-                self.close()  # the pool holds a stuck worker: a fresh one serves the next batch
-                what = f"did not return within reward.timeout_s={self.cfg.timeout_s:g} (its worker was stopped)"
-                out.append(self._failed(function, examples[i], what))
-                out.extend(self._failed(f, examples[j], "was not run: a worker of the pool hung")
-                           for j, f, _ in calls[len(out):])
-                return out
-            out.append(value if status == "ok" else self._failed(function, examples[i], value))
+            self._pool = WorkerPool(self.workers, sorted({f.spec for f in self._functions()}), self.cfg.format_pattern)
+        # on_error=error stops at the first worker lost: the run ends with its error anyway
+        outcomes = self._pool.run([(f.spec, args) for _, f, args in calls], self.cfg.timeout_s,
+                                  max_deaths=1 if self.cfg.on_error == "error" else None)
+        out, lost, skipped = [], [], []
+        for (i, function, _), (status, value) in zip(calls, outcomes):
+            if status == "ok":
+                out.append(value)
+                continue
+            if status == "not-a-score":  # what could not travel back (a generator, a lock, ...): named like any non-score
+                out.append(_NotAScore(*value))
+                continue
+            what = {"died": f"ended its worker process: {value}", "skipped": f"was {value}"}.get(status, value)
+            if status in ("died", "hung"):
+                lost.append(f"reward function {function.spec!r} {what} on {examples[i].where}")
+            elif status == "skipped":
+                skipped.append(value)
+            out.append(self._failed(function, examples[i], what))
+        if lost:  # on_error=zero: the step goes on, and the console says why some scores are 0
+            rest = f", and {len(skipped)} more were {skipped[0]}" if skipped else ""
+            sys.stderr.write(f"[rlfunc] WARNING reward.on_error=zero: {len(lost)} call(s) scored 0 because their worker "
+                             f"process died or hung{rest}; first: {lost[0]}\n")
         return out
 
     def close(self) -> None:
         """Stop the worker processes (a new pool starts on the next call that needs one)."""
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            self._pool.close()
             self._pool = None
 
 
@@ -284,71 +290,10 @@ def _checked_score(value: Any, function: _Function, where: str) -> tuple[float, 
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(f"reward function {function.spec!r} returned {type(value).__name__} {value!r:.60} on {where}; "
                           "a reward is a number or a dict with a 'score' number")
-    if not math.isfinite(value):
-        raise RewardError(f"reward function {function.spec!r} returned {value} on {where}; a reward must be finite")
+    if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+        raise RewardError(f"reward function {function.spec!r} returned {value} on {where}; a reward must be finite "
+                          f"in float32, where scores are kept (|score| <= {FLOAT32_MAX:.4g})")
     return float(value), extras
-
-
-# ----------------------------------------------------------------------------------- time limits
-
-
-class _CallTimeout(BaseException):
-    """Raised inside a reward call that ran past its limit (a BaseException: a user's ``except Exception``
-    inside the function does not swallow it)."""
-
-
-@contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Interrupt the body after ``seconds`` (SIGALRM; only on the main thread, elsewhere no limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def on_alarm(signum: int, frame: Any) -> None:
-        raise _CallTimeout()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-# ------------------------------------------------------------------------------ worker processes
-
-_WORKER_FUNCTIONS: dict[str, Callable[..., Any]] = {}
-
-
-def _worker_init(specs: list[str], format_pattern: str) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the trainer, which then stops the pool
-    for spec in specs:
-        _WORKER_FUNCTIONS[spec] = resolve_reward(spec, format_pattern=format_pattern)
-
-
-def _ping(_: int) -> None:
-    return None
-
-
-def _worker_call(spec: str, args: tuple, timeout_s: float) -> tuple[str, Any]:
-    """``("ok", result)`` or ``("error", what went wrong)``: exceptions do not cross the process boundary,
-    so an unpicklable one cannot break the pool."""
-    response, ground_truth, columns = args
-    try:
-        with _time_limit(timeout_s):
-            result = _WORKER_FUNCTIONS[spec](response, ground_truth, **columns)
-    except _CallTimeout:
-        return "error", f"ran longer than reward.timeout_s={timeout_s:g}"
-    except Exception as e:
-        return "error", f"raised {type(e).__name__}: {e}"
-    if isinstance(result, Mapping):
-        result = dict(result)
-    try:  # what cannot travel back (a generator, a lock, ...) is reported like any other non-score in the trainer
-        pickle.dumps(result)
-    except Exception:  # noqa: BLE001 - pickling raises many types
-        return "ok", _NotAScore(type(result).__name__, f"{result!r:.60}")
-    return "ok", result
 
 
 @attrs.frozen
