@@ -176,7 +176,8 @@ def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None =
     if not off.rollout_ranks:
         return
     refuse_vllm_on_a_pool(cfg.rollout.engine, f"offpolicy.rollout_ranks={off.rollout_ranks}",
-                          native="rollout.engine=native with offpolicy.rollout_ranks", colocated="offpolicy.rollout_ranks=0")
+                          native="rollout.engine=native with offpolicy.rollout_ranks",
+                          colocated="offpolicy.rollout_ranks=0")
     trainers = world_size - off.rollout_ranks
     if trainers < 1 or off.rollout_ranks > trainers:
         raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
@@ -199,8 +200,8 @@ def refuse_vllm_on_a_pool(engine: str, placement: str, *, native: str, colocated
         raise ConfigError(
             f"rollout.engine=vllm with {placement}: an in-process vLLM engine creates its process groups over every "
             "rank of the torch world, so an engine on the rollout ranks alone would wait for the other ranks forever "
-            f"(a hang at start-up). What works: {native} (the native engine samples on the split), or rollout.engine=vllm "
-            f"with {colocated} (vLLM colocated with the trainer on every rank)")
+            f"(a hang at start-up). What works: {native} (the native engine samples on the split), or "
+            f"rollout.engine=vllm with {colocated} (vLLM colocated with the trainer on every rank)")
 
 
 def stamp_policy_version(batch: rf.RolloutBatch, version: int,

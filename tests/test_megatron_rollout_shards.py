@@ -57,16 +57,19 @@ def _shards_worker(rank, world_size, path):
                        rollout=attrs.evolve(grpo.Config().rollout, n=2, max_new_tokens=5))
     sampled: list[int] = []
     real_generate = agent_loop.generate
-    agent_loop.generate = lambda rollout, prompts, *a, **k: sampled.append(len(prompts)) or real_generate(rollout, prompts, *a, **k)
+    agent_loop.generate = lambda engine, prompts, *a, **k: (sampled.append(len(prompts))
+                                                            or real_generate(engine, prompts, *a, **k))
     out = {}
-    for name, engine, state in (("megatron", select_engine("megatron", tp=2), types.SimpleNamespace(dims=dims)),
-                                ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env))):
-        sampled.clear()
-        stream = PromptStream(_examples(tokenizer), seed=cfg.seed)
-        batch, rows, _ = grpo.sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state)
-        out[name] = {"batch": batch, "rows": [r.where for r in rows], "sampled": list(sampled),
-                     "shard": engine.sample_shard(state)}
-    agent_loop.generate = real_generate
+    try:
+        for name, engine, state in (("megatron", select_engine("megatron", tp=2), types.SimpleNamespace(dims=dims)),
+                                    ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env))):
+            sampled.clear()
+            stream = PromptStream(_examples(tokenizer), seed=cfg.seed)
+            batch, rows, _ = grpo.sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state)
+            out[name] = {"batch": batch, "rows": [r.where for r in rows], "sampled": list(sampled),
+                         "shard": engine.sample_shard(state)}
+    finally:
+        agent_loop.generate = real_generate
     fsdp_shards = [None] * world_size
     dist.all_gather_object(fsdp_shards, (out["fsdp"]["batch"], out["fsdp"]["rows"]))
     out["fsdp_shards"] = fsdp_shards

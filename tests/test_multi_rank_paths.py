@@ -37,7 +37,9 @@ def _offloaded_shards_worker(rank, world_size, path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from backends.training.sharded_loading import checkpoint_plan, empty_causal_lm, fill_shards, materialize, safetensors_files
+    from backends.training.sharded_loading import (
+        checkpoint_plan, empty_causal_lm, fill_shards, materialize, safetensors_files,
+    )
 
     model = empty_causal_lm(path, torch.float32)
     plan = checkpoint_plan(model, safetensors_files(path))
@@ -81,7 +83,8 @@ def _broadcast_worker(rank, world_size):
 
     weights = {f"model.layers.{i}.mlp.up_proj.weight": torch.full((4, 8), float(i)) for i in range(3)}
     if rank == 0:
-        stats = [broadcast_weights(iter(weights.items()), group=None, src=0, bucket_bytes=64, version=v) for v in (4, 5)]
+        stats = [broadcast_weights(iter(weights.items()), group=None, src=0, bucket_bytes=64, version=v)
+                 for v in (4, 5)]
         return {"buckets": [s.buckets for s in stats], "tensors": [s.tensors for s in stats]}
     with broadcast_weights(None, group=None, src=0, bucket_bytes=64, version=0, device="meta") as meta_stream:
         on_meta = [(n, t.device.type, tuple(t.shape)) for n, t in meta_stream]

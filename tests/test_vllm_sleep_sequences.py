@@ -175,7 +175,8 @@ def test_a_resumed_run_syncs_into_an_awake_engine(weights):
 
 def adapter(scale: float) -> dict[str, torch.Tensor]:
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    return {f"{prefix}.lora_A.weight": torch.full((8, 64), scale), f"{prefix}.lora_B.weight": torch.full((64, 8), scale)}
+    return {f"{prefix}.lora_A.weight": torch.full((8, 64), scale),
+            f"{prefix}.lora_B.weight": torch.full((64, 8), scale)}
 
 
 def sync_lora(rollout: VLLMRollout, scale: float, version: int) -> VLLMRollout:

@@ -194,13 +194,15 @@ def test_vllm_failed_sync_keeps_the_previous_weights(vllm_setup, fault):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("staging", ["stream", "bucket"])
 @pytest.mark.parametrize("fault", ["producer raises after 3 tensors", "NaN in a late tensor", "stream ends early"])
-def test_vllm_streamed_sync_failure_is_refused_until_a_good_sync(vllm_setup, fault):
-    """``sync_staging=stream`` (no host copy): a bad tensor or a failing producer part-way leaves a mix, which the
-    engine refuses to generate with; the next complete sync restores it bit for bit."""
+def test_vllm_streamed_sync_failure_is_refused_until_a_good_sync(vllm_setup, fault, staging):
+    """``sync_staging=stream`` / ``bucket`` (no host copy; bucket is the GPU default): a bad tensor or a failing
+    producer part-way leaves a mix, which the engine refuses to generate with; the next complete sync restores it
+    bit for bit."""
     rollout_vllm, rollout, prompts, before, new, model = vllm_setup
     params = _engine_params(rollout)
-    streaming = attrs.evolve(rollout, config=attrs.evolve(rollout.config, sync_staging="stream"))
+    streaming = attrs.evolve(rollout, config=attrs.evolve(rollout.config, sync_staging=staging))
     stream, _, _ = _faults(new)[fault]
     with pytest.raises(RuntimeError, match="weight loading failed part-way .*refuses to generate"):
         rollout_vllm.sync_weights(streaming, stream())
@@ -255,17 +257,3 @@ def test_bucketed_check_holds_back_the_bucket_with_a_bad_tensor():
         [n for n, _ in tensors[:3]]
     with pytest.raises(KeyError, match="not a Hugging Face parameter name"):
         list(bucketed_weights(iter([("layers.0.weight", torch.ones(1))]), None, strict=True))
-
-
-@pytest.mark.vllm
-def test_vllm_bucketed_sync_failure_is_refused_until_a_good_sync(vllm_setup):
-    rollout_vllm, rollout, prompts, before, new, model = vllm_setup
-    params = _engine_params(rollout)
-    bucketed = attrs.evolve(rollout, config=attrs.evolve(rollout.config, sync_staging="bucket"))
-    stream, _, _ = _faults(new)["NaN in a late tensor"]
-    with pytest.raises(RuntimeError, match="weight loading failed part-way .*refuses to generate"):
-        rollout_vllm.sync_weights(bucketed, stream())
-    with pytest.raises(RuntimeError, match="last weight sync failed part-way"):
-        rollout_vllm.generate(rollout, prompts, SAMPLING)
-    back = rollout_vllm.sync_weights(bucketed, model.state_dict().items())
-    _assert_same_vllm_engine(rollout_vllm, back, prompts, before, params)

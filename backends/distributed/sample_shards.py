@@ -50,4 +50,5 @@ def gather_shards(batch: Any, rows: Sequence[Any], group: Any) -> tuple[Any, lis
         shards.append(shard.replace(group_ids=shard.group_ids + offset))
         offset += int(shard.group_ids.max()) + 1 if shard.group_ids.numel() else 0
     whole = concat_padded(shards)
-    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, whole), [r for _, rs in gathered for r in rs]
+    whole = tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, whole)
+    return whole, [r for _, shard_rows in gathered for r in shard_rows]

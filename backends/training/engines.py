@@ -42,7 +42,8 @@ class Engine:
     share_batch: Callable[[Any, Any], Any]  #: (state, batch) -> the batch every rank of the replica trains on
     #: (state, role) -> the name this rank's part of the role has in a checkpoint (megatron: one per shard)
     checkpoint_name: Callable[[Any, str], str]
-    #: state -> the model-parallel group of this rank's replica, whose ranks sample shards of its prompts (None: one rank)
+    #: state -> the model-parallel group of this rank's replica, whose ranks sample shards of its prompts
+    #: (None: a replica of one rank)
     replica_group: Callable[[Any], Any] = lambda state: None
 
     def sample_shard(self, state: Any) -> tuple[int, int]:
