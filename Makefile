@@ -47,13 +47,14 @@ demo: $(STAMP)
 	$(PY) -m experiments.tasks.arithmetic --out runs/data/arithmetic
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) experiments/grpo.py preset=demo/arithmetic $(ARGS)
 
-## The whole suite (unit, property, distributed and end-to-end tests).
+## The whole suite (unit, property, distributed and end-to-end tests); it ends with its 20 slowest tests, so
+## the suite's time stays visible in every log.
 test: $(TEST_STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
-## The fast set (about a minute): single-process unit and property tests, no spawned process groups.
+## The fast set (about a minute): single-process unit and property tests, no process groups of ranks.
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -m "not slow and not distributed" $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not distributed" --durations=20 $(PYTEST_ARGS)
 
 ## On a machine with CUDA GPUs (a venv with the CUDA torch and vLLM, BUILD.md "GPU clusters"): the gpu-marked
 ## tests, then a short GRPO run with every installed rollout engine in bf16 on every GPU, with its numbers.

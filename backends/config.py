@@ -42,7 +42,7 @@ import attrs
 
 __all__ = [
     "ConfigError", "apply_overrides", "available_presets", "config_help", "config_keys", "config_markdown", "config_rows",
-    "config_to_dict", "expand_presets", "field_docs", "load_preset", "parse_value", "resolve_function",
+    "config_to_dict", "expand_presets", "field_docs", "load_preset", "parse_value", "recipe_help", "resolve_function",
 ]
 
 
@@ -373,6 +373,24 @@ def config_help(cfg: Any) -> str:
     return "\n".join(f"  {f'{k} = {d}':<{width}}  {m}" for k, d, m in rows)
 
 
+def recipe_help(doc: str, cfg: Any, *, presets_dir: str | os.PathLike | None = None,
+                registries: Mapping[str, Iterable[str]] | None = None) -> str:
+    """A recipe's ``--help``: its docstring, every key (:func:`config_help`), every preset under ``presets_dir``
+    and, whole, the names each key of ``registries`` takes (``{"algo.estimator": names, ...}``)."""
+    parts = [doc.rstrip(), "", "config keys (key = default: meaning):", config_help(cfg)]
+    if presets_dir is not None:
+        parts += ["", "presets (preset=<name>, or <section>=@<name> for one section):",
+                  *textwrap.wrap(", ".join(available_presets(presets_dir)) or "none", 116, initial_indent="  ",
+                                 subsequent_indent="  ")]
+    if registries:
+        parts += ["", "the names of the built-ins (a key that takes a function also takes your own, as "
+                  "package.module:function or path/to/file.py:function):"]
+        for key, names in registries.items():
+            parts += textwrap.wrap(", ".join(names), 116, initial_indent=f"  {key}: ", subsequent_indent="    ",
+                                   break_on_hyphens=False)
+    return "\n".join(parts)
+
+
 def config_markdown(cfg: Any) -> str:
     """The keys of ``cfg`` as a Markdown table (key, default, meaning), for the docs."""
     out = ["| key | default | meaning |", "| --- | --- | --- |"]
@@ -422,7 +440,10 @@ def resolve_function(
     for part in attr_path.split("."):
         if not hasattr(obj, part):
             source = f"file {where!r}" if is_file else f"module {where!r}"
-            raise ConfigError(f"{key}={spec!r}: {source} has no attribute {attr_path!r}")
+            names = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
+            close = difflib.get_close_matches(part, names, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"{key}={spec!r}: {source} has no attribute {attr_path!r}{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
         raise ConfigError(f"{key}={spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable")
@@ -434,16 +455,34 @@ def _import_module(name: str, key: str, spec: str) -> types.ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise ConfigError(f"{key}={spec!r}: no module named {e.name!r} (is it installed or on PYTHONPATH?)") from None
+            raise ConfigError(f"{key}={spec!r}: no module named {e.name!r}{_close_modules(e.name)} (is it installed "
+                              "or on PYTHONPATH?)") from None
         raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {e}") from e
     except Exception as e:  # the module's own code failed: say which key brought it in
         raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {type(e).__name__}: {e}") from e
 
 
+def _close_modules(missing: str) -> str:
+    """"; did you mean ..." for a module name that does not import: the closest modules beside it."""
+    import pkgutil
+
+    parent, _, last = missing.rpartition(".")
+    try:
+        found = pkgutil.iter_modules(importlib.import_module(parent).__path__) if parent else pkgutil.iter_modules()
+        names = [m.name for m in found]
+    except Exception:  # noqa: BLE001 - the parent does not import either, or is no package: no suggestion
+        return ""
+    close = difflib.get_close_matches(last, names, n=3, cutoff=0.7)
+    return f"; did you mean {', '.join(f'{parent}.{c}' if parent else c for c in close)}?" if close else ""
+
+
 def _load_file(path_text: str, key: str, spec: str) -> types.ModuleType:
     path = Path(path_text).expanduser().resolve()
     if not path.is_file():
-        raise ConfigError(f"{key}={spec!r}: no file {path}")
+        siblings = [p.name for p in path.parent.glob("*.py")] if path.parent.is_dir() else []
+        close = difflib.get_close_matches(path.name, siblings, n=3, cutoff=0.6)
+        hint = f"; did you mean {', '.join(str(path.parent / c) for c in close)}?" if close else ""
+        raise ConfigError(f"{key}={spec!r}: no file {path}{hint}")
     # one module per file (re-resolving returns the same functions), under a name no import can collide with
     module_name = f"_config_ref_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:12]}"
     if module_name in sys.modules:

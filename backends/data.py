@@ -7,10 +7,11 @@ function as keyword arguments. ``data_source`` (``data.source_key``) names the r
 rewards and splits evaluation metrics.
 
 :func:`load_examples` reads every file, checks every row and tokenises every prompt before any training:
-a file that does not parse, a row without the prompt or the answer, a message without a role, or a
-prompt longer than ``data.max_prompt_length`` under ``truncation=error`` is a :class:`DataError` that
-names the file and the row. Chat prompts go through ``tokenizer.apply_chat_template`` (with the
-generation prompt); string prompts are tokenised as they are.
+a file that does not parse, a row without the prompt or the answer (or with a null answer), a message without a
+role, or a prompt longer than ``data.max_prompt_length`` under ``truncation=error`` is a :class:`DataError` that
+names the file and the row. A prompt's bytes are checked before it is tokenised (:func:`prompt_byte_limit`), so a
+huge row is refused without building gigabytes of tokens. Chat prompts go through
+``tokenizer.apply_chat_template`` (with the generation prompt); string prompts are tokenised as they are.
 
 :class:`PromptStream` serves the examples in a seeded order, reshuffled every epoch; its position is one
 integer (``drawn``), which checkpoints record for exact resume.
@@ -21,15 +22,22 @@ from __future__ import annotations
 import json
 import math
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping, Sequence
 
 import attrs
 
 __all__ = [
-    "CHAT_ROLES", "DataConfig", "DataError", "Example", "LoadReport", "PromptStream", "column_value", "load_examples",
-    "prompt_token_ids", "read_rows",
+    "CHAT_ROLES", "DataConfig", "DataError", "Example", "LoadReport", "PromptStream", "TRUNCATION_BYTES_FACTOR",
+    "column_value", "data_warnings", "load_examples", "max_token_bytes", "prompt_byte_limit", "prompt_token_ids",
+    "read_rows",
 ]
+
+#: data.truncation=left / right tokenises a whole prompt to cut it: prompts up to this many times the bytes that
+#: data.max_prompt_length tokens can spell are cut, longer ones are refused (tokenising megabytes of text takes
+#: gigabytes of memory)
+TRUNCATION_BYTES_FACTOR = 64
 
 #: the message roles a chat prompt may hold
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -77,6 +85,8 @@ class LoadReport:
     kept: int  #: examples returned
     filtered: int  #: rows dropped by truncation=filter
     truncated: int  #: prompts cut by truncation=left / right
+    empty_contents: int = 0  #: rows with a chat message whose content is ""
+    first_empty_content: str = ""  #: the first of them ("train.jsonl:line 3 prompt[1]")
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -97,6 +107,11 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise DataError(f"{path}: unknown data format {path.suffix!r} (use .jsonl, .parquet or a saved datasets dir)")
 
 
+_ARRAY_HINT = ("; the file looks like one JSON array, and data files are JSON Lines: one JSON object per line "
+               "(convert it with: python -c \"import json,sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]\" "
+               "< in.json > out.jsonl)")
+
+
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(path, "rb") as f:
         for number, raw in enumerate(f, 1):
@@ -107,13 +122,19 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 raise DataError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip():
                 continue
+            # a file holding one JSON array (not JSON Lines) shows itself on its first line
+            array = _ARRAY_HINT if number == 1 and line.lstrip().startswith("[") else ""
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}){array}") from None
+            except RecursionError:  # the parser's own limit: name the row rather than crash
+                raise DataError(f"{where}: the JSON is nested too deeply to read (more than Python's recursion limit, "
+                                f"{sys.getrecursionlimit()} levels)") from None
             if not isinstance(row, dict):
-                raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+                raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}{array}")
             yield where, row
+
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -175,6 +196,55 @@ def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str
     return messages
 
 
+def _empty_content(prompt: str | list[dict[str, str]], key: str) -> str:
+    """Where a chat prompt first has a message with empty content (``prompt[1]``), or ""."""
+    if isinstance(prompt, str):
+        return ""
+    return next((f"{key}[{i}]" for i, m in enumerate(prompt) if not m["content"]), "")
+
+
+def _prompt_bytes(prompt: str | list[dict[str, str]]) -> int:
+    """The UTF-8 bytes of a prompt's text (every message's content for a chat)."""
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8"))
+    return sum(len(m["content"].encode("utf-8")) for m in prompt)
+
+
+def max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes of text one token of ``tokenizer`` can stand for, bounded from above by the longest
+    token string of its vocabulary in UTF-8 (a byte-level BPE token spells each byte with one character of one or
+    two bytes; a SentencePiece piece spells a space with the 3-byte ``▁``), at least 4 (an unknown character)."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max([4, *(len(token.encode("utf-8")) for token in vocab)])
+
+
+def prompt_byte_limit(cfg: DataConfig, per_token: int) -> int:
+    """The most bytes of prompt text a row may have under ``cfg``, checked before tokenising: a prompt of more bytes
+    than ``cfg.max_prompt_length`` tokens of ``per_token`` bytes can spell has more tokens than that, so it is
+    refused (truncation=error) or filtered without tokenising; truncation=left / right tokenise prompts up to
+    :data:`TRUNCATION_BYTES_FACTOR` times that long to cut them."""
+    limit = cfg.max_prompt_length * per_token
+    return limit * TRUNCATION_BYTES_FACTOR if cfg.truncation in ("left", "right") else limit
+
+
+def _refuse_by_bytes(nbytes: int, cfg: DataConfig, per_token: int, where: str) -> bool:
+    """Whether a prompt of ``nbytes`` is filtered out before tokenising (truncation=filter); an error under the other
+    modes. False: it is within :func:`prompt_byte_limit` and gets tokenised."""
+    limit = prompt_byte_limit(cfg, per_token)
+    if nbytes <= limit:
+        return False
+    if cfg.truncation == "filter":
+        return True
+    spell = f"data.max_prompt_length={cfg.max_prompt_length} tokens of at most {per_token} bytes each"
+    if cfg.truncation == "error":
+        raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text, more than {spell} can hold ({limit:,} "
+                        "bytes): refused before tokenising (raise data.max_prompt_length, or set "
+                        "data.truncation=left|right|filter)")
+    raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text; data.truncation={cfg.truncation} cuts prompts "
+                    f"up to {TRUNCATION_BYTES_FACTOR} x what {spell} can hold ({limit:,} bytes): refused before "
+                    "tokenising (shorten it in the data, or set data.truncation=filter to drop such rows)")
+
+
 def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto",
                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """The token ids the model reads for ``prompt``: a chat through the chat template with the
@@ -219,12 +289,21 @@ def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
     if cfg.chat_template not in ("auto", "none") and not Path(cfg.chat_template).is_file():
         raise DataError(f"data.chat_template={cfg.chat_template!r}: no such template file (or use auto / none)")
     examples: list[Example] = []
-    rows = filtered = truncated = 0
+    rows = filtered = truncated = empty = 0
+    first_empty, per_token = "", max_token_bytes(tokenizer)
     for path in files:
         for where, row in read_rows(path):
             rows += 1
             prompt = _check_prompt(column_value(row, cfg.prompt_key, where), where, cfg.prompt_key)
             answer = column_value(row, cfg.answer_key, where) if cfg.answer_key else None
+            if cfg.answer_key and answer is None:
+                raise DataError(f"{where}: {cfg.answer_key} is null; the reward gets each row's ground truth (give "
+                                "every row one, or set data.answer_key= (empty) for a reward that needs none)")
+            if (blank := _empty_content(prompt, cfg.prompt_key)):
+                empty, first_empty = empty + 1, first_empty or f"{where} {blank}"
+            if _refuse_by_bytes(_prompt_bytes(prompt), cfg, per_token, where):
+                filtered += 1
+                continue
             try:
                 ids = prompt_token_ids(prompt, tokenizer, chat_template=cfg.chat_template, tools=tools)
             except DataError as e:
@@ -245,7 +324,30 @@ def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
     if not examples:
         raise DataError(f"all {rows} rows of {', '.join(map(str, files))} are longer than data.max_prompt_length="
                         f"{cfg.max_prompt_length} and were filtered out")
-    return examples, LoadReport(rows=rows, kept=len(examples), filtered=filtered, truncated=truncated)
+    return examples, LoadReport(rows=rows, kept=len(examples), filtered=filtered, truncated=truncated,
+                                empty_contents=empty, first_empty_content=first_empty)
+
+
+def data_warnings(train_files: Sequence[str], val_files: Sequence[str], reports: Mapping[str, LoadReport], *,
+                  prompts_per_step: int) -> list[str]:
+    """What is allowed but probably not meant, one line each, for a run to warn about once: held-out files that are
+    training files (the evaluation measures memory, not learning), chat messages with empty content, and fewer
+    training prompts than one step draws (every step repeats prompts). ``reports``: ``{"training": ..., "held-out":
+    ...}`` of :func:`load_examples`."""
+    warnings = []
+    same = sorted({str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in val_files})
+    if same:
+        warnings.append(f"the held-out data is training data ({', '.join(same)} in both data.train_files and the "
+                        "held-out files): the evaluation measures what the policy memorised, not what it learned")
+    for name, report in reports.items():
+        if report.empty_contents:
+            warnings.append(f"{report.empty_contents} {name} row(s) have a chat message with empty content (the first: "
+                            f"{report.first_empty_content}); the model reads only the template's markers there")
+    train = reports.get("training")
+    if train is not None and train.kept < prompts_per_step:
+        warnings.append(f"the training data has {train.kept} prompt(s), fewer than prompts_per_step="
+                        f"{prompts_per_step}: every step draws some prompts more than once")
+    return warnings
 
 
 # ------------------------------------------------------------------------------------------- stream

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-__all__ = ["LOGGERS", "MetricsLog", "plot_curves", "read_jsonl", "write_generations"]
+__all__ = ["LOGGERS", "MetricsLog", "plot_curves", "plot_panels", "read_jsonl", "write_generations"]
 
 #: the sinks ``logger=`` may name
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -144,22 +144,34 @@ def write_generations(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]
     return path
 
 
+def plot_panels(rows: Sequence[Mapping[str, Any]], keys: Sequence[str]) -> list[str]:
+    """The keys :func:`plot_curves` draws: those with a number in some row that is not the same in every row that has
+    it (a metric constant for the run, such as an on-policy run's ``clip_frac``, says nothing as a curve)."""
+    panels = []
+    for key in keys:
+        values = {r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)}
+        if len(values) > 1:
+            panels.append(key)
+    return panels
+
+
 def plot_curves(rows: list[Mapping[str, Any]], keys: list[str], out_png: str | os.PathLike, *, title: str = "") -> None:
-    """Plot ``keys`` against ``step`` (one panel each) into a PNG."""
+    """Plot ``keys`` against ``step`` (one panel each, each over the steps that have it: the SFT stage's negative
+    steps, the RL steps) into a PNG, leaving out what :func:`plot_panels` leaves out."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [k for k in keys if any(k in r for r in rows)]
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * max(1, len(keys))), sharex=True, squeeze=False)
+    keys = plot_panels(rows, keys) or keys[:1]
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * max(1, len(keys))), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
         if pts:
             ax.plot(*zip(*pts), marker=".", linewidth=1)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
+    axes[-1, 0].set_xlabel("step (the SFT stage's are negative)")
     if title:
         axes[0, 0].set_title(title)
     fig.tight_layout()

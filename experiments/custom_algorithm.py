@@ -24,7 +24,7 @@ import attrs
 
 import rlfunc as rf
 from backends.checkpoint.resume import CheckpointConfig
-from backends.config import ConfigError, apply_overrides, config_help
+from backends.config import ConfigError, apply_overrides, recipe_help
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
@@ -41,7 +41,10 @@ from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.sft import SFTConfig
-from experiments.stages import evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize
+from experiments.algorithm_checks import group_size_warnings
+from experiments.stages import (
+    SHARED_REGISTRIES, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize, warn_once,
+)
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
@@ -115,7 +118,8 @@ def uses_kl(algo: AlgoConfig) -> bool:
 def main(argv: list[str]) -> dict:
     tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
-        print(__doc__ + "\nconfig keys (key = default: meaning):\n" + config_help(Config()))
+        print(recipe_help(__doc__, Config(), presets_dir=PRESETS,
+                          registries={"algo.name": ("reinforce_pp_baseline", "dr_grpo"), **SHARED_REGISTRIES}))
         return {}
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)
     if cfg.algo.name not in ("reinforce_pp_baseline", "dr_grpo"):
@@ -127,6 +131,7 @@ def main(argv: list[str]) -> dict:
     seed_everything(cfg.seed)
     run = prepare_run(cfg, env, resumable_keys=())
     tokenizer = load_tokenizer(run.model_path)
+    warn_once(get_logger("custom", env), group_size_warnings(cfg.rollout.n, key="algo.name", spec=cfg.algo.name))
     data = load_run_data(cfg, tokenizer, scorer, get_logger("custom", env))
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     steps = cfg.steps or cfg.epochs * stream.steps_per_epoch(cfg.prompts_per_step)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import rlfunc as rf
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.resume import CheckpointConfig
-from backends.config import ConfigError, apply_overrides, config_help, resolve_function
+from backends.config import ConfigError, apply_overrides, recipe_help, resolve_function
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
@@ -64,10 +64,12 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reward_model import score as reward_model_score
 from backends.training.sft import SFTConfig
+from experiments.algorithm_checks import check_estimator, check_policy_loss, group_size_warnings
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split, stamp_policy_version
 from experiments.stages import (
-    checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, start_actor, summarize,
+    SHARED_REGISTRIES, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run,
+    start_actor, summarize, warn_once,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -75,18 +77,19 @@ PRESETS = Path(__file__).resolve().parent / "presets"
 
 @attrs.frozen
 class AlgoConfig:
-    #: an outcome estimator over groups: a name of rlfunc.ADVANTAGE_ESTIMATORS that takes group_ids (grpo,
-    #: rloo, reinforce_pp_baseline, ...) or a reference package.module:function / path/to/file.py:function
+    #: an outcome estimator over groups (a built-in of rlfunc.ADVANTAGE_ESTIMATORS that takes group_ids; --help lists
+    #: them) or a reference package.module:function / path/to/file.py:function (BUILD.md, "Your own estimator or loss")
     estimator: str = "grpo"
     norm_by_std: bool = True  #: grpo only: divide by the group's std (false: Dr.GRPO)
-    #: a name of rlfunc.POLICY_LOSSES (vanilla = PPO clip, gspo, cispo, gmpo, ...) or a reference
+    #: a name of rlfunc.POLICY_LOSSES (vanilla = PPO clip; --help lists them) or a reference
     policy_loss: str = "vanilla"
     clip_low: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: PPO ratio clip below 1
     clip_high: float = attrs.field(default=0.28, validator=attrs.validators.ge(0.0))  #: PPO ratio clip above 1 (DAPO's clip-higher)
     #: loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
     agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(rf.AGG_MODES))
     kl_coef: float = 0.0  #: > 0 adds kl_coef * KL(policy || reference) to the loss; the reference is the starting policy
-    kl_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))  #: the KL estimator: k1, k2, k3 (low-variance), ...
+    #: the KL estimator (rlfunc.KL_KINDS; k3 is low-variance)
+    kl_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))
     entropy_coef: float = 0.0  #: > 0 subtracts entropy_coef * the aggregated token entropy (verl's entropy_coeff)
     ppo_epochs: int = 1  #: passes over each batch
     mini_batches: int = 1  #: optimizer steps per pass
@@ -160,10 +163,11 @@ CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/t
 def main(argv: list[str]) -> dict:
     tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
-        print(__doc__ + "\nconfig keys (key = default: meaning):\n" + config_help(Config()))
+        print(recipe_help(__doc__, Config(), presets_dir=PRESETS, registries=help_registries()))
         return {}
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
     estimator, estimator_kwargs, policy_loss = resolve_algorithm(cfg.algo)  # so does an unknown estimator / loss
+    check_algorithm(cfg, estimator, estimator_kwargs, policy_loss)  # ... and one whose signature does not fit
     scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
     environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None  # ... or tool
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
@@ -171,6 +175,7 @@ def main(argv: list[str]) -> dict:
     cfg = check_lora_sync(cfg)  # ... and rollout.vllm.lora_sync=adapter without a LoRA actor on vLLM
     env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     log = get_logger("grpo", env)
+    warn_once(log, group_size_warnings(cfg.rollout.n, key="algo.estimator", spec=cfg.algo.estimator))
     watchdog.start(cfg.deadlines, env, role="grpo")  # deadlines per phase, and SIGTERM: stop at a step boundary
     seed_everything(cfg.seed)
     check_offpolicy(cfg, env.world_size, refused={
@@ -305,12 +310,26 @@ def main(argv: list[str]) -> dict:
 # Set-up checks.
 
 
+def group_estimators() -> tuple[dict[str, Callable], dict[str, str]]:
+    """The built-in estimators that fit the loop, outcome estimators over groups of samples (not gae, reinforce_pp,
+    remax), and their aliases."""
+    estimators = {name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items()
+                  if "group_ids" in inspect.signature(fn).parameters}
+    return estimators, {alias: name for alias, name in rf.ADVANTAGE_ESTIMATOR_ALIASES.items() if name in estimators}
+
+
+def help_registries() -> dict[str, tuple[str, ...]]:
+    """The names of the keys that take a built-in, for --help."""
+    estimators, aliases = group_estimators()
+    return {"algo.estimator": (*estimators, *(f"{alias}={name}" for alias, name in aliases.items())),
+            "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES), "algo.kl_kind": rf.KL_KINDS,
+            "actor.backend": ("fsdp", "megatron"), **SHARED_REGISTRIES}
+
+
 def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Callable]:
     """``(estimator, its extra keyword arguments, policy loss)`` from their config names or references."""
-    # the built-ins that fit the loop: outcome estimators over groups of samples (not gae, reinforce_pp, remax)
-    group_estimators = {name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items() if "group_ids" in inspect.signature(fn).parameters}
-    aliases = {alias: name for alias, name in rf.ADVANTAGE_ESTIMATOR_ALIASES.items() if name in group_estimators}
-    estimator = resolve_function(algo.estimator, group_estimators, "algo.estimator", aliases=aliases)
+    estimators, aliases = group_estimators()
+    estimator = resolve_function(algo.estimator, estimators, "algo.estimator", aliases=aliases)
     loss_aliases = {name.replace("_", "-"): name for name in rf.POLICY_LOSSES if "_" in name}  # clip-cov = clip_cov
     policy_loss = resolve_function(algo.policy_loss, rf.POLICY_LOSSES, "algo.policy_loss", aliases=loss_aliases)
     estimator_kwargs = {"norm_by_std": algo.norm_by_std} if estimator is rf.ADVANTAGE_ESTIMATORS["grpo"] else {}
@@ -319,6 +338,16 @@ def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Calla
     except ValueError as e:
         raise ConfigError(f"algo.policy_loss={algo.policy_loss!r}: {e}") from None
     return estimator, estimator_kwargs, policy_loss
+
+
+def check_algorithm(cfg: Config, estimator: Callable, estimator_kwargs: dict[str, Any], policy_loss: Callable) -> None:
+    """The estimator and the policy loss called once as the loop calls them, on a synthetic batch with groups of
+    ``rollout.n`` (experiments/algorithm_checks.py): a function that does not fit fails here, before any work."""
+    check_estimator(estimator, estimator_kwargs, key="algo.estimator", spec=cfg.algo.estimator,
+                    group_size=cfg.rollout.n)
+    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo,
+                                horizon=response_horizon(cfg))
+    check_policy_loss(loss_fn, key="algo.policy_loss", spec=cfg.algo.policy_loss)
 
 
 def check_lora_sync(cfg: Config) -> Config:
@@ -524,6 +553,15 @@ def split_rows(rows: torch.Tensor | None, parts: int) -> list[torch.Tensor | Non
     return [None] * parts if rows is None else list(torch.tensor_split(rows, parts))
 
 
+def _accepts(fn: Callable, keyword: str) -> bool:
+    """Whether ``fn`` takes ``keyword`` (by name, or through ``**kwargs``)."""
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: pass it everything
+        return True
+    return keyword in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
+
+
 def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, policy_loss, algo: AlgoConfig, horizon: int):
     """Clipped policy loss, plus ``kl_coef`` times a k-estimator KL to the reference when one is given, minus
     ``entropy_coef`` times the entropy of the policy. Losses count the loss tokens (``rf.loss_tokens``)."""
@@ -536,10 +574,11 @@ def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, poli
     behaviour = {}
     if policy_loss is rf.POLICY_LOSSES["decoupled_ppo"]:  # the rollout sampled; the ratio is clipped against old_logprobs
         behaviour = {"behaviour_logprobs": mb.rollout_logprobs, "behaviour_weight_cap": algo.behaviour_weight_cap or None}
+    # a loss without a ratio clip (sapo, gpg, kl_cov) has no clip keywords: algo.clip_low / clip_high do not apply
+    clip = {"clip_low": algo.clip_low, "clip_high": algo.clip_high} if _accepts(policy_loss, "clip_low") else {}
     loss, metrics = policy_loss(
         out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
-        clip_low=algo.clip_low, clip_high=algo.clip_high, agg=algo.agg, norms=norms, horizon=horizon, is_weights=is_weights,
-        **behaviour,
+        agg=algo.agg, norms=norms, horizon=horizon, is_weights=is_weights, **clip, **behaviour,
     )
     metrics = {**metrics, **is_metrics}
     if mb.ref_logprobs is not None:

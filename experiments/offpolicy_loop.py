@@ -207,10 +207,12 @@ def refuse_vllm_on_a_pool(engine: str, placement: str, *, native: str, colocated
 def stamp_policy_version(batch: rf.RolloutBatch, version: int,
                          current: int | None = None) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
     """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
-    and the staleness of the batch at this update (the trainer at version ``current``, default ``version``) is logged."""
+    and the staleness of the batch's tokens at this update (the trainer at version ``current``, default ``version``)
+    is logged: ``staleness/min``, ``mean``, ``max`` and the histogram ``frac_0`` ... ``frac_ge_3``."""
     batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
-    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current, response_mask=rf.loss_tokens(batch))
-    return batch, {f"offpolicy/{k}": v for k, v in metrics.items()}
+    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current,
+                              response_mask=rf.loss_tokens(batch))
+    return batch, {f"staleness/{k.removeprefix('staleness_')}": v for k, v in metrics.items()}
 
 
 @attrs.frozen

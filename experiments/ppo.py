@@ -45,7 +45,7 @@ import rlfunc as rf
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.orbax import save_orbax
 from backends.checkpoint.resume import CheckpointConfig
-from backends.config import ConfigError, apply_overrides, available_presets, config_help
+from backends.config import ConfigError, apply_overrides, recipe_help
 from backends.cpu import tune_process
 from backends.data import DataConfig, PromptStream
 from backends.distributed import watchdog
@@ -68,7 +68,8 @@ from backends.training.roles import Roles, build_roles
 from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, refuse_vllm_on_a_pool, run_split
 from experiments.stages import (
-    RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, summarize,
+    SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, dump_generations, evaluate_policy, load_run_data,
+    metrics_log, prepare_run, summarize,
 )
 from experiments.stages import start_actor as start_policy
 
@@ -89,7 +90,7 @@ class AlgoConfig:
     ppo_mini_batch_size: int = 0  #: prompts per optimizer step (global, x rollout.n rows); 0: the whole step's batch
     critic_warmup: int = 0  #: steps that train only the critic (its value head starts random)
     kl_in_reward: bool = True  #: subtract beta * KL(policy || reference) from the token rewards (InstructGPT)
-    kl_penalty: str = "kl"  #: the KL estimator in the reward (kl = k1, abs, mse, low_var_kl, ...)
+    kl_penalty: str = "kl"  #: the KL estimator in the reward (rlfunc.KL_KINDS; kl = k1)
     kl_ctrl: str = "fixed"  #: fixed | adaptive: how beta moves
     kl_coef: float = 0.001  #: the (initial) beta of the controller
     target_kl: float = 0.1  #: the adaptive controller's target KL
@@ -164,8 +165,9 @@ CONSOLE_KEYS = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_fra
 def main(argv: list[str]) -> dict:
     tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
-        print(__doc__ + "\nconfig keys (key = default: meaning):\n" + config_help(Config())
-              + "\npresets (preset=<name> or <section>=@<name>):\n  " + "\n  ".join(available_presets(PRESETS)))
+        registries = {"algo.kl_penalty, algo.kl_loss_type": rf.KL_KINDS, "algo.agg": tuple(rf.AGG_MODES),
+                      "actor.backend": ("fsdp", "megatron"), **SHARED_REGISTRIES}
+        print(recipe_help(__doc__, Config(), presets_dir=PRESETS, registries=registries))
         return {}
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
     check_config(cfg)

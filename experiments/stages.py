@@ -18,23 +18,27 @@ import rlfunc as rf
 from backends.checkpoint.files import checkpoint_info
 from backends.checkpoint.resume import checkpoint_dir, resume_point, truncate_metrics
 from backends.config import ConfigError, config_to_dict
-from backends.data import Example, PromptStream, load_examples
+from backends.data import Example, PromptStream, data_warnings, load_examples
 from backends.distributed import watchdog
 from backends.distributed.node_checks import check_shared_paths
 from backends.distributed.setup import barrier
-from backends.metrics_log import MetricsLog, plot_curves, read_jsonl, write_generations
+from backends.metrics_log import LOGGERS, MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, write_tiny_model
-from backends.rewards import RewardScorer
+from backends.rewards import BUILTIN_REWARDS, RewardScorer
 from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
 from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
 
 __all__ = [
-    "checkpoint_or_stop",
+    "SHARED_REGISTRIES", "checkpoint_or_stop",
     "RunData", "RunPaths", "dump_generations", "evaluate_policy", "load_run_data", "metrics_log", "prepare_run",
-    "start_actor", "summarize",
+    "start_actor", "summarize", "warn_once",
 ]
+
+
+#: the built-in names of the keys every recipe has, which its --help lists
+SHARED_REGISTRIES = {"reward.fn": tuple(BUILTIN_REWARDS), "logger": LOGGERS, "rollout.engine": ("native", "vllm")}
 
 
 @attrs.frozen
@@ -97,24 +101,33 @@ def load_run_data(cfg: Any, tokenizer: Any, scorer: RewardScorer, log: Any, *, n
     if needs_train and not cfg.data.train_files:
         raise ConfigError("data.train_files is empty: give your training data (.jsonl / .parquet / a saved datasets "
                           "dir; see the README), or steps=0 for an evaluation-only run")
-    train, val = [], []
+    train, val, reports = [], [], {}
     tools = tool_schemas(cfg.rollout.multi_turn)  # the schemas of a multi-turn run's tools, shown to the model
     if needs_train:
-        train, report = load_examples(cfg.data.train_files, cfg.data, tokenizer, tools=tools)
+        train, report = reports["training"] = load_examples(cfg.data.train_files, cfg.data, tokenizer, tools=tools)
         log.info(f"training data: {report.kept} prompts from {report.rows} rows of {', '.join(cfg.data.train_files)}"
                  f" ({report.filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out,"
                  f" {report.truncated} truncated)")
     val_files = cfg.eval.files or cfg.data.val_files
     if val_files:
-        val, report = load_examples(val_files, cfg.data, tokenizer, tools=tools)
+        val, report = reports["held-out"] = load_examples(val_files, cfg.data, tokenizer, tools=tools)
         log.info(f"held-out data: {report.kept} prompts from {', '.join(val_files)} ({report.filtered} filtered out)")
     elif not needs_train:
         raise ConfigError("an evaluation-only run (steps=0) needs held-out data: eval.files or data.val_files")
+    warn_once(log, data_warnings(cfg.data.train_files if needs_train else (), val_files,
+                                 {name: r for name, (_, r) in reports.items()}, prompts_per_step=cfg.prompts_per_step))
     scorer.check_sources(sorted({e.source for e in train + val}))
     sft = load_sft_examples(cfg.sft, tokenizer, chat_template=cfg.data.chat_template, tools=tools) if cfg.sft.files else []
     if sft:
         log.info(f"SFT data: {len(sft)} examples from {', '.join(cfg.sft.files)}")
     return RunData(train=train, val=val, sft=sft)
+
+
+def warn_once(log: Any, warnings: Sequence[str]) -> None:
+    """Each warning once per run: on the first rank (every rank computes the same ones)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for warning in warnings:
+            log.warning(warning)
 
 
 def start_actor(cfg: Any, engine: Any, env: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
@@ -200,8 +213,10 @@ def summarize(cfg: Any, run: RunPaths, env: Any, before: dict[str, float], after
         (run.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         metrics_file = run.run_dir / "metrics.jsonl"
         if metrics_file.exists():
-            rows = [r for r in read_jsonl(metrics_file) if r["step"] >= 0]
-            plot_curves(rows, ["reward_mean", key, "kl", "entropy", "clip_frac"], run.run_dir / "reward_curve.png", title=title)
+            # the SFT stage's loss, then RL's curves; those constant for the run are left out
+            curves = ["sft_loss", "reward_mean", key, "kl", "entropy", "clip_frac", "multi_turn/turns",
+                      "multi_turn/tool_call_validity"]
+            plot_curves(list(read_jsonl(metrics_file)), curves, run.run_dir / "reward_curve.png", title=title)
         if before and after:
             verdict = "rose" if after[key] > before[key] else "did NOT rise"
             print(f"\nheld-out success {before[key]:.1%} -> {after[key]:.1%}: it {verdict} ({steps} {title} steps, "

@@ -14,9 +14,6 @@ import errno
 import io
 import json
 import os
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -29,11 +26,11 @@ from backends.checkpoint.dcp import CheckpointError, list_checkpoints, load_chec
 from backends.checkpoint.resume import truncate_metrics
 from backends.metrics_log import MetricsLog, read_jsonl
 from backends.models import TinyModelConfig, build_tiny_model
+from tests import forkserver
 from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
                        max_position_embeddings=64)
 TIMINGS: dict[str, float] = {}
@@ -72,18 +69,13 @@ def _stale(root: Path) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Crashes: a child process saves and SIGKILLs itself at an injected point
+# Crashes: a child process (forked from the suite's forkserver) saves and SIGKILLs itself at an injected point
 
 
-CHILD = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {root!r})
-    from tests.test_checkpoint_faults import _save, inject
-    point, ckpt_dir, step, seed, keep_last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+def _crashing_save(point: str, ckpt_dir: str, step: int, seed: int, keep_last: int | None) -> None:
+    """The child: arm the crash at ``point``, then save; returning (exit code 0) means the fault was never hit."""
     inject(point)
-    _save(ckpt_dir, step, seed, keep_last=None if keep_last == "none" else int(keep_last))
-    print("the save finished: the fault was never hit", flush=True)
-""")
+    _save(ckpt_dir, step, seed, keep_last=keep_last)
 
 
 def _die() -> None:
@@ -159,12 +151,12 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
     for s in before:
         _save(root, s, seed=s)
     t0 = time.perf_counter()
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD.format(root=str(ROOT)), point, str(root), str(step), str(step + 10), keep_last],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )
+    child = forkserver.context().Process(
+        target=_crashing_save, args=(point, str(root), step, step + 10, None if keep_last == "none" else int(keep_last)))
+    child.start()
+    child.join(timeout=300)
     TIMINGS[f"crash: {point}"] = time.perf_counter() - t0
-    assert child.returncode == -9, child.stdout + child.stderr
+    assert child.exitcode == -9, f"the child ended with {child.exitcode}, not killed at {point!r}"
     found = resolve_resume("auto", root)
     assert found == root / f"step_{expected}", (found, sorted(p.name for p in root.iterdir()))
     _assert_loads_seed(found, seed=expected if expected in before else expected + 10)

@@ -48,3 +48,24 @@ def test_build_md_holds_the_current_key_table(name):
     assert match, f"BUILD.md has no <!-- keys: {name} --> table"
     assert match.group(1).strip() == config_markdown(RECIPES[name]()).strip(), (
         f"BUILD.md's key table for {name} is out of date: regenerate it with python -m backends.config --update BUILD.md")
+
+
+@pytest.mark.parametrize("recipe", [grpo, ppo, custom_algorithm], ids=["grpo", "ppo", "custom_algorithm"])
+def test_help_lists_the_presets_and_whole_registries(recipe, capsys):
+    """--help names every preset and every built-in a key takes, with no list cut short by "..."."""
+    import rlfunc as rf
+    from backends.config import available_presets
+    from backends.rewards import BUILTIN_REWARDS
+
+    assert recipe.main(["--help"]) == {}
+    text = capsys.readouterr().out
+    presets = text[text.index("presets (preset=<name>"):]
+    assert all(name in presets for name in available_presets(recipe.PRESETS)) and "own_task/tiny" in presets
+    names = text[text.index("the names of the built-ins"):]
+    assert all(re.search(rf"\b{re.escape(name)}\b", names) for name in BUILTIN_REWARDS)
+    if recipe is grpo:
+        estimators, _ = grpo.group_estimators()
+        assert all(f" {name}," in names or f" {name}\n" in names for name in [*estimators, *rf.POLICY_LOSSES])
+        assert all(kind in names for kind in rf.KL_KINDS)
+    listed_with_dots = [line for line in text.splitlines() if re.search(r", \.\.\.\)?\s*$|, \.\.\.\)", line)]
+    assert not listed_with_dots, listed_with_dots

@@ -105,8 +105,8 @@ def test_bound_onednn_caches_keeps_a_value_the_user_set(restored_environ):
 _ONEDNN_GROWTH = r"""
 import ctypes, json, sys
 import torch
-from backends.cpu.fused_modules import onednn_linear_works
 from backends.cpu.runtime import bound_onednn_caches
+from backends.rollout.decoder import PREPACK_MIN_FP32_WEIGHT, Linear
 if sys.argv[1] == "bounded":
     bound_onednn_caches(16)
 torch.set_num_threads(1)
@@ -116,23 +116,24 @@ class Info(ctypes.Structure):
                                                 "uordblks", "fordblks", "keepcost")]
 libc.mallinfo2.restype = Info
 in_use = lambda: (libc.mallinfo2().uordblks + libc.mallinfo2().hblkhd) / 2**20
-w = torch.randn(64, 32)
+linear = Linear(torch.randn(PREPACK_MIN_FP32_WEIGHT // 256, 256), None, rows_hint=128, prepack=True)
 base = in_use()
-for rows in range(100, 160):  # a new shape every call, as a packed micro-batch's token count
-    torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 32), w, None, "none", [], "")
-print(json.dumps({"works": onednn_linear_works(torch.float32), "grew_mib": in_use() - base}))
+for rows in range(100, 160):  # a new shape every call, as the rollout's working batch shrinks
+    linear(torch.randn(rows, 256))
+print(json.dumps({"works": linear.packed is not None, "grew_mib": in_use() - base}))
 """
 
 
 def test_bounded_onednn_caches_stop_the_heap_growing_with_new_shapes():
-    """Every new row count of a CPU linear leaves a oneDNN primitive in two 1024-entry caches; with
-    bound_onednn_caches the memory they hold stops growing (glibc's mallinfo2, in fresh processes)."""
+    """Every new row count of the native rollout's oneDNN-prepacked linear leaves a oneDNN primitive in two
+    1024-entry caches; with bound_onednn_caches the memory they hold stops growing (glibc's mallinfo2, in
+    fresh processes)."""
     if not sys.platform.startswith("linux"):
         pytest.skip("glibc's mallinfo2 is Linux-only")
     grew = {}
     for mode in ("default", "bounded"):
         result = _run_python(_ONEDNN_GROWTH, mode)
         if not result["works"]:
-            pytest.skip("this torch build has no oneDNN linear")
+            pytest.skip("this torch build has no oneDNN prepacked linear")
         grew[mode] = result["grew_mib"]
     assert grew["default"] > 3 * grew["bounded"] and grew["default"] > 10, grew

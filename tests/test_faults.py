@@ -1,8 +1,9 @@
 """Nothing hangs, nothing is lost: the watchdog's deadlines, SIGTERM (preemption) and restarts.
 
 Unit checks (one process): the watchdog ends a process whose main thread is stuck in a C call, naming the
-phase; the fault spec (``RLFUNC_FAULT``) and the SIGTERM flag. Then real torchrun jobs (2 gloo ranks, the
-GRPO recipe on a tiny model, a few steps), each with one injected fault, timed from the fault to the exit:
+phase; the fault spec (``RLFUNC_FAULT``) and the SIGTERM flag. Then jobs of 2 gloo ranks (the GRPO recipe on a
+tiny model, a few steps; under the real torchrun where its agent's part is checked: (a), (b), (d)), each with one
+injected fault, timed from the fault to the exit:
 
 (a) SIGKILL of one rank mid-update: the job fails fast; ``resume=auto`` ends with the uninterrupted metrics;
 (b) SIGSTOP of one rank: the other rank's watchdog fires within its deadline, naming phase and operation;
@@ -27,7 +28,7 @@ import pytest
 
 from backends.distributed import faults, watchdog
 from backends.distributed.watchdog import DEADLINE_EXIT_CODE, DeadlineConfig
-from tests.recipes import GRPO, TINY_MODEL, TORCHRUN, arithmetic_data, data_args, env
+from tests.recipes import GRPO, TINY_MODEL, TORCHRUN, arithmetic_data, data_args, env, start
 
 STEPS, EVERY = 5, 2
 #: metrics that depend on the clock, not on the computation
@@ -162,8 +163,8 @@ def _kill_tree(pid: int) -> None:
 
 
 def _launch(args: list[str], *, fault: str = "", restarts: int = 0, when=None, timeout: float = 300) -> Job:
-    """torchrun (2 ranks) on GRPO with ``args``; ``fault``: RLFUNC_FAULT; ``when(proc)`` polled while it runs:
-    a true return marks the moment of an outside fault (a signal the test sent)."""
+    """torchrun (2 ranks) on GRPO with ``args``; ``fault``: RLFUNC_FAULT; ``when(pids)`` polled with the ranks'
+    pids while it runs: a true return marks the moment of an outside fault (a signal the test sent)."""
     launcher = [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", "--max-restarts", str(restarts)]
     environ = {**env(), "RLFUNC_FAULT": fault} if fault else env()
     lines: list[tuple[float, str]] = []
@@ -176,7 +177,7 @@ def _launch(args: list[str], *, fault: str = "", restarts: int = 0, when=None, t
     try:
         while proc.poll() is None:
             assert time.time() - t0 < timeout, "the job did not end in time:\n" + "".join(x for _, x in lines)[-4000:]
-            if when is not None and t_fault is None and when(proc):
+            if when is not None and t_fault is None and when(_children(proc.pid)):
                 t_fault = time.time()
             time.sleep(0.05)
     finally:
@@ -187,6 +188,26 @@ def _launch(args: list[str], *, fault: str = "", restarts: int = 0, when=None, t
     injected = [t for t, line in lines if "injecting fault" in line]
     t_fault = t_fault or (injected[0] if injected else None)
     return Job(proc.returncode, "".join(x for _, x in lines), t_end - t0, None if t_fault is None else t_end - t_fault)
+
+
+def _launch_forked(args: list[str], *, fault: str = "", when=None, timeout: float = 300) -> Job:
+    """As :func:`_launch`, on the suite's forked ranks (``tests.recipes.start``), for the faults whose checks are
+    about the ranks, not about torchrun's agent: no interpreter start-up per rank, and a rank that fails stops
+    the others at once (torchrun's agent waits 30 s for a frozen one)."""
+    t0 = time.time()
+    job = start(GRPO, *args, nproc=2, environ={"RLFUNC_FAULT": fault} if fault else None)
+    t_fault = None
+    try:
+        while job.poll() is None:
+            assert time.time() - t0 < timeout, "the job did not end in time:\n" + job.output("err")[-4000:]
+            if t_fault is None and (when(job.pids) if when is not None else "injecting fault" in job.output("err")):
+                t_fault = time.time()
+            time.sleep(0.05)
+    finally:
+        job.kill()
+    out = job.wait(timeout=30)
+    t_end = time.time()
+    return Job(out.returncode, out.stderr, t_end - t0, None if t_fault is None else t_end - t_fault)
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +237,7 @@ def _complete(ckpt_dir: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def uninterrupted(grpo_args, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    job = _launch([*grpo_args, *_where(root)])
+    job = _launch_forked([*grpo_args, *_where(root)])
     assert job.returncode == 0, job.stderr[-4000:]
     print(f"\nuninterrupted: {job.seconds:.1f} s")
     return _rows(root / "run")
@@ -235,7 +256,7 @@ def _same_metrics(expected: dict, got: dict, after: int) -> int:
 
 
 def _resume(grpo_args, root: Path, uninterrupted: dict, after: int) -> int:
-    job = _launch([*grpo_args, *_where(root), "resume=auto"])
+    job = _launch_forked([*grpo_args, *_where(root), "resume=auto"])
     assert job.returncode == 0, job.stderr[-4000:]
     assert json.loads((root / "run" / "summary.json").read_text())["resumed_from"].endswith(f"step_{after}")
     return _same_metrics(uninterrupted, _rows(root / "run"), after)
@@ -280,7 +301,7 @@ def test_a_frozen_rank_in_the_sft_stage_fires_the_watchdog(grpo_args, tmp_path):
     data = Path(next(a for a in grpo_args if a.startswith("data.train_files=")).split("=", 1)[1]).parent
     args = [*grpo_args, *_where(tmp_path), f"sft.files={data / 'sft.jsonl'}", "sft.steps=6", "sft.batch_size=8",
             "deadlines.update=5", "deadlines.process_group=120"]
-    job = _launch(args, fault="stop:rank=1:step=-3:phase=update")
+    job = _launch_forked(args, fault="stop:rank=1:step=-3:phase=update")
     assert job.returncode != 0 and job.after_fault < 60, job.stderr[-4000:]
     line = next((x for x in job.stderr.splitlines() if "DEADLINE PASSED" in x), "")
     assert "DEADLINE PASSED on rank 0 of 2 (grpo), step -3: phase 'update'" in line, job.stderr[-4000:]
@@ -288,10 +309,10 @@ def test_a_frozen_rank_in_the_sft_stage_fires_the_watchdog(grpo_args, tmp_path):
 
 
 def _send_sigterm_after_first_checkpoint(ckpt_dir: Path):
-    def when(proc) -> bool:
+    def when(ranks: list[int]) -> bool:
         if not _complete(ckpt_dir):
             return False
-        for pid in _children(proc.pid):  # the ranks (a cluster's preemption signals every process of the job)
+        for pid in ranks:  # a cluster's preemption signals every process of the job
             os.kill(pid, signal.SIGTERM)
         return True
     return when
@@ -301,7 +322,7 @@ def _send_sigterm_after_first_checkpoint(ckpt_dir: Path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sigterm_checkpoints_exits_zero_and_resume_is_exact(grpo_args, uninterrupted, tmp_path):
-    job = _launch([*grpo_args, *_where(tmp_path)], when=_send_sigterm_after_first_checkpoint(tmp_path / "ckpt"))
+    job = _launch_forked([*grpo_args, *_where(tmp_path)], when=_send_sigterm_after_first_checkpoint(tmp_path / "ckpt"))
     print(f"\n(c) SIGTERM to both ranks after step 2's checkpoint: exit code {job.returncode}, "
           f"{job.after_fault:.1f} s after the signal")
     assert job.returncode == 0, job.stderr[-4000:]

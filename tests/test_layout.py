@@ -6,12 +6,12 @@ lazy import is still a dependency.
 
 Layers, lowest first; a module may import its own layer's group and any lower layer, never a higher one:
 
-    rlfunc  <  backends.{config, metrics_log, models, packing, data, rewards}  <  backends.cpu  <  backends.distributed
+    rlfunc  <  backends.{config, metrics_log, models, packing, data, rewards, cpu}  <  backends.distributed
             <  backends.checkpoint  <  backends.training | backends.rollout  <  experiments
 
 ``backends.training`` and ``backends.rollout`` are siblings that never import each other (weights travel
-between them as a state dict). Outside ``backends/cpu`` only the package's seams (``from backends.cpu
-import accelerate``) are used, never its submodules.
+between them as a state dict). Outside ``backends/cpu`` only the package's seam (``from backends.cpu
+import tune_process``) is used, never its submodules.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ LAYERS = (
     ("backends.packing", (1, "base")),
     ("backends.data", (1, "base")),
     ("backends.rewards", (1, "base")),
-    ("backends.cpu", (2, "cpu")),
-    ("backends.distributed", (3, "distributed")),
-    ("backends.checkpoint", (4, "checkpoint")),
-    ("backends.training", (5, "training")),
-    ("backends.rollout", (5, "rollout")),
-    ("experiments", (6, "experiments")),
+    ("backends.cpu", (1, "base")),
+    ("backends.distributed", (2, "distributed")),
+    ("backends.checkpoint", (3, "checkpoint")),
+    ("backends.training", (4, "training")),
+    ("backends.rollout", (4, "rollout")),
+    ("experiments", (5, "experiments")),
 )
 
 
@@ -128,7 +128,7 @@ def test_imports_point_down_the_layers():
     assert not wrong, "imports against the layer order:\n" + "\n".join(wrong)
 
 
-def test_cpu_acceleration_is_reached_only_through_its_seams():
+def test_cpu_settings_are_reached_only_through_their_seam():
     wrong = [
         f"{_where(name, line)}: {name} imports {target}; use `from backends.cpu import <seam>`"
         for name, imports in EDGES.items() if not name.startswith("backends.cpu")
@@ -280,6 +280,6 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     """The cycle finder and the layer rule flag a planted cycle and an upward import."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    assert _layer("backends.training.fsdp") == (5, "training")
+    assert _layer("backends.training.fsdp") == (4, "training")
     assert _layer("backends.rollout.native")[0] == _layer("backends.training.fsdp")[0]
-    assert _layer("backends.cpu.kernels") < _layer("backends.distributed.setup")
+    assert _layer("backends.cpu.runtime") < _layer("backends.distributed.setup")

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 
-from backends.training.megatron.model import check_parallel_sizes, model_shape
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
@@ -396,6 +395,7 @@ def test_non_finite_loss_or_grad_norm_on_one_rank_skips_the_step_on_every_rank(m
 
 def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
     from backends.training.megatron.engine import MegatronConfig, build_actor
+    from backends.training.megatron.model import check_parallel_sizes, model_shape
 
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         model_shape({"model_type": "gpt2", "n_embd": 64})

@@ -139,19 +139,13 @@ def test_activations_match_saved_tensors(dirs, name, dtype, checkpointing):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("attention", ["c-kernel", "pytorch"])
-def test_packed_activations_match_saved_tensors(dirs, name, attention):
+def test_packed_activations_match_saved_tensors(dirs, name):
     """Equal-length rows: the CPU packed attention's left-aligned block then has no filler, so it saves
-    what flash-attention varlen would (T positions). Ragged rows: the C kernel saves T positions too;
-    the PyTorch fallback saves more (n x max_len positions for q, k, v and the output), which the
-    planner does not count (its docstring says so)."""
-    import contextlib
-
+    what flash-attention varlen would (T positions). Ragged rows: it saves more (n x max_len positions
+    for q, k, v and the output), which the planner does not count (its docstring says so)."""
     from backends.packing import pack_rows
-    from backends.training.packed_attention import enable_packed_attention, only_backends
+    from backends.training.packed_attention import enable_packed_attention
 
-    # "pytorch": the portable backends only, whether or not the kernels run here
-    backends = only_backends("matmul", "sdpa") if attention == "pytorch" else contextlib.nullcontext()
     model, tok = load_causal_lm(dirs[name])
     model.train()
 
@@ -159,37 +153,30 @@ def test_packed_activations_match_saved_tensors(dirs, name, attention):
     est_of = lambda packed: estimate(  # noqa: E731
         ModelShape.from_pretrained(dirs[name]), Parallelism(),
         Workload(micro_batch_rows=1, seq_len=packed.num_tokens, response_len=int(packed.labels.numel()), padded=False))
-    with backends:
-        batch = _full_batch(6, 5, 7, len(tok))
-        packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
-        est = est_of(packed)
-        measured = measured_activation_bytes(model, batch, packed=True)
-        assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
-        ragged = make_batch(2, vocab=len(tok))
-        packed = pack_rows(ragged.prompt_ids, ragged.prompt_mask, ragged.response_ids, ragged.response_mask)
-        est = est_of(packed)
-        measured = measured_activation_bytes(model, ragged, packed=True)
-    low = 0.9 if attention == "c-kernel" else 1.0
-    assert low * (est.activations + est.logits) <= measured <= 1.25 * (est.activations + est.logits)
+    batch = _full_batch(6, 5, 7, len(tok))
+    packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
+    est = est_of(packed)
+    measured = measured_activation_bytes(model, batch, packed=True)
+    assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
+    ragged = make_batch(2, vocab=len(tok))
+    packed = pack_rows(ragged.prompt_ids, ragged.prompt_mask, ragged.response_ids, ragged.response_mask)
+    est = est_of(packed)
+    measured = measured_activation_bytes(model, ragged, packed=True)
+    assert est.activations + est.logits <= measured <= 1.25 * (est.activations + est.logits)
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_kv_cache_matches_the_rollout_engine(dirs, backend):
-    """The planner's KV cache is the native decoder's, for the portable strategy and for the one the
-    decoder picks here (the kernel one where it runs)."""
+def test_kv_cache_matches_the_rollout_engine(dirs):
+    """The planner's KV cache is the native decoder's: a bf16 engine on a CPU keeps it in the attention's
+    dtype, fp32, which the planner is told as ``kv_dtype``."""
     from backends.rollout.decoder import Decoder
 
     for name in CONFIGS:
         model, _ = load_causal_lm(dirs[name], dtype=torch.bfloat16)
-        decoder = Decoder(model, rows=6, total_len=40, prepack=False, backend=backend)
+        decoder = Decoder(model, rows=6, total_len=40, prepack=False)
         measured = _storage_bytes(decoder.k_cache + decoder.v_cache)
-        # a bf16 engine's KV cache is bf16, except where the strategy's attention reads fp32 (the
-        # portable one on a CPU, the kernel without bf16 reads)
-        kv_dtype = str(decoder.k_cache[0].dtype).removeprefix("torch.")
-        assert decoder.k_cache[0].dtype == decoder.strategy.cache_dtype(decoder.dtype, decoder.att_dtype)
-        block = decoder.strategy.slot_block  # the decode kernel's caches hold whole blocks of slots
+        assert decoder.k_cache[0].dtype == decoder.v_cache[0].dtype == decoder.att_dtype == torch.float32
         est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
-                       Workload(compute_dtype="bfloat16", kv_seqs=6, kv_len=40, kv_dtype=kv_dtype, kv_block=block))
+                       Workload(compute_dtype="bfloat16", kv_seqs=6, kv_len=40, kv_dtype="float32"))
         assert est.kv_cache == measured
 
 

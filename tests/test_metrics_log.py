@@ -51,3 +51,18 @@ def test_generation_dumps_are_written_whole(tmp_path):
     path = write_generations(tmp_path / "generations" / "step_3.jsonl", [{"prompt": "a", "response": "b", "score": 1.0}])
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"prompt": "a", "response": "b", "score": 1.0}]
     assert not list(path.parent.glob("*.tmp"))
+
+
+def test_the_plot_leaves_out_constant_curves_and_shows_sft_and_multi_turn(tmp_path):
+    """reward_curve.png: the SFT loss (negative steps), multi-turn turns and tool-call validity are drawn; a metric
+    constant for the run (clip_frac of an on-policy run) is not."""
+    from backends.metrics_log import plot_curves, plot_panels
+
+    rows = [{"step": -2, "sft_loss": 2.5}, {"step": -1, "sft_loss": 1.9}]
+    rows += [{"step": s, "reward_mean": 0.1 * s, "clip_frac": 0.0, "kl": 0.01, "multi_turn/turns": 1.0 + 0.2 * s,
+              "multi_turn/tool_call_validity": 0.8 + 0.05 * s, "update_skipped": False} for s in range(1, 4)]
+    keys = ["sft_loss", "reward_mean", "val/mean@4", "kl", "entropy", "clip_frac", "multi_turn/turns",
+            "multi_turn/tool_call_validity"]
+    assert plot_panels(rows, keys) == ["sft_loss", "reward_mean", "multi_turn/turns", "multi_turn/tool_call_validity"]
+    plot_curves(rows, keys, tmp_path / "curve.png", title="GRPO")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -470,3 +470,33 @@ def test_trainer_logprobs_of_multi_turn_trajectories_equal_the_rollouts(tmp_path
     results = run_distributed(_trainer_agreement, 2, str(model_dir))
     assert all(turns > 1 and observed > 0 for _, turns, observed in results), results  # real multi-turn rows
     assert max(gap for gap, _, _ in results) < 1e-5, results
+
+
+MALFORMED_TURNS = {
+    "missing closing brace": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>',
+    "missing closing brace and marker": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}',
+    "closing marker without an opening one": '{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    "a second opening before the close":
+        '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    "extra text after the JSON": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}}</tool_call>',
+    "arguments string cut short": '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2"}</tool_call>',
+    "empty call": "<tool_call></tool_call>",
+}
+
+
+@pytest.mark.parametrize("name", MALFORMED_TURNS)
+def test_every_malformed_tool_call_gets_an_error_observation(name):
+    """A turn with a tool-call marker never ends the conversation silently: each malformed call is answered with an
+    error message the model reads, and counted."""
+    env = ToolEnvironment({"add": add})
+    obs = env.step(MALFORMED_TURNS[name])
+    assert not obs.done and obs.messages, name
+    assert obs.metrics["tool_call_errors"] >= 1.0 and all(m["role"] == "tool" for m in obs.messages)
+    assert any(m["content"].startswith("error: ") for m in obs.messages), obs.messages
+
+
+def test_a_valid_call_beside_an_unclosed_one_answers_both():
+    env = ToolEnvironment({"add": add})
+    obs = env.step('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call><tool_call>{"name": "add"')
+    assert [m["content"] for m in obs.messages][0] == "5" and "not closed" in obs.messages[1]["content"]
+    assert obs.metrics == {"tool_calls": 2.0, "tool_call_errors": 1.0}

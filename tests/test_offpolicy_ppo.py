@@ -54,8 +54,8 @@ def test_one_step_off_ppo_trains_actor_and_critic_one_version_behind(tmp_path, d
     assert summary["steps"] == 4 and 0.0 <= summary["eval_after"] <= 1.0
     rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
-    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
-    assert [r["offpolicy/staleness_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["staleness/run_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
     for key in ("reward_mean", "values_mean", "returns_mean", "critic/loss", "grad_norm", "kl_reward", "kl_coef",
                 "sync_time_s", "time/critic_update_s", "time/actor_update_s", "reward/score"):
         assert key in rl[-1], key
@@ -85,7 +85,7 @@ def test_bounded_zero_is_sync_for_ppo(tmp_path, data_dir, length_reward):
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     ma, mb = without_times(metrics(the_run_dir(a, "ppo"))), without_times(metrics(the_run_dir(b, "ppo")))
     assert ma == mb
-    assert all(r["staleness/last"] == 0.0 for r in ma) and any(r["grad_norm"] > 0 for r in ma)
+    assert all(r["staleness/max"] == 0.0 for r in ma) and any(r["grad_norm"] > 0 for r in ma)
 
 
 @pytest.mark.checkpoint
@@ -98,7 +98,7 @@ def test_one_step_off_ppo_resumes_exactly(tmp_path, data_dir, length_reward):
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "ppo")
     first, weights = without_times(metrics(run_dir)), final_weights(tmp_path)
-    assert [r["staleness/last"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [r["staleness/max"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
     assert len({r["kl_coef"] for r in first}) > 1  # the adaptive controller moved: its state must be restored
     resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
                         steps=5)

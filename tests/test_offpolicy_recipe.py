@@ -33,9 +33,10 @@ def test_one_step_off_runs_one_version_behind(tmp_path, data_dir):
         assert 0.0 <= summary[key] <= 1.0
     rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
-    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
-    assert [r["offpolicy/staleness_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
-    for key in ("reward_mean", "grad_norm", "staleness/mean", "staleness/rejected", "sync_time_s", "reward/arithmetic"):
+    assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["staleness/run_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
+    for key in ("reward_mean", "grad_norm", "staleness/run_mean", "staleness/rejected", "sync_time_s",
+                "reward/arithmetic"):
         assert key in rl[-1], key
     assert all(r["staleness/rejected"] == 0.0 for r in rl)
     assert (run_dir / "final_model" / "config.json").exists()
@@ -73,7 +74,7 @@ def test_bounded_zero_is_sync_on_the_split(tmp_path, data_dir):
     ma = [{k: v for k, v in r.items() if k not in drop} for r in metrics(the_run_dir(a, "grpo"))]
     mb = [{k: v for k, v in r.items() if k not in drop} for r in metrics(the_run_dir(b, "grpo"))]
     assert [r["reward_mean"] for r in ma] == [r["reward_mean"] for r in mb]
-    assert all(r["staleness/last"] == 0.0 for r in ma)
+    assert all(r["staleness/max"] == 0.0 for r in ma)
     assert any(r["grad_norm"] > 0 for r in ma)  # the weights compared did move
 
 
@@ -86,8 +87,8 @@ def test_bounded_two_stays_within_the_bound(tmp_path, data_dir):
                     f"reward.fn={reward}:score", "actor.optim.lr=1e-2", steps=5)  # a step the KL can see
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
-    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 2.0, 2.0, 2.0]
-    assert max(r["staleness/max"] for r in rl) <= 2.0
+    assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert max(r["staleness/run_max"] for r in rl) <= 2.0
     assert rl[0]["kl"] == 0.0 and rl[-1]["kl"] > 0.0 and rl[0]["grad_norm"] > 0
 
 
@@ -191,7 +192,7 @@ def test_one_step_off_resumes_exactly_from_a_checkpoint(tmp_path, data_dir):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_2", "step_4", "step_5"]
     drop = ("step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "tokens_per_s", "time", "wall_time")
     first = [{k: v for k, v in r.items() if k not in drop} for r in metrics(run_dir)]
-    assert [r["staleness/last"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [r["staleness/max"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
     weights = _final_weights(tmp_path)
     resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
                         steps=5)
@@ -223,7 +224,7 @@ def test_sigterm_with_checkpoints_saves_where_it_stops_and_resumes(tmp_path, dat
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3, 4, 5]
-    assert [r["staleness/last"] for r in rl] == [0.0, 1.0, 0.0, 1.0, 1.0]  # step 3: sampled by the saved weights
+    assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 0.0, 1.0, 1.0]  # step 3: sampled by the saved weights
     assert json.loads((run_dir / "summary.json").read_text())["resumed_from"].endswith("step_2")
 
 
@@ -250,7 +251,7 @@ def test_dynamic_sampling_on_the_split_resumes_exactly(tmp_path, data_dir):
     assert [r["sampling/prompts_drawn"] for r in first] == [4.0 * n for n in rounds]
     assert all(1 <= n <= 3 for n in rounds), rounds  # never past the cap
     assert sum(rounds[:2]) > 2, rounds  # the resume point is not at 2 x prompts_per_step: the position travelled
-    assert [r["staleness/last"] for r in first] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["staleness/max"] for r in first] == [0.0, 1.0, 0.0, 1.0]
     weights = _final_weights(tmp_path)
     resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
                         steps=4)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -59,17 +60,28 @@ def write_task(root, *, parquet: bool, sft_examples: int = 4000, wrong: float = 
             f"reward.fn={root / 'my_reward.py'}:reversed_word", f"sft.files={root / 'sft.jsonl'}"]
 
 
-#: the command line of the learning runs: a user's whole configuration
-LEARN = [
-    "model.tiny.hidden_size=128", "model.tiny.num_layers=2", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
-    "model.tiny.intermediate_size=352", "data.max_prompt_length=16", "rollout.max_new_tokens=5", "rollout.n=8",
-    "sft.batch_size=64", "sft.optim.lr=3e-3", "actor.optim.lr=3e-4", "actor.fsdp.micro_batch_size=64",
-    "prompts_per_step=32", "steps=120", "eval.n=4",
-]
+#: the command line of the learning runs: a user's whole configuration, the own-task preset of the tiny model and
+#: this task's lengths
+LEARN = ["preset=own_task/tiny", "data.max_prompt_length=16", "rollout.max_new_tokens=5"]
+
+
+def test_the_own_task_preset_fits_the_tiny_model_and_the_readme_names_it():
+    """The preset's prompt and response fit the tiny model's context, it trains with an SFT stage and a learning rate
+    a tiny model needs, and the README's "Your own task" section points a user without a model to it."""
+    from backends.config import apply_overrides
+    from experiments import grpo
+
+    cfg = apply_overrides(grpo.Config(), ["preset=own_task/tiny"], presets_dir=grpo.PRESETS)
+    assert cfg.data.max_prompt_length + cfg.rollout.max_new_tokens <= cfg.model.tiny.max_position_embeddings
+    assert not cfg.model.path and cfg.actor.optim.lr >= 1e-4 and cfg.sft.optim.lr >= 1e-3 and cfg.rollout.n >= 2
+    assert [cfg.model.tiny.hidden_size, cfg.prompts_per_step, cfg.steps] == [128, 32, 120]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Your own task"):readme.index("## The idea")]
+    assert "preset=own_task/tiny" in section and "sft.files=" in section
 
 
 def _learned(run_root) -> dict:
-    run_dir = the_run_dir(run_root, "grpo")
+    run_dir = the_run_dir(run_root, "own_task_tiny")
     summary = json.loads((run_dir / "summary.json").read_text())
     rl = metrics(run_dir)
     assert len(rl) == 120 and all(r["reward/errors"] == 0.0 for r in rl)

@@ -35,7 +35,6 @@ from rlfunc.balancing import (
     token_budget_balanced_partition,
 )
 from tests.distributed import run_distributed
-from tests.test_cpu_kernels import CAN_RUN
 from tests.test_fsdp_engine import OPTIM, _max_diff, _numpy, make_batch, pg_loss, rank_rows, reference_updates
 
 pytestmark = pytest.mark.packing
@@ -149,22 +148,16 @@ def _masked_max_diff(a, b, mask):
     return float(torch.where(mask, (a - b).abs(), 0.0).max())
 
 
-def _skip_without_kernel(backend: str) -> None:
-    if backend == "cpu-kernel" and not CAN_RUN:
-        pytest.skip("the cpu-kernel backend needs an AVX-512 CPU and a C compiler")
-
-
 @pytest.fixture(params=list(packed_attention.BACKENDS))
-def block_kernel(request):
-    """Run a test with each packed attention backend forced (backends/training/packed_attention.py): the
-    C kernels (where they build), PyTorch's batched matmuls and SDPA (on every machine)."""
-    _skip_without_kernel(request.param)
+def attention_backend(request):
+    """Run a test with each packed attention backend forced (backends/training/packed_attention.py):
+    PyTorch's batched matmuls and SDPA."""
     with only_backends(request.param):
         yield request.param
 
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_packed_actor_equals_padded(model_dir, gradient_checkpointing, block_kernel):
+def test_packed_actor_equals_padded(model_dir, gradient_checkpointing, attention_backend):
     torch.manual_seed(0)
     model, _ = load_causal_lm(model_dir)
     model.train()
@@ -222,7 +215,7 @@ def test_chunked_logits_equal_unchunked(model_dir, packed):
 
 
 @pytest.mark.parametrize("gradient_checkpointing", [False, True])
-def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing, block_kernel):
+def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing, attention_backend):
     """Rows with the same prompt hold it once in the packed row: same log-probs, entropies, loss and
     gradients as the padded forward, with fewer packed tokens."""
     model, _ = load_causal_lm(model_dir)
@@ -322,11 +315,9 @@ def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", list(packed_attention.BACKENDS))
 def test_packed_attention_backends_agree(dtype, backend):
-    """Each backend of the packed attention, forced (the batched matmuls and SDPA on every machine, the
-    C kernel where it runs), gives the fp32 SDPA reference's outputs and q / k / v gradients: to
-    rounding in fp32, to bf16 precision in bf16 (where SDPA and the C kernel run on an fp32 upcast and
-    the matmul form in bf16)."""
-    _skip_without_kernel(backend)
+    """Each backend of the packed attention, forced (the batched matmuls and SDPA), gives the fp32 SDPA
+    reference's outputs and q / k / v gradients: to rounding in fp32, to bf16 precision in bf16 (where
+    SDPA runs on an fp32 upcast and the matmul form in bf16)."""
     g = torch.Generator().manual_seed(0)
     q0, k0, v0 = (torch.randn(1, h, 40, 16, generator=g) for h in (4, 2, 2))
     cu = torch.tensor([0, 11, 30, 31, 40], dtype=torch.int32)
@@ -346,25 +337,77 @@ def test_packed_attention_backends_agree(dtype, backend):
         assert err < (1e-5 if dtype == torch.float32 else 1e-2), (backend, name, err)
 
 
+def _ragged_layout(prompt_lens, response_lens, group, share):
+    """A packed row's attention layout: rows with left-padded prompts (``group`` rows per prompt) and
+    responses of the given lengths."""
+    b, p, t = len(prompt_lens), max(prompt_lens), max(response_lens)
+    gen = torch.Generator().manual_seed(sum(response_lens))
+    prompt = torch.randint(3, 60, (b // group, p), generator=gen).repeat_interleave(group, 0)
+    prompt_mask = torch.arange(p)[None] >= (p - torch.tensor(prompt_lens))[:, None]
+    response = torch.randint(3, 60, (b, t), generator=gen)
+    response_mask = torch.arange(t)[None] < torch.tensor(response_lens)[:, None]
+    packed = pack_rows(prompt, prompt_mask, response, response_mask, share_prompts=share)
+    if share:
+        return packed.layout, packed.num_tokens
+    bounds = tuple(int(x) for x in packed.cu_seqlens.tolist())
+    return pad_layout(bounds, torch.device("cpu")), packed.num_tokens
+
+
+def _forced_attention(q, k, v, layout, scale, backend):
+    """Causal attention of each packed token over its own sequence by one forced backend."""
+    with only_backends(backend):
+        out, _ = varlen_sdpa_attention(types.SimpleNamespace(training=False), q, k, v, None, scaling=scale,
+                                       packed_layout=layout)
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 7), st.integers(1, 40)), min_size=1, max_size=6),
+    group=st.sampled_from([1, 2]),
+    share=st.booleans(),
+    heads=st.sampled_from([(2, 1), (4, 2), (6, 2)]),
+    backend=st.sampled_from(["matmul", "sdpa"]),
+)
+def test_pytorch_backends_match_float64_reference(rows, group, share, heads, backend):
+    """Each backend in float32 on ragged layouts (sequences of 1 to 47 tokens, GQA, prompts shared by a
+    group): outputs and q / k / v gradients equal SDPA's in float64 to float32 rounding."""
+    rows = [r for r in rows for _ in range(group)]
+    layout, T = _ragged_layout([p for p, _ in rows], [r for _, r in rows], group, share)
+    h, kv = heads
+    gen = torch.Generator().manual_seed(T)
+    # (1 heads T d) views of T-major tensors, as HF's projections hand them over
+    q, k, v = (torch.randn(1, T, n, 16, generator=gen, dtype=torch.float64).transpose(1, 2).requires_grad_()
+               for n in (h, kv, kv))
+    ref = _forced_attention(q, k, v, layout, 0.3, "sdpa")
+    grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = [ref, *torch.autograd.grad(ref, (q, k, v), grad_out)]
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out = _forced_attention(q32, k32, v32, layout, 0.3, backend)
+    assert out.shape == (1, T, h, 16) and out.dtype == torch.float32
+    got = [out, *torch.autograd.grad(out, (q32, k32, v32), grad_out.float())]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        # relative to the largest value, at least 1 (a one-token sequence's dq is 0 in exact arithmetic)
+        err = float((a.detach().double() - b.detach()).abs().max() / b.detach().abs().max().clamp(min=1.0))
+        assert err < 5e-6, (backend, name, err)
+
+
 def _chosen_backends(monkeypatch) -> list[str]:
-    """The names of the backends that run from now on (each wrapped to record itself; a backend whose
-    run gives None, as the C kernel's where it cannot run, is not recorded)."""
+    """The names of the backends that run from now on (each wrapped to record itself)."""
     chosen: list[str] = []
     for name, backend in packed_attention.BACKENDS.items():
         def run(*args, _name=name, _run=backend.run):
-            out = _run(*args)
-            if out is not None:
-                chosen.append(_name)
-            return out
+            chosen.append(_name)
+            return _run(*args)
 
         monkeypatch.setitem(packed_attention.BACKENDS, name, attrs.evolve(backend, run=run))
     return chosen
 
 
 def test_packed_attention_chooses_its_backend(monkeypatch):
-    """The automatic choice: the C kernel without dropout where it runs; else the batched matmuls for
-    short CPU blocks (per dtype: :data:`MATMUL_ATTENTION_MAX_LEN`), SDPA for longer ones and with
-    dropout beyond that length; the C kernel has no dropout."""
+    """The automatic choice: the batched matmuls for short CPU blocks (per dtype:
+    :data:`MATMUL_ATTENTION_MAX_LEN`), with or without dropout; SDPA for longer ones and for dtypes the
+    matmul form does not take."""
     chosen = _chosen_backends(monkeypatch)
     g = torch.Generator().manual_seed(0)
     limit = packed_attention.MATMUL_ATTENTION_MAX_LEN[torch.float32]
@@ -375,21 +418,18 @@ def test_packed_attention_chooses_its_backend(monkeypatch):
         packed_attention.packed_rows_attention(q, k, v, layout, None, dropout)
         return chosen.pop()
 
-    assert attend(limit) == ("cpu-kernel" if CAN_RUN else "matmul")
+    assert attend(limit) == "matmul" and attend(limit + 1) == "sdpa"
     assert attend(limit, dropout=0.1) == "matmul" and attend(limit + 1, dropout=0.1) == "sdpa"
-    assert attend(limit, dtype=torch.float64) == "sdpa"  # neither the kernel nor the matmul form takes float64
-    assert attend(limit, head_dim=24) == "matmul"  # no kernel for this head dim
-    assert attend(limit + 1, head_dim=24) == "sdpa"
+    assert attend(limit, dtype=torch.float64) == "sdpa"  # the matmul form does not take float64
+    assert attend(limit, head_dim=24) == "matmul" and attend(limit + 1, head_dim=24) == "sdpa"
     with only_backends("matmul", "sdpa"):  # the PyTorch backends, chosen among as usual
         assert attend(limit) == "matmul" and attend(limit + 1) == "sdpa"
     with only_backends("matmul"):  # forced, whatever the length
         assert attend(limit + 1) == "matmul"
-    with pytest.raises(ValueError, match="unknown packed attention backends"):
-        with only_backends("flash"):
-            pass
-    if not CAN_RUN:
-        with only_backends("cpu-kernel"), pytest.raises(RuntimeError, match="no packed attention backend"):
-            attend(8)
+    for removed_or_unknown in ("flash", "cpu-kernel"):
+        with pytest.raises(ValueError, match="unknown packed attention backends"):
+            with only_backends(removed_or_unknown):
+                pass
     assert not chosen
 
 

@@ -228,7 +228,7 @@ def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, d
     rl = metrics(the_run_dir(tmp_path, "grpo"))
     for row in rl:
         assert 0.0 <= row["rs_masked_frac"] <= 1.0 and row["is_weight_mean"] > 0.0
-        assert row["offpolicy/staleness_max"] == 0.0 and row["offpolicy/staleness_frac_0"] == 1.0
+        assert row["staleness/max"] == 0.0 and row["staleness/frac_0"] == 1.0
         assert row["update_skipped"] == 0.0 and row["grad_norm"] >= 0.0
 
 

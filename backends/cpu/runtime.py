@@ -47,11 +47,13 @@ def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> None:
     """Keep at most ``capacity`` entries in oneDNN's primitive cache and in ideep's LRU cache (PyTorch's
     CPU linear), where each defaults to 1024.
 
-    Both are keyed by the full shape, and RL changes the token count of a packed micro-batch at every
-    step, so every update adds new GEMM primitives that stay cached until 1024 of them are: the heap
-    grows step after step (the retained primitives and the fragmentation around them), and an update
-    that grows it is slowed by page faults on fresh memory. A bound of 128 still holds the few dozen
-    shapes the rollout reuses every step, and the heap levels off. The variables are read when oneDNN
+    Both are keyed by the full shape, and RL keeps meeting new shapes: the native rollout's prepacked
+    linears see a new row count whenever its working batch shrinks, and where PyTorch runs a CPU product
+    through oneDNN (bf16 products, on CPUs with AVX-512) a packed micro-batch's token count is new at every
+    step. Each new shape adds GEMM primitives that stay cached until 1024 of them are: the heap grows step
+    after step (the retained primitives and the fragmentation around them), and a phase that grows it is
+    slowed by page faults on fresh memory. A bound of 128 still holds the few dozen shapes the rollout
+    reuses every step, and the heap levels off. The variables are read when oneDNN
     first creates a primitive, so this must run before the first CPU linear; a value the user has set is
     kept.
     """

@@ -238,12 +238,13 @@ class StalenessBound:
         return True
 
     def metrics(self) -> dict[str, float]:
-        """Counts and the accepted batches' staleness, for the metrics log (``staleness/...``)."""
+        """The counts and the staleness over the run's accepted batches, for the metrics log: ``staleness/accepted``,
+        ``rejected``, ``bound``, ``run_mean``, ``run_max``. They join the step's own ``staleness/*`` (its tokens':
+        ``min``, ``mean``, ``max``, ``frac_*``; ``experiments.offpolicy_loop.stamp_policy_version``) in one set."""
         return {
             "staleness/accepted": float(self.accepted),
             "staleness/rejected": float(self.rejected),
-            "staleness/mean": self.staleness_sum / self.accepted if self.accepted else 0.0,
-            "staleness/max": float(self.staleness_max),
-            "staleness/last": float(self.last),
             "staleness/bound": float(self.max_staleness),
+            "staleness/run_mean": self.staleness_sum / self.accepted if self.accepted else 0.0,
+            "staleness/run_max": float(self.staleness_max),
         }

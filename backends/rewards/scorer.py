@@ -19,6 +19,7 @@ import inspect
 import math
 import multiprocessing
 import numbers
+import pickle
 import signal
 import threading
 import time
@@ -81,6 +82,10 @@ def resolve_reward(spec: str, *, key: str = "reward.fn", format_pattern: str = r
 
 def _describe(spec: str, key: str, format_pattern: str) -> _Function:
     fn = resolve_reward(spec, key=key, format_pattern=format_pattern)
+    kind = _not_a_plain_function(fn)
+    if kind:  # it would hand back a generator / coroutine per call, which no worker can send back
+        raise ConfigError(f"{key}={spec!r} is {kind}; a reward function returns its score: a number, or a dict with a "
+                          "'score' number (return, not yield; no async)")
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: give it every column
@@ -93,6 +98,17 @@ def _describe(spec: str, key: str, format_pattern: str) -> _Function:
         return _Function(label=_label(spec), spec=spec, fn=fn, params=None)
     names = frozenset(p.name for p in parameters if p.kind != p.VAR_POSITIONAL) - {positional[0].name, positional[1].name}
     return _Function(label=_label(spec), spec=spec, fn=fn, params=names)
+
+
+def _not_a_plain_function(fn: Callable[..., Any]) -> str:
+    """What ``fn`` is when a call of it does not return its result ("a generator function", ...), else ""."""
+    target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) and not inspect.ismethod(fn) else fn
+    for test, kind in ((inspect.isasyncgenfunction, "an async generator function (it yields)"),
+                       (inspect.isgeneratorfunction, "a generator function (it yields)"),
+                       (inspect.iscoroutinefunction, "an async function")):
+        if test(fn) or test(target):
+            return kind
+    return ""
 
 
 def _label(spec: str) -> str:
@@ -262,6 +278,9 @@ def _checked_score(value: Any, function: _Function, where: str) -> tuple[float, 
         value = value["score"]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
+    if isinstance(value, _NotAScore):
+        raise RewardError(f"reward function {function.spec!r} returned {value.type_name} {value.text} on {where}; "
+                          "a reward is a number or a dict with a 'score' number")
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(f"reward function {function.spec!r} returned {type(value).__name__} {value!r:.60} on {where}; "
                           "a reward is a number or a dict with a 'score' number")
@@ -325,4 +344,16 @@ def _worker_call(spec: str, args: tuple, timeout_s: float) -> tuple[str, Any]:
         return "error", f"raised {type(e).__name__}: {e}"
     if isinstance(result, Mapping):
         result = dict(result)
+    try:  # what cannot travel back (a generator, a lock, ...) is reported like any other non-score in the trainer
+        pickle.dumps(result)
+    except Exception:  # noqa: BLE001 - pickling raises many types
+        return "ok", _NotAScore(type(result).__name__, f"{result!r:.60}")
     return "ok", result
+
+
+@attrs.frozen
+class _NotAScore:
+    """A worker's stand-in for a result that could not be sent back: its type and text."""
+
+    type_name: str
+    text: str

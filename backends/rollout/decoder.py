@@ -1,7 +1,7 @@
 """The native rollout's decoder: Llama / Qwen2 math read straight from a HF module's parameters.
 
 :class:`Decoder` runs ``prefill`` once over the left-padded prompts, then ``step`` once per new token,
-over a KV cache that a strategy (:mod:`backends.rollout.kv_cache`) lays out, fills and attends over.
+over a KV cache (:mod:`backends.rollout.kv_cache`).
 Around the attention it does less than the HF module does per step: one fused QKV GEMM, oneDNN
 prepacked weights with a fused SiLU and residual add (:class:`Linear`), no per-step mask building or
 cache concatenation, and only the last position's logits. :class:`Workspace` keeps the decoder's
@@ -10,23 +10,44 @@ weights and caches between calls.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from backends.cpu import onednn_linear_works
-from backends.rollout.kv_cache import DecodeBackend, apply_rope, select_decode_strategy
+from backends.rollout.kv_cache import KVCache, apply_rope
 
-__all__ = ["PREPACK_MIN_FP32_WEIGHT", "Decoder", "Layer", "Linear", "Workspace", "decoder_layers"]
+__all__ = ["PREPACK_MIN_FP32_WEIGHT", "Decoder", "Layer", "Linear", "Workspace", "decoder_layers",
+           "onednn_linear_works"]
 
 
 #: fp32 weights with fewer elements run through ``F.linear`` (MKL), not prepacked oneDNN: for small
 #: weights MKL is as fast or faster, and oneDNN compiles a kernel for every new row count it meets,
 #: which a short rollout whose working batch shrinks meets often. bf16 linears run through oneDNN either way.
 PREPACK_MIN_FP32_WEIGHT = 65536
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_linear_works(dtype: torch.dtype) -> bool:
+    """Whether this torch build runs oneDNN's linear for ``dtype`` (PyTorch's internal CPU inference ops, the
+    ones ``torch.compile`` uses after weight freezing) with prepacked weights, fused SiLU and residual add, as
+    :class:`Linear` runs them, and gives ``F.linear``'s numbers. Probed once per dtype, on a tiny product."""
+    try:
+        w = torch.arange(32, dtype=dtype).view(4, 8) / 32
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, 2)
+        x = torch.ones(2, 8, dtype=dtype)
+        y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "swish", [], "")
+        z = torch.ops.mkldnn._linear_pointwise.binary(x, y[:, :4].contiguous(), packed, None, "add")
+        # oneDNN adds the residual before rounding to the output dtype, the reference after: in bfloat16
+        # the two differ by up to one unit in the last place, so the tolerance is the dtype's
+        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+        reference = F.linear(x, w).float() + F.silu(F.linear(x, w)).float()[:, :4]
+        return bool(torch.allclose(z.float(), reference, **tol))
+    except Exception:  # noqa: BLE001 - any failure means: use F.linear
+        return False
 
 
 class Linear:
@@ -143,17 +164,16 @@ class Workspace:
             )
         return self._weights[rows_hint, prepack]
 
-    def buffers(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int,
-                empty: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None) -> list[Tensor]:
+    def buffers(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                count: int) -> list[Tensor]:
         """``count`` uninitialised tensors of ``shape``: on the CPU the same ones as the last call with these
-        arguments (new ones are views of one ``empty((count, *shape), dtype)``), elsewhere new ones."""
+        arguments (new ones are views of one ``torch.empty((count, *shape))``), elsewhere new ones."""
         if torch.device(device).type != "cpu":
             return [torch.empty(shape, dtype=dtype, device=device) for _ in range(count)]
         key = (name, tuple(shape), dtype, str(device), count)
         found = self._buffers.pop(key, None)
         if found is None:
-            stacked = empty((count, *shape), dtype) if empty is not None else torch.empty((count, *shape), dtype=dtype)
-            found = list(stacked.unbind(0))
+            found = list(torch.empty((count, *shape), dtype=dtype).unbind(0))
         self._buffers[key] = found  # most recently used last
         kept = [k for k in self._buffers if k[0] == name]
         for old in kept[: -self.MAX_CACHE_SHAPES]:
@@ -161,13 +181,16 @@ class Workspace:
         return found
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
 class Decoder:
     """Runs the model over a fixed KV cache: :meth:`prefill` once, then :meth:`step` once per new token.
 
-    The cache (``self.cache``) comes from the strategy that :func:`select_decode_strategy` picks for
-    ``backend``, in the rollout's :class:`Workspace` (reused between calls) or allocated here. The
-    working batch (the rows a step computes) shrinks through :meth:`keep_rows`, by index or by copy as
-    the strategy does it (:attr:`drops_rows_by_index`).
+    The cache (``self.cache``, a :class:`~backends.rollout.kv_cache.KVCache`) lies in the rollout's
+    :class:`Workspace` (reused between calls) or is allocated here. The working batch (the rows a step
+    computes) shrinks through :meth:`keep_rows`, which copies the caches down.
 
     ``own_cache``: allocate the caches here rather than take the workspace's, so that they outlive other
     calls on the same workspace (a multi-turn rollout keeps its cache across turns while ``generate``
@@ -175,7 +198,7 @@ class Decoder:
     """
 
     def __init__(self, model: Any, rows: int, total_len: int, prepack: bool, workspace: Workspace | None = None,
-                 backend: DecodeBackend = "auto", *, own_cache: bool = False) -> None:
+                 *, own_cache: bool = False) -> None:
         workspace = workspace if workspace is not None else Workspace()
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -197,26 +220,25 @@ class Decoder:
         # On CPU the attention math stays fp32 for a bf16 model: small batched matmuls and softmax run
         # slower in bf16 there, and fp32 keeps the log-probs closer to an fp32 trainer's.
         self.att_dtype = torch.float32 if self.device.type == "cpu" else self.dtype
-        self.strategy = select_decode_strategy(backend, head_dim=self.head_dim, dtype=self.dtype, device=self.device)
 
-        def buffers(name: str, shape: tuple[int, ...], dtype: torch.dtype, count: int, empty: Any) -> list[Tensor]:
+        def buffers(name: str, shape: tuple[int, ...], dtype: torch.dtype, count: int) -> list[Tensor]:
             if not own_cache:
-                return workspace.buffers(name, shape, dtype, self.device, count, empty)
+                return workspace.buffers(name, shape, dtype, self.device, count)
             if self.device.type == "cpu":
-                return list(empty((count, *shape), dtype).unbind(0))
+                return list(torch.empty((count, *shape), dtype=dtype).unbind(0))
             return [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(count)]
 
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
         # to it, so no slot is read before it is written
-        self.cache = self.strategy.new_cache(
+        self.cache = KVCache.allocate(
             rows=rows, total_len=total_len, num_heads=self.num_heads, num_kv=self.num_kv, head_dim=self.head_dim,
-            layers=len(self.layers), model_dtype=self.dtype, att_dtype=self.att_dtype, device=self.device,
-            rope=(self.cos, self.sin), scale=self.scale, buffers=buffers,
+            layers=len(self.layers), att_dtype=self.att_dtype, device=self.device, rope=(self.cos, self.sin),
+            scale=self.scale, buffers=buffers,
         )
 
     @property
     def k_cache(self) -> list[Tensor]:
-        """The key cache of each layer (in the strategy's layout)."""
+        """The key cache of each layer."""
         return self.cache.k
 
     @property
@@ -224,17 +246,12 @@ class Decoder:
         """The value cache of each layer."""
         return self.cache.v
 
-    @property
-    def drops_rows_by_index(self) -> bool:
-        """Whether :meth:`keep_rows` is free (an index into the caches) rather than a copy of them."""
-        return self.cache.drops_rows_by_index
-
     def _mlp(self, x: Tensor, lw: Layer) -> Tensor:
-        h = self.strategy.rms_norm(x, lw.ln2, lw.eps2)
+        h = _rms_norm(x, lw.ln2, lw.eps2)
         return lw.down.add_to(x, lw.gate.silu(h).mul_(lw.up(h)))
 
     def _logits(self, x: Tensor) -> Tensor:
-        return self.lm_head(self.strategy.rms_norm(x, self.norm_w, self.norm_eps))
+        return self.lm_head(_rms_norm(x, self.norm_w, self.norm_eps))
 
     def prefill(self, ids: Tensor, mask: Tensor, copies: int) -> Tensor:
         """Run ``(b0 p)`` left-padded prompts; fill cache rows ``[i*copies, (i+1)*copies)`` with prompt i
@@ -254,7 +271,7 @@ class Decoder:
         x = F.embedding(ids, self.embed).view(b0 * p, -1)
         last_layer = len(self.layers) - 1
         for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(self.strategy.rms_norm(x, lw.ln1, lw.eps1)).view(b0, p, h + 2 * kv, d)
+            qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1)).view(b0, p, h + 2 * kv, d)
             qk = apply_rope(qkv[:, :, : h + kv], cos, sin).to(self.att_dtype)
             q = qk[:, :, :h].transpose(1, 2)
             k = qk[:, :, h:].transpose(1, 2)
@@ -276,25 +293,18 @@ class Decoder:
         Returns the logits ``(b v)``.
 
         ``masked (B)`` bool: the rows whose token is a dummy (nothing to feed this step): their slot is
-        masked for them, so none of their later steps attends to it. Only caches with per-row slot masks
-        take it (the PyTorch strategy's). With ``rows (b)`` (int64 indices of the cache's ``B`` rows, those not
-        masked) only those rows step: ``tokens``, ``positions`` and the logits are theirs, and the masked rows
-        cost nothing but their slot's mask.
+        masked for them, so none of their later steps attends to it. With ``rows (b)`` (int64 indices of the
+        cache's ``B`` rows, those not masked) only those rows step: ``tokens``, ``positions`` and the logits are
+        theirs, and the masked rows cost nothing but their slot's mask.
         """
         b = tokens.shape[0]
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # (b hidden)
         if masked is not None:
-            if not hasattr(self.cache, "mask_slot"):
-                raise NotImplementedError(
-                    f"the {self.strategy.name} decode strategy cannot mask a slot per row: use backend='torch'")
             self.cache.mask_slot(slot, masked)
-        if rows is None:
-            self.cache.begin_step(positions, slot)
-        else:
-            self.cache.begin_step(positions, slot, rows)
+        self.cache.begin_step(positions, slot, rows)
         for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(self.strategy.rms_norm(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
+            qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
             att = self.cache.attend(i, qkv)
             x = self._mlp(lw.o.add_to(x, att.view(b, h * d).to(self.dtype)), lw)
         return self._logits(x)
@@ -303,10 +313,8 @@ class Decoder:
         """Several given tokens per row in one forward: ``tokens (b c)`` at RoPE ``positions (b c)`` into cache
         slots ``[slot, slot + c)``; ``valid (b c)`` marks the real ones (the rest are masked dummies, as
         :meth:`step`'s ``masked`` rows). Returns the logits ``(b v)`` after each row's last valid token (rows
-        without one get the logits of a dummy: the caller keeps its own). Only the PyTorch strategy's cache takes it.
+        without one get the logits of a dummy: the caller keeps its own).
         """
-        if not hasattr(self.cache, "attend_chunk"):
-            raise NotImplementedError(f"the {self.strategy.name} decode strategy cannot extend rows by a chunk")
         b, c = tokens.shape
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
         for j in range(c):
@@ -314,7 +322,7 @@ class Decoder:
         self.cache.begin_chunk(positions, slot)
         x = F.embedding(tokens, self.embed).view(b * c, -1)
         for i, lw in enumerate(self.layers):
-            qkv = lw.qkv(self.strategy.rms_norm(x, lw.ln1, lw.eps1)).view(b, c, h + 2 * kv, d)
+            qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1)).view(b, c, h + 2 * kv, d)
             att = self.cache.attend_chunk(i, qkv)
             x = self._mlp(lw.o.add_to(x, att.reshape(b * c, h * d).to(self.dtype)), lw)
         last = (valid.sum(-1) - 1).clamp_(min=0)

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 #: the markers of a tool call (Hermes / Qwen2.5 chat templates; one token each in the tiny char tokenizer)
-TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_CALL_MARKER = re.compile(r"</?tool_call>")
 
 
 @attrs.frozen
@@ -72,28 +72,43 @@ class Environment(Protocol):
 
 
 def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
-    """The tool calls in a model turn, in order: ``(name, arguments)``, or an error message for a malformed one."""
+    """The tool calls in a model turn, in order: ``(name, arguments)``, or an error message for a malformed one. Every
+    ``<tool_call>`` / ``</tool_call>`` marker belongs to some call: a call left open, or a closing marker without its
+    opening, is a malformed call too (an empty list: the turn holds no marker at all)."""
     calls: list[tuple[str, dict[str, Any]] | str] = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(f"the tool call is not valid JSON ({e.msg}): {body.strip()[:200]}")
-            continue
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-            calls.append(f'a tool call is {{"name": ..., "arguments": {{...}}}}, got {body.strip()[:200]}')
-            continue
-        arguments = call.get("arguments", {})
-        if isinstance(arguments, str):  # some templates write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(arguments, dict):
-            calls.append(f"the arguments of {call['name']!r} must be a JSON object, got {str(call.get('arguments'))[:200]}")
-            continue
-        calls.append((call["name"], arguments))
+    opened: int | None = None  # where the body of the call now open starts
+    for marker in TOOL_CALL_MARKER.finditer(text):
+        if marker.group() == "<tool_call>":
+            if opened is not None:
+                calls.append(f"the tool call is not closed with </tool_call> before the next <tool_call>: "
+                             f"{text[opened:marker.start()].strip()[:200]}")
+            opened = marker.end()
+        elif opened is None:
+            calls.append(f"</tool_call> without an opening <tool_call>: ...{text[:marker.start()].strip()[-200:]}")
+        else:
+            calls.append(_parse_call(text[opened:marker.start()]))
+            opened = None
+    if opened is not None:
+        calls.append(f"the tool call is not closed with </tool_call>: {text[opened:].strip()[:200]}")
     return calls
+
+
+def _parse_call(body: str) -> tuple[str, dict[str, Any]] | str:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"the tool call is not valid JSON ({e.msg} at character {e.pos}): {body.strip()[:200]}"
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return f'a tool call is {{"name": ..., "arguments": {{...}}}}, got {body.strip()[:200]}'
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            arguments = None
+    if not isinstance(arguments, dict):
+        return f"the arguments of {call['name']!r} must be a JSON object, got {str(call.get('arguments'))[:200]}"
+    return call["name"], arguments
 
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -147,10 +162,8 @@ class ToolEnvironment:
 
     def step(self, response: str) -> Observation:
         calls = parse_tool_calls(response)
-        if not calls and "<tool_call>" not in response:
+        if not calls:  # no tool-call marker: the final answer
             return Observation(done=True, metrics={"tool_calls": 0.0, "tool_call_errors": 0.0})
-        if not calls:  # an opening marker without a closing one
-            calls = ["the tool call is not closed with </tool_call>"]
         results = [self._call(call) for call in calls]
         errors = sum(1.0 for ok, _ in results if not ok)
         return Observation(messages=tuple({"role": "tool", "content": text} for _, text in results),

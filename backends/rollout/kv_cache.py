@@ -1,86 +1,22 @@
-"""The native decoder's KV-cache / attention strategies: what differs between the portable path and the CPU kernels.
+"""The native decoder's KV cache (:mod:`backends.rollout.decoder`): its layout, how a prompt's keys and values go
+into it, how a decode step attends over it, and how finished rows leave the working batch.
 
-The decoder (:mod:`backends.rollout.decoder`) runs the same Llama / Qwen2 math either way; a strategy
-decides how the KV caches are laid out and allocated, how a prompt's keys and values go into them, how
-a decode step attends over them, how finished rows leave the working batch, and how RMSNorm runs. Two
-implement it:
-
-- :class:`TorchDecodeStrategy` (here): caches ``(rows, kv_heads, total_len, head_dim)``, the step's
-  attention as batched matmuls, finished rows dropped by copying the caches down. It runs on any
-  device and is the reference the kernel strategy is tested against.
-- the kernel strategy, ``backends.cpu.decode`` (reached through the seam
-  ``backends.cpu.decode_strategy``): the C decode-attention kernel over keys cached transposed in blocks
-  of 16 slots, caches on huge pages, finished rows dropped by index. It exists only where the kernel
-  runs (a CPU with AVX-512, a supported head dim and dtype).
-
-:func:`select_decode_strategy` is the one place that picks between them. Both follow the protocols
-:class:`DecodeStrategy` and :class:`KVCache` (structurally: the kernel strategy lives below this package
-and cannot import them).
+Caches are ``(rows, kv_heads, total_len, head_dim)`` per layer, the step's attention is two batched matmuls, and
+finished rows are dropped by copying the caches down. Plain PyTorch ops, on any device.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Literal, Protocol
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from backends.cpu import decode_strategy
+__all__ = ["KVCache", "apply_rope"]
 
-__all__ = ["DecodeBackend", "DecodeStrategy", "KVCache", "TorchDecodeStrategy", "TorchKVCache", "apply_rope",
-           "select_decode_strategy"]
-
-#: which strategy the decoder runs: ``auto`` the kernel one where it can run, else the PyTorch one;
-#: ``torch`` always the PyTorch one; ``kernel`` the kernel one or an error
-DecodeBackend = Literal["auto", "torch", "kernel"]
-
-#: ``buffers(name, shape, dtype, count, empty)``: ``count`` uninitialised tensors of ``shape`` (the
-#: workspace's, reused between calls on the CPU), allocated with ``empty(shape, dtype)`` when new
-Buffers = Callable[..., list[Tensor]]
-
-
-class KVCache(Protocol):
-    """One generate call's KV caches and working batch, in a strategy's layout."""
-
-    k: list[Tensor]  #: the key cache of each layer
-    v: list[Tensor]  #: the value cache of each layer
-    drops_rows_by_index: bool  #: whether :meth:`keep_rows` is free (an index) rather than a copy
-
-    def mask_prompts(self, mask: Tensor, copies: int) -> None:
-        """Rows ``[i*copies, (i+1)*copies)`` hold prompt ``i`` of ``mask (b0 p)``: mask its padding."""
-
-    def write_prompt(self, layer: int, k: Tensor, v: Tensor, copies: int) -> None:
-        """Keys and values ``(b0 kv p d)`` (after RoPE) into slots ``[0, p)`` of their ``copies`` rows each."""
-
-    def begin_step(self, positions: Tensor, slot: int) -> None:
-        """The next :meth:`attend` calls are for new tokens at RoPE ``positions (b)``, cache ``slot``."""
-
-    def attend(self, layer: int, qkv: Tensor) -> Tensor:
-        """RoPE on the new queries and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to the
-        step's slot, and the attention ``(b kv g d)`` of the queries over slots ``[0, slot]``."""
-
-    def keep_rows(self, index: Tensor) -> None:
-        """Keep working rows ``index`` (int64, into the current working batch), in that order."""
-
-
-class DecodeStrategy(Protocol):
-    """How a decoder's KV caches are laid out and attended over, and how it runs RMSNorm."""
-
-    name: str  #: "torch" or "kernel"
-    slot_block: int  #: cache slots are allocated in whole blocks of this many
-
-    def cache_dtype(self, model_dtype: torch.dtype, att_dtype: torch.dtype) -> torch.dtype:
-        """The caches' dtype for these weights and attention math."""
-
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """``F.rms_norm(x, (hidden,), weight, eps)``."""
-
-    def new_cache(self, *, rows: int, total_len: int, num_heads: int, num_kv: int, head_dim: int, layers: int,
-                  model_dtype: torch.dtype, att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor],
-                  scale: float, buffers: Buffers) -> KVCache:
-        """Uninitialised caches for ``rows`` rows of ``total_len`` slots, from ``buffers``; ``rope`` is the
-        ``(cos, sin_signed)`` tables of every position."""
+#: ``buffers(name, shape, dtype, count)``: ``count`` uninitialised tensors of ``shape`` (the workspace's,
+#: reused between calls on the CPU)
+Buffers = Callable[[str, tuple[int, ...], torch.dtype, int], list[Tensor]]
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
@@ -97,43 +33,13 @@ def _softmax(x: Tensor) -> Tensor:
     return e.div_(e.sum(dim=-1, keepdim=True))
 
 
-def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    return torch.empty(shape, dtype=dtype)
+class KVCache:
+    """Caches ``(rows, kv_heads, total_len, head_dim)`` per layer, in the attention's dtype; slot ``j`` holds
+    token ``j`` of the left-padded prompt followed by the response, for every row alike (RoPE positions differ
+    per row). The working batch is the caches' rows: :meth:`keep_rows` copies them down.
 
-
-class TorchDecodeStrategy:
-    """The portable strategy: plain PyTorch ops, on any device."""
-
-    name = "torch"
-    slot_block = 1
-
-    @staticmethod
-    def cache_dtype(model_dtype: torch.dtype, att_dtype: torch.dtype) -> torch.dtype:
-        return att_dtype
-
-    @staticmethod
-    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-    def new_cache(self, *, rows: int, total_len: int, num_heads: int, num_kv: int, head_dim: int, layers: int,
-                  model_dtype: torch.dtype, att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor],
-                  scale: float, buffers: Buffers) -> TorchKVCache:
-        dtype = self.cache_dtype(model_dtype, att_dtype)
-        shape = (rows, num_kv, total_len, head_dim)
-        k = buffers("k", shape, dtype, layers, _torch_empty)
-        v = buffers("v", shape, dtype, layers, _torch_empty)
-        return TorchKVCache(k, v, num_heads=num_heads, att_dtype=att_dtype, rope=rope, scale=scale, device=device)
-
-
-class TorchKVCache:
-    """Caches ``(rows, kv_heads, total_len, head_dim)`` per layer; slot ``j`` holds token ``j`` of the
-    left-padded prompt followed by the response, for every row alike (RoPE positions differ per row).
-    The working batch is the caches' rows: :meth:`keep_rows` copies them down.
-
-    ``key_bias`` masks slots per row, so a step may write a dummy token for some rows
-    (:meth:`mask_slot`): what multi-turn rollouts need, and why they run this strategy only."""
-
-    drops_rows_by_index = False
+    ``key_bias`` masks slots per row, so a step may write a dummy token for some rows (:meth:`mask_slot`):
+    what multi-turn rollouts need."""
 
     def __init__(self, k: list[Tensor], v: list[Tensor], *, num_heads: int, att_dtype: torch.dtype,
                  rope: tuple[Tensor, Tensor], scale: float, device: torch.device) -> None:
@@ -142,7 +48,18 @@ class TorchKVCache:
         self.cos, self.sin = rope
         #: (rows, total_len) 0 for keys to attend to, -inf for prompt padding
         self.key_bias = torch.zeros(k[0].shape[0], k[0].shape[2], dtype=att_dtype, device=device)
-        self._step: tuple[Tensor, Tensor, Tensor, int] | None = None
+        self._step: tuple | None = None
+
+    @classmethod
+    def allocate(cls, *, rows: int, total_len: int, num_heads: int, num_kv: int, head_dim: int, layers: int,
+                 att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor], scale: float,
+                 buffers: Buffers) -> KVCache:
+        """Uninitialised caches for ``rows`` rows of ``total_len`` slots, from ``buffers``; ``rope`` is the
+        ``(cos, sin_signed)`` tables of every position."""
+        shape = (rows, num_kv, total_len, head_dim)
+        k = buffers("k", shape, att_dtype, layers)
+        v = buffers("v", shape, att_dtype, layers)
+        return cls(k, v, num_heads=num_heads, att_dtype=att_dtype, rope=rope, scale=scale, device=device)
 
     def mask_prompts(self, mask: Tensor, copies: int) -> None:
         """Rows ``[i*copies, (i+1)*copies)`` hold prompt ``i`` of ``mask (b0 p)``: its padding gets -inf."""
@@ -221,26 +138,3 @@ class TorchKVCache:
         self.k = [c.index_select(0, index) for c in self.k]
         self.v = [c.index_select(0, index) for c in self.v]
         self.key_bias = self.key_bias.index_select(0, index)
-
-
-#: the PyTorch strategy holds no state: one serves every decoder
-TORCH_STRATEGY = TorchDecodeStrategy()
-
-
-def select_decode_strategy(
-    backend: DecodeBackend, *, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> DecodeStrategy:
-    """The strategy a decoder of this head dim, weight dtype and device runs (see :data:`DecodeBackend`)."""
-    if backend not in ("auto", "torch", "kernel"):
-        raise ValueError(f"decode backend must be 'auto', 'torch' or 'kernel', got {backend!r}")
-    if backend == "torch":
-        return TORCH_STRATEGY
-    kernel = decode_strategy(head_dim=head_dim, dtype=dtype, device=torch.device(device))
-    if kernel is not None:
-        return kernel
-    if backend == "kernel":
-        raise RuntimeError(
-            f"the CPU decode kernel cannot run here (head_dim={head_dim}, {dtype}, {device}; it needs a CPU with "
-            "AVX-512, a C compiler and a head dim that is a multiple of 16): use decode_backend='auto' or 'torch'"
-        )
-    return TORCH_STRATEGY

@@ -8,9 +8,7 @@ preallocated KV cache:
    keys/values into the cache rows of its ``n`` samples;
 2. decode one token per step for the whole batch, computing only the last position's logits;
 3. drop finished rows from the working batch (compaction), so the work per step follows the number of
-   sequences still running: with the CPU kernel strategy by index (the caches stay where they are, so
-   it is free and happens whenever the running rows fit a smaller multiple of 8 rows), else by copying
-   the caches once 1/8 of the working rows have finished;
+   sequences still running: the caches are copied down once 1/8 of the working rows have finished;
 4. stop when every row has produced EOS or ``max_new_tokens`` tokens.
 
 ``sync_weights`` copies full HF-named tensors into the model's parameters in place, so the decoder
@@ -20,9 +18,7 @@ Why it is faster than ``model.generate``: the decode GEMMs dominate a step, and 
 around them: no per-step mask building or cache concatenation, one fused QKV GEMM, oneDNN prepacked
 weights with fused SiLU / residual add, only last-position logits, inverse-CDF sampling with one uniform
 per row, prefill once per distinct prompt, finished rows dropped from the working batch, weights and
-caches kept between calls (:class:`~backends.rollout.decoder.Workspace`), and on AVX-512 CPUs a C kernel
-for the decode step's attention (the kernel strategy, ``backends.cpu.decode``; the portable PyTorch
-strategy is :mod:`backends.rollout.kv_cache`). A bfloat16 engine (``build_native_rollout(...,
+caches kept between calls (:class:`~backends.rollout.decoder.Workspace`). A bfloat16 engine (``build_native_rollout(...,
 dtype=torch.bfloat16)``) halves GEMM time and weight traffic at the price of log-probs further from an
 fp32 trainer's.
 
@@ -43,12 +39,13 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Literal, Sequence
 
 import attrs
 import torch
 from torch import Tensor
 
+from backends.config import ConfigError
 from backends.rollout.common import (
     SamplingConfig,
     TurnOutput,
@@ -61,7 +58,6 @@ from backends.rollout.common import (
     sample_tokens,
 )
 from backends.rollout.decoder import Decoder, Workspace
-from backends.rollout.kv_cache import DecodeBackend
 from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch
 
@@ -82,8 +78,11 @@ __all__ = [
 
 
 def _check_decode_backend(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    if value not in ("auto", "torch", "kernel"):
-        raise ValueError(f"NativeRollout.decode_backend must be 'auto', 'torch' or 'kernel', got {value!r}")
+    if value == "kernel":
+        raise ConfigError("NativeRollout.decode_backend='kernel': the CPU kernels were removed from rlfunc; the "
+                          "decoder runs PyTorch on every device: use decode_backend='auto' (the default) or 'torch'")
+    if value not in ("auto", "torch"):
+        raise ConfigError(f"NativeRollout.decode_backend must be 'auto' or 'torch', got {value!r}")
 
 
 @attrs.frozen
@@ -106,9 +105,9 @@ class NativeRollout:
     compact_fraction: float | None = None
     #: on CPU, run linears through oneDNN with prepacked weights (repacked when a parameter changes)
     prepack_cpu_weights: bool = True
-    #: the decoder's KV-cache / attention strategy: ``auto`` (the CPU kernel where it runs, else PyTorch),
-    #: ``torch`` (the portable path) or ``kernel`` (the CPU kernel, an error where it cannot run)
-    decode_backend: DecodeBackend = attrs.field(default="auto", validator=_check_decode_backend)
+    #: the decoder's KV-cache / attention implementation: PyTorch on every device, which ``auto`` and
+    #: ``torch`` both name
+    decode_backend: Literal["auto", "torch"] = attrs.field(default="auto", validator=_check_decode_backend)
     weights_version: int = 0
     #: what :func:`generate` keeps between calls (decoder weights, KV caches); shared by evolved copies
     workspace: Workspace = attrs.field(factory=Workspace, eq=False, repr=False)
@@ -288,8 +287,7 @@ def _generate_tokens(
     device = rollout.device
     n, (num_prompts, p) = sampling.n, prompt_ids.shape
     rows, max_new = num_prompts * n, sampling.max_new_tokens
-    decoder = Decoder(rollout.model, rows, p + max_new, rollout.prepack_cpu_weights, rollout.workspace,
-                      backend=rollout.decode_backend)
+    decoder = Decoder(rollout.model, rows, p + max_new, rollout.prepack_cpu_weights, rollout.workspace)
     logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
     next_pos = prompt_mask.sum(-1).repeat_interleave(n)  # RoPE position of each row's first response token
     eos = torch.tensor(rollout.eos_token_ids, device=device)
@@ -301,7 +299,7 @@ def _generate_tokens(
     steps = 0
     for s in range(max_new):
         # one uniform per row of the whole batch every step, so a row's samples do not depend on which
-        # rows share its working batch (compaction, by index or by copy, changes nothing)
+        # rows share its working batch (compaction changes nothing)
         uniform = None
         if sampling.temperature > 0.0:
             uniform = torch.rand((rows, 1), generator=generator, device=device)
@@ -319,7 +317,7 @@ def _generate_tokens(
         num_running = int(running.sum())
         if num_running == 0 or s == max_new - 1:
             break
-        keep = _rows_to_keep(running, num_running, rollout.compact_fraction, decoder.drops_rows_by_index)
+        keep = _rows_to_keep(running, num_running, rollout.compact_fraction)
         if keep is not None:
             decoder.keep_rows(keep)
             active = keep if active is None else active[keep]
@@ -328,28 +326,17 @@ def _generate_tokens(
     return out_tokens[:, :steps], out_logprobs[:, :steps]
 
 
-#: copying compaction (the PyTorch strategy) waits until this fraction of the working rows has finished
+#: compaction (a copy of the caches) waits until this fraction of the working rows has finished
 COPY_COMPACT_FRACTION = 0.125
-#: compaction by index keeps the running rows padded with finished ones to a multiple of this many rows:
-#: oneDNN builds a GEMM kernel for every new row count, so the working batch takes few distinct sizes
-INDEX_COMPACT_MULTIPLE = 8
 
 
-def _rows_to_keep(running: Tensor, num_running: int, fraction: float | None, by_index: bool) -> Tensor | None:
+def _rows_to_keep(running: Tensor, num_running: int, fraction: float | None) -> Tensor | None:
     """The working rows to keep for the next step (ascending indices), or None to keep them all.
 
     ``fraction`` (``NativeRollout.compact_fraction``): drop every finished row once that fraction of the
-    working rows has finished. None: by index, whenever the running rows fit a smaller multiple of
-    :data:`INDEX_COMPACT_MULTIPLE` (the finished rows kept to fill it are the first ones); by copy, at
-    :data:`COPY_COMPACT_FRACTION`.
+    working rows has finished; None: :data:`COPY_COMPACT_FRACTION`.
     """
     rows = running.shape[0]
-    if fraction is None and by_index:
-        target = min(rows, -(-num_running // INDEX_COMPACT_MULTIPLE) * INDEX_COMPACT_MULTIPLE)
-        if target == rows:
-            return None
-        finished = (~running).nonzero().squeeze(-1)[: target - num_running]
-        return torch.cat([running.nonzero().squeeze(-1), finished]).sort().values
     fraction = COPY_COMPACT_FRACTION if fraction is None else fraction
     num_done = rows - num_running
     if num_done > 0 and num_done >= fraction * rows:
@@ -365,8 +352,7 @@ def _rows_to_keep(running: Tensor, num_running: int, fraction: float | None, by_
 # forced token, or the token it just sampled) feeds it at its own RoPE position; a row with nothing to
 # feed (inactive this call, or its turn already ended) feeds a dummy whose slot is masked for that row
 # (``Decoder.step(..., masked=)``) and whose position is not advanced, so no row ever attends to a dummy
-# and the cache never needs re-prefilling. Rows never leave the working batch. The per-row slot mask is
-# the PyTorch strategy's: sessions always run it, whatever ``NativeRollout.decode_backend`` says.
+# and the cache never needs re-prefilling. Rows never leave the working batch.
 
 
 @attrs.define(eq=False)
@@ -438,9 +424,8 @@ def start_session(rollout: NativeRollout, prompts: Sequence[Sequence[int]], samp
     Rows are in :func:`generate`'s order (prompt i's ``n`` copies consecutive). ``max_slots``: the cache
     slots after the prompts that the whole session may use; a call that needs more raises an error
     naming it. Randomness comes only from a fresh generator seeded with ``seed``: the same seed, prompts,
-    forced tokens and weights give the same session. The session runs the PyTorch decode strategy (the
-    CPU kernel cannot mask a slot per row) and allocates its own caches, so ``generate`` may run on the
-    same rollout between its turns; :func:`end_session` releases them.
+    forced tokens and weights give the same session. The session allocates its own caches, so ``generate``
+    may run on the same rollout between its turns; :func:`end_session` releases them.
     """
     prompts = _session_prompts(rollout, prompts, sampling, max_slots)
     n, device = sampling.n, rollout.device
@@ -452,7 +437,7 @@ def start_session(rollout: NativeRollout, prompts: Sequence[Sequence[int]], samp
     p = prompt_ids.shape[1]
     with torch.inference_mode():
         decoder = Decoder(rollout.model, rows, p + max_slots, rollout.prepack_cpu_weights, rollout.workspace,
-                          backend="torch", own_cache=True)
+                          own_cache=True)
         logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
         uniforms = None
         if sampling.temperature > 0.0:

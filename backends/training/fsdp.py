@@ -78,7 +78,6 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from backends.cpu import accelerate
 from backends.distributed.setup import DistEnv, device_mesh, init_distributed
 from backends.distributed.sharded_state import full_state_dict, reshard
 from backends.models import load_value_model
@@ -104,7 +103,9 @@ from backends.training.common import (
 from backends.training.dp_balance import balance_across_ranks
 from backends.training.fsdp_state import FSDPConfig, TrainState, attention_implementation, compute_dtype, needs_own_attention
 from backends.training.hf_forward import forward_micro_batch
-from backends.training.hf_modules import check_value_module, compile_layers, decoder_layers, enable_checkpointing, load_model
+from backends.training.hf_modules import (
+    check_value_module, compile_layers, decoder_layers, enable_checkpointing, load_model, outputs_without_views,
+)
 from backends.training.memory_planner import chunk_rows_for
 from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
 from backends.training.packed_attention import enable_packed_attention
@@ -158,9 +159,11 @@ def shard_module(
     # parameter offload keeps the shards in (pinned) host memory and copies them to the GPU per layer
     offload = CPUOffloadPolicy() if param_offload else OffloadPolicy()
     for layer in decoder_layers(model):
+        outputs_without_views(layer)
         fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
     # The root keeps its parameters (embeddings, final norm, lm_head) gathered after forward: backward
     # starts with the lm_head, so resharding it would only gather it again right away.
+    outputs_without_views(model)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
     return model
 
@@ -209,12 +212,10 @@ def _sharded_module(
 
 
 def _prepare(model: nn.Module, env: DistEnv, cfg: FSDPConfig, *, trainable: bool) -> None:
-    """What the engine does to a model before sharding it: packed-aware attention where needed, the
-    fused CPU modules, activation checkpointing (trainable roles) or frozen weights (the reference)."""
+    """What the engine does to a model before sharding it: packed-aware attention where needed, activation
+    checkpointing (trainable roles) or frozen weights (the reference)."""
     if needs_own_attention(cfg, env.device):
         enable_packed_attention(model)
-    if env.device.type == "cpu":
-        accelerate(model)
     if trainable and cfg.gradient_checkpointing:
         enable_checkpointing(model)
     if not trainable:

@@ -77,7 +77,7 @@ class FSDPConfig:
     logits_chunk_mib: float = attrs.field(default=256.0, validator=attrs.validators.ge(0))
     #: the model's attention: auto (flash_attention_2 on a GPU with the flash-attn package when the compute dtype
     #: is bf16 / fp16, which is all flash-attn runs; else sdpa), sdpa, flash_attention_2, flash_attention_3, eager.
-    #: Packed rows on a CPU run the packed-aware attention, through the C kernel where it runs
+    #: Packed rows on a CPU run the packed-aware attention
     #: (backends/training/packed_attention.py)
     attn_implementation: str = "auto"
 

@@ -12,10 +12,14 @@ import os
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from backends.models import load_causal_lm
 
-__all__ = ["load_model", "enable_checkpointing", "decoder_layers", "check_value_module", "compile_layers"]
+__all__ = [
+    "load_model", "enable_checkpointing", "decoder_layers", "check_value_module", "compile_layers",
+    "outputs_without_views",
+]
 
 
 def load_model(model: str | os.PathLike | nn.Module, dtype: torch.dtype, attn_implementation: str = "sdpa") -> nn.Module:
@@ -47,6 +51,37 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     if not layers:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     return layers
+
+
+class _SameTensor(torch.autograd.Function):
+    """The input's storage, as a tensor that autograd does not count as a view of it (no copy); gradients pass
+    through unchanged."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _unviewed(module: nn.Module, args: object, output: object) -> object:
+    return tree_map_only(torch.Tensor, lambda t: _SameTensor.apply(t) if t.requires_grad and t._base is not None else t,
+                         output)
+
+
+def outputs_without_views(module: nn.Module) -> None:
+    """Make ``module`` hand back no output that is a view of another tensor, before ``fully_shard`` wraps it.
+
+    FSDP2 registers its pre-backward hook (which all-gathers the parameters for backward) on a wrapped module's
+    outputs, and warns when one is a view ("returned a view tensor ... can cause backward to fail or produce wrong
+    gradients"): an in-place op on such a view would drop the hook. A module whose last op reshapes its result with
+    ``.view`` returns one: a fused linear that computes a 2-D product and reshapes it (as the lm_head of a multi-turn
+    micro-batch, with its long responses, would run), or a module of the user's. A forward hook registered before
+    ``fully_shard`` (so it runs before FSDP's) hands FSDP the same storage as a plain tensor.
+    """
+    module.register_forward_hook(_unviewed)
 
 
 def check_value_module(model: nn.Module) -> nn.Module:

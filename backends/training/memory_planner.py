@@ -24,14 +24,13 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   before SDPA on CPU), output and fp32 log-sum-exp, and the SwiGLU MLP's four ``i``-wide tensors. With
   gradient checkpointing a layer keeps only its input (``h``) and one layer's full set lives during
   its recompute. The padded attention mask (``b x s x s``) is saved once when ``padded``. Packed
-  (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen and the CPU C
-  kernel (backends/cpu/fused_modules.py) save; the CPU PyTorch fallback (backends/packing.py) saves q, k, v
-  and the output for ``n x max_len`` positions, and for short blocks (its batched-matmul attention)
-  the ``n x heads x max_len^2`` probabilities, so ragged rows need more there (up to 25% more in the
-  tests). The C kernels' fused RMSNorm and SwiGLU save less than counted here (the input and the
-  rsqrt; gate and up), so the estimate is an upper bound on that path. Tensor
-  parallel splits the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps
-  ``L / pp`` layers and up to ``pp`` micro-batches in flight on the first stage (1F1B);
+  (``padded=False``) counts ``T`` positions for attention, as flash-attention varlen saves; the CPU's
+  packed attention (backends/training/packed_attention.py) saves q, k, v and the output for the
+  ``n x max_len`` positions of its left-aligned block, and for short blocks (its batched-matmul
+  attention) the ``n x heads x max_len^2`` probabilities: the same for rows of equal length, more for
+  ragged rows (up to 25% more in the tests), which the estimate does not count. Tensor parallel splits
+  the per-layer activations by ``tp`` (no sequence parallel); pipeline parallel keeps ``L / pp`` layers
+  and up to ``pp`` micro-batches in flight on the first stage (1F1B);
 - **logits** of the kept positions (``V`` per token): the response tokens only (``logits_to_keep``).
   Taken in chunks (``logits_chunk_rows``, the engine's ``FSDPConfig.logits_chunk_mib``), the forward saves
   them in the compute dtype and the backward (``logits_backward``) adds their gradients (one per
@@ -41,9 +40,7 @@ micro-batch, ``P`` parameters; the sharded state is split evenly over ``dp * tp 
   kept, and its logits term is that pass's peak: the logits, their fp32 upcast and ``logsumexp``'s fp32
   temporary (of one chunk when chunked);
 - **KV cache** of a colocated rollout: ``2 L kv x len x seqs`` values in the rollout dtype, sharded by tp
-  (``kv_dtype``; on a CPU the native engine keeps an fp32 cache for a bf16 model unless its AVX-512
-  decode-attention kernel reads bf16 caches, ``backends/cpu/kernels.py``, and that kernel's caches hold
-  whole blocks of 16 slots: ``kv_block``).
+  (``kv_dtype``; on a CPU the native engine's attention, and so its cache, is fp32 for a bf16 model too).
 
 A step colocated with vLLM (:func:`colocated_step`) peaks in one of three phases: the update (vLLM
 asleep), the log-prob passes (one forward micro-batch beside the resident state) or the rollout (the
@@ -206,9 +203,6 @@ class Workload:
     kv_seqs: int = 0  #: sequences in a colocated rollout's KV cache
     kv_len: int = 0  #: tokens per cached sequence
     kv_dtype: str | None = None  #: default: compute_dtype
-    #: cache slots are allocated in blocks of this many per sequence (the native CPU engine's decode
-    #: kernel: 16, ``backends/cpu/kernels.py``)
-    kv_block: int = 1
     #: FSDP2's CPUOffloadPolicy (FSDPConfig.offload): parameter shards, gradients and optimizer state in host
     #: memory; the device holds the gathered compute copies only
     offload: bool = False
@@ -227,8 +221,6 @@ class Workload:
         for name in ("micro_batch_rows", "seq_len", "kv_seqs", "kv_len"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Workload.{name} must be >= 0, got {getattr(self, name)}")
-        if self.kv_block < 1:
-            raise ValueError(f"Workload.kv_block must be >= 1, got {self.kv_block}")
 
 
 @attrs.frozen
@@ -342,8 +334,7 @@ def estimate(shape: ModelShape, parallel: Parallelism = Parallelism(), work: Wor
     params, grads, optim = _state_bytes(shape, parallel, work, cb)
     activations, logits, recompute, logits_backward = _activation_bytes(shape, parallel, work, cb)
     kv_bytes = _dtype_bytes(work.kv_dtype or work.compute_dtype)
-    kv_slots = -(-work.kv_len // work.kv_block) * work.kv_block
-    kv = 2 * shape.num_layers * shape.kv_width * kv_slots * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
+    kv = 2 * shape.num_layers * shape.kv_width * work.kv_len * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
     return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=activations,
                           logits=logits, kv_cache=kv, recompute=recompute, logits_backward=logits_backward)
 

@@ -11,9 +11,6 @@
 
 The backends, in the order they are tried (:func:`packed_rows_attention` is the one place that chooses):
 
-- ``"cpu-kernel"``: the C kernels of ``backends.cpu`` (the seam ``backends.cpu.packed_attention``),
-  forward and backward in one pass each over the packed ``q, k, v`` in place. Used without dropout,
-  wherever the seam says it runs (CPU with AVX-512, a supported head dim and dtype).
 - ``"matmul"``: the PyTorch block path (below) with the attention as two batched matmuls in the input
   dtype, for short blocks on CPU (:data:`MATMUL_ATTENTION_MAX_LEN`), the usual case in RL: PyTorch's
   CPU SDPA kernels pay a large per-block overhead there, and their bf16 flash-attention backward is
@@ -31,8 +28,8 @@ layers, the bulk of the work, still run on the ``T`` real tokens only; attention
 mask) is exact too, but builds a dense ``T x T`` mask and does ``T^2`` attention work; the tests use
 it as an independent check.
 
-:func:`only_backends` restricts the choice (tests force each backend with it, so the portable PyTorch
-backends are tested on every machine, kernel or not).
+:func:`only_backends` restricts the choice (tests force each backend with it, so both are tested whatever
+the automatic choice would be).
 """
 
 from __future__ import annotations
@@ -61,8 +58,8 @@ _FLASH = ("flash_attention_2", "flash_attention_3")
 #: ``L^2`` score matrix costs more than SDPA's tiled kernel.
 MATMUL_ATTENTION_MAX_LEN = {torch.float32: 48, torch.bfloat16: 512}
 
-#: ``run(query, key, value, layout, scale, dropout)``: ``(1 T h d)``, or None when it cannot run here
-AttentionRun = Callable[[Tensor, Tensor, Tensor, BlockLayout, Optional[float], float], Optional[Tensor]]
+#: ``run(query, key, value, layout, scale, dropout)``: ``(1 T h d)``
+AttentionRun = Callable[[Tensor, Tensor, Tensor, BlockLayout, Optional[float], float], Tensor]
 
 
 @attrs.frozen
@@ -70,22 +67,12 @@ class PackedAttentionBackend:
     """One way to compute causal attention over a packed row.
 
     ``applies(query, layout, dropout)``: whether the automatic choice takes it for these inputs;
-    ``run``: the attention (``q (1 h T d), k v (1 kv T d) -> (1 T h d)`` in the query's dtype), or None
-    when it cannot run here (the next backend then runs).
+    ``run``: the attention (``q (1 h T d), k v (1 kv T d) -> (1 T h d)`` in the query's dtype).
     """
 
     name: str
     applies: Callable[[Tensor, BlockLayout, float], bool]
     run: AttentionRun
-
-
-def _kernel_run(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None,
-                dropout: float) -> Tensor | None:
-    if dropout:
-        return None  # the kernels have no dropout
-    from backends.cpu import packed_attention  # the seam: None where the kernels cannot run
-
-    return packed_attention(query, key, value, layout, scale)
 
 
 def _through_block(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout,
@@ -127,7 +114,6 @@ def _sdpa_run(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, sc
 BACKENDS: dict[str, PackedAttentionBackend] = {
     backend.name: backend
     for backend in (
-        PackedAttentionBackend("cpu-kernel", applies=lambda query, layout, dropout: not dropout, run=_kernel_run),
         PackedAttentionBackend("matmul", applies=_matmul_applies, run=_matmul_run),
         PackedAttentionBackend("sdpa", applies=lambda query, layout, dropout: True, run=_sdpa_run),
     )
@@ -141,8 +127,7 @@ _ALLOWED: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVa
 @contextlib.contextmanager
 def only_backends(*names: str) -> Iterator[None]:
     """Within the block, packed attention chooses among the backends ``names`` only, as it chooses
-    among all of them otherwise; a single name forces that backend, whether or not it would be chosen
-    (it raises where it cannot run, e.g. ``"cpu-kernel"`` without the kernels)."""
+    among all of them otherwise; a single name forces that backend, whether or not it would be chosen."""
     unknown = [name for name in names if name not in BACKENDS]
     if unknown or not names:
         raise ValueError(f"only_backends: unknown packed attention backends {unknown} (known: {list(BACKENDS)})")
@@ -156,17 +141,14 @@ def only_backends(*names: str) -> Iterator[None]:
 def packed_rows_attention(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None,
                           dropout: float = 0.0) -> Tensor:
     """Causal attention within each sequence of ``layout``: ``q (1 h T d), k v (1 kv T d) -> (1 T h d)``,
-    by the first backend of :data:`BACKENDS` (among those :func:`only_backends` allows) that applies and
-    runs here."""
+    by the first backend of :data:`BACKENDS` (among those :func:`only_backends` allows) that applies."""
     allowed = _ALLOWED.get()
     candidates = [b for b in BACKENDS.values() if allowed is None or b.name in allowed]
     forced = len(candidates) == 1
     for backend in candidates:
         if forced or backend.applies(query, layout, dropout):
-            out = backend.run(query, key, value, layout, scale, dropout)
-            if out is not None:
-                return out
-    raise RuntimeError(f"no packed attention backend of {[b.name for b in candidates]} runs these inputs "
+            return backend.run(query, key, value, layout, scale, dropout)
+    raise RuntimeError(f"no packed attention backend of {[b.name for b in candidates]} applies to these inputs "
                        f"({query.dtype} on {query.device.type}, dropout {dropout})")
 
 

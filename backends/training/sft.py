@@ -18,9 +18,10 @@ tool and user turns between them are read, not trained on, as in a multi-turn RL
 
 from __future__ import annotations
 
+import bisect
 import math
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import attrs
 import torch
@@ -43,7 +44,7 @@ class SFTConfig:
     files: tuple[str, ...] = ()  #: SFT data (.jsonl / .parquet / saved datasets dir); empty: no SFT stage
     prompt_key: str = "prompt"  #: column of the prompt: a string or a list of chat messages
     response_key: str = "response"  #: column of the response string the model is trained to write
-    #: column of a whole conversation (chat messages: user, assistant, tool, ...) trained on its assistant turns
+    #: column of a whole conversation (chat messages: system, user, assistant, tool) trained on its assistant turns
     #: only; when set, sft.prompt_key and sft.response_key are not read
     messages_key: str = ""
     epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over sft.files (when sft.steps is 0)
@@ -88,16 +89,15 @@ def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "a
     schemas, as the RL prompts are); a bad row is a :class:`backends.data.DataError` naming the file and row."""
     examples = []
     for path in cfg.files:
-        for where, row in read_rows(path):
-            try:
-                if cfg.messages_key:
-                    example = _tokenise_conversation(column_value(row, cfg.messages_key, where), tokenizer, chat_template,
-                                                     tools)
-                else:
-                    example = _tokenise(column_value(row, cfg.prompt_key, where),
-                                        column_value(row, cfg.response_key, where), tokenizer, chat_template, tools)
-            except (DataError, ValueError) as e:
-                raise DataError(f"{where}: {e}") from None
+        if cfg.messages_key:  # conversations: tokenised a chunk of rows at a time (_conversations)
+            rows = ((where, column_value(row, cfg.messages_key, where)) for where, row in read_rows(path))
+            pairs = (pair for chunk in _chunks(rows, _CONVERSATION_CHUNK)
+                     for pair in _conversations(chunk, tokenizer, chat_template, tools))
+        else:
+            pairs = ((where, _named(where, _tokenise, column_value(row, cfg.prompt_key, where),
+                                    column_value(row, cfg.response_key, where), tokenizer, chat_template, tools))
+                     for where, row in read_rows(path))
+        for where, example in pairs:
             if len(example.prompt_ids) + len(example.response_ids) > cfg.max_length:
                 raise DataError(f"{where}: prompt + response is {len(example.prompt_ids) + len(example.response_ids)} "
                                 f"tokens, more than sft.max_length={cfg.max_length}")
@@ -105,6 +105,29 @@ def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "a
     if not examples:
         raise DataError(f"no rows in sft.files {list(cfg.files)}")
     return examples
+
+
+#: conversations rendered, then tokenised in one call, this many rows at a time
+_CONVERSATION_CHUNK = 256
+
+
+def _named(where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, a failure re-raised as a :class:`DataError` naming the row."""
+    try:
+        return fn(*args)
+    except (DataError, ValueError) as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _tokenise(prompt: Any, response: Any, tokenizer: Any, chat_template: str,
@@ -135,16 +158,92 @@ def _render(messages: list[dict], tokenizer: Any, chat_template: str, tools: Seq
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _tokenise_conversation(messages: Any, tokenizer: Any, chat_template: str,
-                           tools: Sequence[Mapping[str, Any]] | None = None) -> SFTExample:
-    """A conversation's tokens, cut where each assistant turn starts and ends (see the module doc): every cut is
-    a prefix of the next rendering, so the tokens are exactly what the template renders for the whole chat."""
+def _conversations(rows: list[tuple[str, Any]], tokenizer: Any, chat_template: str,
+                   tools: Sequence[Mapping[str, Any]] | None) -> list[tuple[str, SFTExample]]:
+    """``(where, example)`` of each ``(where, messages)`` row: a conversation's tokens, cut where each assistant turn
+    starts and ends (see the module doc), exactly what the template renders for the whole chat.
+
+    Each row's renderings (before each assistant turn with the generation prompt, and through it) are text; the
+    whole chats of the rows are tokenised in one call, and each is cut where its shorter renderings end
+    (:func:`_token_cuts`). A row whose cuts cannot be taken from its whole chat's tokens is tokenised rendering by
+    rendering (:func:`_tokenise_conversation_by_renders`), which names a template that changes earlier tokens."""
+    template = None if chat_template == "auto" else Path(chat_template).read_text()
+    rendered = []
+    for where, messages in rows:
+        messages, turns = _named(where, _conversation_turns, messages)
+        texts = []
+        for k in turns:
+            texts += [_named(where, _render_text, messages[:k], tokenizer, template, tools, True),
+                      _named(where, _render_text, messages[: k + 1], tokenizer, template, tools, False)]
+        rendered.append((where, messages, turns, texts))
+    try:
+        encoded = tokenizer([texts[-1] for *_, texts in rendered], add_special_tokens=False,
+                            return_offsets_mapping=True)
+    except (NotImplementedError, ValueError, TypeError):  # no offsets (a slow tokenizer): rendering by rendering
+        encoded = None
+    added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
+    out = []
+    for i, (where, messages, turns, texts) in enumerate(rendered):
+        cut = None if encoded is None else _token_cuts(texts, list(encoded["input_ids"][i]),
+                                                       [int(end) for _, end in encoded["offset_mapping"][i]],
+                                                       tokenizer, added)
+        if cut is None:
+            out.append((where, _named(where, _tokenise_conversation_by_renders, messages, turns, tokenizer,
+                                      chat_template, tools)))
+            continue
+        tokens, counts = cut
+        mask = [False] * counts[0]
+        for c in range(1, len(counts)):
+            mask += [c % 2 == 1] * (counts[c] - counts[c - 1])  # an odd cut ends an assistant turn
+        out.append((where, _named(where, SFTExample, tokens[: counts[0]], tokens[counts[0]:], mask[counts[0]:])))
+    return out
+
+
+def _conversation_turns(messages: Any) -> tuple[list[dict], list[int]]:
+    """The messages, checked, and the indices of the assistant turns."""
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError("a conversation must be a list of chat messages with a role each")
     messages = [dict(m) for m in messages]
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns or turns[0] == 0:
         raise DataError("a conversation needs a message before its first assistant turn, and an assistant turn")
+    return messages, turns
+
+
+def _render_text(messages: list[dict], tokenizer: Any, template: str | None,
+                 tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
+                                         add_generation_prompt=generation_prompt, tools=list(tools) if tools else None)
+
+
+def _token_cuts(texts: list[str], ids: list[int], ends: list[int], tokenizer: Any,
+                added: set[int]) -> tuple[list[int], list[int]] | None:
+    """``(ids, how many of them each text holds)`` from ``ids`` and the character ``ends`` of the last text's tokens
+    (``apply_chat_template``'s tokenisation: ``add_special_tokens=False``), or None when a text is not a prefix of the
+    next or its tokens are not the head of the last text's.
+
+    A text that ends at a token boundary beside an added (special) token holds exactly the tokens up to it: the
+    tokenizer splits a text at its added tokens before anything else and tokenises the pieces between them on their
+    own. Any other text is tokenised on its own and must be a head of the last text's tokens."""
+    if any(not later.startswith(text) for text, later in zip(texts, texts[1:])):
+        return None
+    counts = []
+    for text in texts:
+        j = bisect.bisect_right(ends, len(text))  # the tokens that end within the text
+        at_split = j > 0 and ends[j - 1] == len(text) and (ids[j - 1] in added or (j < len(ids) and ids[j] in added))
+        if not (at_split or j == len(ids) and len(text) == len(texts[-1])):
+            own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids[: len(own)] != own:
+                return None
+            j = len(own)
+        counts.append(j)
+    return ids, counts
+
+
+def _tokenise_conversation_by_renders(messages: list[dict], turns: list[int], tokenizer: Any, chat_template: str,
+                                      tools: Sequence[Mapping[str, Any]] | None) -> SFTExample:
+    """A conversation (:func:`_conversations`) with every rendering tokenised on its own, each checked to be a prefix
+    of the next."""
     tokens: list[int] = []
     mask: list[bool] = []
     for k in turns:

@@ -15,7 +15,7 @@ The steps, in the order the FSDP engine runs them (:mod:`backends.training.fsdp`
 2. :func:`checkpoint_plan`: which checkpoint tensor fills which parameter, checked against the
    checkpoint's headers on every rank (unknown or missing names and shape mismatches are errors that
    name them, raised on every rank alike before any collective);
-3. the engine's own changes (packed attention, fused CPU modules, checkpointing) and ``fully_shard``;
+3. the engine's own changes (packed attention, checkpointing) and ``fully_shard``;
 4. :func:`materialize`: ``to_empty`` on the device (the CPU for offloaded shards), the real buffers
    put back on the device;
 5. :func:`fill_shards`: per parameter, the first rank reads the tensor, casts it to the parameter's

@@ -1,0 +1,76 @@
+"""The one process every rank the suite starts is forked from, with torch, transformers and the recipes imported.
+
+A rank started from scratch (``torchrun``, or a ``spawn`` process) pays a Python start-up and the imports of
+torch, transformers and the backends: several seconds on CI's two cores, for each of the hundreds of ranks the
+suite starts, and most of what a tiny recipe run costs. ``multiprocessing``'s forkserver imports
+:data:`PRELOAD` once; every process of :func:`context` is a ``fork`` of it, so it starts with those modules
+loaded and nothing else: no process group, no threads, no model, no state of any earlier test. What a test
+then runs (a recipe's ``main``, a test body on a process group) runs as it would in a fresh interpreter.
+
+The server starts on first use with the environment of :func:`rank_environment` (one torch thread, no hub),
+so the imports see what a recipe process started by the tests would see.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from multiprocessing.context import BaseContext
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: imported once by the server: what nearly every rank imports, and the lazy imports of a recipe's first
+#: run (the model classes, the tokenizer, checkpoints, the plot, megatron-core). Not vLLM: the ranks that
+#: use it import it (its import changes process-wide settings that other ranks should not inherit).
+PRELOAD = (
+    "tests.forkserver",
+    "tests.distributed",
+    "tests.recipes",
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.tokenization_utils_fast",
+    "safetensors.torch",
+    "matplotlib.pyplot",
+    "torch.utils.tensorboard",
+    "experiments.grpo",
+    "experiments.ppo",
+    "experiments.custom_algorithm",
+    "backends.training.megatron.engine",
+)
+
+_lock = threading.Lock()
+_context: BaseContext | None = None
+
+
+def rank_environment() -> dict[str, str]:
+    """What every rank's environment holds beyond the test process's: one torch thread per rank (two ranks
+    share CI's two cores), no hub, this checkout first on the path (for the ranks' own child processes)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg",
+            "PYTHONPATH": path}
+
+
+def context() -> BaseContext:
+    """The forkserver context (the server starts with the first process made from it)."""
+    global _context
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(list(PRELOAD))
+            saved = dict(os.environ)
+            os.environ.update(rank_environment())
+            try:  # the server reads the environment once, when it starts
+                from multiprocessing import forkserver
+
+                forkserver.ensure_running()
+            finally:
+                os.environ.clear()
+                os.environ.update(saved)
+            _context = ctx
+        return _context
