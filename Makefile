@@ -52,9 +52,10 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
-## The fast set (about a minute): single-process unit and property tests, no process groups of ranks.
+## The fast set (about a minute): single-process unit and property tests (no process groups of ranks, no vLLM
+## engine), spread over the machine's cores.
 test-fast: $(TEST_STAMP)
-	$(PY) -m pytest -m "not slow and not distributed" --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not slow and not distributed and not vllm" -n auto --durations=20 $(PYTEST_ARGS)
 
 ## On a machine with CUDA GPUs (a venv with the CUDA torch and vLLM, BUILD.md "GPU clusters"): the gpu-marked
 ## tests, then a short GRPO run with every installed rollout engine in bf16 on every GPU, with its numbers.

@@ -16,8 +16,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
+import traceback
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,3 +76,37 @@ def context() -> BaseContext:
                 os.environ.update(saved)
             _context = ctx
         return _context
+
+
+def _call(fn: Callable[..., Any], args: tuple, conn: Any) -> None:
+    try:
+        conn.send(("ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - the caller raises it with the child's traceback
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def call_in_child(fn: Callable[..., Any], *args: Any, timeout: float = 300) -> Any:
+    """``fn(*args)`` in a process of its own (forked from the server), for what must not share this one's
+    state: a peak resident size, process-wide settings. Returns its result; its exception raises here."""
+    ctx = context()
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_call, args=(fn, args, child))
+    proc.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not return within {timeout:.0f} s")
+        status, value = parent.recv()
+    except EOFError:
+        proc.join(timeout=10)
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)}'s process ended without a result (exit code {proc.exitcode})")
+    finally:
+        if proc.is_alive():
+            proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+    if status == "error":
+        raise RuntimeError(f"{getattr(fn, '__name__', fn)} failed in its process:\n{value}")
+    return value

@@ -114,7 +114,7 @@ class RecipeJob:
                                 GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
                                 MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
                                 TORCHELASTIC_RUN_ID="none")
-            module = f"experiments.{recipe.stem}"
+            module = ".".join(recipe.resolve().relative_to(ROOT).with_suffix("").parts)
             proc = ctx.Process(target=_recipe_rank, args=(module, list(args), rank_env, str(self.out_dir / f"rank{rank}")))
             proc.start()
             self.ranks.append(proc)
@@ -172,7 +172,8 @@ class RecipeJob:
 
 
 def start(recipe: Path, *args: str, nproc: int = 1, environ: dict[str, str] | None = None) -> RecipeJob:
-    """Start the recipe's ``main`` on ``nproc`` forked ranks (see the module doc); ``environ`` adds to their environment."""
+    """Start the recipe's ``main`` on ``nproc`` forked ranks (see the module doc); ``environ`` adds to their environment.
+    ``recipe`` is any script of this checkout whose module has ``main(argv)`` (a recipe, a test's worker script)."""
     return RecipeJob(recipe, args, nproc, environ)
 
 

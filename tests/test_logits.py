@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
@@ -15,6 +12,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from rlfunc.logits import entropy_from_logits, logprobs_from_logits
+from tests.forkserver import call_in_child
 
 GOLDEN = load_file(str(pathlib.Path(__file__).parent / "golden" / "kl.safetensors"))
 CHUNKS = [None, 1, 3, 4, 1000]
@@ -262,42 +260,41 @@ def test_chunked_saves_only_the_logits(dtype):
             assert plain >= fp32_bytes  # at least the logits themselves
 
 
-_PEAK_SCRIPT = textwrap.dedent(
-    """
-    import sys, torch
-    from rlfunc.logits import logprobs_from_logits, entropy_from_logits
+def _status(key: str) -> int:  # kB -> bytes
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key + ":"))
 
-    def status(key):  # kB -> bytes
-        for line in open("/proc/self/status"):
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
 
-    def peak_during(run):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
-        base = status("VmRSS")
-        run()
-        return status("VmHWM") - base
+def _peak_during(run) -> int:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS counter (VmHWM) to the current RSS
+    base = _status("VmRSS")
+    run()
+    return _status("VmHWM") - base
 
-    which = sys.argv[1]
+
+def _chunked_and_plain_peaks(which: str) -> tuple[int, int, int]:
+    """In a process of its own: the peak-RSS rise of the chunked and the plain path, and the logits' bytes."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: large blocks are mapped, and leave when freed
     n, v = 256, 32000
     x = torch.randn(n, v, dtype=torch.bfloat16).requires_grad_()
     labels = torch.randint(0, v, (n,))
     if which == "logp":
-        fn = lambda cs: logprobs_from_logits(x, labels, chunk_size=cs)
+        fn = lambda cs: logprobs_from_logits(x, labels, chunk_size=cs)  # noqa: E731
     else:
-        fn = lambda cs: entropy_from_logits(x, chunk_size=cs)
+        fn = lambda cs: entropy_from_logits(x, chunk_size=cs)  # noqa: E731
     y = torch.randn(4, 64, requires_grad=True)  # warm-up: one-time allocations are not counted
     for cs in (None, 2):
         (logprobs_from_logits(y, labels[:4] % 64, chunk_size=cs).sum() + entropy_from_logits(y, chunk_size=cs).sum()).backward()
+
     def run(cs):
         fn(cs).sum().backward()
         x.grad = None
-    chunked = peak_during(lambda: run(8))  # 8 rows: 1 MiB per fp32 temporary
-    plain = peak_during(lambda: run(None))
-    print(chunked, plain, x.numel() * 2)
-    """
-)
+
+    chunked = _peak_during(lambda: run(8))  # 8 rows: 1 MiB per fp32 temporary
+    plain = _peak_during(lambda: run(None))
+    return chunked, plain, x.numel() * 2
 
 
 def _can_reset_peak_rss() -> bool:
@@ -314,16 +311,13 @@ def _can_reset_peak_rss() -> bool:
 def test_chunked_peak_memory_is_lower(which):
     """Peak resident memory of forward+backward on (256, 32000) bf16 logits (15.6 MiB).
 
-    In a fresh process, with glibc told to serve every large allocation with mmap
-    (``MALLOC_MMAP_THRESHOLD_``) so freed memory leaves the process, the peak RSS (``VmHWM``, reset through
+    In a process of its own, with glibc told to serve every large allocation with mmap
+    (``M_MMAP_THRESHOLD``) so freed memory leaves the process, the peak RSS (``VmHWM``, reset through
     ``/proc/self/clear_refs``) above the starting RSS is the true high-water mark of each call. The chunked
     path needs the bf16 gradient plus a few fp32 chunks; the plain path an fp32 copy of the logits, an
     fp32 softmax / gradient and more.
     """
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="1", PYTHONPATH=str(pathlib.Path(__file__).parents[1]))
-    res = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, which], capture_output=True, text=True, env=env, timeout=120)
-    assert res.returncode == 0, res.stderr
-    chunked, plain, logits_bytes = map(int, res.stdout.split())
+    chunked, plain, logits_bytes = call_in_child(_chunked_and_plain_peaks, which)
     # plain: > 3x the bf16 logits (an fp32 copy alone is 2x); chunked: the bf16 grad (1x) + a few fp32
     # chunk-sized temporaries, so well below 1.5x whatever the chunk count
     assert plain > 3 * logits_bytes, (chunked, plain, logits_bytes)

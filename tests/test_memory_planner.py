@@ -26,6 +26,7 @@ from backends.training.memory_planner import (
 )
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
+from tests.forkserver import call_in_child
 from tests.test_fsdp_engine import make_batch
 
 pytestmark = pytest.mark.packing
@@ -264,55 +265,71 @@ def test_offload_keeps_only_the_gathered_compute_copy(dirs):
     assert resident.activations == est.activations and resident.training_state > est.training_state
 
 
-#: what the peak-memory tests' fresh processes share: /proc/self/status readings and a batch
-_PEAK_PRELUDE = """
-import sys, torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
-from backends.training.hf_forward import forward_micro_batch
-from rlfunc.batch import RolloutBatch
-
-def status(key):
+def _status(key: str) -> int:
+    """A ``/proc/self/status`` reading in bytes."""
     return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith(key))
 
-def batch(rows, p, t):
-    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))
-    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)
+
+def _peak_batch(rows: int, p: int, t: int) -> RolloutBatch:
+    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))  # noqa: E731
+    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)  # noqa: E731
     return RolloutBatch(prompt_ids=ids(p), prompt_mask=ones(p), response_ids=ids(t), response_mask=ones(t),
                         group_ids=torch.arange(rows))
-"""
 
-_FORWARD_PEAK = _PEAK_PRELUDE + """
-cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
-model = Qwen2ForCausalLM(cfg).to(getattr(torch, sys.argv[1])).eval()
-with torch.no_grad():
-    forward_micro_batch(model, batch(1, 8, 8), with_entropy=False)
-    big = batch(8, 8, 200)
+
+def _peak_model():
+    """A model whose vocabulary (32,000) is much wider than the model (64), as in real models."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True))
+
+
+def _forward_peak(dtype: str) -> int:
+    """In a process of its own: the rise of the peak resident size over a no-grad forward of the big batch."""
+    model = _peak_model().to(getattr(torch, dtype)).eval()
+    with torch.no_grad():
+        forward_micro_batch(model, _peak_batch(1, 8, 8), with_entropy=False)
+        big = _peak_batch(8, 8, 200)
+        open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
+        before = _status("VmRSS:")
+        forward_micro_batch(model, big, with_entropy=False)
+    return _status("VmHWM:") - before
+
+
+def _update_peak(chunk: int | None, entropy: bool) -> int:
+    """In a process of its own: the rise of the peak resident size over the big batch's forward and backward."""
+    model = _peak_model().train()
+
+    def step(b):
+        out = forward_micro_batch(model, b, with_entropy=entropy, chunk_rows=chunk)
+        loss = (out.logprobs * b.response_mask).sum()
+        if entropy:
+            loss = loss + (out.entropy * b.response_mask).sum()
+        loss.backward()
+
+    step(_peak_batch(1, 8, 8))
+    big = _peak_batch(8, 8, 200)
     open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
-    before = status("VmRSS:")
-    forward_micro_batch(model, big, with_entropy=False)
-print(status("VmHWM:") - before)
-"""
+    before = _status("VmRSS:")
+    step(big)
+    return _status("VmHWM:") - before
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_reference_forward_peak_matches_a_log_prob_pass(dtype):
     """A forward without gradients keeps no activations; with a vocabulary much wider than the model
     (as in real models) its peak is the logits, their fp32 upcast and logsumexp's temporary. Measured as
-    the rise of the peak resident size of a fresh process (blocks this large are mapped from the system
+    the rise of the peak resident size of a process of its own (blocks this large are mapped from the system
     and returned to it when freed, so resident size follows the live tensors)."""
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from transformers import Qwen2Config
 
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
-    out = subprocess.run([sys.executable, "-c", _FORWARD_PEAK, dtype], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[1])
-    measured = int(out.stdout.strip().splitlines()[-1])
+    measured = call_in_child(_forward_peak, dtype)
     cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, tie_word_embeddings=True)
     est = estimate(ModelShape.from_hf_config(cfg), Parallelism(),
@@ -353,28 +370,6 @@ def test_largest_micro_batch_keeps_the_checkpointing_setting(dirs):
         assert rows >= 1 and fits(rows) and not fits(rows + 1)
 
 
-_UPDATE_PEAK = _PEAK_PRELUDE + """
-chunk, entropy = (None if sys.argv[1] == "none" else int(sys.argv[1])), sys.argv[2] == "1"
-cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True)
-model = Qwen2ForCausalLM(cfg).train()
-
-def step(b):
-    out = forward_micro_batch(model, b, with_entropy=entropy, chunk_rows=chunk)
-    loss = (out.logprobs * b.response_mask).sum()
-    if entropy:
-        loss = loss + (out.entropy * b.response_mask).sum()
-    loss.backward()
-
-step(batch(1, 8, 8))
-big = batch(8, 8, 200)
-open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
-before = status("VmRSS:")
-step(big)
-print(status("VmHWM:") - before)
-"""
-
-
 @pytest.mark.parametrize("with_entropy", [False, True])
 def test_update_peak_of_the_logits_chunked_and_whole(with_entropy):
     """The forward and backward of a micro-batch whose logits dominate (vocabulary 32,000, hidden 64), fp32:
@@ -383,24 +378,16 @@ def test_update_peak_of_the_logits_chunked_and_whole(with_entropy):
     CPU's BLAS keeps fp32 temporaries beside the chunked backward that a GPU does not (on an H200 the planner
     met the update's peak within 1%: benchmarks/gpu_real_scale.py), hence the wide band here."""
     import os
-    import subprocess
-    import sys
-    from pathlib import Path
 
     from transformers import Qwen2Config
 
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
 
-    def measured(chunk: str) -> int:
-        out = subprocess.run([sys.executable, "-c", _UPDATE_PEAK, chunk, str(int(with_entropy))], capture_output=True,
-                             text=True, check=True, cwd=Path(__file__).resolve().parents[1])
-        return int(out.stdout.strip().splitlines()[-1])
-
     cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, tie_word_embeddings=True)
     shape = ModelShape.from_hf_config(cfg)
-    whole, chunked = measured("none"), measured("64")
+    whole, chunked = call_in_child(_update_peak, None, with_entropy), call_in_child(_update_peak, 64, with_entropy)
     assert chunked < (0.55 if with_entropy else 0.7) * whole  # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6
     for rows, peak in ((None, whole), (64, chunked)):
         est = estimate(shape, Parallelism(), Workload(micro_batch_rows=8, seq_len=208, response_len=200,

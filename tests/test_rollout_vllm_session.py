@@ -3,15 +3,13 @@
 One engine for the whole module (building one costs seconds). Its model has a longer context than
 tests/test_rollout_vllm.py's so that histories span more than one of vLLM's KV blocks (128 tokens on
 CPU): only whole blocks are prefix-cached, and the cache hits are part of what is checked. The
-tensor-parallel test runs this file under torchrun (``__main__`` below).
+tensor-parallel test runs this file's ``main`` on 2 ranks with torchrun's environment.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,7 +39,6 @@ from backends.rollout.vllm_session import (  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiturn]
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = TinyModelConfig(
     hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=320,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
@@ -334,10 +331,9 @@ def _tp_worker(out_dir: str) -> None:
 def test_tensor_parallel_ranks_share_one_engine(tmp_path):
     """Two ranks, one TP=2 engine: each rank's session gets its own rows; a refused input on one rank raises on
     both (and the engine still serves the next turn)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", __file__, str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    from tests.recipes import run
+
+    out = run(Path(__file__), str(tmp_path), nproc=2, timeout=600)
     assert out.returncode == 0, out.stderr[-6000:]
     assert "Traceback" not in out.stderr, out.stderr[-6000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
@@ -350,8 +346,13 @@ def test_tensor_parallel_ranks_share_one_engine(tmp_path):
     assert "continue_session: the inputs of rank 1 of the tensor-parallel group were refused" in r0["refused"]
 
 
+def main(argv: list[str]) -> None:
+    """The tensor-parallel test's ranks run this (``tests.recipes.run``)."""
+    _tp_worker(argv[0])
+
+
 if __name__ == "__main__":
-    _tp_worker(sys.argv[1])
+    main(sys.argv[1:])
 
 
 # --------------------------------------------------------------------------------------------------

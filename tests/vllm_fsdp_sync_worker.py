@@ -1,4 +1,5 @@
-"""Run by tests/test_rollout_vllm.py under ``torchrun --nproc_per_node 2``: FSDP2 actor -> vLLM weight sync.
+"""Run by tests/test_rollout_vllm.py on 2 ranks (``tests.recipes.run``, torchrun's environment): FSDP2 actor -> vLLM
+weight sync.
 
 vLLM is built from model A; the FSDP actor holds model B (another init). After streaming the actor's
 gathered weights into vLLM, vLLM's sampled-token log-probs must equal the actor's recomputed ones. Both sides
@@ -28,7 +29,7 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2
                        max_position_embeddings=64, initializer_range=0.2)
 
 
-def main(out_dir: Path, tp: int) -> None:
+def sync_and_check(out_dir: Path, tp: int) -> None:
     env = init_distributed()
     if env.is_main:
         write_tiny_model(out_dir / "model_a", TINY)
@@ -65,5 +66,9 @@ def main(out_dir: Path, tp: int) -> None:
     shutdown(env)
 
 
+def main(argv: list[str]) -> None:
+    sync_and_check(Path(argv[0]), int(argv[1]))
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(sys.argv[1:])
