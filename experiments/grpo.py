@@ -453,26 +453,30 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     """This rank's scored batch for ``step``, the example of each row, and sampling metrics (with
     ``environments``, multi-turn trajectories and their metrics).
 
-    Every round draws ``prompts_per_step`` prompts (this rank samples its share). With dynamic sampling, only
-    groups whose scores differ are kept, and rounds continue until every rank holds its share of informative
-    groups or ``algo.max_sampling_rounds`` is reached; a rank still short then fills up with the last round's
-    other groups (zero advantage: no gradient under GRPO). Every rank runs the same number of rounds.
+    Every round draws ``prompts_per_step`` prompts; each rank samples and scores its shard of them (megatron's
+    tensor / pipeline peers each one shard of their replica's prompts, gathered after: ``Engine.sample_shard``).
+    With dynamic sampling, only groups whose scores differ are kept, and rounds continue until every replica holds
+    its share of informative groups or ``algo.max_sampling_rounds`` is reached; a replica still short then fills up
+    with the last round's other groups (zero advantage: no gradient under GRPO). Every rank runs the same number of
+    rounds.
     """
-    dp_rank, dp_size = engine.data_parallel(actor)
-    share = cfg.prompts_per_step // dp_size
+    shard, shards = engine.sample_shard(actor)
+    share = cfg.prompts_per_step // engine.data_parallel(actor)[1]
     filler, rounds, drawn = GroupFiller(share), 0, 0
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if cfg.algo.dynamic_sampling else 2):
-        examples = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
+        examples = stream.take(cfg.prompts_per_step)[shard::shards]
         drawn += cfg.prompts_per_step
-        seed = round_seed(cfg.seed, step, rounds, dp_size, dp_rank)
-        groups = torch.arange(len(examples)) + (rounds - 1) * share
+        seed = round_seed(cfg.seed, step, rounds, shards, shard)
         episodes = sample(rollout, examples, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
-                          environments=environments, group_ids=groups, chat_template=cfg.data.chat_template)
-        batch = engine.share_batch(actor, episodes.batch)
-        rows = [examples[g - (rounds - 1) * share] for g in batch.group_ids.tolist()]
+                          environments=environments, group_ids=torch.arange(len(examples)),
+                          chat_template=cfg.data.chat_template)
+        rows = [examples[g] for g in episodes.batch.group_ids.tolist()]
         with watchdog.phase("reward", op="reward functions / reward model on the sampled responses"):
-            batch, reward_metrics = score_batch(batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
+            batch, reward_metrics = score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids,
+                                                reward_model)
         reward_metrics.update(episodes.metrics)
+        batch, rows = engine.replica_samples(actor, batch, rows)
+        batch = batch.replace(group_ids=batch.group_ids + (rounds - 1) * share)
         if not cfg.algo.dynamic_sampling:
             return batch, rows, mean_over_ranks(reward_metrics)
         filler.add(batch, rows)

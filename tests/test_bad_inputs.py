@@ -84,6 +84,13 @@ def small_state() -> State:
     return State(model, opt)
 
 
+def _attention(name: str, dtype: str) -> str:
+    """The attention an FSDP role on a GPU would load with (a device object only: the choice reads its type)."""
+    from backends.training.fsdp_state import FSDPConfig, attention_implementation
+
+    return attention_implementation(FSDPConfig(param_dtype=dtype, attn_implementation=name), torch.device("cuda", 0))
+
+
 def grpo_config(*overrides: str) -> Any:
     from experiments import grpo
 
@@ -296,6 +303,24 @@ CASES = [
          (r"steps: 'steps' must be >= 0: -1",), ("steps=-1", "a step count is >= 0 (0: evaluate only)")),
     Case("config-zero-prompts-per-step", lambda tmp, ctx: grpo_config("prompts_per_step=0"), ConfigError,
          (r"^prompts_per_step: 'prompts_per_step' must be >= 1: 0$",), ("prompts_per_step=0", "the key itself is named")),
+    Case("config-vllm-on-a-split",
+         lambda tmp, ctx: __import__("experiments.offpolicy_loop").offpolicy_loop.check_offpolicy(
+             grpo_config("offpolicy.rollout_ranks=1", "offpolicy.mode=one_step_off", "rollout.engine=vllm"), 2),
+         ConfigError, (r"rollout\.engine=vllm with offpolicy\.rollout_ranks=1", r"process groups over every rank",
+                       r"What works: rollout\.engine=native"),
+         ("`rollout.engine=vllm` with `offpolicy.rollout_ranks=1` (or PPO's `placement.mode=split`)",
+          "vLLM runs colocated only (it builds its groups over the whole world)")),
+    Case("config-flash-attention-fp32",
+         lambda tmp, ctx: _attention("flash_attention_2", "float32"),
+         ValueError, (r"attn_implementation=flash_attention_2 computes in fp16 / bf16 only, and param_dtype=float32",),
+         ("`actor.fsdp.attn_implementation=flash_attention_2` with `param_dtype=float32`",
+          "flash-attn computes in bf16 / fp16 (auto takes sdpa for fp32)")),
+    Case("node-hostname-loopback",
+         lambda tmp, ctx: __import__("backends.distributed.node_checks").distributed.node_checks.check_gloo_interface(
+             {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, hostname="localhost"),
+         RuntimeError, (r"node localhost \(rank 9 of a 16-rank run", r"a loopback address", r"GLOO_SOCKET_IFNAME"),
+         ("a node of a multi-node run whose hostname resolves to 127.x (or `GLOO_SOCKET_IFNAME` naming no interface)",
+          "gloo can bind to an address other nodes reach, before the group forms")),
     # ------------------------------------------------------------------------------------ data files
     Case("data-missing-file", lambda tmp, ctx: load([str(tmp / "nope.jsonl")], ctx), DataError,
          (r"nope\.jsonl: no such file",), ("a data file that is not there", "every file exists")),

@@ -29,6 +29,7 @@ from backends.models import (  # noqa: E402
 )
 from backends.rollout.common import SamplingConfig, TurnOutput  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm  # noqa: E402
+from backends.rollout.vllm_sleep import SleepState  # noqa: E402
 from backends.rollout.vllm_session import (  # noqa: E402
     VLLMSession,
     continue_session,
@@ -268,7 +269,7 @@ def test_bad_input_gives_clear_errors(setup):
         start_session(rollout, [[]], SamplingConfig(n=1), seed=0, max_slots=4)
     with pytest.raises(ValueError, match=r"unknown sampling option 'temprature'"):
         start_session(rollout, prompts_of(tok), {"temprature": 0.5}, seed=0, max_slots=4)
-    dropped = attrs.evolve(session, rollout=attrs.evolve(rollout, weights_dropped=True))
+    dropped = attrs.evolve(session, rollout=attrs.evolve(rollout, sleep_state=SleepState(weights_discarded=True)))
     with pytest.raises(RuntimeError, match="dropped by a level-2 sleep"):
         continue_session(dropped, [[], []], active=[True, True], max_new_tokens=[1, 1])
     with pytest.raises(TypeError, match="not a VLLMSession"):

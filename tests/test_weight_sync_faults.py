@@ -194,13 +194,15 @@ def test_vllm_failed_sync_keeps_the_previous_weights(vllm_setup, fault):
 
 
 @pytest.mark.vllm
+@pytest.mark.parametrize("staging", ["stream", "bucket"])
 @pytest.mark.parametrize("fault", ["producer raises after 3 tensors", "NaN in a late tensor", "stream ends early"])
-def test_vllm_streamed_sync_failure_is_refused_until_a_good_sync(vllm_setup, fault):
-    """``sync_staging=stream`` (no host copy): a bad tensor or a failing producer part-way leaves a mix, which the
-    engine refuses to generate with; the next complete sync restores it bit for bit."""
+def test_vllm_streamed_sync_failure_is_refused_until_a_good_sync(vllm_setup, fault, staging):
+    """``sync_staging=stream`` / ``bucket`` (no host copy; bucket is the GPU default): a bad tensor or a failing
+    producer part-way leaves a mix, which the engine refuses to generate with; the next complete sync restores it
+    bit for bit."""
     rollout_vllm, rollout, prompts, before, new, model = vllm_setup
     params = _engine_params(rollout)
-    streaming = attrs.evolve(rollout, config=attrs.evolve(rollout.config, sync_staging="stream"))
+    streaming = attrs.evolve(rollout, config=attrs.evolve(rollout.config, sync_staging=staging))
     stream, _, _ = _faults(new)[fault]
     with pytest.raises(RuntimeError, match="weight loading failed part-way .*refuses to generate"):
         rollout_vllm.sync_weights(streaming, stream())
@@ -237,3 +239,21 @@ def test_vllm_loader_failure_is_refused_until_a_good_sync(vllm_setup, monkeypatc
     back = rollout_vllm.sync_weights(synced, model.state_dict().items())
     _assert_same_vllm_engine(rollout_vllm, back, prompts, before, params)
     _report_timings("vllm")
+
+
+def test_bucketed_check_holds_back_the_bucket_with_a_bad_tensor():
+    """``sync_staging=bucket`` (the GPU default): each bucket is checked whole before the loader sees any of it,
+    so a NaN stops the stream at the start of its bucket; the buckets before it go through."""
+    from backends.rollout.weight_sync import bucketed_weights
+
+    tensors = [(f"model.layers.{i}.mlp.up_proj.weight", torch.ones(16, 16)) for i in range(6)]  # 1 KiB each
+    tensors[3] = (tensors[3][0], torch.full((16, 16), float("inf")))
+    seen = []
+    with pytest.raises(ValueError, match=r"'model.layers.3.mlp.up_proj.weight' holds NaN or Inf values"):
+        for name, _ in bucketed_weights(iter(tensors), None, strict=True, bucket_bytes=2048):
+            seen.append(name)
+    assert seen == [tensors[0][0], tensors[1][0]]  # bucket 1 (tensors 2, 3) was held back whole
+    assert [n for n, _ in bucketed_weights(iter(tensors[:3]), None, strict=True, bucket_bytes=2048)] == \
+        [n for n, _ in tensors[:3]]
+    with pytest.raises(KeyError, match="not a Hugging Face parameter name"):
+        list(bucketed_weights(iter([("layers.0.weight", torch.ones(1))]), None, strict=True))

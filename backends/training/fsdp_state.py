@@ -75,8 +75,9 @@ class FSDPConfig:
     #: chunked path, whose backward recomputes each chunk's softmax): the update keeps the logits alone, not
     #: their fp32 copy, softmax and gradients (about ten fp32 copies of a micro-batch's logits). 0: all at once
     logits_chunk_mib: float = attrs.field(default=256.0, validator=attrs.validators.ge(0))
-    #: the model's attention: auto (flash_attention_2 on a GPU with the flash-attn package, else sdpa), sdpa,
-    #: flash_attention_2, flash_attention_3, eager. Packed rows on a CPU run the packed-aware attention
+    #: the model's attention: auto (flash_attention_2 on a GPU with the flash-attn package when the compute dtype
+    #: is bf16 / fp16, which is all flash-attn runs; else sdpa), sdpa, flash_attention_2, flash_attention_3, eager.
+    #: Packed rows on a CPU run the packed-aware attention
     #: (backends/training/packed_attention.py)
     attn_implementation: str = "auto"
 
@@ -103,13 +104,18 @@ def compute_dtype(cfg: FSDPConfig, device: torch.device) -> torch.dtype:
 
 def attention_implementation(cfg: FSDPConfig, device: torch.device) -> str:
     """The attention the model is loaded with on ``device`` (see ``FSDPConfig.attn_implementation``); a flash
-    attention where it cannot run is an error naming the setting."""
+    attention where it cannot run is an error naming the setting. flash-attn computes in fp16 / bf16 only (its
+    kernels refuse fp32 inputs at the first forward), so ``auto`` takes SDPA for an fp32 compute dtype."""
     name = cfg.attn_implementation
+    half = compute_dtype(cfg, device) in (torch.float16, torch.bfloat16)
     if name == "auto":
-        return "flash_attention_2" if device.type == "cuda" and _flash_attention_installed() else "sdpa"
+        return "flash_attention_2" if device.type == "cuda" and half and _flash_attention_installed() else "sdpa"
     if name.startswith("flash_attention") and device.type != "cuda":
         raise ValueError(f"attn_implementation={name} needs a CUDA device (this process runs on {device.type}); "
                          "use sdpa or auto")
+    if name.startswith("flash_attention") and not half:
+        raise ValueError(f"attn_implementation={name} computes in fp16 / bf16 only, and param_dtype={cfg.param_dtype} "
+                         f"computes in {compute_dtype(cfg, device)}: use sdpa (or auto), or param_dtype=bfloat16")
     if name.startswith("flash_attention") and not _flash_attention_installed(name):
         raise ValueError(f"attn_implementation={name} needs the flash-attn package (pip install flash-attn), or use sdpa / auto")
     return name

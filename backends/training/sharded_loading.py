@@ -208,7 +208,11 @@ def fill_shards(
     staging buffer sized for the largest (padded) tensor, and scatters its dim-0 chunks over
     ``mesh.get_group()``; the other ranks never hold a full tensor. Every rank of the mesh must call
     this with the same plan. ``comm_device``: where the chunks travel (the mesh's device by default; the
-    process group's backend must take tensors there).
+    process group's backend must take tensors there). Every rank sends and receives on that one device, also
+    where its shards live elsewhere (FSDP2's CPU offload keeps them in host memory): under ``cpu:gloo,cuda:nccl``
+    the device picks the backend of each collective, and a rank receiving a CPU shard over gloo while the first
+    rank sends CUDA chunks over NCCL would wait forever. Such a rank receives into one chunk buffer on the
+    device and copies its rows into the shard.
     """
     group = mesh.get_group()
     size = dist.get_world_size(group)
@@ -221,7 +225,7 @@ def fill_shards(
         for name, stored, file in plan:
             param = params[name]
             full = _read(file, stored) if first else None
-            _scatter_rows(full, _local_shard(param, name), param, group, size, staging)
+            _scatter_rows(full, _local_shard(param, name), param, group, size, staging, device)
 
 
 def _local_shard(param: nn.Parameter, name: str) -> Tensor:
@@ -235,10 +239,12 @@ def _local_shard(param: nn.Parameter, name: str) -> Tensor:
 
 
 def _scatter_rows(
-    full: Tensor | None, local: Tensor, param: DTensor, group: Any, size: int, staging: _Staging | None
+    full: Tensor | None, local: Tensor, param: DTensor, group: Any, size: int, staging: _Staging | None,
+    device: torch.device,
 ) -> None:
     """Scatter ``full`` (on the group's rank 0, which passes ``staging``; None elsewhere) as ``size``
-    chunks of ``ceil(dim0 / size)`` rows, zero-padded at the end, into each rank's ``local`` rows."""
+    chunks of ``ceil(dim0 / size)`` rows, zero-padded at the end, into each rank's ``local`` rows; the
+    chunks travel on ``device`` on every rank."""
     shape = tuple(param.shape)
     rows = math.ceil(shape[0] / size)
     rank = dist.get_rank(group)
@@ -249,8 +255,7 @@ def _scatter_rows(
         local.copy_(full)
         return
     chunks = list(staging.padded(full, param.dtype, rows * size).chunk(size)) if staging is not None else None
-    device = staging.device if staging is not None else local.device
-    if length == rows and local.is_contiguous() and (staging is None or local.device == staging.device):
+    if length == rows and local.is_contiguous() and local.device == device:
         dist.scatter(local, chunks, group=group, group_src=0)  # straight into the shard: no buffer
         return
     chunk = torch.empty((rows, *shape[1:]), dtype=param.dtype, device=device)
