@@ -8,7 +8,8 @@ loaded and nothing else: no process group, no threads, no model, no state of any
 then runs (a recipe's ``main``, a test body on a process group) runs as it would in a fresh interpreter.
 
 The server starts on first use with the environment of :func:`rank_environment` (one torch thread, no hub),
-so the imports see what a recipe process started by the tests would see.
+so the imports see what a recipe process started by the tests would see. On a machine with CUDA the processes
+are ``spawn``-ed instead: a fork cannot use CUDA once its parent has initialised it.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def context() -> BaseContext:
     """The forkserver context (the server starts with the first process made from it)."""
     global _context
     with _lock:
+        if _context is None and _cuda_present():
+            # A fork cannot use CUDA once its parent initialised it, and importing the preloaded modules may do so
+            # (a GPU machine's tests are few): fresh interpreters there.
+            _context = multiprocessing.get_context("spawn")
         if _context is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(list(PRELOAD))
@@ -76,6 +81,12 @@ def context() -> BaseContext:
                 os.environ.update(saved)
             _context = ctx
         return _context
+
+
+def _cuda_present() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _call(fn: Callable[..., Any], args: tuple, conn: Any) -> None:
