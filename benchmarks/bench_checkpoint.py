@@ -56,7 +56,7 @@ def make_batch(rows: int, vocab: int, seed: int) -> RolloutBatch:
 
 
 def pg_loss(outputs, mb, norms):
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 def dir_bytes(path: Path) -> int:

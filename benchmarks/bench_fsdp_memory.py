@@ -70,7 +70,7 @@ def make_batch(rows: int, vocab: int, seed: int = 0, max_response: int = 32) -> 
 
 
 def pg_loss(outputs, mb, norms):
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 def _memory_fsdp(rank: int, world_size: int, model_dir: str, vocab: int) -> dict:

@@ -59,7 +59,7 @@ def long_tail_batch(rows: int, vocab: int, seed: int, max_response: int, group: 
 
 
 def pg_loss(outputs, mb, norms):
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 def _time_updates(states: dict, batches: list[RolloutBatch]) -> dict[str, list[float]]:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from rlfunc.checks import check_mask, check_same_shape
 from rlfunc.outcome_advantages import gpg, grpo, grpo_passk, opo, reinforce_pp_baseline, remax, rloo
+from rlfunc.signatures import with_defaults
 from rlfunc.token_advantages import discounted_reverse_cumsum, gae, reinforce_pp
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "grpo",
     "grpo_passk",
     "rloo",
+    "rloo_vectorized",
     "reinforce_pp_baseline",
     "opo",
     "gpg",
@@ -35,12 +37,26 @@ __all__ = [
 
 AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
 
+rloo_vectorized = with_defaults(
+    rloo,
+    "rloo_vectorized",
+    """verl's ``rloo_vectorized``: :func:`rloo` with verl's singleton rule, a group of one gets advantage 0.
+
+    verl's ``compute_rloo_vectorized_outcome_advantage`` (verl/trainer/ppo/core_algos.py) multiplies the
+    leave-one-out advantage by ``(c > 1)`` (``c`` the group's size), where its loop version
+    ``compute_rloo_outcome_advantage`` leaves a lone response its score; this is ``rloo(...,
+    singletons="zero")``. Everything else is :func:`rloo`'s.
+    """,
+    singletons="zero",
+)
+
 ADVANTAGE_ESTIMATORS: types.MappingProxyType[str, AdvantageEstimator] = types.MappingProxyType(
     {
         "gae": gae,
         "grpo": grpo,
         "grpo_passk": grpo_passk,
         "rloo": rloo,
+        "rloo_vectorized": rloo_vectorized,  # verl's name and singleton rule
         "reinforce_pp": reinforce_pp,
         "reinforce_pp_baseline": reinforce_pp_baseline,
         "remax": remax,
@@ -64,12 +80,11 @@ ADVANTAGE_ESTIMATOR_ALIASES: types.MappingProxyType[str, str] = types.MappingPro
         "reinforce_plus_plus": "reinforce_pp",
         "reinforce_plus_plus_baseline": "reinforce_pp_baseline",
         "grpo_vectorized": "grpo",
-        "rloo_vectorized": "rloo",
     }
 )
-"""verl's names that differ from ours -> our name (read-only). ``rloo_vectorized`` maps to :func:`rloo`;
-verl's vectorised RLOO gives a group of one 0, which is ``rloo(..., singletons="zero")``. Dr.GRPO is
-``grpo(..., norm_by_std=False)``."""
+"""verl's names that differ from ours -> our name, where the two compute the same (read-only). verl's
+``rloo_vectorized`` treats a group of one unlike its ``rloo`` and is an estimator of its own,
+:data:`rloo_vectorized`. Dr.GRPO is ``grpo(..., norm_by_std=False)``."""
 
 
 def get_advantage_estimator(name: str) -> AdvantageEstimator:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from rlfunc.checks import check_mask, check_same_shape
 from rlfunc.masked import masked_fill_zero
+from rlfunc.signatures import refuse_verl_keywords
 from rlfunc.tree import pytree_dataclass
 
 __all__ = ["AggMode", "AGG_MODES", "Normalizers", "local_normalizers", "aggregate"]
@@ -50,12 +51,19 @@ def local_normalizers(mask: Tensor) -> Normalizers:
     )
 
 
+@refuse_verl_keywords(
+    loss_mask="mask",
+    loss_agg_mode="mode",
+    dp_size="nothing: the backend owns the gradient reduction (module docstring); pass the global norms",
+    batch_num_tokens="norms (the global counts, rlfunc.Normalizers)",
+    global_batch_size="norms (the global counts, rlfunc.Normalizers)",
+)
 def aggregate(
     loss_mat: Tensor,
     mask: Tensor,
+    *,
     mode: AggMode = "token-mean",
     norms: Normalizers | None = None,
-    *,
     horizon: int | None = None,
 ) -> Tensor:
     r"""Aggregate ``loss_mat`` ``(b, t)`` over the true positions of ``mask`` ``(b, t)``.
@@ -72,6 +80,10 @@ def aggregate(
 
     ``norms=None`` uses this batch's own counts (no accumulation). Counts are clamped at 1, so an all-
     masked batch gives a loss of 0, not NaN.
+
+    ``mode``, ``norms`` and ``horizon`` are keyword-only: verl's ``agg_loss(loss_mat, loss_mask, loss_agg_mode,
+    dp_size, ...)`` has ``dp_size`` fourth, and a positional port would hand it to ``norms``; here it raises
+    ``TypeError``, as do verl's keywords (``loss_agg_mode=``, ``dp_size=``, ...).
     """
     check_same_shape("loss_mat", loss_mat, mask=mask)
     check_mask("mask", mask)

@@ -138,7 +138,7 @@ def kl_loss(
     _check_no_nan("logprobs", logprobs, mask)
     _check_no_nan("ref_logprobs", ref_logprobs, mask)
     kld = kl_penalty(logprobs, ref_logprobs=ref_logprobs, kind=kind)
-    loss = aggregate(kld, mask, agg, norms, horizon=horizon)
+    loss = aggregate(kld, mask, mode=agg, norms=norms, horizon=horizon)
     metrics = {"kl_loss": loss.detach(), "kl_mean": masked_mean(kld.detach(), mask)}
     return loss, metrics
 
@@ -240,7 +240,7 @@ def fixed_kl_controller(beta: float) -> KLControllerState:
     return KLControllerState(beta=_scalar("beta", beta))
 
 
-def adaptive_kl_controller(init_beta: float, target_kl: float, horizon: int | float) -> KLControllerState:
+def adaptive_kl_controller(init_beta: float, *, target_kl: float, horizon: int | float) -> KLControllerState:
     r"""Adaptive coefficient of Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593), verl's
     ``AdaptiveKLController`` (``algorithm.kl_ctrl.type=adaptive``, ``kl_coef``, ``target_kl``, ``horizon``).
 
@@ -257,7 +257,7 @@ def adaptive_kl_controller(init_beta: float, target_kl: float, horizon: int | fl
 
 
 def update_kl_controller(
-    state: KLControllerState, observed_kl: float | Tensor, n_steps: int | Tensor
+    state: KLControllerState, *, observed_kl: float | Tensor, n_steps: int | Tensor
 ) -> KLControllerState:
     r"""Return the controller state after observing ``observed_kl`` over ``n_steps`` samples.
 

@@ -45,7 +45,7 @@ def masked_fill_zero(x: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+def masked_sum(x: Tensor, mask: Tensor, *, dim: Dim = None) -> Tensor:
     """Sum of ``x`` over the positions where ``mask`` is true."""
     _check_dim(dim)
     check_same_shape("x", x, mask=mask)
@@ -56,15 +56,15 @@ def _count(mask: Tensor, dim: Dim, dtype: torch.dtype) -> Tensor:
     return mask.sum(dim=dim).to(dtype)
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: Dim = None) -> Tensor:
+def masked_mean(x: Tensor, mask: Tensor, *, dim: Dim = None) -> Tensor:
     """Mean over the masked positions; 0 where the mask is empty."""
     _check_dim(dim)
-    total = masked_sum(x, mask, dim)
+    total = masked_sum(x, mask, dim=dim)
     count = _count(mask, dim, total.dtype)
     return total / count.clamp(min=1)
 
 
-def masked_var(x: Tensor, mask: Tensor, dim: Dim = None, *, unbiased: bool = True) -> Tensor:
+def masked_var(x: Tensor, mask: Tensor, *, dim: Dim = None, unbiased: bool = True) -> Tensor:
     """Variance over the masked positions (Bessel-corrected when ``unbiased``; 0 with < 2 elements).
 
     verl's ``masked_var`` divides by ``count - 1`` and raises on an empty mask; here an empty or
@@ -73,7 +73,7 @@ def masked_var(x: Tensor, mask: Tensor, dim: Dim = None, *, unbiased: bool = Tru
     """
     _check_dim(dim)
     x = masked_fill_zero(x, mask)  # NaN outside the mask would otherwise poison the gradient of the mean
-    mean = masked_mean(x, mask, dim)
+    mean = masked_mean(x, mask, dim=dim)
     mean = mean if dim is None else mean.unsqueeze(dim) if isinstance(dim, int) else _unsqueeze_all(mean, dim)
     centered_sq = masked_fill_zero((x - mean) ** 2, mask)
     total = centered_sq.sum(dim=dim)
@@ -123,7 +123,7 @@ def masked_whiten(
     return whitened
 
 
-def masked_moments(x: Tensor, mask: Tensor, center: Tensor | None = None) -> Tensor:
+def masked_moments(x: Tensor, mask: Tensor, *, center: Tensor | None = None) -> Tensor:
     """``[count, sum, sum of squares about center]`` over the masked positions, as one ``(3,)`` tensor.
 
     Summable across shards: all-reduce the first two with ``center=None`` to get the global mean, then

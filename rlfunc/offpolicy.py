@@ -27,6 +27,7 @@ from torch import Tensor
 from rlfunc.aggregation import AggMode, Normalizers, aggregate
 from rlfunc.checks import bind, check_floating, check_mask
 from rlfunc.masked import masked_mean
+from rlfunc.signatures import VERL_POLICY_LOSS_KEYWORDS, refuse_verl_keywords
 
 __all__ = ["decoupled_ppo_policy_loss"]
 
@@ -68,6 +69,7 @@ def _behaviour_weights(
     return log_weight, weight, capped
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def decoupled_ppo_policy_loss(
     logprobs: Tensor,
     *,
@@ -79,6 +81,7 @@ def decoupled_ppo_policy_loss(
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    seed: int = 0,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -124,7 +127,7 @@ def decoupled_ppo_policy_loss(
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_low, 1.0 + high) * advantages)
     if dual_clip is not None:
         surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
-    loss = -aggregate(surrogate * token_weight, response_mask, agg, norms, horizon=horizon)
+    loss = -aggregate(surrogate * token_weight, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = response_mask.sum().clamp(min=1)

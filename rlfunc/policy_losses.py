@@ -1,13 +1,23 @@
 r"""Policy-gradient losses for language-model RL: PPO and its relatives, over per-token tensors.
 
-Every loss has the same shape of signature::
+Every loss takes one uniform call, what a training loop passes, plus its own knobs::
 
     loss, metrics = loss_fn(logprobs, *, old_logprobs=..., advantages=..., response_mask=...,
-                            <its own knobs>, agg=..., norms=None, horizon=None, is_weights=None)
+                            behaviour_logprobs=None, is_weights=None, agg=..., norms=None, horizon=None,
+                            seed=0, <its own knobs>)
+
+so a loop calls every loss the same way and never tests a loss's name; a loss ignores the keywords it has
+no use for (``behaviour_logprobs`` is read by ``decoupled_ppo`` only, ``seed`` by ``clip_cov`` only, the one
+loss that draws random numbers: pass a different seed per step). A user's own loss takes the same call.
 
 Everything after ``logprobs`` is keyword-only. verl's ``compute_policy_loss_*(old_log_prob, log_prob,
 advantages, response_mask, ...)`` puts the old log-probs first: a positional port of such a call would
-swap the two and silently give a different loss; here it raises ``TypeError``.
+swap the two and silently give a different loss; here it raises ``TypeError``, and so does a by-name port
+with verl's keywords (``old_log_prob=``, ``loss_agg_mode=``, ``config=``, ...), naming the keywords to use.
+
+- ``behaviour_logprobs`` ``(b t)``: log-probs of the policy that sampled the tokens (asynchronous RL);
+  ``seed``: the random loss's seed (the loop passes one per step, so steps draw different tokens and a
+  resumed run draws what an uninterrupted one would).
 
 - ``logprobs`` ``(b t)``: log-probabilities of the sampled tokens under the policy being trained
   (differentiable); ``old_logprobs`` ``(b t)``: the same under the policy that produced the batch;
@@ -53,9 +63,11 @@ from rlfunc.aggregation import AggMode, Normalizers, aggregate
 from rlfunc.checks import bind, check_floating, check_mask
 from rlfunc.masked import masked_mean, masked_sum
 from rlfunc.offpolicy import decoupled_ppo_policy_loss
+from rlfunc.signatures import VERL_POLICY_LOSS_KEYWORDS, refuse_verl_keywords, with_defaults
 
 __all__ = [
     "ppo_policy_loss",
+    "vanilla_policy_loss",
     "gspo_policy_loss",
     "sapo_policy_loss",
     "cispo_policy_loss",
@@ -146,15 +158,18 @@ def _zero(like: Tensor) -> Tensor:
 # PPO
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def ppo_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    seed: int = 0,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -189,8 +204,8 @@ def ppo_policy_loss(
     - ``ppo_kl`` [``actor/ppo_kl``]: mean of :math:`\log\pi_{old} - \log\pi`.
 
     Differences from verl: verl always applies dual clip (``clip_ratio_c``, default 3.0, cannot be
-    turned off); here ``dual_clip=None`` (the default) turns it off; pass ``dual_clip=3.0`` for
-    verl's behaviour.
+    turned off); here ``dual_clip=None`` (the default) turns it off; pass ``dual_clip=3.0``, or use
+    :data:`vanilla_policy_loss` (``POLICY_LOSSES["vanilla"]``), for verl's behaviour.
     """
     _check_inputs(logprobs, old_logprobs, advantages, response_mask, is_weights)
     low, high = _clip_bounds(clip_low, clip_high)
@@ -212,7 +227,7 @@ def ppo_policy_loss(
         upper = negative * neg_upper + non_negative * pos_upper
     clipped_log_ratio = torch.clamp(log_ratio, lower, upper)
     surrogate = _apply_is_weights(torch.exp(clipped_log_ratio) * advantages, is_weights)
-    loss = -aggregate(surrogate, response_mask, agg, norms, horizon=horizon)
+    loss = -aggregate(surrogate, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = _token_count(response_mask)
@@ -231,14 +246,17 @@ def ppo_policy_loss(
 # GSPO
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def gspo_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    seed: int = 0,
     agg: AggMode = "seq-mean-token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -274,7 +292,7 @@ def gspo_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
     loss_mat = _apply_is_weights(torch.maximum(unclipped, clipped), is_weights)
-    loss = aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = _token_count(response_mask)
@@ -289,14 +307,17 @@ def gspo_policy_loss(
 # SAPO
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def sapo_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
+    seed: int = 0,
     agg: AggMode = "seq-mean-token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -328,7 +349,7 @@ def sapo_policy_loss(
     tau = torch.where(advantages > 0, _scalar(tau_pos, ratio), _scalar(tau_neg, ratio))
     gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
     loss_mat = _apply_is_weights(-gate * advantages, is_weights)
-    loss = aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         metrics = {"ppo_kl": -log_ratio.sum() / _token_count(response_mask)}
@@ -339,14 +360,17 @@ def sapo_policy_loss(
 # CISPO
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def cispo_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    seed: int = 0,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -375,7 +399,7 @@ def cispo_policy_loss(
         weight = ratio.clamp(1.0 - low, 1.0 + high)
     safe_logprobs = torch.where(response_mask, logprobs, 0.0)
     loss_mat = _apply_is_weights(-(weight * advantages) * safe_logprobs, is_weights)
-    loss = aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = _token_count(response_mask)
@@ -391,12 +415,15 @@ def cispo_policy_loss(
 # GPG
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def gpg_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
+    seed: int = 0,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -410,7 +437,7 @@ def gpg_policy_loss(
     _check_inputs(logprobs, old_logprobs, advantages, response_mask, is_weights)
     safe_logprobs = torch.where(response_mask, logprobs, 0.0)
     loss_mat = _apply_is_weights(-safe_logprobs * advantages, is_weights)
-    return aggregate(loss_mat, response_mask, agg, norms, horizon=horizon), {}
+    return aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon), {}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -436,12 +463,14 @@ def _selection_size(ratio: float, response_mask: Tensor) -> Tensor:
     return torch.floor(response_mask.sum().to(torch.float64) * ratio).clamp(min=1)
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def clip_cov_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     clip_cov_ratio: float = 0.0002,
@@ -497,7 +526,7 @@ def clip_cov_policy_loss(
 
     loss_mat = torch.where(picked, 0.0, torch.maximum(unclipped, clipped))
     loss_mat = _apply_is_weights(loss_mat, is_weights)
-    loss = aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = _token_count(response_mask)
@@ -505,14 +534,17 @@ def clip_cov_policy_loss(
     return loss, metrics
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def kl_cov_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     kl_cov_ratio: float = 0.0002,
     ppo_kl_coef: float = 0.1,
+    seed: int = 0,
     agg: AggMode = "token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -548,7 +580,7 @@ def kl_cov_policy_loss(
 
     loss_mat = torch.where(picked, surrogate + ppo_kl_coef * abs_log_ratio, surrogate)
     loss_mat = _apply_is_weights(loss_mat, is_weights)
-    loss = aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = _token_count(response_mask)
@@ -560,14 +592,17 @@ def kl_cov_policy_loss(
 # GMPO
 
 
+@refuse_verl_keywords(**VERL_POLICY_LOSS_KEYWORDS)
 def gmpo_policy_loss(
     logprobs: Tensor,
     *,
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
+    behaviour_logprobs: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float | None = None,
+    seed: int = 0,
     agg: AggMode = "seq-mean-token-mean",
     norms: Normalizers | None = None,
     horizon: int | None = None,
@@ -619,7 +654,7 @@ def gmpo_policy_loss(
         log_w = torch.log(is_weights.detach() + 1e-10)
         seq_loss = seq_loss * torch.exp(masked_sum(log_w, response_mask, dim=-1) / lengths)
     loss_mat = seq_loss.unsqueeze(-1).expand_as(log_ratio)
-    loss = aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = _token_count(response_mask)
@@ -632,13 +667,27 @@ def gmpo_policy_loss(
     return loss, metrics
 
 
+vanilla_policy_loss = with_defaults(
+    ppo_policy_loss,
+    "vanilla_policy_loss",
+    """verl's ``vanilla`` policy loss: :func:`ppo_policy_loss` with verl's defaults, dual clip on at 3.0.
+
+    verl's ``compute_policy_loss_vanilla`` (verl/trainer/ppo/core_algos.py) reads
+    ``config.get("clip_ratio_c", 3.0)`` and always applies the dual clip; a port that asks for ``"vanilla"``
+    gets that behaviour here too (``dual_clip=None`` turns it off, which verl cannot). Everything else,
+    arguments and metrics included, is :func:`ppo_policy_loss`'s.
+    """,
+    dual_clip=3.0,
+)
+
+
 # ----------------------------------------------------------------------------------------------------
 # registry
 
 POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(
     {
         "ppo": ppo_policy_loss,
-        "vanilla": ppo_policy_loss,  # verl's name
+        "vanilla": vanilla_policy_loss,  # verl's name and defaults
         "gspo": gspo_policy_loss,
         "sapo": sapo_policy_loss,
         "cispo": cispo_policy_loss,
@@ -651,8 +700,8 @@ POLICY_LOSSES: Mapping[str, PolicyLossFn] = MappingProxyType(
     }
 )
 """The built-in policy losses by name: a read-only mapping (``types.MappingProxyType``). verl's
-``policy_loss.loss_mode`` names are keys too. Every loss takes ``logprobs`` positionally and everything
-else by keyword.
+``policy_loss.loss_mode`` names are keys too, with verl's defaults (``vanilla`` has dual clip on at 3.0;
+``ppo`` is the same loss with it off). Every loss takes the uniform call of the module docstring.
 
 Nothing registers into it: rlfunc holds no mutable global state. A user's own loss is named in a recipe
 config by reference (``package.module:function`` or ``path/to/file.py:function``) and resolved outside

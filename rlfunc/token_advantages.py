@@ -92,7 +92,7 @@ def _scan(x: Tensor, discount: float, *, owned: bool = False) -> Tensor:
     return y if nb * _BLOCK == t else y[:, :t]
 
 
-def discounted_reverse_cumsum(x: Tensor, discount: float) -> Tensor:
+def discounted_reverse_cumsum(x: Tensor, *, discount: float) -> Tensor:
     r"""Discounted reward-to-go along the last axis: :math:`y_t = \sum_{s \ge t} c^{s-t} x_s`.
 
     Equivalently the reverse recursion :math:`y_t = x_t + c\,y_{t+1}`, :math:`y_T = 0`, computed without a

@@ -12,12 +12,19 @@ from torch import Tensor
 
 from rlfunc.aggregation import AggMode, Normalizers, aggregate
 from rlfunc.checks import bind, check_floating, check_mask
+from rlfunc.signatures import refuse_verl_keywords
 
 __all__ = ["value_loss"]
 
 
+@refuse_verl_keywords(
+    vpreds="new_values (the first argument: the prediction being trained)",
+    values="old_values (verl's `values` is the prediction when the batch was collected)",
+    cliprange_value="clip_range",
+    loss_agg_mode="agg",
+)
 def value_loss(
-    values: Tensor,
+    new_values: Tensor,
     *,
     old_values: Tensor,
     returns: Tensor,
@@ -40,15 +47,18 @@ def value_loss(
     :math:`V_{old} \pm \epsilon` only where that reduces the error. ``clip_range=None`` gives the
     plain :math:`\tfrac12 (V - R)^2`.
 
-    Shapes: ``values``, ``old_values``, ``returns``, ``response_mask`` (bool) all ``(b t)``.
+    Shapes: ``new_values``, ``old_values``, ``returns``, ``response_mask`` (bool) all ``(b t)``.
 
     Metrics (verl's ``critic/*`` key in brackets): ``vf_clipfrac`` [``vf_clipfrac``]: tokens where the
     clipped error is the larger one (0 when unclipped); ``vpred_mean`` [``vpred_mean``]: masked mean of
-    ``values``.
+    ``new_values``.
 
-    Everything after ``values`` is keyword-only: verl's ``compute_value_loss(vpreds, returns, values, ...)``
-    orders the tensors (new, returns, old), so a positional port would swap the old values and the
-    returns and silently give a different loss; here it raises ``TypeError``.
+    Names that cannot be mixed up with verl's: verl's ``compute_value_loss(vpreds, returns, values, ...)``
+    (verl/trainer/ppo/core_algos.py) calls the new prediction ``vpreds`` and the *old* one ``values``, in the
+    order (new, returns, old). Here the tensors are ``new_values`` and ``old_values``, everything after
+    ``new_values`` is keyword-only (a positional port raises ``TypeError``), and a by-name port with verl's
+    keywords (``vpreds=``, ``values=``, ``cliprange_value=``, ``loss_agg_mode=``) raises ``TypeError`` naming
+    these, instead of computing a different loss.
 
     Other differences from verl: ``clip_range`` defaults to 0.2 (verl's critic config
     default ``cliprange_value`` is 0.5) and may be ``None``; no ``dp_size`` factor (see
@@ -56,35 +66,35 @@ def value_loss(
     """
     bind(
         {
-            "values": (values, "b t"),
+            "new_values": (new_values, "b t"),
             "old_values": (old_values, "b t"),
             "returns": (returns, "b t"),
             "response_mask": (response_mask, "b t"),
         }
     )
     check_mask("response_mask", response_mask)
-    for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
+    for name, x in (("new_values", new_values), ("old_values", old_values), ("returns", returns)):
         check_floating(name, x)
     if clip_range is not None and not clip_range >= 0:
         raise ValueError(f"clip_range must be >= 0 or None, got {clip_range}")
 
     # Select before squaring: NaN in padding stays out of the forward and the backward.
-    error = torch.where(response_mask, values - returns, 0.0)
+    error = torch.where(response_mask, new_values - returns, 0.0)
     sq_error = error.square()
     if clip_range is None:
         loss_mat = sq_error
         clipped_wins = None
     else:
-        clipped_values = torch.clamp(values, old_values - clip_range, old_values + clip_range)
+        clipped_values = torch.clamp(new_values, old_values - clip_range, old_values + clip_range)
         clipped_sq_error = torch.where(response_mask, clipped_values - returns, 0.0).square()
         loss_mat = torch.maximum(sq_error, clipped_sq_error)
         clipped_wins = clipped_sq_error > sq_error  # padding: 0 > 0 is false
-    loss = 0.5 * aggregate(loss_mat, response_mask, agg, norms, horizon=horizon)
+    loss = 0.5 * aggregate(loss_mat, response_mask, mode=agg, norms=norms, horizon=horizon)
 
     with torch.no_grad():
         count = response_mask.sum().clamp(min=1)
         metrics = {
             "vf_clipfrac": clipped_wins.sum() / count if clipped_wins is not None else torch.zeros_like(loss),
-            "vpred_mean": torch.where(response_mask, values, 0.0).sum() / count,
+            "vpred_mean": torch.where(response_mask, new_values, 0.0).sum() / count,
         }
     return loss, metrics

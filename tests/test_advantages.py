@@ -207,11 +207,11 @@ def test_discounted_reverse_cumsum_long_and_extreme_discounts():
     x = torch.randn(3, 1100, generator=torch.Generator().manual_seed(0))
     full = torch.ones_like(x, dtype=torch.bool)
     for c in [1.0, 0.999, 0.5, 1e-3, 0.0]:
-        out = discounted_reverse_cumsum(x, c)
+        out = discounted_reverse_cumsum(x, discount=c)
         expected = ref_reward_to_go(x, full, c).float()
         scale = max(1.0, float(expected.abs().max()))
         close(out, expected, atol=2e-6 * scale)
-    close(discounted_reverse_cumsum(x, 0.0), x, atol=0.0)
+    close(discounted_reverse_cumsum(x, discount=0.0), x, atol=0.0)
 
 
 def test_scan_stays_exact_when_fp32_matmuls_may_be_reduced():
@@ -220,7 +220,7 @@ def test_scan_stays_exact_when_fp32_matmuls_may_be_reduced():
     previous = torch.get_float32_matmul_precision()
     try:
         torch.set_float32_matmul_precision("medium")  # allows bf16 / TF32 inside fp32 matmuls
-        out = discounted_reverse_cumsum(x, 0.99)
+        out = discounted_reverse_cumsum(x, discount=0.99)
     finally:
         torch.set_float32_matmul_precision(previous)
     assert out.dtype == torch.float32
@@ -253,8 +253,8 @@ def test_inputs_are_not_modified():
     m_prefix = torch.arange(40)[None, :] < torch.tensor([[40], [7], [0]])
     gae(r, values=v, response_mask=m_prefix, gamma=0.9, lam=0.9)
     reinforce_pp(r, response_mask=m_prefix, gamma=0.9)
-    discounted_reverse_cumsum(r, 0.9)
-    discounted_reverse_cumsum(r[:, :32], 0.9)
+    discounted_reverse_cumsum(r, discount=0.9)
+    discounted_reverse_cumsum(r[:, :32], discount=0.9)
     s, g = torch.randn(3, generator=gen), torch.tensor([1, 1, 2])
     s_copy, g_copy = s.clone(), g.clone()
     for fn in OUTCOME.values():
@@ -479,7 +479,7 @@ def test_gae_autograd_fast_path_equals_func_grad_general_path():
     close(g_r, a_r, atol=1e-5)
     close(g_v, a_v, atol=1e-5)
     x = torch.randn(3, 100, generator=gen)
-    f = lambda y: (discounted_reverse_cumsum(y, 0.9) * x).sum()  # noqa: E731
+    f = lambda y: (discounted_reverse_cumsum(y, discount=0.9) * x).sum()  # noqa: E731
     x_ = x.clone().requires_grad_()
     close(torch.func.grad(f)(x), torch.autograd.grad(f(x_), x_)[0], atol=1e-5)
 
@@ -600,10 +600,12 @@ def test_golden_aliases_resolve_to_the_same_numbers(golden):
         get_advantage_estimator("grpo_vectorized")(s, group_ids=ids, response_mask=m)[0],
         golden["grpo_vectorized/advantages"],
     )
+    # verl's rloo_vectorized gives a group of one 0 (its loop version gives it its score): with its own defaults
     rloo_vectorized = get_advantage_estimator("rloo_vectorized")
-    close(
-        rloo_vectorized(s, group_ids=ids, response_mask=m, singletons="zero")[0], golden["rloo_vectorized/advantages"]
-    )
+    close(rloo_vectorized(s, group_ids=ids, response_mask=m)[0], golden["rloo_vectorized/advantages"])
+    singleton = torch.tensor([0, 0, 1]), torch.tensor([1.0, 2.0, 5.0]), torch.ones(3, 2, dtype=torch.bool)
+    close(rloo_vectorized(singleton[1], group_ids=singleton[0], response_mask=singleton[2])[0][2], torch.zeros(2))
+    close(rloo(singleton[1], group_ids=singleton[0], response_mask=singleton[2])[0][2], torch.full((2,), 5.0))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -613,7 +615,8 @@ def test_golden_aliases_resolve_to_the_same_numbers(golden):
 
 def test_registry():
     assert set(ADVANTAGE_ESTIMATORS) == {
-        "gae", "grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "opo", "gpg"
+        "gae", "grpo", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_pp", "reinforce_pp_baseline", "remax",
+        "opo", "gpg",
     }
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         assert get_advantage_estimator(name) is fn

@@ -528,7 +528,7 @@ def _batch(seed: int, rows: int = 4):
 def _pg_loss(outputs, mb, norms):
     from rlfunc.aggregation import aggregate
 
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 def _full_snapshot(state) -> dict[str, torch.Tensor]:

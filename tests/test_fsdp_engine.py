@@ -59,7 +59,7 @@ def rank_rows(batch: RolloutBatch, rank: int, world_size: int) -> RolloutBatch:
 
 def pg_loss(outputs: ModelOutputs, mb: RolloutBatch, norms, mode: str = "token-mean"):
     """A REINFORCE-style loss aggregated with the global normalisers."""
-    loss = aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode, norms)
+    loss = aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode=mode, norms=norms)
     return loss, {"seen_num_tokens": norms.num_tokens, "seen_num_seqs": norms.num_seqs}
 
 
@@ -85,7 +85,7 @@ def reference_updates(model_dir, batches, mode: str, optim_cfg: OptimConfig = OP
     losses, norms, grads = [], [], []
     for step, batch in enumerate(batches):
         logprobs = hf_logprobs(model, batch)
-        loss = aggregate(-batch.advantages * logprobs, batch.response_mask, mode)
+        loss = aggregate(-batch.advantages * logprobs, batch.response_mask, mode=mode)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.clip_grad)))
         grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})

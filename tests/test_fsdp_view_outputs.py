@@ -59,7 +59,7 @@ def multi_turn_batch(rows: int = 8, prompt: int = 4, response: int = 10) -> Roll
 
 
 def pg_loss(outputs: ModelOutputs, mb: RolloutBatch, norms) -> tuple[torch.Tensor, dict]:
-    return aggregate(-mb.advantages * outputs.logprobs, loss_tokens(mb), "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, loss_tokens(mb), mode="token-mean", norms=norms), {}
 
 
 def _sharded_update(rank: int, world_size: int, model_dir: str) -> dict:

@@ -67,7 +67,7 @@ def hf_values(model, batch: RolloutBatch) -> torch.Tensor:
 def _pg_loss(outputs, mb, norms):
     from rlfunc.aggregation import aggregate
 
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 # ------------------------------------------------------------------------------- 2 ranks, FSDP2 export

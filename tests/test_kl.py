@@ -137,15 +137,15 @@ def test_reward_penalty_and_adaptive_controller_match_verl(kind):
     assert rewards.dtype == torch.float32 and observed.shape == ()
     close(rewards, GOLDEN[f"reward_kl/{kind}/token_rewards"])
     close(observed.double(), GOLDEN[f"reward_kl/{kind}/observed_kl"])
-    new = update_kl_controller(ctrl, observed, n_steps=mask.shape[0])
+    new = update_kl_controller(ctrl, observed_kl=observed, n_steps=mask.shape[0])
     close(new.beta, GOLDEN[f"reward_kl/{kind}/beta_after"], tol=1e-9)
 
 
 def test_adaptive_controller_sequence_matches_verl():
-    state = adaptive_kl_controller(0.1, 0.03, 500)
+    state = adaptive_kl_controller(0.1, target_kl=0.03, horizon=500)
     betas = []
     for kl, n in zip(GOLDEN["ctrl/observed_kl"], GOLDEN["ctrl/n_steps"]):
-        state = update_kl_controller(state, kl, int(n))
+        state = update_kl_controller(state, observed_kl=kl, n_steps=int(n))
         betas.append(state.beta)
     # float64 state: agrees with verl's Python floats to rounding, over 40 updates
     close(torch.stack(betas), GOLDEN["ctrl/betas"], tol=1e-12)
@@ -153,7 +153,7 @@ def test_adaptive_controller_sequence_matches_verl():
 
 def test_fixed_controller_matches_verl():
     state = fixed_kl_controller(0.07)
-    new = update_kl_controller(state, 0.5, 8)
+    new = update_kl_controller(state, observed_kl=0.5, n_steps=8)
     close(new.beta, GOLDEN["ctrl/fixed_beta"], tol=0)
     assert new is state and not state.is_adaptive
 
@@ -165,19 +165,19 @@ def test_fixed_controller_matches_verl():
 def test_adaptive_update_hand_computed():
     s = adaptive_kl_controller(0.2, target_kl=0.1, horizon=10)
     # error = clip(0.15/0.1 - 1 = 0.5 -> 0.2); beta = 0.2 * (1 + 0.2 * 5 / 10) = 0.22
-    up = update_kl_controller(s, torch.tensor(0.15), 5)
+    up = update_kl_controller(s, observed_kl=torch.tensor(0.15), n_steps=5)
     close(up.beta, torch.tensor(0.22, dtype=torch.float64), tol=1e-12)
     # error = 0.09/0.1 - 1 = -0.1 (not clipped); beta = 0.2 * (1 - 0.1 * 2 / 10) = 0.196
-    down = update_kl_controller(s, 0.09, torch.tensor(2))
+    down = update_kl_controller(s, observed_kl=0.09, n_steps=torch.tensor(2))
     close(down.beta, torch.tensor(0.196, dtype=torch.float64), tol=1e-12)
     # clipped below: 0/0.1 - 1 = -1 -> -0.2
-    close(update_kl_controller(s, 0.0, 10).beta, torch.tensor(0.16, dtype=torch.float64), tol=1e-12)
+    close(update_kl_controller(s, observed_kl=0.0, n_steps=10).beta, torch.tensor(0.16, dtype=torch.float64), tol=1e-12)
     assert float(s.beta) == pytest.approx(0.2)  # input untouched
     assert up.target_kl is s.target_kl and up.horizon is s.horizon
 
 
 def test_controller_state_is_a_pytree():
-    s = adaptive_kl_controller(0.1, 0.05, 100)
+    s = adaptive_kl_controller(0.1, target_kl=0.05, horizon=100)
     assert len(tree_leaves(s)) == 3
     assert len(tree_leaves(fixed_kl_controller(0.1))) == 1
     moved = tree_map(lambda x: x.float(), s)
@@ -194,21 +194,21 @@ def attrs_frozen_error():
 
 def test_controller_under_torch_func():
     # grad of the new beta w.r.t. the observed KL: beta * n / (H * target) inside the clip range
-    s = adaptive_kl_controller(0.1, 0.05, 100)
-    g = torch.func.grad(lambda kl: update_kl_controller(s, kl, 10).beta)(torch.tensor(0.055, dtype=torch.float64))
+    s = adaptive_kl_controller(0.1, target_kl=0.05, horizon=100)
+    g = torch.func.grad(lambda kl: update_kl_controller(s, observed_kl=kl, n_steps=10).beta)(torch.tensor(0.055, dtype=torch.float64))
     close(g, torch.tensor(0.1 * 10 / (100 * 0.05), dtype=torch.float64), tol=1e-12)
 
 
 @pytest.mark.parametrize(
     ("make", "match"),
     [
-        (lambda: adaptive_kl_controller(0.1, 0.0, 10), "target_kl"),
-        (lambda: adaptive_kl_controller(0.1, 0.1, 0), "horizon"),
-        (lambda: adaptive_kl_controller(-0.1, 0.1, 10), "init_beta"),
+        (lambda: adaptive_kl_controller(0.1, target_kl=0.0, horizon=10), "target_kl"),
+        (lambda: adaptive_kl_controller(0.1, target_kl=0.1, horizon=0), "horizon"),
+        (lambda: adaptive_kl_controller(-0.1, target_kl=0.1, horizon=10), "init_beta"),
         (lambda: fixed_kl_controller(-1.0), "beta"),
         (lambda: fixed_kl_controller(float("nan")), "finite"),
-        (lambda: update_kl_controller(adaptive_kl_controller(0.1, 0.1, 10), float("nan"), 4), "observed_kl"),
-        (lambda: update_kl_controller(adaptive_kl_controller(0.1, 0.1, 10), torch.ones(3), 4), "scalar"),
+        (lambda: update_kl_controller(adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=float("nan"), n_steps=4), "observed_kl"),
+        (lambda: update_kl_controller(adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=torch.ones(3), n_steps=4), "scalar"),
     ],
 )
 def test_controller_bad_inputs(make, match):

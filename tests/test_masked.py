@@ -108,12 +108,15 @@ def test_whiten_stats_must_be_scalars():
 
 
 def test_bool_dim_is_rejected_with_a_pointer_to_unbiased():
-    """verl's ``masked_var(x, mask, True)`` means ``unbiased=True``; here the third argument is ``dim``."""
+    """verl's ``masked_var(x, mask, True)`` means ``unbiased=True``: positionally it is refused (``dim`` is
+    keyword-only), and ``dim=True`` points at ``unbiased``."""
     x, mask = torch.randn(3, 4), torch.rand(3, 4) > 0.3
     for op in (rf.masked_var, rf.masked_mean, rf.masked_sum):
+        with pytest.raises(TypeError, match="positional argument"):
+            op(x, mask, True)
         for dim in (True, False, (0, True)):
             with pytest.raises(TypeError, match=r"dim must be an int.*pass unbiased= by keyword"):
-                op(x, mask, dim)
+                op(x, mask, dim=dim)
     torch.testing.assert_close(rf.masked_var(x, mask, unbiased=True), rf.masked_var(x, mask))
-    assert rf.masked_var(x, mask, 1).shape == (3,)
-    assert rf.masked_mean(x, mask, (0, 1)).shape == ()
+    assert rf.masked_var(x, mask, dim=1).shape == (3,)
+    assert rf.masked_mean(x, mask, dim=(0, 1)).shape == ()

@@ -42,7 +42,7 @@ def model_dirs(tmp_path_factory):
 def _hf_grads(model_dir, batch):
     model, _ = load_causal_lm(model_dir)
     model.train()
-    loss = aggregate(-batch.advantages * hf_logprobs(model, batch), batch.response_mask, "token-mean")
+    loss = aggregate(-batch.advantages * hf_logprobs(model, batch), batch.response_mask, mode="token-mean")
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     if model.config.tie_word_embeddings:

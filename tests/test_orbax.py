@@ -160,7 +160,7 @@ def test_bad_input(tmp_path):
 def _pg_loss(outputs, mb, norms):
     from rlfunc.aggregation import aggregate
 
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 def _batch(seed: int):

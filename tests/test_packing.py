@@ -134,10 +134,10 @@ def _outputs_and_grads(model, batch, packed: bool, role: str = "actor"):
     model.zero_grad(set_to_none=True)
     out = forward_micro_batch(model, batch, with_entropy=role == "actor", role=role, packed=packed)
     if role == "actor":
-        loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
+        loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, mode="seq-mean-token-mean")
         quantities = (out.logprobs, out.entropy)
     else:
-        loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, "token-mean")
+        loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, mode="token-mean")
         quantities = (out.values,)
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -200,7 +200,7 @@ def test_chunked_logits_equal_unchunked(model_dir, packed):
     def run(chunk_rows):
         model.zero_grad(set_to_none=True)
         out = forward_micro_batch(model, batch, with_entropy=True, packed=packed, chunk_rows=chunk_rows)
-        loss = aggregate(-batch.advantages * out.logprobs - 0.1 * out.entropy, batch.response_mask, "token-mean")
+        loss = aggregate(-batch.advantages * out.logprobs - 0.1 * out.entropy, batch.response_mask, mode="token-mean")
         loss.backward()
         return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -227,7 +227,7 @@ def test_shared_prompts_equal_padded(model_dir, gradient_checkpointing, attentio
     enable_packed_attention(model)
     model.zero_grad(set_to_none=True)
     out = forward_micro_batch(model, batch, with_entropy=True, packed=True, share_prompts=True)
-    loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, "seq-mean-token-mean")
+    loss = aggregate(-batch.advantages * out.logprobs, batch.response_mask, mode="seq-mean-token-mean")
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     _assert_actor_equal(batch, padded, ((out.logprobs.detach(), out.entropy.detach()), float(loss.detach()), grads))
@@ -247,7 +247,7 @@ def test_shared_prompts_critic_equal_padded(model_dir):
     enable_packed_attention(model)
     model.zero_grad(set_to_none=True)
     out = forward_micro_batch(model, batch, with_entropy=False, role="critic", packed=True, share_prompts=True)
-    loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, "token-mean")
+    loss = aggregate((out.values - batch.advantages) ** 2, batch.response_mask, mode="token-mean")
     loss.backward()
     assert _masked_max_diff(out.values.detach(), padded[0], batch.response_mask) < 2e-6
     assert float(loss.detach()) == pytest.approx(padded_loss, rel=1e-6)

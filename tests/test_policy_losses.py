@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 from pathlib import Path
@@ -27,6 +28,7 @@ from rlfunc.policy_losses import (
     kl_cov_policy_loss,
     ppo_policy_loss,
     sapo_policy_loss,
+    vanilla_policy_loss,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "losses.safetensors"
@@ -190,13 +192,13 @@ def test_kl_cov_penalises_the_top_covariance_tokens():
 def test_ratio_one_gives_minus_aggregated_advantages(name, agg):
     _, old, advantages, mask, _ = make_batch(0)
     loss, _ = ALL_LOSSES[name](old.clone(), old_logprobs=old, advantages=advantages, response_mask=mask, agg=agg)
-    close(loss, -aggregate(advantages, mask, agg))
+    close(loss, -aggregate(advantages, mask, mode=agg))
 
 
 def test_gmpo_ratio_one_gives_minus_mean_sequence_advantage():
     _, old, advantages, mask, _ = make_batch(1)
     loss, _ = gmpo_policy_loss(old.clone(), old_logprobs=old, advantages=advantages, response_mask=mask)
-    close(loss, -aggregate(advantages, mask, "seq-mean-token-mean"))
+    close(loss, -aggregate(advantages, mask, mode="seq-mean-token-mean"))
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -217,7 +219,7 @@ def _reference_ppo(logprobs, old, advantages, mask, low, high, c):
     loss2 = -advantages * torch.clamp(ratio, 1 - low, 1 + high)
     clip1 = torch.maximum(loss1, loss2)
     per_token = clip1 if c is None else torch.where(advantages < 0, torch.minimum(clip1, -advantages * c), clip1)
-    return aggregate(per_token, mask, "token-sum")
+    return aggregate(per_token, mask, mode="token-sum")
 
 
 @HYP
@@ -487,7 +489,8 @@ def test_bad_settings_are_rejected():
 def test_registry_knows_verl_names():
     for verl_name in ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo"]:
         assert callable(get_policy_loss(verl_name))
-    assert get_policy_loss("vanilla") is ppo_policy_loss is get_policy_loss("ppo")
+    assert get_policy_loss("ppo") is ppo_policy_loss
+    assert get_policy_loss("vanilla") is vanilla_policy_loss  # verl's defaults: test_vanilla_defaults_are_verls
     assert get_policy_loss("geo_mean") is gmpo_policy_loss
     assert get_policy_loss("clip-cov") is clip_cov_policy_loss
     with pytest.raises(TypeError):
@@ -555,6 +558,9 @@ def golden_norms(global_info, mask):
 def test_matches_verl(index, case):
     inp = golden_inputs(_TENSORS, case["inputs"])
     norms, horizon = golden_norms(case["global_info"], inp["response_mask"])
+    ours = dict(case["ours"])
+    if case["verl"].get("clip_ratio_c", 3.0) >= 1e9:  # verl's dual clip cannot be off: a huge clip_ratio_c never bites
+        ours.setdefault("dual_clip", None)
     loss, grad, metrics = loss_and_grad(
         get_policy_loss(case["loss"]),
         inp["log_prob"],
@@ -565,7 +571,7 @@ def test_matches_verl(index, case):
         norms=norms,
         horizon=horizon,
         is_weights=inp["is_weights"] if case["is_weights"] else None,
-        **case["ours"],
+        **ours,
     )
     close(loss, _TENSORS[f"case{index}/loss"])
     close(grad, _TENSORS[f"case{index}/grad"])
@@ -574,6 +580,29 @@ def test_matches_verl(index, case):
         close(metrics[ours], _TENSORS[f"case{index}/metric/{theirs}"])
     for theirs in set(case["metrics"]) - set(mapping.values()):  # verl's constant placeholders
         assert _TENSORS[f"case{index}/metric/{theirs}"] == 0
+
+
+VANILLA_VERL_DEFAULT_CASES = [
+    (i, c) for i, c in POLICY_CASES if c["loss"] == "vanilla" and c["verl"].get("clip_ratio_c") == 3.0
+]
+
+
+@pytest.mark.parametrize("index,case", VANILLA_VERL_DEFAULT_CASES, ids=[str(i) for i, _ in VANILLA_VERL_DEFAULT_CASES])
+def test_vanilla_defaults_are_verls(index, case):
+    """``POLICY_LOSSES["vanilla"]`` called without ``dual_clip`` gives verl's numbers at verl's clip_ratio_c=3.0."""
+    inp = golden_inputs(_TENSORS, case["inputs"])
+    norms, horizon = golden_norms(case["global_info"], inp["response_mask"])
+    ours = {k: v for k, v in case["ours"].items() if k != "dual_clip"}
+    loss, grad, metrics = loss_and_grad(
+        get_policy_loss("vanilla"), inp["log_prob"], inp["old_log_prob"], inp["advantages"], inp["response_mask"],
+        agg=case["agg"], norms=norms, horizon=horizon, is_weights=inp["is_weights"] if case["is_weights"] else None,
+        **ours,
+    )
+    close(loss, _TENSORS[f"case{index}/loss"])
+    close(grad, _TENSORS[f"case{index}/grad"])
+    close(metrics["dual_clip_frac"], _TENSORS[f"case{index}/metric/actor/pg_clipfrac_lower"])
+    assert inspect.signature(vanilla_policy_loss).parameters["dual_clip"].default == 3.0
+    assert inspect.signature(ppo_policy_loss).parameters["dual_clip"].default is None
 
 
 def test_golden_file_is_small_and_covers_every_loss():

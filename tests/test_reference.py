@@ -48,7 +48,7 @@ def make_batch(seed: int = 0) -> RolloutBatch:
 
 
 def pg_loss(outputs, mb, norms):
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 def test_log_prob_micro_batch_size_is_the_reference_default(model_dir, env):

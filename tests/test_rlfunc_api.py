@@ -23,15 +23,12 @@ import rlfunc as rf
 B, T = 4, 5
 
 # Module functions that are not losses, estimators or corrections, and so keep positional arguments:
-# a scan utility, a mask utility, the name lookups and the KL controllers (``state -> state``).
+# a mask utility, the name lookups and a one-argument KL controller.
 NOT_KEYWORD_ONLY = {
-    "discounted_reverse_cumsum",
     "zero_advantage_rows",
     "get_advantage_estimator",
     "get_policy_loss",
     "fixed_kl_controller",
-    "adaptive_kl_controller",
-    "update_kl_controller",
 }
 # By module path: ``rlfunc.value_loss`` is the function (the package star-imports its modules).
 LOSS_AND_ESTIMATOR_MODULES = [
@@ -187,13 +184,58 @@ def test_importance_weights_positionally_raise():
     rf.rollout_is_weights(x["logprobs"], rollout_logprobs=x["old_logprobs"], response_mask=x["mask"])
 
 
-def test_masked_ops_and_aggregate_keep_their_positional_signatures():
+def test_aggregate_in_verl_positional_order_raises():
+    """verl's ``agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size)``: the fourth argument must not land in norms."""
     x = _inputs()
     v, mask = x["values"], x["mask"]
-    rf.masked_mean(v, mask, -1)
-    rf.masked_sum(v, mask, -1)
-    rf.masked_var(v, mask, -1)
-    rf.aggregate(v, mask, "token-mean", None)
+    with pytest.raises(TypeError, match="positional argument"):
+        rf.aggregate(v, mask, "token-sum", 4)
+    with pytest.raises(TypeError, match="positional argument"):
+        rf.aggregate(v, mask, "token-mean")
+    with pytest.raises(TypeError, match=r"verl's keyword\(s\) loss_agg_mode, dp_size: here loss_agg_mode= -> mode"):
+        rf.aggregate(v, mask, loss_agg_mode="token-mean", dp_size=2)
+    assert rf.aggregate(v, mask, mode="token-sum") == torch.where(mask, v, 0.0).sum()
+
+
+def test_masked_ops_take_dim_by_keyword():
+    x = _inputs()
+    v, mask = x["values"], x["mask"]
+    for fn in (rf.masked_mean, rf.masked_sum, rf.masked_var):
+        with pytest.raises(TypeError, match="positional argument"):
+            fn(v, mask, -1)
+        assert fn(v, mask, dim=-1).shape == (B,)
+
+
+def test_value_loss_with_verls_keyword_names_raises_naming_ours():
+    """verl's ``values`` is the OLD prediction (``compute_value_loss(vpreds, returns, values, ...)``): a by-name
+    port must fail, naming new_values / old_values, not compute a different loss."""
+    x = _inputs()
+    new, old = x["values"], x["values"] + 0.5
+    with pytest.raises(TypeError, match=r"values= -> old_values \(verl's `values` is the prediction when"):
+        rf.value_loss(new, values=old, returns=x["returns"], response_mask=x["mask"])
+    with pytest.raises(TypeError, match=r"vpreds= -> new_values.*values= -> old_values.*cliprange_value= -> clip_range"):
+        rf.value_loss(vpreds=new, returns=x["returns"], values=old, response_mask=x["mask"], cliprange_value=0.5)
+    params = list(inspect.signature(rf.value_loss).parameters)
+    assert params[:2] == ["new_values", "old_values"] and "values" not in params and "vpreds" not in params
+
+
+@pytest.mark.parametrize("fn", sorted(set(rf.POLICY_LOSSES.values()), key=lambda f: f.__name__))
+def test_policy_loss_with_verls_keyword_names_raises_naming_ours(fn):
+    x = _inputs()
+    with pytest.raises(TypeError, match=r"old_log_prob= -> old_logprobs.*loss_agg_mode= -> agg"):
+        fn(x["logprobs"], old_log_prob=x["old_logprobs"], advantages=x["advantages"], response_mask=x["mask"],
+           loss_agg_mode="token-mean")
+
+
+def test_every_policy_loss_takes_the_uniform_call():
+    """What a loop passes, the same for every built-in (rlfunc.policy_losses' docstring)."""
+    x = _inputs()
+    norms = rf.local_normalizers(x["mask"])
+    for name, fn in rf.POLICY_LOSSES.items():
+        loss, metrics = fn(x["logprobs"], old_logprobs=x["old_logprobs"], advantages=x["advantages"],
+                           response_mask=x["mask"], behaviour_logprobs=x["old_logprobs"] - 0.1, is_weights=None,
+                           agg="token-mean", norms=norms, horizon=T, seed=3)
+        assert loss.dim() == 0 and torch.isfinite(loss), name
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def make_batch(rank: int, world_size: int, seed: int = 0) -> RolloutBatch:
 
 
 def pg_loss(outputs, mb, norms):
-    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, "token-mean", norms), {}
+    return aggregate(-mb.advantages * outputs.logprobs, mb.response_mask, mode="token-mean", norms=norms), {}
 
 
 # ------------------------------------------------------------------------------ single process

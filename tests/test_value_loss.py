@@ -61,7 +61,7 @@ def test_unclipped_is_half_squared_error(agg):
     loss, metrics = value_loss(
         values, old_values=old_values, returns=returns, response_mask=mask, clip_range=None, agg=agg
     )
-    close(loss, 0.5 * aggregate((values - returns) ** 2, mask, agg))
+    close(loss, 0.5 * aggregate((values - returns) ** 2, mask, mode=agg))
     assert metrics["vf_clipfrac"] == 0
 
 

@@ -279,7 +279,7 @@ def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> rf.RolloutBa
 
 def nll_loss(out: Any, mb: rf.RolloutBatch, norms: rf.Normalizers) -> tuple[Any, dict]:
     """Token-mean negative log-likelihood of the trained tokens (``rf.loss_tokens``), over the global count."""
-    return rf.aggregate(-out.logprobs, rf.loss_tokens(mb), "token-mean", norms), {}
+    return rf.aggregate(-out.logprobs, rf.loss_tokens(mb), mode="token-mean", norms=norms), {}
 
 
 def run_sft(
