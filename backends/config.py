@@ -163,7 +163,27 @@ def _apply(cfg: Any, tree: dict[str, Any], prefix: str, root: Any) -> Any:
         raise ConfigError(f"{given}: {message}") from e
 
 
+def _refuse_renamed(key: str, renamed: Mapping[str, str] | None) -> None:
+    for old, new in (renamed or {}).items():
+        if key == old or key.startswith(old + "."):
+            raise ConfigError(f"{key} was renamed: use {new}")
+
+
+def _section_keys(key: str, root: Any) -> str:
+    """``; the section X has a, b`` when ``key``'s parent is a config section of ``root`` (its valid leaves)."""
+    parent, node = key.rsplit(".", 1)[0] if "." in key else "", root
+    for part in parent.split(".") if parent else []:
+        node = getattr(node, part, None)
+        if node is None or not attrs.has(type(node)):
+            return ""
+    if not parent:
+        return ""
+    names = [f.name for f in attrs.fields(type(node))]
+    return f"; the section {parent} has {', '.join(names) if names else 'no keys'}"
+
+
 def _unknown_key_message(key: str, root: Any) -> str:
+    section = _section_keys(key, root)
     valid = config_keys(root)
     close = difflib.get_close_matches(key, valid, n=3, cutoff=0.5)
     if not close:  # match on the last component, e.g. "lr" -> "actor.optim.lr"
@@ -172,7 +192,7 @@ def _unknown_key_message(key: str, root: Any) -> str:
             last, valid, n=3, cutoff=0.3
         )
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"unknown config key {key!r}{hint} (run with --help to list all keys)"
+    return f"unknown config key {key!r}{section}{hint} (run with --help to list all keys)"
 
 
 def available_presets(presets_dir: str | os.PathLike) -> list[str]:
@@ -240,7 +260,8 @@ def _flatten(mapping: dict[str, Any], prefix: str) -> list[str]:
     return items
 
 
-def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.PathLike) -> list[str]:
+def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.PathLike, *,
+                   renamed: Mapping[str, str] | None = None) -> list[str]:
     """Replace each ``preset=NAME`` / ``section=@NAME`` by the preset's dotted overrides, in place.
 
     Each preset is checked against ``cfg`` with the plain overrides given after it, so an error names the
@@ -260,10 +281,10 @@ def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.Pat
         expanded = _flatten(mapping, f"{section}." if section else "")
         later = [o for o in items[i + 1:] if _preset_reference(o) is None]
         try:
-            apply_overrides(cfg, expanded + later)
+            apply_overrides(cfg, expanded + later, renamed=renamed)
         except ConfigError as e:
             try:
-                apply_overrides(cfg, later)
+                apply_overrides(cfg, later, renamed=renamed)
             except ConfigError:
                 pass  # a later override is wrong on its own: reported when everything is applied
             else:
@@ -284,14 +305,17 @@ def _preset_reference(item: str) -> tuple[str, str | None] | None:
     return None
 
 
-def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os.PathLike | None = None) -> Any:
+def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os.PathLike | None = None,
+                    renamed: Mapping[str, str] | None = None) -> Any:
     """Return ``cfg`` with each ``dotted.key=value`` override applied, in order.
 
     With ``presets_dir``, ``preset=NAME`` and ``section=@NAME`` items expand first (see the module doc).
+    ``renamed``: old spellings (a key or a section) -> what replaced them; an override of one (on the command line
+    or in a preset) is refused with that message, not read as a new key's value.
     """
     overrides = list(overrides)
     if presets_dir is not None:
-        overrides = expand_presets(cfg, overrides, presets_dir)
+        overrides = expand_presets(cfg, overrides, presets_dir, renamed=renamed)
     tree: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
@@ -300,6 +324,7 @@ def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os
         key = key.strip().lstrip("-")
         if not key:
             raise ConfigError(f"override {item!r} has an empty key")
+        _refuse_renamed(key, renamed)
         *parents, leaf = key.split(".")
         node = tree
         for part in parents:

@@ -28,8 +28,8 @@ from backends.training.common import ModelOutputs
 __all__ = ["check_estimator", "check_policy_loss", "group_size_warnings", "synthetic_batch"]
 
 ESTIMATOR_CALL = "fn(scores, *, group_ids, response_mask, **kwargs) -> (advantages, returns)"
-LOSS_CALL = ("fn(logprobs, *, old_logprobs, advantages, response_mask, clip_low, clip_high, agg, norms, horizon, "
-             "is_weights, **kwargs) -> (loss, metrics)")
+LOSS_CALL = ("fn(logprobs, *, old_logprobs, advantages, response_mask, behaviour_logprobs, is_weights, agg, norms, "
+             "horizon, seed, **its knobs) -> (loss, metrics)")
 
 
 def synthetic_batch(groups: int = 2, group_size: int = 2, length: int = 3) -> rf.RolloutBatch:

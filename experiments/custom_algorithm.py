@@ -23,27 +23,23 @@ from pathlib import Path
 import attrs
 
 import rlfunc as rf
-from backends.checkpoint.resume import CheckpointConfig
 from backends.config import ConfigError, apply_overrides, recipe_help
 from backends.cpu import tune_process
-from backends.data import DataConfig, PromptStream
+from backends.data import PromptStream
 from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum, global_masked_whiten
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
-from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig
-from backends.rewards import RewardConfig, RewardScorer
+from backends.rewards import RewardScorer
 from backends.rollout.api import (
-    RolloutConfig, build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
+    build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
 )
-from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.optim import OptimConfig, with_total_steps
-from backends.training.sft import SFTConfig
 from experiments.algorithm_checks import group_size_warnings
+from experiments.vocabulary import RENAMED_CUSTOM, PolicyLossArgs, PPOArgs, RunConfig
 from experiments.stages import (
-    SHARED_REGISTRIES, commit_run, evaluate_policy, load_run_data, metrics_log, prepare_run, run_tokenizer, start_actor,
+    SHARED_REGISTRIES, commit_run, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, run_tokenizer, start_actor,
     summarize, warn_once,
 )
 
@@ -53,34 +49,22 @@ PRESETS = Path(__file__).resolve().parent / "presets"
 @attrs.frozen
 class AlgoConfig:
     name: str = "reinforce_pp_baseline"  #: reinforce_pp_baseline | dr_grpo
-    clip: float = 0.2  #: PPO ratio clip
-    kl_coef: float = 0.001  #: reinforce_pp_baseline: weight of the k3 KL loss
+    #: the loss is PPO's: its clip is read from algo.policy_loss_args.ppo (the key GRPO and PPO use)
+    policy_loss_args: PolicyLossArgs = PolicyLossArgs(ppo=PPOArgs(clip_high=0.2))
+    kl_loss_coef: float = 0.001  #: reinforce_pp_baseline: weight of the k3 KL loss (the key GRPO and PPO use)
 
 
 @attrs.frozen
-class Config:
-    name: str = "custom_algorithm"  #: the run's name (the run dir is <run_root>/<name>-<time>)
-    seed: int = 0  #: seeds the data order, the sampling and a tiny model's weights
-    #: RL steps; none: epochs x the steps of one pass over data.train_files
-    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
-    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    #: prompts per RL step, over all ranks
-    prompts_per_step: int = attrs.field(default=16, validator=attrs.validators.ge(1))
-    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
-    log_every: int = 10  #: console line every N steps
-    run_root: str = "runs"  #: where run dirs go
-    run_dir: str = ""  #: empty: <run_root>/<name>-<time>
-    resume: str = "never"  #: this template does not checkpoint: never
-    checkpoint: CheckpointConfig = CheckpointConfig()  #: unused by this template
-    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
-    model: ModelConfig = ModelConfig()  #: the starting policy
-    data: DataConfig = DataConfig()  #: the prompts
-    reward: RewardConfig = RewardConfig()  #: the reward functions
-    eval: EvalConfig = EvalConfig()  #: held-out evaluation
-    sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
+class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0)  #: the RL optimizer
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: sharding and micro-batches
-    rollout: RolloutConfig = RolloutConfig(n=8, max_new_tokens=256)  #: sampling
+
+
+@attrs.frozen
+class Config(RunConfig):
+    name: str = "custom_algorithm"  #: the run's name (the run dir is <run_root>/<name>-<time>)
+    prompts_per_step: int = attrs.field(default=16, validator=attrs.validators.ge(1))  #: prompts per RL step, over all ranks
+    actor: ActorConfig = ActorConfig()  #: the policy (the same keys as the GRPO and PPO recipes' actor.optim / actor.fsdp)
     algo: AlgoConfig = AlgoConfig()  #: the algorithm
 
 
@@ -100,18 +84,20 @@ def advantages(batch: rf.RolloutBatch, algo: AlgoConfig, whiten=rf.masked_whiten
 
 def loss_fn(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig, horizon: int):
     agg = "token-mean" if algo.name == "reinforce_pp_baseline" else "seq-mean-token-sum-norm"
+    clip = algo.policy_loss_args.ppo
     loss, metrics = rf.ppo_policy_loss(
         out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
-        clip_low=algo.clip, clip_high=algo.clip, agg=agg, norms=norms, horizon=horizon,
+        clip_low=clip.clip_low, clip_high=clip.clip_high, dual_clip=clip.dual_clip, agg=agg, norms=norms, horizon=horizon,
     )
     if uses_kl(algo):
-        kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3", agg=agg, norms=norms)
-        loss, metrics = loss + algo.kl_coef * kl, {**metrics, **kl_metrics}
+        kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3", agg=agg,
+                                    norms=norms)
+        loss, metrics = loss + algo.kl_loss_coef * kl, {**metrics, **kl_metrics}
     return loss, metrics
 
 
 def uses_kl(algo: AlgoConfig) -> bool:
-    return algo.name == "reinforce_pp_baseline" and algo.kl_coef > 0
+    return algo.name == "reinforce_pp_baseline" and algo.kl_loss_coef > 0
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -124,11 +110,11 @@ def main(argv: list[str]) -> dict:
         print(recipe_help(__doc__, Config(), presets_dir=PRESETS,
                           registries={"algo.name": ("reinforce_pp_baseline", "dr_grpo"), **SHARED_REGISTRIES}))
         return {}
-    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS, renamed=RENAMED_CUSTOM)
     if cfg.algo.name not in ("reinforce_pp_baseline", "dr_grpo"):
         raise ConfigError(f"algo.name must be reinforce_pp_baseline or dr_grpo, got {cfg.algo.name!r}")
     scorer = RewardScorer(cfg.reward)
-    engine = select_engine("fsdp", fsdp=cfg.fsdp)
+    engine = select_engine("fsdp", fsdp=cfg.actor.fsdp)
     env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     watchdog.start(cfg.deadlines, env, role="custom")  # a stuck phase ends the job with its name and stacks
     seed_everything(cfg.seed)
@@ -142,8 +128,8 @@ def main(argv: list[str]) -> dict:
     mlog, t_start = metrics_log(cfg, run, env, ("reward_mean", "kl_mean", "grad_norm")), time.time()
 
     # [SFT], then the policy, the frozen reference it starts from and (last: it takes the memory left) the rollout engine
-    actor = start_actor(cfg, engine, env, run, data, tokenizer, with_total_steps(cfg.optim, steps), mlog)
-    reference = engine.build_reference(run.policy_path, env, cfg.fsdp) if uses_kl(cfg.algo) else None
+    actor = start_actor(cfg, engine, env, run, data, tokenizer, with_total_steps(cfg.actor.optim, steps), mlog)
+    reference = engine.build_reference(run.policy_path, env, cfg.actor.fsdp) if uses_kl(cfg.algo) else None
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
     gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
@@ -169,6 +155,8 @@ def main(argv: list[str]) -> dict:
             rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
         reward_mean = all_reduce_sum(batch.scores.mean().reshape(1)).item() / env.world_size
         mlog.log(step, {"reward_mean": reward_mean, "step_time_s": time.time() - t0, **m})
+        if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
+            dump_generations(run, step, tokenizer, batch, rows)
         if watchdog.stop_agreed(step):  # SIGTERM on any rank: all stop after this step (this template does not checkpoint)
             get_logger("custom", env).warning(watchdog.preemption_note(step, None))
             steps, preempted = step, True

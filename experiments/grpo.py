@@ -15,7 +15,8 @@ Algorithm pieces by name or reference, resolved at start-up (a misspelling fails
 Multi-turn / tools: ``rollout.multi_turn.max_turns=4 rollout.multi_turn.tools=[my_tools.py:search]``: each sample
 is a trajectory of model turns and tool results; the reward reads the last model turn (BUILD.md, "Multi-turn").
 DAPO: ``algo.dynamic_sampling=true``, ``reward.overlong_buffer_len=...``, ``algo.overlong_filter=true``,
-``algo.clip_high=0.28``, ``algo.agg=token-mean``.
+``algo.policy_loss_args.ppo.clip_high=0.28``, ``algo.agg=token-mean``.
+Each loss's own knobs: ``algo.policy_loss=kl_cov algo.policy_loss_args.kl_cov.kl_cov_ratio=0.001`` (--help lists them).
 Checkpoints and exact resume: ``checkpoint.every=50`` then ``resume=auto`` (same run dir, same metrics).
 
 Reads top to bottom: config -> data and reward (checked) -> model -> [SFT] -> held-out eval -> RL loop
@@ -38,23 +39,19 @@ import torch.distributed as dist
 
 import rlfunc as rf
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
-from backends.checkpoint.resume import CheckpointConfig
 from backends.config import ConfigError, apply_overrides, recipe_help, resolve_function
 from backends.cpu import tune_process
-from backends.data import DataConfig, PromptStream
+from backends.data import PromptStream
 from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_max, all_reduce_sum, mean_over_ranks
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
-from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig
-from backends.rewards import RewardConfig, RewardScorer
+from backends.rewards import RewardScorer
 from backends.rollout.agent_loop import sample
 from backends.rollout.api import (
-    RolloutConfig, build_rollout, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype,
+    build_rollout, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype,
 )
 from backends.rollout.common import answer_texts
 from backends.rollout.environments import environment_factory
-from backends.rollout.evaluation import EvalConfig
 from backends.rollout.vllm_lora import adapter_engine_config, sync_adapter
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
@@ -62,11 +59,15 @@ from backends.training.fsdp_state import compute_dtype
 from backends.training.lora import LoraConfig, adapter_state_dict
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
+from backends.training.reference import ReferenceConfig
 from backends.training.reward_model import score as reward_model_score
-from backends.training.sft import SFTConfig
+from experiments.actor_loss import loss_seed, make_actor_loss
 from experiments.algorithm_checks import check_estimator, check_policy_loss, group_size_warnings
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split, stamp_policy_version
+from experiments.vocabulary import (
+    RENAMED_GRPO, EstimatorArgs, PolicyLossArgs, PolicyUpdateConfig, PPOArgs, RunConfig, estimator_knobs,
+)
 from experiments.stages import (
     SHARED_REGISTRIES, checkpoint_or_stop, commit_run, dump_generations, evaluate_policy, export_final, load_run_data,
     metrics_log, prepare_run, run_tokenizer, start_actor, summarize, warn_once,
@@ -76,41 +77,32 @@ PRESETS = Path(__file__).resolve().parent / "presets"
 
 
 @attrs.frozen
-class AlgoConfig:
+class AlgoConfig(PolicyUpdateConfig):
+    """The policy update's keys (experiments/vocabulary.py, shared with the other recipes) and GRPO's own."""
+
     #: an outcome estimator over groups (a built-in of rlfunc.ADVANTAGE_ESTIMATORS that takes group_ids; --help lists
     #: them) or a reference package.module:function / path/to/file.py:function (BUILD.md, "Your own estimator or loss")
     estimator: str = "grpo"
-    norm_by_std: bool = True  #: grpo only: divide by the group's std (false: Dr.GRPO)
-    #: a name of rlfunc.POLICY_LOSSES (vanilla = PPO clip; --help lists them) or a reference
-    policy_loss: str = "vanilla"
-    clip_low: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: PPO ratio clip below 1
-    clip_high: float = attrs.field(default=0.28, validator=attrs.validators.ge(0.0))  #: PPO ratio clip above 1 (DAPO's clip-higher)
-    #: loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm
-    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(rf.AGG_MODES))
-    kl_coef: float = 0.0  #: > 0 adds kl_coef * KL(policy || reference) to the loss; the reference is the starting policy
-    #: the KL estimator (rlfunc.KL_KINDS; k3 is low-variance)
-    kl_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))
-    entropy_coef: float = 0.0  #: > 0 subtracts entropy_coef * the aggregated token entropy (verl's entropy_coeff)
-    ppo_epochs: int = 1  #: passes over each batch
-    mini_batches: int = 1  #: optimizer steps per pass
-    #: truncated importance weights for the rollout / trainer mismatch (TIS): per token, per sequence (the product of
-    #: its ratios) or geometric (their geometric mean)
-    rollout_is: Literal["none", "token", "sequence", "geometric"] = "none"
-    rollout_is_cap: float = 2.0  #: the TIS truncation
+    estimator_args: EstimatorArgs = EstimatorArgs()  #: each built-in estimator's own knobs
+    mini_batches: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: optimizer steps per pass
     #: rejection (masked importance sampling): tokens (token) or whole responses (sequence, geometric) whose trainer /
     #: rollout ratio lies outside [1 / rollout_rs_threshold, rollout_rs_threshold] leave the loss and its normalisers
     rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
     rollout_rs_threshold: float = attrs.field(default=2.0, validator=attrs.validators.gt(1.0))  #: the rejection bound
-    rollout_token_veto: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))  #: > 0 (with rollout_rs): a response with a token ratio below it leaves the loss
-    #: policy_loss=decoupled_ppo: tokens whose proximal / behaviour weight exceeds this leave the loss (0: no cap)
-    behaviour_weight_cap: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    #: > 0 (with rollout_rs): a response with a token ratio below it leaves the loss
+    rollout_token_veto: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     #: rows whose advantages are all 0 get no forward / backward (they still count in the normalisers, so the
     #: gradient is unchanged); applied only where exact: an advantage-proportional built-in loss, no KL / entropy
     skip_zero_advantage: bool = True
     #: DAPO: keep only groups whose samples got different scores, drawing more prompts until the batch is full
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))  #: dynamic sampling's generation rounds per step at most (then the batch fills up with what was drawn)
+    #: dynamic sampling's generation rounds per step at most (then the batch fills up with what was drawn)
+    max_sampling_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     overlong_filter: bool = False  #: DAPO: responses cut off by rollout.max_new_tokens carry no loss
+
+
+#: GRPO's clip above 1 defaults to DAPO's clip-higher for the PPO-family losses
+GRPO_LOSS_ARGS = PolicyLossArgs(ppo=PPOArgs(clip_high=0.28))
 
 
 @attrs.frozen
@@ -124,33 +116,15 @@ class ActorConfig:
 
 
 @attrs.frozen
-class Config:
+class Config(RunConfig):
     name: str = "grpo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
-    seed: int = 0  #: seeds the data order, the sampling and the weights of a tiny model
-    #: RL steps; none: epochs x the steps of one pass over data.train_files; 0: evaluate only
-    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
-    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    #: prompts per RL step, over all ranks (verl's data.train_batch_size)
-    prompts_per_step: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
-    log_every: int = 10  #: console line every N steps
-    dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)
     export_hf: bool = True  #: write the trained actor as an HF dir (runs/<run>/final_model) at the end
-    run_root: str = "runs"  #: where run dirs go
-    run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
-    resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
-    checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
-    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
-    model: ModelConfig = ModelConfig()  #: the starting policy
-    data: DataConfig = DataConfig()  #: the prompts
-    reward: RewardConfig = RewardConfig()  #: the reward functions
     reward_model: RewardModelConfig = RewardModelConfig()  #: an optional learned reward, added to the reward functions' score
-    eval: EvalConfig = EvalConfig()  #: held-out evaluation
-    sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
     actor: ActorConfig = ActorConfig()  #: the trained policy
-    ref_log_prob_micro_batch_size: int = 64  #: rows per reference forward (with algo.kl_coef > 0)
-    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
-    algo: AlgoConfig = AlgoConfig()  #: the algorithm
+    #: the frozen reference of the KL loss (algo.kl_loss_coef > 0), built by the actor's engine: only its
+    #: log_prob_micro_batch_size applies here (the other keys are the PPO recipe's reference roles)
+    reference: ReferenceConfig = ReferenceConfig(log_prob_micro_batch_size=64)
+    algo: AlgoConfig = AlgoConfig(policy_loss_args=GRPO_LOSS_ARGS)  #: the algorithm
     #: asynchronous RL on a split placement: rollout ranks sample ahead while the trainer ranks update
     offpolicy: OffPolicyConfig = OffPolicyConfig()
 
@@ -158,7 +132,8 @@ class Config:
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
 RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "deadlines", "eval", "logger", "log_every",
                   "dump_generations_every")
-CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl", "entropy", "clip_frac",
+CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl_loss", "entropy",
+                "clip_frac",
                 "grad_norm", "response_length", "step_time_s")
 
 
@@ -167,7 +142,9 @@ def main(argv: list[str]) -> dict:
     if "--help" in argv or "-h" in argv:
         print(recipe_help(__doc__, Config(), presets_dir=PRESETS, registries=help_registries()))
         return {}
-    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
+    # an unknown key, or an old spelling (experiments/vocabulary.py), fails here, before any work
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS, renamed=RENAMED_GRPO)
+    check_reference(cfg.reference)
     estimator, estimator_kwargs, policy_loss = resolve_algorithm(cfg.algo)  # so does an unknown estimator / loss
     check_algorithm(cfg, estimator, estimator_kwargs, policy_loss)  # ... and one whose signature does not fit
     scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
@@ -213,8 +190,9 @@ def main(argv: list[str]) -> dict:
     ckpt_name = engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor"
     reward_model = build_reward_model(cfg.reward_model.path, env, cfg.reward_model) if cfg.reward_model.path else None
     reference = None
-    if cfg.algo.kl_coef > 0:
-        reference = engine.build_reference(run.policy_path, env, engine.config, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+    if cfg.algo.kl_loss_coef > 0:
+        reference = engine.build_reference(run.policy_path, env, engine.config,
+                                           log_prob_micro_batch_size=cfg.reference.log_prob_micro_batch_size)
     # last: a GPU rollout engine takes its share of the memory the trainer's roles left free
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=max_context(cfg))
@@ -244,9 +222,9 @@ def main(argv: list[str]) -> dict:
         ckpt_name = engine.checkpoint_name(actor, "actor")
         save(step)
 
-    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg))
+    actor_loss = make_actor_loss(policy_loss, cfg.algo, horizon=response_horizon(cfg))
     skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
-    on_policy = rollout_logprobs_are_current(cfg, env.device)  # else the trainer recomputes the log-probs before the update
+    on_policy = rollout_logprobs_are_current(cfg, env.device, policy_loss)  # else the trainer recomputes the log-probs before the update
     preempted_at = None
     for step in range(first_step, steps + 1):
         t0 = time.time()
@@ -267,7 +245,8 @@ def main(argv: list[str]) -> dict:
             adv, ret = estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs)
             batch = batch.replace(advantages=adv, returns=ret)
             skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
-            # 4. policy update(s): ppo_epochs x mini_batches optimizer steps
+            # 4. policy update(s): ppo_epochs x mini_batches optimizer steps (a random loss draws with the step's seed)
+            loss_fn = functools.partial(actor_loss, seed=loss_seed(cfg.seed, step, replica=engine.data_parallel(actor)[0]))
             t_update = time.time()
             watchdog.waiting_on("engine.update (forward, backward, optimizer step)")
             for _ in range(cfg.algo.ppo_epochs):
@@ -332,7 +311,7 @@ def help_registries() -> dict[str, tuple[str, ...]]:
     """The names of the keys that take a built-in, for --help."""
     estimators, aliases = group_estimators()
     return {"algo.estimator": (*estimators, *(f"{alias}={name}" for alias, name in aliases.items())),
-            "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES), "algo.kl_kind": rf.KL_KINDS,
+            "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES), "algo.kl_loss_kind": rf.KL_KINDS,
             "actor.backend": ("fsdp", "megatron"), **SHARED_REGISTRIES}
 
 
@@ -342,7 +321,7 @@ def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Calla
     estimator = resolve_function(algo.estimator, estimators, "algo.estimator", aliases=aliases)
     loss_aliases = {name.replace("_", "-"): name for name in rf.POLICY_LOSSES if "_" in name}  # clip-cov = clip_cov
     policy_loss = resolve_function(algo.policy_loss, rf.POLICY_LOSSES, "algo.policy_loss", aliases=loss_aliases)
-    estimator_kwargs = {"norm_by_std": algo.norm_by_std} if estimator is rf.ADVANTAGE_ESTIMATORS["grpo"] else {}
+    estimator_kwargs = estimator_knobs(algo.estimator_args, algo.estimator)
     try:  # every engine records the behaviour (rollout) log-probs; the trainer supplies proximal and current ones
         rf.check_logprobs_supplied(policy_loss, available=("current", "proximal", "behaviour"))
     except ValueError as e:
@@ -355,9 +334,20 @@ def check_algorithm(cfg: Config, estimator: Callable, estimator_kwargs: dict[str
     ``rollout.n`` (experiments/algorithm_checks.py): a function that does not fit fails here, before any work."""
     check_estimator(estimator, estimator_kwargs, key="algo.estimator", spec=cfg.algo.estimator,
                     group_size=cfg.rollout.n)
-    loss_fn = functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo,
-                                horizon=response_horizon(cfg))
+    # the synthetic batch has no reference log-probs: the KL term is the recipe's, checked by its own tests
+    algo = attrs.evolve(cfg.algo, kl_loss_coef=0.0)
+    loss_fn = functools.partial(make_actor_loss(policy_loss, algo, horizon=response_horizon(cfg)), seed=0)
     check_policy_loss(loss_fn, key="algo.policy_loss", spec=cfg.algo.policy_loss)
+
+
+def check_reference(reference: ReferenceConfig) -> None:
+    """GRPO's reference is built by the actor's engine: of the ``reference`` keys only the log-prob micro-batch
+    size applies; another one set is refused rather than ignored."""
+    default = ReferenceConfig(log_prob_micro_batch_size=reference.log_prob_micro_batch_size)
+    if changed := [f.name for f in attrs.fields(ReferenceConfig) if getattr(reference, f.name) != getattr(default, f.name)]:
+        raise ConfigError(f"reference.{', reference.'.join(changed)}: the GRPO recipe builds its reference with the "
+                          "actor's engine (actor.backend) and reads only reference.log_prob_micro_batch_size; the "
+                          "reference roles' other keys are the PPO recipe's (experiments/ppo.py)")
 
 
 def check_lora_sync(cfg: Config) -> Config:
@@ -394,17 +384,26 @@ def zero_advantage_rows_are_skippable(algo: AlgoConfig, policy_loss: Callable) -
     """Whether zero-advantage rows add exactly nothing to the loss and its gradient: a built-in policy loss
     whose per-token term is a multiple of the advantage, and no KL or entropy term."""
     proportional = {rf.POLICY_LOSSES[name] for name in rf.ADVANTAGE_PROPORTIONAL_LOSSES}
-    return algo.skip_zero_advantage and policy_loss in proportional and algo.kl_coef == 0 and algo.entropy_coef == 0
+    return algo.skip_zero_advantage and policy_loss in proportional and algo.kl_loss_coef == 0 and algo.entropy_coef == 0
 
 
-def rollout_logprobs_are_current(cfg: Config, device: torch.device) -> bool:
+def rollout_logprobs_are_current(cfg: Config, device: torch.device, policy_loss: Callable) -> bool:
     """Whether the rollout's log-probs can stand in for the trainer's: one update per batch, no TIS, and the
     same numerics on both sides (the native engine and the FSDP trainer both in fp32). Elsewhere (bf16,
     vLLM's kernels) the PPO ratio of the only update would be numeric noise around 1, so the trainer recomputes."""
     fp32_trainer = cfg.actor.backend == "fsdp" and compute_dtype(cfg.actor.fsdp, device) == torch.float32
-    corrections = cfg.algo.rollout_is != "none" or cfg.algo.rollout_rs != "none" or cfg.algo.policy_loss == "decoupled_ppo"
+    corrections = cfg.algo.rollout_is != "none" or cfg.algo.rollout_rs != "none" or reads_behaviour_logprobs(policy_loss)
     return (cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1 and not corrections
             and cfg.rollout.engine == "native" and cfg.rollout.dtype == "float32" and fp32_trainer)
+
+
+def reads_behaviour_logprobs(policy_loss: Callable) -> bool:
+    """Whether the loss reads the sampler's log-probs besides the trainer's (decoupled PPO), by its declared needs."""
+    try:
+        rf.check_logprobs_supplied(policy_loss, available=("current", "proximal"))
+    except ValueError:
+        return True
+    return False
 
 
 def reject_mismatched_tokens(batch: rf.RolloutBatch, algo: AlgoConfig) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
@@ -563,45 +562,6 @@ def split_rows(rows: torch.Tensor | None, parts: int) -> list[torch.Tensor | Non
     return [None] * parts if rows is None else list(torch.tensor_split(rows, parts))
 
 
-def _accepts(fn: Callable, keyword: str) -> bool:
-    """Whether ``fn`` takes ``keyword`` (by name, or through ``**kwargs``)."""
-    try:
-        parameters = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # no signature to read: pass it everything
-        return True
-    return keyword in parameters or any(p.kind == p.VAR_KEYWORD for p in parameters.values())
-
-
-def policy_loss_with_kl(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, policy_loss, algo: AlgoConfig, horizon: int):
-    """Clipped policy loss, plus ``kl_coef`` times a k-estimator KL to the reference when one is given, minus
-    ``entropy_coef`` times the entropy of the policy. Losses count the loss tokens (``rf.loss_tokens``)."""
-    mask = rf.loss_tokens(mb)
-    is_weights, is_metrics = None, {}
-    if algo.rollout_is != "none":  # trainer / rollout log-prob mismatch: truncated importance weights
-        is_weights, is_metrics = rf.rollout_is_weights(
-            mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, response_mask=mask, level=algo.rollout_is, upper=algo.rollout_is_cap,
-        )
-    behaviour = {}
-    if policy_loss is rf.POLICY_LOSSES["decoupled_ppo"]:  # the rollout sampled; the ratio is clipped against old_logprobs
-        behaviour = {"behaviour_logprobs": mb.rollout_logprobs, "behaviour_weight_cap": algo.behaviour_weight_cap or None}
-    # a loss without a ratio clip (sapo, gpg, kl_cov) has no clip keywords: algo.clip_low / clip_high do not apply
-    clip = {"clip_low": algo.clip_low, "clip_high": algo.clip_high} if _accepts(policy_loss, "clip_low") else {}
-    loss, metrics = policy_loss(
-        out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
-        agg=algo.agg, norms=norms, horizon=horizon, is_weights=is_weights, **clip, **behaviour,
-    )
-    metrics = {**metrics, **is_metrics}
-    if mb.ref_logprobs is not None:
-        kl, _ = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mask, kind=algo.kl_kind, agg=algo.agg, norms=norms, horizon=horizon)
-        loss = loss + algo.kl_coef * kl
-        metrics["kl"] = kl.detach()
-    if algo.entropy_coef > 0:  # exploration bonus: the entropy is differentiable (rlfunc.entropy_from_logits)
-        loss = loss - algo.entropy_coef * rf.aggregate(out.entropy, mask=mask, mode=algo.agg, norms=norms, horizon=horizon)
-    if out.entropy is not None:
-        metrics["entropy"] = rf.aggregate(out.entropy.detach(), mask=mask, mode="token-mean", norms=norms)
-    return loss, metrics
-
-
 # ---------------------------------------------------------------------------------------------------
 # The trainer pool of a split run (experiments.offpolicy_loop): the actor and, with a KL loss, the reference.
 
@@ -645,9 +605,10 @@ class PolicyTrainer:
         batch = batch.replace(advantages=adv, returns=ret)
         skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if self.skip_zero_rows else None
         t_update = time.time()
+        loss_fn = functools.partial(self.loss_fn, seed=loss_seed(cfg.seed, step, replica=self.env.rank))
         for _ in range(cfg.algo.ppo_epochs):
             for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
-                self.actor, metrics = engine.update(self.actor, mini_batch, self.loss_fn, with_entropy=True, skip_rows=mini_skip)
+                self.actor, metrics = engine.update(self.actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
         times = {"step_time_s": time.time() - t0 + waited, "rollout_time_s": waited, "update_time_s": time.time() - t_update}
         return {**step_stats(batch, skip, times, self.env.world_size, group=self.env.group), **metrics}
 
@@ -663,13 +624,13 @@ def build_policy_trainer(cfg: Config, engine: Any, run: Any, data: Any, tokenize
     actor = start_actor(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs={**build_kwargs, "mesh": mesh},
                         before_sft_update=before_sft_update)
     reference = None
-    if cfg.algo.kl_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
+    if cfg.algo.kl_loss_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
         reference = engine.build_reference(run.policy_path, env, engine.config, mesh=mesh,
-                                           log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+                                           log_prob_micro_batch_size=cfg.reference.log_prob_micro_batch_size)
     return PolicyTrainer(
         cfg=cfg, engine=engine, actor=actor, reference=reference, env=env, estimator=estimator,
         estimator_kwargs=estimator_kwargs, skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, policy_loss),
-        loss_fn=functools.partial(policy_loss_with_kl, policy_loss=policy_loss, algo=cfg.algo, horizon=response_horizon(cfg)),
+        loss_fn=make_actor_loss(policy_loss, cfg.algo, horizon=response_horizon(cfg)),
         ckpt_name=engine.checkpoint_name(actor, "actor") if cfg.checkpoint.every or run.resume_from else "actor",
     )
 

@@ -2,7 +2,7 @@
 
 Run:  python experiments/ppo.py data.train_files=train.jsonl data.val_files=val.jsonl reward.fn=gsm8k
       torchrun --standalone --nproc_per_node 2 experiments/ppo.py ...           (FSDP2 over 2 ranks)
-      ... model.path=/path/to/hf_dir algo.kl_ctrl=adaptive algo.use_kl_loss=true
+      ... model.path=/path/to/hf_dir algo.kl_ctrl=adaptive algo.kl_loss_coef=0.001
       ... preset=ref/dp_ref actor.optim=@optim/fsdp actor.optim.lr=1e-5     (presets, then overrides)
       ... actor.backend=megatron actor.tp=2 (or actor.pp=2): the actor and the critic on megatron-core
       --help lists every key with its default and meaning, and the presets.
@@ -44,64 +44,58 @@ import torch
 import rlfunc as rf
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.orbax import save_orbax
-from backends.checkpoint.resume import CheckpointConfig
-from backends.config import ConfigError, apply_overrides, recipe_help
+from backends.config import ConfigError, apply_overrides, recipe_help, resolve_function
 from backends.cpu import tune_process
-from backends.data import DataConfig, PromptStream
+from backends.data import PromptStream
 from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_max, all_reduce_sum, barrier, global_masked_whiten
 from backends.distributed.placement import PlacementConfig, colocated_on_pool
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
-from backends.distributed.watchdog import DeadlineConfig
-from backends.models import ModelConfig
-from backends.rewards import RewardConfig, RewardScorer
+from backends.rewards import RewardScorer
 from backends.rollout.api import (
-    RolloutConfig, build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
+    build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
     weight_sync_dtype,
 )
-from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig, value_loss_fn
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reference import ReferenceConfig
 from backends.training.roles import Roles, build_roles
-from backends.training.sft import SFTConfig, run_sft, sft_optim, sft_steps
+from backends.training.sft import run_sft, sft_optim, sft_steps
+from experiments.actor_loss import loss_seed, make_actor_loss
+from experiments.algorithm_checks import check_policy_loss
 from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, refuse_vllm_on_a_pool, run_split
 from experiments.stages import (
     SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, commit_run, dump_generations, evaluate_policy, export_final,
     load_run_data, metrics_log, prepare_run, run_tokenizer, summarize,
 )
 from experiments.stages import start_actor as start_policy
+from experiments.vocabulary import RENAMED_PPO, PolicyLossArgs, PolicyUpdateConfig, PPOArgs, RunConfig
 
 PRESETS = Path(__file__).resolve().parent / "presets"
 
 
 @attrs.frozen
-class AlgoConfig:
-    """verl's ``algorithm.*`` (adv_estimator=gae) and ``actor/critic`` PPO settings."""
+class AlgoConfig(PolicyUpdateConfig):
+    """The policy update's keys (experiments/vocabulary.py, shared with the other recipes; the actor's loss) and
+    PPO's own: verl's ``algorithm.*`` (adv_estimator=gae, the in-reward KL) and the critic's settings."""
 
     gamma: float = 1.0  #: GAE discount
     lam: float = 0.95  #: GAE lambda
-    clip_ratio: float = attrs.field(default=0.2, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: PPO ratio clip (verl's actor.clip_ratio_low / high)
-    clip_ratio_c: float = attrs.field(default=3.0, validator=attrs.validators.gt(1.0))  #: dual-clip bound for negative advantages (verl's default)
-    agg: str = attrs.field(default="token-mean", validator=attrs.validators.in_(rf.AGG_MODES))  #: the actor's loss aggregation (verl's actor.loss_agg_mode)
     cliprange_value: float = 0.5  #: the critic's value clip (verl's critic.cliprange_value)
-    ppo_epochs: int = 1  #: passes over each batch
     ppo_mini_batch_size: int = 0  #: prompts per optimizer step (global, x rollout.n rows); 0: the whole step's batch
     critic_warmup: int = 0  #: steps that train only the critic (its value head starts random)
-    kl_in_reward: bool = True  #: subtract beta * KL(policy || reference) from the token rewards (InstructGPT)
-    kl_penalty: str = "kl"  #: the KL estimator in the reward (rlfunc.KL_KINDS; kl = k1)
-    kl_ctrl: str = "fixed"  #: fixed | adaptive: how beta moves
-    kl_coef: float = 0.001  #: the (initial) beta of the controller
+    kl_in_reward: bool = True  #: subtract kl_reward_coef * KL(policy || reference) from the token rewards (InstructGPT)
+    #: the KL estimator in the reward (rlfunc.KL_KINDS; kl = k1)
+    kl_reward_kind: str = attrs.field(default="kl", validator=attrs.validators.in_(rf.KL_KINDS))
+    kl_ctrl: str = "fixed"  #: fixed | adaptive: how the in-reward beta moves
+    kl_reward_coef: float = 0.001  #: the (initial) in-reward beta of the controller (verl's algorithm.kl_ctrl.kl_coef)
     target_kl: float = 0.1  #: the adaptive controller's target KL
     horizon: int = 10000  #: the adaptive controller's horizon
-    use_kl_loss: bool = False  #: add a KL term to the actor's loss (GRPO-style) instead of / besides the reward penalty
-    kl_loss_coef: float = 0.001  #: the weight of that term
-    kl_loss_type: str = attrs.field(default="low_var_kl", validator=attrs.validators.in_(rf.KL_KINDS))  #: its estimator: k1..k3 / low_var_kl, "+" for straight-through gradients
-    #: truncated importance weights for the gap between the sampling and the trained policy (TIS; with
-    #: offpolicy.mode=one_step_off / bounded, older weights): per token, per sequence or their geometric mean
-    rollout_is: str = attrs.field(default="none", validator=attrs.validators.in_(("none", "token", "sequence", "geometric")))
-    rollout_is_cap: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))  #: the TIS truncation
+
+
+#: verl's actor defaults: PPO clip 0.2 both sides, dual clip at 3.0 (clip_ratio_c), a low-variance KL loss when on
+PPO_ALGO = AlgoConfig(policy_loss_args=PolicyLossArgs(ppo=PPOArgs(clip_high=0.2, dual_clip=3.0)), kl_loss_kind="low_var_kl")
 
 
 @attrs.frozen
@@ -127,33 +121,13 @@ class ExportConfig:
 
 
 @attrs.frozen
-class Config:
+class Config(RunConfig):
     name: str = "ppo"  #: the run's name (the run dir is <run_root>/<name>-<time>)
-    seed: int = 0  #: seeds the data order, the sampling, the value head and a tiny model's weights
-    #: RL steps; none: epochs x the steps of one pass over data.train_files
-    steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
-    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
-    #: prompts per RL step, over the actor's ranks
-    prompts_per_step: int = attrs.field(default=32, validator=attrs.validators.ge(1))
-    logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
-    log_every: int = 10  #: console line every N steps
-    dump_generations_every: int = 0  #: write runs/<run>/generations/step_<N>.jsonl every N steps (0: never)
-    run_root: str = "runs"  #: where run dirs go
-    run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
-    resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
-    checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
-    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
-    model: ModelConfig = ModelConfig()  #: the starting policy (and the critic's backbone)
-    data: DataConfig = DataConfig()  #: the prompts
-    reward: RewardConfig = RewardConfig()  #: the reward functions
-    eval: EvalConfig = EvalConfig()  #: held-out evaluation
-    sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
     actor: ActorConfig = ActorConfig()  #: the policy
     critic: CriticConfig = CriticConfig()  #: the value model
     reference: ReferenceConfig = ReferenceConfig(log_prob_micro_batch_size=64)  #: the frozen reference (verl's ref/*.yaml)
     placement: PlacementConfig = PlacementConfig()  #: where the roles run
-    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
-    algo: AlgoConfig = AlgoConfig()  #: the algorithm
+    algo: AlgoConfig = PPO_ALGO  #: the algorithm
     export: ExportConfig = ExportConfig()  #: what is written at the end
     offpolicy: OffPolicyConfig = OffPolicyConfig()  #: asynchronous training: the rollout on ranks of its own
 
@@ -167,11 +141,14 @@ CONSOLE_KEYS = ("reward_mean", "success_rate", "kl_reward", "entropy", "clip_fra
 def main(argv: list[str]) -> dict:
     tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
-        registries = {"algo.kl_penalty, algo.kl_loss_type": rf.KL_KINDS, "algo.agg": tuple(rf.AGG_MODES),
+        registries = {"algo.kl_reward_kind, algo.kl_loss_kind": rf.KL_KINDS, "algo.agg": tuple(rf.AGG_MODES),
+                      "algo.policy_loss": tuple(rf.POLICY_LOSSES),
                       "actor.backend": ("fsdp", "megatron"), **SHARED_REGISTRIES}
         print(recipe_help(__doc__, Config(), presets_dir=PRESETS, registries=registries))
         return {}
-    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS)  # an unknown key fails here, before any work
+    # an unknown key, or an old spelling (experiments/vocabulary.py), fails here, before any work
+    cfg = apply_overrides(Config(), argv, presets_dir=PRESETS, renamed=RENAMED_PPO)
+    policy_loss = resolve_policy_loss(cfg.algo)
     check_config(cfg)
     scorer = RewardScorer(cfg.reward)  # an unknown reward function fails here
     # the training engines of the actor and the critic (a bad name or size fails here, before any work)
@@ -200,7 +177,7 @@ def main(argv: list[str]) -> dict:
     if cfg.offpolicy.rollout_ranks:  # the rollout pool samples ahead while the trainer pool runs every role
         parts = RecipeParts(score_batch=score_responses, max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
         make_trainer = functools.partial(build_actor_critic_trainer, cfg, engine, critic_engine, run, data, tokenizer,
-                                         rl_optim, critic_optim, mlog, num_mini)
+                                         rl_optim, critic_optim, mlog, num_mini, policy_loss)
         summary = run_split(cfg, env, log, run, data, tokenizer, scorer, None, steps, mlog, parts, make_trainer, t_start)
         scorer.close()
         shutdown(env)
@@ -211,7 +188,7 @@ def main(argv: list[str]) -> dict:
     # actor's ranks holds an unsharded copy of the actor.
     start_actor(cfg, roles, run, data, tokenizer, rl_optim, mlog)
     roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
-    if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
+    if needs_reference(cfg.algo):
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
     rollout = roles.run_on("actor", None, build_rollout, cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed,
                            device=env.device, max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
@@ -246,7 +223,7 @@ def main(argv: list[str]) -> dict:
             save_checkpoint(run.ckpt_dir, step, roles.checkpoint_states(), extra, keep_last=cfg.checkpoint.keep_last,
                             config=run.must_match)
 
-    actor_loss = functools.partial(ppo_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens)
+    actor_loss = make_actor_loss(policy_loss, cfg.algo, horizon=cfg.rollout.max_new_tokens)
     critic_loss = value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=cfg.rollout.max_new_tokens)
     preempted_at = None
     for step in range(first_step, steps + 1):
@@ -274,7 +251,9 @@ def main(argv: list[str]) -> dict:
             critic_metrics = roles.update_critic(critic_batch, critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini)
             actor_metrics = []
             if step > cfg.algo.critic_warmup:
-                actor_metrics = roles.update_actor(batch, actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini, with_entropy=True)
+                loss_fn = functools.partial(actor_loss, seed=loss_seed(cfg.seed, step, replica=roles.data_parallel()[0]))
+                actor_metrics = roles.update_actor(batch, loss_fn, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini,
+                                                   with_entropy=True)
         if step > cfg.algo.critic_warmup:
             # 6. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
             with watchdog.phase("weight_sync", step=step):
@@ -316,28 +295,23 @@ def main(argv: list[str]) -> dict:
 # Losses and rewards: compositions of pure rlfunc functions. The engine passes the global normalisers.
 
 
-def ppo_loss(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig, horizon: int):
-    """Clipped (dual-clip) PPO surrogate (weighted by truncated importance weights with ``rollout_is``), plus
-    ``kl_loss_coef`` times a KL estimate to the reference."""
-    mask = rf.loss_tokens(mb)
-    is_weights, is_metrics = None, {}
-    if algo.rollout_is != "none":  # the sampler's (behaviour) log-probs against the recomputed old ones
-        is_weights, is_metrics = rf.rollout_is_weights(mb.old_logprobs, rollout_logprobs=mb.rollout_logprobs, response_mask=mask,
-                                                       level=algo.rollout_is, upper=algo.rollout_is_cap)
-    loss, metrics = rf.ppo_policy_loss(
-        out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mask,
-        clip_low=algo.clip_ratio, clip_high=algo.clip_ratio, dual_clip=algo.clip_ratio_c, agg=algo.agg, norms=norms,
-        horizon=horizon, is_weights=is_weights,
-    )
-    metrics = {**metrics, **is_metrics}
-    if algo.use_kl_loss:
-        kl, _ = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mask, kind=algo.kl_loss_type,
-                           agg=algo.agg, norms=norms, horizon=horizon)
-        loss = loss + algo.kl_loss_coef * kl
-        metrics = {**metrics, "kl_loss": kl.detach()}
-    if out.entropy is not None:
-        metrics = {**metrics, "entropy": rf.aggregate(out.entropy.detach(), mask=mask, mode="token-mean", norms=norms)}
-    return loss, metrics
+def resolve_policy_loss(algo: AlgoConfig) -> Any:
+    """The actor's policy loss from ``algo.policy_loss`` (a built-in or a reference), checked with the uniform call
+    on a synthetic batch before any work (experiments/algorithm_checks.py)."""
+    loss_aliases = {name.replace("_", "-"): name for name in rf.POLICY_LOSSES if "_" in name}  # clip-cov = clip_cov
+    policy_loss = resolve_function(algo.policy_loss, rf.POLICY_LOSSES, "algo.policy_loss", aliases=loss_aliases)
+    try:  # the trainer supplies proximal and current log-probs, the rollout the behaviour ones
+        rf.check_logprobs_supplied(policy_loss, available=("current", "proximal", "behaviour"))
+    except ValueError as e:
+        raise ConfigError(f"algo.policy_loss={algo.policy_loss!r}: {e}") from None
+    check_policy_loss(functools.partial(make_actor_loss(policy_loss, attrs.evolve(algo, kl_loss_coef=0.0), horizon=4),
+                                        seed=0), key="algo.policy_loss", spec=algo.policy_loss)
+    return policy_loss
+
+
+def needs_reference(algo: AlgoConfig) -> bool:
+    """The reference is built for the in-reward KL or the KL loss."""
+    return algo.kl_in_reward or algo.kl_loss_coef > 0
 
 
 def advantages(batch: rf.RolloutBatch, kl_ctrl: rf.KLControllerState, cfg: Config, env: Any):
@@ -350,7 +324,7 @@ def advantages(batch: rf.RolloutBatch, kl_ctrl: rf.KLControllerState, cfg: Confi
     if cfg.algo.kl_in_reward:
         token_rewards, observed_kl = rf.apply_kl_penalty_to_rewards(
             token_rewards, logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.response_mask,
-            beta=kl_ctrl.beta, kind=cfg.algo.kl_penalty,
+            beta=kl_ctrl.beta, kind=cfg.algo.kl_reward_kind,
         )
         observed_kl = (all_reduce_sum(observed_kl.reshape(1), env.group) / env.world_size)[0]  # the same beta on every rank
         kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(kl_ctrl.beta)}
@@ -538,7 +512,8 @@ class ActorCriticTrainer:
         critic_metrics = roles.update_critic(batch, self.critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=self.num_mini)
         actor_metrics = []
         if step > cfg.algo.critic_warmup:
-            actor_metrics = roles.update_actor(batch, self.actor_loss, epochs=cfg.algo.ppo_epochs, mini_batches=self.num_mini,
+            loss_fn = functools.partial(self.actor_loss, seed=loss_seed(cfg.seed, step, replica=env.rank))
+            actor_metrics = roles.update_actor(batch, loss_fn, epochs=cfg.algo.ppo_epochs, mini_batches=self.num_mini,
                                                with_entropy=True)
         step_time = time.time() - t0 + waited
         return {**batch_stats(batch, cfg, env, env.world_size, step_time), **kl_stats, **mean_metrics(actor_metrics),
@@ -550,19 +525,19 @@ class ActorCriticTrainer:
 
 
 def build_actor_critic_trainer(cfg: Config, engine: Any, critic_engine: Any, run: RunPaths, data: RunData, tokenizer: Any,
-                               rl_optim: OptimConfig, critic_optim: OptimConfig, mlog: Any, num_mini: int, mesh: Any,
-                               env: Any, before_sft_update: Any) -> ActorCriticTrainer:
+                               rl_optim: OptimConfig, critic_optim: OptimConfig, mlog: Any, num_mini: int,
+                               policy_loss: Any, mesh: Any, env: Any, before_sft_update: Any) -> ActorCriticTrainer:
     """The roles on the trainer pool: the actor (after the SFT stage on a fresh run with SFT data), the critic from the
     policy's backbone with a seeded value head, the frozen reference; a fresh KL controller."""
     roles = Roles(placement=colocated_on_pool(env, mesh), actor_engine=engine, critic_engine=critic_engine)
     roles.actor = start_policy(cfg, engine, env, run, data, tokenizer, rl_optim, mlog, build_kwargs={"mesh": mesh},
                                before_sft_update=before_sft_update)
     roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
-    if cfg.algo.kl_in_reward or cfg.algo.use_kl_loss:
+    if needs_reference(cfg.algo):
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
     return ActorCriticTrainer(
         cfg=cfg, roles=roles, kl_ctrl=kl_controller(cfg.algo), num_mini=num_mini,
-        actor_loss=functools.partial(ppo_loss, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens),
+        actor_loss=make_actor_loss(policy_loss, cfg.algo, horizon=cfg.rollout.max_new_tokens),
         critic_loss=value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=cfg.rollout.max_new_tokens),
     )
 
@@ -570,8 +545,8 @@ def build_actor_critic_trainer(cfg: Config, engine: Any, critic_engine: Any, run
 def kl_controller(algo: AlgoConfig) -> rf.KLControllerState:
     """The KL controller's starting state (fixed or adaptive beta)."""
     if algo.kl_ctrl == "adaptive":
-        return rf.adaptive_kl_controller(algo.kl_coef, target_kl=algo.target_kl, horizon=algo.horizon)
-    return rf.fixed_kl_controller(algo.kl_coef)
+        return rf.adaptive_kl_controller(algo.kl_reward_coef, target_kl=algo.target_kl, horizon=algo.horizon)
+    return rf.fixed_kl_controller(algo.kl_reward_coef)
 
 
 if __name__ == "__main__":

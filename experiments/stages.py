@@ -4,8 +4,9 @@ SFT stage, held-out evaluation, generation dumps, the final export and the summa
 A recipe starts ``prepare_run`` -> ``run_tokenizer`` -> ``load_run_data`` (and its own checks) -> ``commit_run``:
 nothing of a run dir is written or removed before the last check has passed.
 
-A recipe's config carries the sections these read (``model``, ``data``, ``reward``, ``eval``, ``sft``,
-``checkpoint``, ``logger``, ...), so each recipe keeps only its own algorithm and loop.
+A recipe's config extends :class:`experiments.vocabulary.RunConfig`, the sections these read (``model``,
+``data``, ``reward``, ``eval``, ``sft``, ``checkpoint``, ``logger``, ...) declared once, so each recipe keeps only
+its own algorithm and loop.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
 from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
+from experiments.vocabulary import RunConfig
 
 __all__ = [
     "SHARED_REGISTRIES", "checkpoint_or_stop", "commit_run", "export_final",
@@ -59,7 +61,7 @@ class RunPaths:
     must_match: dict  #: the config a checkpoint must have been written with
 
 
-def prepare_run(cfg: Any, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
+def prepare_run(cfg: RunConfig, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
     """The resume point (checked against this config before anything is built) and the run dir, the same on every
     rank. Nothing is written here: :func:`commit_run` writes once every start-up check has passed, so a typo never
     costs an existing run its records. A fresh start in the dir of a finished run is refused."""
@@ -79,7 +81,7 @@ def prepare_run(cfg: Any, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
                     resume_from=resume_from, must_match=must_match)
 
 
-def run_tokenizer(cfg: Any, run: RunPaths) -> Any:
+def run_tokenizer(cfg: RunConfig, run: RunPaths) -> Any:
     """The run's tokenizer, with nothing written yet: ``model.path``'s or a resumed run's base model's, else the
     tiny model's, built as :func:`commit_run` will write it (it gives the same ids loaded back: the tokenizer
     tests check it)."""
@@ -88,7 +90,7 @@ def run_tokenizer(cfg: Any, run: RunPaths) -> Any:
     return build_char_tokenizer(words=cfg.model.tiny_words, model_max_length=cfg.model.tiny.max_position_embeddings)
 
 
-def commit_run(cfg: Any, env: Any, run: RunPaths, tokenizer: Any) -> None:
+def commit_run(cfg: RunConfig, env: Any, run: RunPaths, tokenizer: Any) -> None:
     """After every start-up check: rank 0 writes the run dir (the config and, without ``model.path``, the tiny
     base model with ``tokenizer``); a fresh start begins a new metrics log, a resumed one drops what the crashed
     run logged after its checkpoint."""
@@ -103,7 +105,7 @@ def commit_run(cfg: Any, env: Any, run: RunPaths, tokenizer: Any) -> None:
     check_shared_paths(run.run_dir, {"model.path": run.model_path, **shared_inputs(cfg)})  # a node that does not
 
 
-def shared_inputs(cfg: Any) -> dict[str, Path]:
+def shared_inputs(cfg: RunConfig) -> dict[str, Path]:
     """The data files every rank reads, by the setting that names them (``data.train_files[0]``, ...)."""
     keys = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files,
             "eval.files": cfg.eval.files, "sft.files": cfg.sft.files}
@@ -119,7 +121,7 @@ class RunData:
     sft: list[SFTExample]
 
 
-def load_run_data(cfg: Any, tokenizer: Any, scorer: RewardScorer, log: Any, *, needs_train: bool = True) -> RunData:
+def load_run_data(cfg: RunConfig, tokenizer: Any, scorer: RewardScorer, log: Any, *, needs_train: bool = True) -> RunData:
     """The training prompts, the held-out prompts (``eval.files``, else ``data.val_files``) and the SFT
     examples; a bad file, row or length is an error naming it, before any model is built."""
     if needs_train and not cfg.data.train_files:
@@ -154,7 +156,7 @@ def warn_once(log: Any, warnings: Sequence[str]) -> None:
             log.warning(warning)
 
 
-def start_actor(cfg: Any, engine: Any, env: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
+def start_actor(cfg: RunConfig, engine: Any, env: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
                 metrics_log: MetricsLog, *, build_kwargs: dict | None = None,
                 before_sft_update: Callable[[int], None] | None = None) -> Any:
     """The actor with the RL optimizer. A fresh start with SFT data runs the SFT stage through the same
@@ -181,7 +183,7 @@ def start_actor(cfg: Any, engine: Any, env: Any, run: RunPaths, data: RunData, t
     return actor
 
 
-def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: Any, env: Any,
+def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: RunConfig, env: Any,
                     environments: Any = None) -> dict[str, float]:
     """Held-out metrics (:mod:`backends.rollout.evaluation`), ``{}`` without held-out data; multi-turn recipes
     pass their environment factory."""
@@ -192,7 +194,7 @@ def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardS
                     chat_template=cfg.data.chat_template)
 
 
-def metrics_log(cfg: Any, run: RunPaths, env: Any, console_keys: Sequence[str]) -> MetricsLog:
+def metrics_log(cfg: RunConfig, run: RunPaths, env: Any, console_keys: Sequence[str]) -> MetricsLog:
     """The run's metrics sinks (``logger=...``), writing on the main rank only."""
     return MetricsLog(run.run_dir, enabled=env.is_main, loggers=cfg.logger, run_name=run.run_dir.name,
                       config=config_to_dict(cfg), console_keys=console_keys, console_every=cfg.log_every,
@@ -220,7 +222,7 @@ def dump_generations(run: RunPaths, step: int, tokenizer: Any, batch: rf.Rollout
         write_generations(run.run_dir / "generations" / f"step_{step}.jsonl", [row for part in gathered for row in part])
 
 
-def summarize(cfg: Any, run: RunPaths, env: Any, before: dict[str, float], after: dict[str, float], *, steps: int,
+def summarize(cfg: RunConfig, run: RunPaths, env: Any, before: dict[str, float], after: dict[str, float], *, steps: int,
               wall: float, title: str, extra: dict | None = None) -> dict:
     """The run's summary (``summary.json``, the curves PNG and one verdict line, written by rank 0);
     ``extra`` adds the recipe's own entries."""
@@ -271,7 +273,7 @@ def export_final(export: Callable[[], Any], run: Any, steps: int, save: Callable
                           f"cause is fixed) with resume=auto run_dir={run.run_dir}") from e
 
 
-def checkpoint_or_stop(step: int, steps: int, cfg: Any, run: Any, save: Any, log: Any) -> bool:
+def checkpoint_or_stop(step: int, steps: int, cfg: RunConfig, run: Any, save: Any, log: Any) -> bool:
     """At the end of ``step``: ``save(step)`` on the ``checkpoint.every`` schedule, then whether the run stops
     here because some rank got SIGTERM or Ctrl-C (every rank agrees; the step is checkpointed when checkpoints
     are on, and one line says how to continue)."""
