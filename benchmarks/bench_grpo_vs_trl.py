@@ -223,7 +223,7 @@ def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run
         "eval.before_training=false", "export_hf=false", "logger=jsonl",
         f"prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
         f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "actor.optim.lr=1e-3",
-        "actor.optim.lr_scheduler_type=constant", "actor.optim.lr_warmup_steps=0", f"algo.kl_coef={beta}",
+        "actor.optim.lr_scheduler_type=constant", "actor.optim.lr_warmup_steps=0", f"algo.kl_loss_coef={beta}",
         "algo.agg=token-mean",
         # TRL's per_device_train_batch_size=128: the 128 completions in one forward/backward
         f"actor.fsdp.micro_batch_size={PROMPTS_PER_STEP * SAMPLES}",
@@ -336,7 +336,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--configs", default="A,B", help="comma-separated: A, B")
     ap.add_argument("--steps", type=int, default=10, help="GRPO steps per run (medians over steps 2..N)")
     ap.add_argument("--rounds", type=int, default=1, help="runs per side and config; order alternates")
-    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL beta, our algo.kl_coef)")
+    ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL beta, our algo.kl_loss_coef)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=str(REPO / "runs" / "bench_grpo_vs_trl"))
     ap.add_argument("--trl-python", default=os.environ.get(TRL_PYTHON_ENV),

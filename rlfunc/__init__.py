@@ -25,6 +25,7 @@ from rlfunc.masked import *  # noqa: F401,F403
 from rlfunc.aggregation import *  # noqa: F401,F403
 from rlfunc.logits import *  # noqa: F401,F403
 from rlfunc.policy_losses import *  # noqa: F401,F403
+from rlfunc.policy_loss_registry import *  # noqa: F401,F403
 from rlfunc.value_loss import *  # noqa: F401,F403
 from rlfunc.kl import *  # noqa: F401,F403
 from rlfunc.schedules import *  # noqa: F401,F403

@@ -94,7 +94,13 @@ def _attention(name: str, dtype: str) -> str:
 def grpo_config(*overrides: str) -> Any:
     from experiments import grpo
 
-    return apply_overrides(grpo.Config(), list(overrides), presets_dir=grpo.PRESETS)
+    return apply_overrides(grpo.Config(), list(overrides), presets_dir=grpo.PRESETS, renamed=grpo.RENAMED_GRPO)
+
+
+def ppo_config(*overrides: str) -> Any:
+    from experiments import ppo
+
+    return apply_overrides(ppo.Config(), list(overrides), presets_dir=ppo.PRESETS, renamed=ppo.RENAMED_PPO)
 
 
 def jsonl(path: Path, rows: list[Any]) -> str:
@@ -276,6 +282,15 @@ CASES = [
          lambda tmp, ctx: __import__("experiments.grpo").grpo.resolve_algorithm(grpo_config("algo.policy_loss=vanila").algo),
          ConfigError, (r"algo\.policy_loss='vanila' is not a built-in name", "did you mean vanilla"),
          ("algo.policy_loss=vanila", "the same, for the policy loss")),
+    Case("config-renamed-kl-coef", lambda tmp, ctx: grpo_config("algo.kl_coef=0.01"), ConfigError,
+         (r"algo\.kl_coef was renamed: use algo\.kl_loss_coef",), ("algo.kl_coef=0.01 (GRPO)", "an old spelling names the new key")),
+    Case("config-renamed-ppo-clip", lambda tmp, ctx: ppo_config("algo.clip_ratio_c=3.0"), ConfigError,
+         (r"algo\.clip_ratio_c was renamed: use algo\.policy_loss_args\.ppo\.dual_clip",),
+         ("algo.clip_ratio_c=3.0 (PPO)", "the same, in every recipe and preset")),
+    Case("config-unknown-loss-knob", lambda tmp, ctx: grpo_config("algo.policy_loss_args.kl_cov.tau_pos=2"), ConfigError,
+         (r"unknown config key 'algo\.policy_loss_args\.kl_cov\.tau_pos'",
+          r"the section algo\.policy_loss_args\.kl_cov has kl_cov_ratio, ppo_kl_coef"),
+         ("algo.policy_loss_args.kl_cov.tau_pos=2", "a loss's knobs are its own; the error lists them")),
     Case("config-negative-lr", lambda tmp, ctx: grpo_config("actor.optim.lr=-1e-6"), ConfigError,
          (r"actor\.optim\.lr", r"-1e-06"), ("actor.optim.lr=-1e-6", "numbers in their range (lr > 0, ...)")),
     Case("config-zero-prompt-length", lambda tmp, ctx: grpo_config("data.max_prompt_length=0"), ConfigError,

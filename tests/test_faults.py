@@ -217,7 +217,7 @@ def grpo_args(tmp_path_factory):
     data = arithmetic_data(tmp_path_factory.mktemp("arithmetic"), max_operand=9, max_second_operand=9, num_heldout=4)
     # an entropy bonus and a KL term: the weights, log-probs and KL move every step even where all rewards are equal
     return [*data_args(data, sft_steps=0), *TINY_MODEL, f"steps={STEPS}", "prompts_per_step=4", "rollout.n=2",
-            "algo.kl_coef=0.01", "algo.entropy_coef=0.01", "eval.before_training=false", "eval.max_prompts=2",
+            "algo.kl_loss_coef=0.01", "algo.entropy_coef=0.01", "eval.before_training=false", "eval.max_prompts=2",
             "export_hf=false", "logger=[jsonl]", f"checkpoint.every={EVERY}", "checkpoint.keep_last=10"]
 
 

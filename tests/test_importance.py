@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from rlfunc.aggregation import local_normalizers
 from rlfunc.importance import IS_LEVELS, rollout_is_weights
-from rlfunc.policy_losses import get_policy_loss, ppo_policy_loss
+from rlfunc.policy_loss_registry import get_policy_loss
+from rlfunc.policy_losses import ppo_policy_loss
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "importance.safetensors"
 

@@ -450,7 +450,7 @@ def test_grpo_recipe_runs_on_megatron(tmp_path, layout):
     data = arithmetic_data(tmp_path / "data")
     out = run(GRPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
               "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-              "algo.kl_coef=0.01", "actor.backend=megatron", layout, nproc=2)
+              "algo.kl_loss_coef=0.01", "actor.backend=megatron", layout, nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path / "runs", "grpo")
     summary = json.loads((run_dir / "summary.json").read_text())

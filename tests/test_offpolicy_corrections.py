@@ -19,14 +19,14 @@ import rlfunc as rf
 from rlfunc.aggregation import local_normalizers
 from rlfunc.importance import CORRECTION_LEVELS, rollout_is_weights, rollout_rejection_mask, staleness
 from rlfunc.offpolicy import decoupled_ppo_policy_loss
-from rlfunc.policy_losses import (
+from rlfunc.policy_loss_registry import (
     LOGPROB_KINDS,
     POLICY_LOSS_LOGPROBS,
     POLICY_LOSSES,
     check_logprobs_supplied,
     get_policy_loss,
-    ppo_policy_loss,
 )
+from rlfunc.policy_losses import ppo_policy_loss
 
 pytestmark = pytest.mark.offpolicy
 

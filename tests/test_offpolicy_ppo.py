@@ -93,7 +93,7 @@ def test_one_step_off_ppo_resumes_exactly(tmp_path, data_dir, length_reward):
     """The checkpoint holds the actor and the critic with their optimizers and the adaptive KL controller's beta: the
     resumed run logs the same metrics and ends with the same actor and critic."""
     args = ("offpolicy.mode=one_step_off", "checkpoint.every=2", length_reward, "algo.kl_ctrl=adaptive",
-            "algo.kl_coef=0.05", "actor.optim.lr=1e-3")
+            "algo.kl_reward_coef=0.05", "actor.optim.lr=1e-3")
     out = split_run(tmp_path, data_dir, *args, steps=5)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "ppo")

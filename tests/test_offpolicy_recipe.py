@@ -83,13 +83,13 @@ def test_bounded_two_stays_within_the_bound(tmp_path, data_dir):
     the reference), positive once the weights moved."""
     reward = tmp_path / "length_reward.py"
     reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=2", "algo.kl_coef=0.05",
+    out = split_run(tmp_path, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=2", "algo.kl_loss_coef=0.05",
                     f"reward.fn={reward}:score", "actor.optim.lr=1e-2", steps=5)  # a step the KL can see
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
     assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert max(r["staleness/run_max"] for r in rl) <= 2.0
-    assert rl[0]["kl"] == 0.0 and rl[-1]["kl"] > 0.0 and rl[0]["grad_norm"] > 0
+    assert rl[0]["kl_loss"] == 0.0 and rl[-1]["kl_loss"] > 0.0 and rl[0]["grad_norm"] > 0
 
 
 def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):

@@ -17,11 +17,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rlfunc.aggregation import AGG_MODES, Normalizers, aggregate, local_normalizers
+from rlfunc.policy_loss_registry import POLICY_LOSSES, get_policy_loss
 from rlfunc.policy_losses import (
-    POLICY_LOSSES,
     cispo_policy_loss,
     clip_cov_policy_loss,
-    get_policy_loss,
     gmpo_policy_loss,
     gpg_policy_loss,
     gspo_policy_loss,

@@ -14,7 +14,7 @@ def data_dir(tmp_path_factory):
 
 def tiny(data_dir) -> list[str]:
     return [*data_args(data_dir), *TINY_MODEL, "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-            "algo.kl_coef=0.01"]
+            "algo.kl_loss_coef=0.01"]
 
 
 def _check_run(root, world_size: int) -> None:
@@ -66,7 +66,7 @@ def test_torchrun_two_ranks(tmp_path, data_dir):
 @pytest.mark.slow
 def test_bf16_run_skips_zero_advantage_rows(tmp_path, data_dir):
     """bf16 trainer and rollout, no KL term: rows of groups with one reward are skipped (and counted)."""
-    args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_coef")]
+    args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_loss_coef")]
     out = run(GRPO, f"run_root={tmp_path}", *args, "steps=4", "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16")
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
@@ -82,7 +82,7 @@ def test_bf16_run_skips_zero_advantage_rows(tmp_path, data_dir):
 def test_torchrun_two_ranks_resume(tmp_path, data_dir):
     """Packed rows (FSDP2, 2 ranks), skipped zero-advantage rows (no KL term), resumed from a checkpoint:
     the resumed run logs the steps after its checkpoint again, and only those."""
-    args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_coef")] + [
+    args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_loss_coef")] + [
         "model.tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "checkpoint.every=2",
     ]
     out = run(GRPO, f"run_root={tmp_path}", *args, nproc=2)
@@ -223,7 +223,8 @@ def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, d
     version (staleness 0 in the synchronous loop)."""
     out = run(GRPO, f"run_root={tmp_path}", *tiny(data_dir), "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16",
               "algo.rollout_rs=token", "algo.rollout_rs_threshold=1.5", "algo.rollout_is=geometric",
-              "algo.policy_loss=decoupled_ppo", "algo.behaviour_weight_cap=5")
+              "algo.policy_loss=decoupled_ppo",
+              "algo.policy_loss_args.decoupled_ppo.behaviour_weight_cap=5")
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
     for row in rl:
@@ -235,10 +236,13 @@ def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, d
 def test_algorithm_settings_are_checked_at_start_up(tmp_path):
     from backends.config import ConfigError
     from experiments.grpo import AlgoConfig, resolve_algorithm
+    from experiments.vocabulary import PPOArgs
 
-    for bad in ({"clip_low": 1.5}, {"clip_high": -1.0}, {"agg": "token-meen"}, {"kl_kind": "k9"}, {"rollout_rs_threshold": 0.5}):
-        with pytest.raises((ValueError, TypeError)):
+    for bad in ({"agg": "token-meen"}, {"kl_loss_kind": "k9"}, {"rollout_rs_threshold": 0.5}, {"kl_loss_coef": -1.0}):
+        with pytest.raises(ValueError):
             AlgoConfig(**bad)
+    with pytest.raises(ValueError, match="clip_low"):
+        PPOArgs(clip_low=1.5)
     loss = tmp_path / "my_loss.py"
     loss.write_text("def teacher_forced(logprobs, **kwargs):\n    return logprobs.sum(), {}\n\n"
                     "teacher_forced.logprobs_needed = ('current', 'teacher')\n")

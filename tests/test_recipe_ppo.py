@@ -63,7 +63,7 @@ def test_plain_python_launcher(tmp_path, data_dir):
 @pytest.mark.distributed
 def test_torchrun_two_ranks_kl_loss(tmp_path, data_dir):
     out = run(PPO, f"run_root={tmp_path}", *tiny(data_dir), "checkpoint.every=1", "checkpoint.keep_last=2",
-              "algo.use_kl_loss=true", "algo.kl_loss_type=k3+", "dump_generations_every=3", nproc=2)
+              "algo.kl_loss_coef=0.001", "algo.kl_loss_kind=k3+", "dump_generations_every=3", nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(tmp_path, 2, orbax=False)
     run_dir = the_run_dir(tmp_path, "ppo")
@@ -78,7 +78,7 @@ def test_torchrun_two_ranks_megatron_reference(tmp_path, data_dir):
     """The reference on megatron-core with TP=2 while actor and critic are FSDP: each rank's rows are
     gathered by the TP group, scored together and handed back."""
     out = run(PPO, f"run_root={tmp_path}", *tiny(data_dir), "model.tiny.num_kv_heads=2", "preset=ref/megatron_ref",
-              "reference.tp=2", "algo.use_kl_loss=true", nproc=2)
+              "reference.tp=2", "algo.kl_loss_coef=0.001", nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     rows = metrics(the_run_dir(tmp_path, "ppo"), rl_only=False)
     kl = [r["kl_loss"] for r in rows if "kl_loss" in r]

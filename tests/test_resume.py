@@ -49,14 +49,14 @@ RECIPES = {
     "ppo": Recipe(
         PPO,
         [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
-         "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false"],
+         "algo.horizon=100", "algo.kl_loss_coef=0.001", "export.hf=false"],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
     ),
     # the actor and the critic on megatron with 2 tensor-parallel ranks (one data-parallel replica)
     "ppo-megatron-tp2": Recipe(
         PPO,
         _with([*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
-               "algo.target_kl=0.001", "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false"],
+               "algo.target_kl=0.001", "algo.horizon=100", "algo.kl_loss_coef=0.001", "export.hf=false"],
               "model.tiny.num_kv_heads=2", "actor.backend=megatron", "actor.tp=2"),
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
         min_ranks=2,
@@ -67,15 +67,15 @@ RECIPES = {
     "ppo-split": Recipe(
         PPO,
         [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
-         "algo.horizon=100", "algo.use_kl_loss=true", "export.hf=false", "placement.mode=split"],
+         "algo.horizon=100", "algo.kl_loss_coef=0.001", "export.hf=false", "placement.mode=split"],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
         min_ranks=2,
     ),
     # a KL term to the reference, and two optimizer steps per RL step (so the trainer's old log-probs are used)
     "grpo": Recipe(
         GRPO,
-        [*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"],
-        frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
+        [*COMMON, "algo.kl_loss_coef=0.01", "algo.mini_batches=2"],
+        frozenset({"reward_mean", "loss", "grad_norm", "kl_loss", "entropy", "clip_frac"}),
         states=("actor",),
     ),
     # the actor (and the reference) on megatron, 2 pipeline stages (different tensors per rank) or 2
@@ -83,9 +83,9 @@ RECIPES = {
     **{
         f"grpo-megatron-{layout}": Recipe(
             GRPO,
-            _with([*COMMON, "algo.kl_coef=0.01", "algo.mini_batches=2"], "model.tiny.num_layers=2", "model.tiny.num_kv_heads=2",
+            _with([*COMMON, "algo.kl_loss_coef=0.01", "algo.mini_batches=2"], "model.tiny.num_layers=2", "model.tiny.num_kv_heads=2",
                   "actor.backend=megatron", f"actor.{layout[:2]}=2"),
-            frozenset({"reward_mean", "loss", "grad_norm", "kl", "entropy", "clip_frac"}),
+            frozenset({"reward_mean", "loss", "grad_norm", "kl_loss", "entropy", "clip_frac"}),
             min_ranks=2,
             states=("actor.tp0.pp0", "actor.tp0.pp1") if layout == "pp2" else ("actor.tp0.pp0", "actor.tp1.pp0"),
         )

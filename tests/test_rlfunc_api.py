@@ -38,6 +38,7 @@ LOSS_AND_ESTIMATOR_MODULES = [
         "outcome_advantages",
         "advantages",
         "policy_losses",
+        "policy_loss_registry",
         "value_loss",
         "kl",
         "importance",
