@@ -192,7 +192,7 @@ def _unknown_key_message(key: str, root: Any) -> str:
             last, valid, n=3, cutoff=0.3
         )
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    return f"unknown config key {key!r}{section}{hint} (run with --help to list all keys)"
+    return f"unknown config key {key!r}{hint}{section} (run with --help to list all keys)"
 
 
 def available_presets(presets_dir: str | os.PathLike) -> list[str]:

@@ -457,7 +457,7 @@ def test_grpo_recipe_runs_on_megatron(tmp_path, layout):
     assert summary["steps"] == 3 and summary["world_size"] == 2
     rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3]
-    for key in ("reward_mean", "kl", "entropy", "grad_norm", "loss"):
+    for key in ("reward_mean", "kl_loss", "entropy", "grad_norm", "loss"):
         assert key in rl[-1] and np.isfinite(rl[-1][key]), key
     assert [r["step"] for r in metrics(run_dir, rl_only=False) if "sft_loss" in r]  # the SFT stage ran on megatron
     from transformers import AutoModelForCausalLM
