@@ -251,7 +251,8 @@ def main(argv: list[str]) -> dict:
             critic_metrics = roles.update_critic(critic_batch, critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini)
             actor_metrics = []
             if step > cfg.algo.critic_warmup:
-                loss_fn = functools.partial(actor_loss, seed=loss_seed(cfg.seed, step, replica=roles.data_parallel()[0]))
+                replica = roles.data_parallel()[0] if roles.on_actor else 0  # the seed is read on the actor's ranks
+                loss_fn = functools.partial(actor_loss, seed=loss_seed(cfg.seed, step, replica=replica))
                 actor_metrics = roles.update_actor(batch, loss_fn, epochs=cfg.algo.ppo_epochs, mini_batches=num_mini,
                                                    with_entropy=True)
         if step > cfg.algo.critic_warmup:
