@@ -197,7 +197,8 @@ CASES = [
     Case("algo-loss-wrong-signature",
          lambda tmp: _algorithm(tmp, LOSS_POSITIONAL, "algo.policy_loss=@my_algo.py:my_loss"), ConfigError,
          (r"algo\.policy_loss='.*my_algo\.py:my_loss' does not fit the call the recipe makes, fn\(logprobs, \*, "
-          r"old_logprobs, advantages, response_mask, clip_low", r"raised TypeError"),
+          r"old_logprobs, advantages, response_mask, behaviour_logprobs, is_weights, agg, norms, horizon, seed",
+          r"raised TypeError"),
          ("a policy loss without the keyword arguments", "called once on a synthetic micro-batch at start-up")),
     Case("algo-loss-returns-a-float",
          lambda tmp: _algorithm(tmp, LOSS_FLOAT, "algo.policy_loss=@my_algo.py:my_loss"), ConfigError,
