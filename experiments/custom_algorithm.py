@@ -33,9 +33,8 @@ from backends.distributed.setup import get_logger, init_distributed, seed_everyt
 from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig
 from backends.rewards import RewardConfig, RewardScorer
-from backends.rollout.api import (
-    RolloutConfig, build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
-)
+from backends.loop.weight_bridge import weight_bridge
+from backends.rollout.api import RolloutConfig, build_rollout, decode_responses
 from backends.rollout.evaluation import EvalConfig
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
@@ -143,10 +142,10 @@ def main(argv: list[str]) -> dict:
 
     # [SFT], then the policy, the frozen reference it starts from and (last: it takes the memory left) the rollout engine
     actor = start_actor(cfg, engine, env, run, data, tokenizer, with_total_steps(cfg.optim, steps), mlog)
-    reference = engine.build_reference(run.policy_path, env, cfg.fsdp) if uses_kl(cfg.algo) else None
+    reference = engine.build_reference(run.policy_path, env) if uses_kl(cfg.algo) else None
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
+    bridge = weight_bridge(cfg.rollout)  # how the policy's weights reach the rollout engine
 
     before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
     preempted = False
@@ -154,9 +153,9 @@ def main(argv: list[str]) -> dict:
         t0 = time.time()
         with watchdog.phase("rollout", step=step):
             examples = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
-            batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout,
-                             seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
-            rollout = release_memory(rollout)
+            batch = rollout.generate([list(e.prompt_ids) for e in examples], cfg.rollout,
+                                     seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
+            rollout = rollout.release_memory()
             rows = [examples[g] for g in batch.group_ids.tolist()]
             batch = batch.replace(scores=scorer.score(decode_responses(tokenizer, batch), rows).scores)
         with watchdog.phase("update", step=step):
@@ -166,7 +165,7 @@ def main(argv: list[str]) -> dict:
             batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
             actor, m = engine.update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
         with watchdog.phase("weight_sync", step=step):
-            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+            rollout = bridge.sync(rollout, engine, actor, version=step)
         reward_mean = all_reduce_sum(batch.scores.mean().reshape(1)).item() / env.world_size
         mlog.log(step, {"reward_mean": reward_mean, "step_time_s": time.time() - t0, **m})
         if watchdog.stop_agreed(step):  # SIGTERM on any rank: all stop after this step (this template does not checkpoint)
@@ -183,6 +182,7 @@ def main(argv: list[str]) -> dict:
     mlog.close()
     scorer.close()
     watchdog.stop()
+    rollout.shutdown()  # after the last collective, before the process group goes
     shutdown(env)
     return summary
 
