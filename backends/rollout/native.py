@@ -679,4 +679,5 @@ def _build_from_config(cfg: Any, model_path: str | os.PathLike, tokenizer: Any =
 
 #: ``rollout.engine=native``: weights in ``rollout.dtype``; runs on any ranks (it creates no process groups)
 ENGINE_SPEC = RolloutEngineSpec(build=_build_from_config, check_config=lambda cfg: None,
-                                weight_dtype=lambda cfg: getattr(torch, cfg.dtype))
+                                weight_dtype=lambda cfg: getattr(torch, cfg.dtype), engine_type=NativeRollout,
+                                session_type=NativeSession)

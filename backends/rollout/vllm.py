@@ -581,6 +581,7 @@ POOL_REFUSAL = ("an in-process vLLM engine creates its process groups over every
 ENGINE_SPEC = RolloutEngineSpec(
     build=_build_from_config, check_config=_check_config,
     weight_dtype=lambda cfg: getattr(torch, cfg.vllm.resolved(on_gpu=torch.cuda.is_available()).dtype),
+    engine_type=VLLMRollout, session_type=VLLMSession,
     adapter_sync=lambda cfg: cfg.vllm.lora_sync == "adapter",
     with_adapter_rank=lambda cfg, rank: attrs.evolve(cfg, vllm=adapter_engine_config(cfg.vllm, rank)),
     pool_refusal=POOL_REFUSAL,
