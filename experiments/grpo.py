@@ -211,7 +211,8 @@ def main(argv: list[str]) -> dict:
     reward_model = build_reward_model(cfg.reward_model.path, env, cfg.reward_model) if cfg.reward_model.path else None
     reference = None
     if cfg.algo.kl_coef > 0:
-        reference = engine.build_reference(run.policy_path, env, log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
+        reference = engine.build_reference(run.policy_path, env,
+                                           log_prob_micro_batch_size=cfg.ref_log_prob_micro_batch_size)
     # last: a GPU rollout engine takes its share of the memory the trainer's roles left free
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=max_context(cfg))

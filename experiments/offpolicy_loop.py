@@ -232,7 +232,8 @@ def build_split(cfg: Any, env: Any) -> Split:
     placement = build_placement(PlacementConfig(mode="split", actor_pool=world - r, critic_pool=r), env)
     push = dist.new_group([0, *range(world - r, world)])
     return Split(trainers=placement.pools["actor"], rollouts=placement.pools["critic"], placement=placement,
-                 push_group=push, lag=lag(cfg.offpolicy), bucket_bytes=int(weight_bridge(cfg.rollout).bucket_mb * 2**20))
+                 push_group=push, lag=lag(cfg.offpolicy),
+                 bucket_bytes=int(weight_bridge(cfg.rollout).bucket_mb * 2**20))
 
 
 def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float], drawn: int) -> dict[str, Any]:

@@ -277,8 +277,8 @@ def main(argv: list[str]) -> dict:
         if step > cfg.algo.critic_warmup:
             # 6. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
             with watchdog.phase("weight_sync", step=step):
-                rollout = roles.run_on("actor", "weight_sync", lambda: bridge.sync(rollout, roles.actor_engine, roles.actor,
-                                                                                   version=step))
+                rollout = roles.run_on("actor", "weight_sync",
+                                       lambda: bridge.sync(rollout, roles.actor_engine, roles.actor, version=step))
         # the critic's side of the step (KL statistics and controller, metrics, times) reaches the actor's ranks
         kl_stats, critic_metrics, kl_ctrl = roles.share((kl_stats, critic_metrics, kl_ctrl), "critic")
         times = roles.step_times()
@@ -379,9 +379,11 @@ def check_config(cfg: Config, engine: Any) -> None:
     if cfg.rollout.multi_turn.max_turns > 1:
         raise ConfigError("rollout.multi_turn.max_turns > 1: the PPO recipe samples single-turn responses; multi-turn "
                           "and tool rollouts run in the GRPO recipe (experiments/grpo.py)")
-    refused = {"placement.mode=split (its roles live on every rank)": cfg.placement.mode == "split" and not engine.runs_on_a_pool,
-               "export.orbax=true": cfg.export.orbax and not engine.exports_orbax,
-               "reference.ref_in_actor=true (it needs a LoRA actor)": cfg.reference.ref_in_actor and not engine.trains_lora}
+    refused = {
+        "placement.mode=split (its roles span every rank)": cfg.placement.mode == "split" and not engine.runs_on_a_pool,
+        "export.orbax=true": cfg.export.orbax and not engine.exports_orbax,
+        "reference.ref_in_actor=true (it needs a LoRA actor)": cfg.reference.ref_in_actor and not engine.trains_lora,
+    }
     if any(refused.values()):
         raise ConfigError(f"actor.backend={cfg.actor.backend} does not take "
                           f"{', '.join(what for what, bad in refused.items() if bad)}")

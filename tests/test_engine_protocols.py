@@ -185,7 +185,8 @@ def engine_name_tests(source: str, module: str) -> list[tuple[int, str, str]]:
                 target = node.args[1] if called != "register" and len(node.args) > 1 else node.args[0]
                 for engine, classes in ENGINE_CLASSES.items():
                     if _class_names(target) & classes:
-                        found.append((node.lineno, engine, f"{called}(..., {', '.join(_class_names(target) & classes)})"))
+                        names = ", ".join(sorted(_class_names(target) & classes))
+                        found.append((node.lineno, engine, f"{called}(..., {names})"))
     return [(line, engine, what) for line, engine, what in found if not _at_home(module, engine)]
 
 

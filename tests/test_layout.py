@@ -10,8 +10,9 @@ Layers, lowest first; a module may import its own layer's group and any lower la
             <  backends.checkpoint  <  backends.training | backends.rollout  <  backends.loop  <  experiments
 
 ``backends.training`` and ``backends.rollout`` are siblings that never import each other (weights travel
-between them as a state dict, through ``backends.loop.weight_bridge``, the one layer that sees both). Outside ``backends/cpu`` only the package's seam (``from backends.cpu
-import tune_process``) is used, never its submodules.
+between them as a state dict, through ``backends.loop.weight_bridge``, the one layer that sees both).
+Outside ``backends/cpu`` only the package's seam (``from backends.cpu import tune_process``) is used, never
+its submodules.
 """
 
 from __future__ import annotations

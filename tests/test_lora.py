@@ -31,7 +31,8 @@ def model_dir(tmp_path_factory):
 def trained(model_dir):
     env = init_distributed(device="cpu")
     cfg = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
-    actor = build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0), **cfg.build_kwargs(select_engine("fsdp")))
+    lora = cfg.build_kwargs(select_engine("fsdp"))
+    actor = build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0), **lora)
     for seed in range(2):
         actor, metrics = update(actor, make_batch(seed), pg_loss)
         assert metrics["update_skipped"] == 0.0

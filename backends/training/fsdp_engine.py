@@ -95,7 +95,7 @@ class FSDPEngine(TrainEngine):
     def logprob_numerics(self, state: Any) -> str | None:
         # the HF module's own forward; mixed precision (bf16 compute) rounds differently from any rollout engine
         dtype = compute_dtype(self.config, state.env.device)
-        return "hf-torch-float32" if dtype == torch.float32 else None
+        return "hf-float32" if dtype == torch.float32 else None
 
 
 def make_fsdp_engine(*, fsdp: FSDPConfig | None = None, tp: int = 1, pp: int = 1,

@@ -100,7 +100,8 @@ class Roles:
         """The actor (with ``optim``) on its pool, from an HF dir."""
         if self.on_actor:
             engine = self.actor_engine
-            self.actor = engine.build_actor(model_path, self.placement.env("actor"), optim, mesh=self.placement.mesh("actor"))
+            self.actor = engine.build_actor(model_path, self.placement.env("actor"), optim,
+                                            mesh=self.placement.mesh("actor"))
 
     def build_critic(self, model_path: str | os.PathLike, optim: Any, *, seed: int) -> None:
         """The critic on its pool: the backbone of ``model_path`` with a fresh value head seeded by ``seed``."""
