@@ -8,7 +8,8 @@ suite's forkserver (``tests/forkserver.py``), so even a new pool starts in about
 
 Between two tests every rank puts back what a test may change in its process (environment, working dir,
 torch's default dtype, grad mode and thread count, the CPU affinity, the default RNG state, logging and
-signal handlers, megatron-core's model-parallel state) and the ranks meet in a barrier. A pool whose last test
+signal handlers, the functions and globals of the project's modules that a test replaced (a fault injected by
+assignment), megatron-core's model-parallel state) and the ranks meet in a barrier. A pool whose last test
 failed, timed out, lost a rank, destroyed its group or left it unusable (threads left running included) is
 replaced before the next test, and a replacement after a passing test is a warning in the pytest summary: a
 failing test cannot poison the next one. A test that breaks the group on
@@ -92,6 +93,8 @@ class _ProcessState:
         self.signals = {sig: signal.getsignal(sig) for sig in _SIGNALS}
         self.loggers = {name: (list(lg.handlers), lg.level, lg.propagate) for name, lg in _all_loggers().items()}
         self.threads_alive = {t.ident for t in threading.enumerate()}
+        # a test that replaces a function of the project (a fault injection) leaves it replaced for the next one
+        self.bindings = {name: dict(vars(module)) for name, module in _project_modules().items()}
 
     def restore(self) -> list[str]:
         """Put the process back as it was; returns what could not be put back (the pool is then replaced)."""
@@ -114,6 +117,11 @@ class _ProcessState:
             lg.handlers[:] = handlers
             lg.setLevel(level)
             lg.propagate = propagate
+        for name, saved in self.bindings.items():
+            module = sys.modules.get(name)
+            if module is not None:
+                namespace = vars(module)
+                namespace.update({key: value for key, value in saved.items() if namespace.get(key, _UNSET) is not value})
         problems = _reset_megatron()
         deadline = time.monotonic() + 5.0  # a test's helper threads (a writer, a watchdog) may still be ending
         while time.monotonic() < deadline:
@@ -125,6 +133,15 @@ class _ProcessState:
         else:
             problems.append(f"threads left running: {', '.join(sorted(t.name for t in left))}")
         return problems
+
+
+_PROJECT_PACKAGES = ("backends", "experiments", "rlfunc", "tests")
+_UNSET = object()
+
+
+def _project_modules() -> dict[str, Any]:
+    return {name: module for name, module in list(sys.modules.items())
+            if module is not None and name.partition(".")[0] in _PROJECT_PACKAGES}
 
 
 def _all_loggers() -> dict[str, logging.Logger]:

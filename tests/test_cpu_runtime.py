@@ -124,6 +124,7 @@ print(json.dumps({"works": linear.packed is not None, "grew_mib": in_use() - bas
 """
 
 
+@pytest.mark.slow  # two fresh interpreters that each build a thousand oneDNN primitives
 def test_bounded_onednn_caches_stop_the_heap_growing_with_new_shapes():
     """Every new row count of the native rollout's oneDNN-prepacked linear leaves a oneDNN primitive in two
     1024-entry caches; with bound_onednn_caches the memory they hold stops growing (glibc's mallinfo2, in

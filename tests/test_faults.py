@@ -151,6 +151,10 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _kill_tree(pid: int) -> None:
     todo, seen = [pid], []
     while todo:
@@ -352,12 +356,12 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(grpo_args, uninterrup
 
 
 def _ctrl_c_after_first_checkpoint(ckpt_dir: Path):
-    def when(proc) -> bool:
-        if not _complete(ckpt_dir):
+    def when(ranks: list[int]) -> bool:
+        if not ranks or not _complete(ckpt_dir):
             return False
         # what a terminal's Ctrl-C does: SIGINT to torchrun's process group (the ranks run in sessions of their own,
-        # and torchrun forwards it to them)
-        os.killpg(proc.pid, signal.SIGINT)
+        # and torchrun, their parent and its group's leader, forwards it to them)
+        os.killpg(_parent(ranks[0]), signal.SIGINT)
         return True
     return when
 
