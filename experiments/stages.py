@@ -30,6 +30,7 @@ from backends.distributed.setup import barrier
 from backends.metrics_log import LOGGERS, MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, check_model_dir, load_tokenizer, write_tiny_model
 from backends.rewards import BUILTIN_REWARDS, RewardScorer
+from backends.rollout.api import ROLLOUT_ENGINES
 from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
 from backends.rollout.evaluation import evaluate
@@ -44,7 +45,7 @@ __all__ = [
 
 
 #: the built-in names of the keys every recipe has, which its --help lists
-SHARED_REGISTRIES = {"reward.fn": tuple(BUILTIN_REWARDS), "logger": LOGGERS, "rollout.engine": ("native", "vllm")}
+SHARED_REGISTRIES = {"reward.fn": tuple(BUILTIN_REWARDS), "logger": LOGGERS, "rollout.engine": tuple(ROLLOUT_ENGINES)}
 
 
 @attrs.frozen
@@ -165,9 +166,9 @@ def start_actor(cfg: RunConfig, engine: Any, env: Any, run: RunPaths, data: RunD
     ``before_sft_update(step)`` is called before each SFT update."""
     kwargs = build_kwargs or {}
     if run.resume_from is not None or not data.sft:
-        return engine.build_actor(run.policy_path, env, rl_optim, engine.config, **kwargs)
+        return engine.build_actor(run.policy_path, env, rl_optim, **kwargs)
     steps = sft_steps(cfg.sft, len(data.sft))
-    actor = engine.build_actor(run.model_path, env, sft_optim(cfg.sft, steps), engine.config, **kwargs)
+    actor = engine.build_actor(run.model_path, env, sft_optim(cfg.sft, steps), **kwargs)
     stream = PromptStream(data.sft, seed=cfg.seed)
 
     def next_examples(step: int) -> list:

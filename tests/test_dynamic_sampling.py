@@ -44,7 +44,7 @@ def sample(setup, *overrides):
                                           f"reward.fn={root / 'reward.py'}:starts_with_a_digit", "reward.workers=0", *overrides])
     examples, _ = load_examples([str(root / "train.jsonl")], cfg.data, tokenizer)
     engine = select_engine("fsdp", fsdp=cfg.actor.fsdp)
-    actor = engine.build_actor(model_dir, env, OptimConfig(), engine.config)
+    actor = engine.build_actor(model_dir, env, OptimConfig())
     rollout = build_rollout(cfg.rollout, model_dir, tokenizer)
     stream = PromptStream(examples, seed=0)
     batch, rows, stats = grpo.sample_and_score(rollout, stream, RewardScorer(cfg.reward), tokenizer, cfg, 1, engine, actor)

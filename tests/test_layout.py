@@ -7,11 +7,12 @@ lazy import is still a dependency.
 Layers, lowest first; a module may import its own layer's group and any lower layer, never a higher one:
 
     rlfunc  <  backends.{config, metrics_log, models, packing, data, rewards, cpu}  <  backends.distributed
-            <  backends.checkpoint  <  backends.training | backends.rollout  <  experiments
+            <  backends.checkpoint  <  backends.training | backends.rollout  <  backends.loop  <  experiments
 
 ``backends.training`` and ``backends.rollout`` are siblings that never import each other (weights travel
-between them as a state dict). Outside ``backends/cpu`` only the package's seam (``from backends.cpu
-import tune_process``) is used, never its submodules.
+between them as a state dict, through ``backends.loop.weight_bridge``, the one layer that sees both).
+Outside ``backends/cpu`` only the package's seam (``from backends.cpu import tune_process``) is used, never
+its submodules.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ LAYERS = (
     ("backends.checkpoint", (3, "checkpoint")),
     ("backends.training", (4, "training")),
     ("backends.rollout", (4, "rollout")),
-    ("experiments", (5, "experiments")),
+    ("backends.loop", (5, "loop")),
+    ("experiments", (6, "experiments")),
 )
 
 

@@ -13,6 +13,7 @@ from backends.distributed.sharded_state import full_state_dict
 from backends.models import TinyModelConfig, build_tiny_model, write_tiny_model
 from backends.rollout.native import build_native_rollout, sync_weights
 from backends.training.fsdp import build_actor, compute_logprobs, update
+from backends.training.engines import select_engine
 from backends.training.lora import LoraConfig
 from backends.training.optim import OptimConfig
 from tests.test_reference import make_batch, pg_loss
@@ -30,7 +31,8 @@ def model_dir(tmp_path_factory):
 def trained(model_dir):
     env = init_distributed(device="cpu")
     cfg = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
-    actor = build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0), **cfg.build_kwargs("fsdp"))
+    lora = cfg.build_kwargs(select_engine("fsdp"))
+    actor = build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0), **lora)
     for seed in range(2):
         actor, metrics = update(actor, make_batch(seed), pg_loss)
         assert metrics["update_skipped"] == 0.0
@@ -67,8 +69,8 @@ def test_the_rollout_and_an_hf_export_get_the_merged_model(trained, model_dir, t
 
 
 def test_lora_config_is_checked_before_any_model_is_built():
-    assert LoraConfig().build_kwargs("fsdp") == {}  # rank 0: every weight trains
-    with pytest.raises(ValueError, match="actor.lora needs actor.backend=fsdp"):
-        LoraConfig(rank=4).build_kwargs("megatron")
+    assert LoraConfig().build_kwargs(select_engine("fsdp")) == {}  # rank 0: every weight trains
+    with pytest.raises(ValueError, match="actor.lora needs an engine that trains LoRA adapters .* the megatron engine"):
+        LoraConfig(rank=4).build_kwargs(select_engine("megatron"))
     with pytest.raises(ValueError):
         LoraConfig(rank=-1)

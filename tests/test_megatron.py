@@ -432,7 +432,7 @@ def test_engine_selection_errors():
 
     with pytest.raises(ValueError, match="unknown backend 'megatorn'"):
         select_engine("megatorn")
-    with pytest.raises(ValueError, match="tp=2 / pp=1 need backend=megatron"):
+    with pytest.raises(ValueError, match="actor.tp=2 / actor.pp=1 need actor.backend=megatron"):
         select_engine("fsdp", tp=2)
     assert select_engine("megatron", tp=2).config.tp == 2
 
@@ -583,7 +583,7 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
 
     env = init_distributed()
     engine = select_engine("megatron", fsdp=FSDPConfig(micro_batch_size=8), tp=tp, pp=pp)
-    actor = engine.build_actor(model_dir, env, OptimConfig(lr=1e-3), engine.config)
+    actor = engine.build_actor(model_dir, env, OptimConfig(lr=1e-3))
     tokenizer = load_tokenizer(model_dir)
     rollout = build_native_rollout(model_dir, tokenizer)
     prompts = [tokenizer.encode(f"{a}+{b}=") for a, b in zip(range(10, 14), range(1, 5))]
@@ -618,12 +618,12 @@ def _megatron_reference_worker(rank, world_size, model_dir):
     from backends.distributed.setup import init_distributed
     from backends.training.fsdp import FSDPConfig
     from backends.training.megatron.parallel import destroy_model_parallel
-    from backends.training.reference import ReferenceConfig, build_reference_role, reference_logprobs
+    from backends.training.reference import ReferenceConfig, build_reference_role, reference_engine
 
     env = init_distributed()
     local = make_batch(rank, prompt_lens=[(3, 5), (2,)][rank], response_lens=[(4, 2), (6,)][rank])
-    ref = build_reference_role(ReferenceConfig(backend="megatron", tp=2), model_dir, env, FSDPConfig(micro_batch_size=2))
-    got = reference_logprobs(ref, local)
+    cfg, fsdp = ReferenceConfig(backend="megatron", tp=2), FSDPConfig(micro_batch_size=2)
+    got = reference_engine(cfg, fsdp).own_rows_logprobs(build_reference_role(cfg, model_dir, env, fsdp), local)
     model, _ = load_causal_lm(model_dir)
     with torch.no_grad():
         want = hf_logprobs(model, local) * local.response_mask

@@ -36,9 +36,22 @@ def _examples(tokenizer):
                     columns={}, where=f"train.jsonl:line {i + 1}") for i, (a, b) in enumerate(sums)]
 
 
+class _CountingRollout:
+    """The rollout engine, with the number of prompts of each ``generate`` call recorded in ``sampled``."""
+
+    def __init__(self, rollout, sampled: list[int]) -> None:
+        self.rollout, self.sampled = rollout, sampled
+
+    def __getattr__(self, name):
+        return getattr(self.rollout, name)
+
+    def generate(self, prompts, *args, **kwargs):
+        self.sampled.append(len(prompts))
+        return self.rollout.generate(prompts, *args, **kwargs)
+
+
 def _shards_worker(rank, world_size, path):
     pytest.importorskip("megatron.core")
-    import backends.rollout.agent_loop as agent_loop
     from backends.data import PromptStream
     from backends.distributed.setup import init_distributed
     from backends.models import load_tokenizer
@@ -56,20 +69,15 @@ def _shards_worker(rank, world_size, path):
     cfg = attrs.evolve(grpo.Config(), prompts_per_step=4, seed=3,
                        rollout=attrs.evolve(grpo.Config().rollout, n=2, max_new_tokens=5))
     sampled: list[int] = []
-    real_generate = agent_loop.generate
-    agent_loop.generate = lambda engine, prompts, *a, **k: (sampled.append(len(prompts))
-                                                            or real_generate(engine, prompts, *a, **k))
+    rollout = _CountingRollout(rollout, sampled)
     out = {}
-    try:
-        for name, engine, state in (("megatron", select_engine("megatron", tp=2), types.SimpleNamespace(dims=dims)),
-                                    ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env))):
-            sampled.clear()
-            stream = PromptStream(_examples(tokenizer), seed=cfg.seed)
-            batch, rows, _ = grpo.sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state)
-            out[name] = {"batch": batch, "rows": [r.where for r in rows], "sampled": list(sampled),
-                         "shard": engine.sample_shard(state)}
-    finally:
-        agent_loop.generate = real_generate
+    for name, engine, state in (("megatron", select_engine("megatron", tp=2), types.SimpleNamespace(dims=dims)),
+                                ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env))):
+        sampled.clear()
+        stream = PromptStream(_examples(tokenizer), seed=cfg.seed)
+        batch, rows, _ = grpo.sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state)
+        out[name] = {"batch": batch, "rows": [r.where for r in rows], "sampled": list(sampled),
+                     "shard": engine.sample_shard(state)}
     fsdp_shards = [None] * world_size
     dist.all_gather_object(fsdp_shards, (out["fsdp"]["batch"], out["fsdp"]["rows"]))
     out["fsdp_shards"] = fsdp_shards

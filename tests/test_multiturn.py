@@ -330,10 +330,8 @@ def test_a_prompt_longer_than_the_budget_is_an_error(native):
 def test_single_turn_sample_is_generate(native):
     tok, _, rollout = native
     sampling = SamplingConfig(n=2, max_new_tokens=5)
-    from backends.rollout.api import generate
-
     one = sample(rollout, _examples(tok), tok, sampling, seed=3).batch
-    ref = generate(rollout, [list(e.prompt_ids) for e in _examples(tok)], sampling, seed=3)
+    ref = rollout.generate([list(e.prompt_ids) for e in _examples(tok)], sampling, seed=3)
     assert torch.equal(one.response_ids, ref.response_ids) and one.loss_mask is None and one.turn_ids is None
 
 

@@ -66,8 +66,8 @@ def grpo_every_entry(rank: int, world_size: int, model_dir: str) -> list[str]:
 
     env = init_distributed()
     engine = select_engine("fsdp", fsdp=FSDPConfig(micro_batch_size=4))
-    actor = engine.build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0), engine.config)
-    reference = engine.build_reference(model_dir, env, engine.config)
+    actor = engine.build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0))
+    reference = engine.build_reference(model_dir, env)
     batch = step_batch(rank)
     batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs,
                           ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
@@ -95,7 +95,7 @@ def grpo_every_entry(rank: int, world_size: int, model_dir: str) -> list[str]:
 def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
     from backends.distributed.setup import init_distributed
     from backends.training.engines import select_engine
-    from backends.training.fsdp import FSDPConfig, build_critic, compute_values, update, value_loss_fn
+    from backends.training.fsdp import FSDPConfig, value_loss_fn
     from backends.training.optim import OptimConfig
     from experiments import ppo
     from experiments.actor_loss import loss_seed, make_actor_loss
@@ -103,9 +103,9 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
     env = init_distributed()
     engine = select_engine("fsdp", fsdp=FSDPConfig(micro_batch_size=4))
     optim = OptimConfig(lr=1e-2, weight_decay=0.0)
-    actor = engine.build_actor(model_dir, env, optim, engine.config)
-    reference = engine.build_reference(model_dir, env, engine.config)
-    critic = build_critic(model_dir, env, optim, engine.config, seed=1)
+    actor = engine.build_actor(model_dir, env, optim)
+    reference = engine.build_reference(model_dir, env)
+    critic = engine.build_critic(model_dir, env, optim, seed=1)
     batch = step_batch(rank)
     batch = batch.replace(old_logprobs=engine.compute_logprobs(actor, batch).logprobs,
                           ref_logprobs=engine.compute_logprobs(reference, batch).logprobs)
@@ -120,7 +120,7 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
         cfg = ppo.Config(algo=attrs.evolve(ppo.PPO_ALGO, **option), prompts_per_step=2 * world_size, rollout=attrs.evolve(
             ppo.Config().rollout, n=GROUP, max_new_tokens=RESPONSE))
         policy_loss = ppo.resolve_policy_loss(cfg.algo)
-        values = compute_values(critic, batch)
+        values = engine.compute_values(critic, batch)
         scored, kl_ctrl, kl_stats = ppo.advantages(batch.replace(values=values, old_values=values),
                                                    ppo.kl_controller(cfg.algo), cfg, env)
         assert torch.isfinite(scored.advantages).all() and torch.isfinite(scored.returns).all(), name
@@ -128,7 +128,7 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
             assert {"kl_reward", "kl_coef"} <= set(kl_stats), f"{name}: {kl_stats}"
             assert kl_ctrl.beta != cfg.algo.kl_reward_coef or cfg.algo.kl_ctrl == "fixed", name
         before = _params(critic)
-        critic, critic_metrics = update(critic, scored, value_loss_fn(clip_range=cfg.algo.cliprange_value,
+        critic, critic_metrics = engine.update(critic, scored, value_loss_fn(clip_range=cfg.algo.cliprange_value,
                                                                       horizon=RESPONSE))
         assert torch.isfinite(torch.tensor(float(critic_metrics["loss"]))), f"{name}: critic loss"
         assert not torch.equal(before, _params(critic)), f"{name}: the critic did not change"

@@ -9,23 +9,44 @@ import torch
 import rlfunc as rf
 from backends.distributed.placement import Placement
 from backends.distributed.setup import DistEnv
-from backends.training.engines import Engine
+from backends.training.engine import TrainEngine
 from backends.training.roles import Roles
 
 
-def _engine(name: str, calls: list) -> Engine:
-    def update(state, batch, loss_fn, **kwargs):
-        calls.append((name, "update", batch.prompt_ids.shape[0], kwargs))
+class _CountingEngine(TrainEngine):
+    """A stand-in TrainEngine whose state is a number: each update adds 1 and is recorded in ``calls``."""
+
+    name, runs_on_a_pool, trains_lora, exports_orbax = "fake", True, False, False
+
+    def __init__(self, role: str, calls: list) -> None:
+        self.role, self.calls, self.config = role, calls, None
+
+    def update(self, state, batch, loss_fn, *, with_entropy=False, skip_rows=None):
+        kwargs = {"with_entropy": True} if with_entropy else {}
+        self.calls.append((self.role, "update", batch.prompt_ids.shape[0], kwargs))
         return state + 1, {"loss": float(state)}
 
-    return Engine(
-        name="fake", config=None, build_actor=None, build_reference=None, build_critic=None,
-        compute_logprobs=lambda state, batch: type("Out", (), {"logprobs": torch.full(batch.response_ids.shape, -1.0)})(),
-        compute_values=lambda state, batch: torch.full(batch.response_ids.shape, 0.5), update=update,
-        full_state_dict=lambda state: [("w", torch.tensor(float(state)))], export_hf=None, fresh_optimizer=None,
-        data_parallel=lambda state: (0, 1), share_batch=lambda state, batch: batch,
-        checkpoint_name=lambda state, role: f"{role}_shard0",
-    )
+    def compute_logprobs(self, state, batch, *, with_entropy=False, micro_batch_size=None):
+        return type("Out", (), {"logprobs": torch.full(batch.response_ids.shape, -1.0)})()
+
+    def compute_values(self, state, batch, *, micro_batch_size=None):
+        return torch.full(batch.response_ids.shape, 0.5)
+
+    def full_state_dict(self, state, *, dtype=None, bucket_mb=None):
+        return [("w", torch.tensor(float(state)))]
+
+    def data_parallel(self, state):
+        return 0, 1
+
+    def share_batch(self, state, batch):
+        return batch
+
+    def checkpoint_name(self, state, role):
+        return f"{role}_shard0"
+
+
+def _engine(name: str, calls: list) -> TrainEngine:
+    return _CountingEngine(name, calls)
 
 
 def _placement(mode: str, pools_here: tuple[str, ...]) -> Placement:

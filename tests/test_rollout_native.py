@@ -509,12 +509,12 @@ def test_rollout_config_dtype(setup):
     """``rollout.dtype=bfloat16`` builds a bf16 native engine; synced fp32 weights are cast to it; on
     CPU its attention math stays fp32, and so does its KV cache.
     The vLLM engine's dtype is its own option."""
-    from backends.rollout.api import RolloutConfig, build_rollout, sync_weights
+    from backends.rollout.api import RolloutConfig, build_rollout
 
     _, path, model, tok, _ = setup
     rollout = build_rollout(RolloutConfig(dtype="bfloat16"), path, tok)
     assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
-    rollout = sync_weights(rollout, model.state_dict().items())
+    rollout = rollout.sync_weights(model.state_dict().items())
     assert {p.dtype for p in rollout.model.parameters()} == {torch.bfloat16}
     assert torch.equal(rollout.model.model.norm.weight, model.model.norm.weight.to(torch.bfloat16))
     decoder = rollout_decoder.Decoder(rollout.model, rows=2, total_len=8, prepack=False)

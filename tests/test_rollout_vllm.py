@@ -21,7 +21,7 @@ if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting 
 
 from backends.rollout import native as rollout_native  # noqa: E402
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout.api import RolloutConfig, build_rollout, generate as generate_any  # noqa: E402
+from backends.rollout.api import RolloutConfig, build_rollout  # noqa: E402
 from backends.rollout.vllm import (  # noqa: E402
     VLLMConfig,
     VLLMSamplingConfig,
@@ -170,14 +170,14 @@ def test_top_k_one_is_greedy(setup):
     assert torch.equal(greedy.response_ids, top1.response_ids)
 
 
-def test_group_ids_and_the_dispatcher(setup):
+def test_group_ids_and_the_engines_generate(setup):
     path, _, tok, rollout = setup
     cfg = RolloutConfig(n=2, max_new_tokens=3, engine="vllm")
-    batch = generate_any(rollout, prompts_of(tok)[:2], cfg, group_ids=torch.tensor([10, 42]))
+    batch = rollout.generate(prompts_of(tok)[:2], cfg, group_ids=torch.tensor([10, 42]))  # the rollout config's options
     assert batch.group_ids.tolist() == [10, 10, 42, 42]
     native = build_rollout(attrs.evolve(cfg, engine="native"), path, tok)
     assert isinstance(native, rollout_native.NativeRollout)
-    assert generate_any(native, prompts_of(tok)[:2], cfg).group_ids.tolist() == [0, 0, 1, 1]
+    assert native.generate(prompts_of(tok)[:2], cfg).group_ids.tolist() == [0, 0, 1, 1]
 
 
 # --------------------------------------------------------------------------------------------------

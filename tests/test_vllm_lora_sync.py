@@ -26,6 +26,7 @@ from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  #
 from backends.rollout.common import SamplingConfig  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, score_logprobs, shutdown_vllm, sync_weights  # noqa: E402
 from backends.rollout.vllm_lora import adapter_bytes, adapter_engine_config, lora_engine_kwargs, sync_adapter  # noqa: E402
+from backends.training.engines import select_engine  # noqa: E402
 from backends.training.fsdp import build_actor, update  # noqa: E402
 from backends.training.lora import LoraConfig, adapter_state_dict  # noqa: E402
 from backends.training.optim import OptimConfig  # noqa: E402
@@ -45,7 +46,7 @@ def setup(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("lora_sync") / "model", TINY)
     tok = load_tokenizer(path)
     env = init_distributed(device="cpu")
-    actor = build_actor(path, env, OptimConfig(lr=3e-2, weight_decay=0.0), **LORA.build_kwargs("fsdp"))
+    actor = build_actor(path, env, OptimConfig(lr=3e-2, weight_decay=0.0), **LORA.build_kwargs(select_engine("fsdp")))
     actor, metrics = update(actor, make_batch(1), pg_loss)  # one step: lora_B leaves 0, the adapter does something
     assert metrics["update_skipped"] == 0.0
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -136,7 +137,11 @@ def test_a_bad_adapter_is_refused_and_the_previous_one_stays_active(setup):
 
 
 def test_engine_lora_settings_and_the_recipe_refuses_adapter_sync_without_a_lora_actor_on_vllm():
-    from experiments.grpo import Config, check_lora_sync
+    from backends.loop.weight_bridge import check_adapter_sync
+    from experiments.grpo import Config
+
+    def check_lora_sync(cfg: Config) -> Config:  # what the GRPO recipe does with its config
+        return attrs.evolve(cfg, rollout=check_adapter_sync(cfg.rollout, cfg.actor.lora))
 
     assert lora_engine_kwargs(VLLMConfig(), can_sleep=True) == {}
     kwargs = lora_engine_kwargs(VLLMConfig(lora_sync="adapter", max_lora_rank=12, sleep_level=1), can_sleep=True)
@@ -158,7 +163,7 @@ def test_engine_lora_settings_and_the_recipe_refuses_adapter_sync_without_a_lora
         check_lora_sync(attrs.evolve(cfg, actor=lora_actor, rollout=attrs.evolve(cfg.rollout, vllm=VLLMConfig(lora_sync="adapter"))))
     resolved = check_lora_sync(attrs.evolve(cfg, actor=lora_actor, rollout=on_vllm))
     assert resolved.rollout.vllm.max_lora_rank == 16 and resolved.rollout.vllm.sleep_level == 1
-    assert check_lora_sync(cfg) is cfg
+    assert check_adapter_sync(cfg.rollout, cfg.actor.lora) is cfg.rollout
 
 
 @pytest.mark.slow

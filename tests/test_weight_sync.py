@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from backends.distributed.sharded_state import DEFAULT_BUCKET_MB, full_state_dict, lora_scaling, merged_lora
 from backends.models import TinyModelConfig, write_tiny_model
+from backends.training.engines import select_engine
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.loading
@@ -196,7 +197,7 @@ def _lora_streams(model_dir, env, rank) -> dict:
     from backends.training.lora import LoraConfig
 
     cfg = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
-    actor = _trained_actor(model_dir, env, rank, **cfg.build_kwargs("fsdp"))
+    actor = _trained_actor(model_dir, env, rank, **cfg.build_kwargs(select_engine("fsdp")))
     scaling = lora_scaling(actor.module)
     out = {}
     for dtype_name, dtype in DTYPES.items():

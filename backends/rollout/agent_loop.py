@@ -1,7 +1,7 @@
 """The agent loop: multi-turn trajectories of a batch of prompts, token in and token out.
 
 Each prompt gets ``sampling.n`` trajectories. Turn by turn, the engine continues every live trajectory by one
-model turn (:func:`backends.rollout.api.continue_session`: the native engine keeps each row's KV cache, vLLM
+model turn (:meth:`backends.rollout.engine.Session.continue_turn`: the native engine keeps each row's KV cache, vLLM
 reuses its prefix cache), the environments answer the turns that ended (concurrently, each step under
 ``multi_turn.call_timeout_s``), and their answers become the next turn's forced tokens
 (:func:`backends.rollout.environments.observation_token_ids`). A trajectory ends when its environment says
@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from backends.data import Example
-from backends.rollout.api import continue_session, end_session, generate, start_session
+from backends.rollout.engine import RolloutEngine
 from backends.rollout.common import SamplingConfig, assemble_batch, left_pad
 from backends.rollout.environments import Environment, MultiTurnConfig, Observation, observation_token_ids
 from rlfunc.batch import RolloutBatch
@@ -57,14 +57,14 @@ class Episodes:
 
 
 def sample(
-    rollout: Any, examples: Sequence[Example], tokenizer: Any, sampling: SamplingConfig, *, seed: int,
+    rollout: RolloutEngine, examples: Sequence[Example], tokenizer: Any, sampling: SamplingConfig, *, seed: int,
     multi_turn: MultiTurnConfig = MultiTurnConfig(), environments: Callable[[Example], Environment] | None = None,
     group_ids: torch.Tensor | None = None, chat_template: str = "auto",
 ) -> Episodes:
     """``sampling.n`` samples of each example: one response (``multi_turn.max_turns`` 1), or a multi-turn
     trajectory through ``environments(example)`` (:func:`run_episodes`)."""
     if multi_turn.max_turns == 1:
-        batch = generate(rollout, [list(e.prompt_ids) for e in examples], sampling, seed=seed, group_ids=group_ids)
+        batch = rollout.generate([list(e.prompt_ids) for e in examples], sampling, seed=seed, group_ids=group_ids)
         rows = len(examples) * sampling.n
         return Episodes(batch=batch, turn_rewards=[[] for _ in range(rows)], turns=[1] * rows, finished=[True] * rows,
                         metrics={})
@@ -75,7 +75,7 @@ def sample(
 
 
 def run_episodes(
-    rollout: Any, examples: Sequence[Example], tokenizer: Any, sampling: SamplingConfig, cfg: MultiTurnConfig,
+    rollout: RolloutEngine, examples: Sequence[Example], tokenizer: Any, sampling: SamplingConfig, cfg: MultiTurnConfig,
     factory: Callable[[Example], Environment], *, seed: int, chat_template: str = "auto",
     group_ids: torch.Tensor | None = None,
 ) -> Episodes:
@@ -97,7 +97,7 @@ def run_episodes(
     # the native engine advances every row one cache slot per step, so a batch's turns can take up to
     # max_turns x the budget slots; both engines need the prompt plus the slots to fit their context
     slots = min(cfg.max_turns * max(budget), rollout.max_context - max(len(p) for p in prompts))
-    session = start_session(rollout, prompts, sampling, seed=seed, max_slots=slots)
+    session = rollout.start_session(prompts, sampling, seed=seed, max_slots=slots)
     state = _Rows(len(rows), rollout.eos_token_ids)
     forced: list[list[int]] = [[] for _ in rows]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.workers)
@@ -108,7 +108,7 @@ def run_episodes(
             state.cut([r for r in range(len(rows)) if state.live[r] and not active[r]])
             forced = [f if is_active else [] for f, is_active in zip(forced, active)]
             limits = [min(budget[r] - len(forced[r]), sampling.max_new_tokens) if active[r] else 0 for r in range(len(rows))]
-            session, out = continue_session(session, forced, active=active, max_new_tokens=limits)
+            session, out = session.continue_turn(forced, active=active, max_new_tokens=limits)
             state.record(out, turn, active)
             forced = [[] for _ in rows]
             for r in range(len(rows)):
@@ -125,7 +125,7 @@ def run_episodes(
                     forced[r] = observation_token_ids(obs.messages, tokenizer, chat_template=chat_template)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        end_session(session)
+        session.end()
     return state.episodes(prompts, sampling, rollout.pad_token_id, group_ids)
 
 

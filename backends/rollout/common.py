@@ -27,6 +27,7 @@ __all__ = [
     "sample_tokens",
     "decode_responses",
     "answer_texts",
+    "sampling_options",
 ]
 
 
@@ -73,6 +74,13 @@ class TurnOutput:
     sampled: list[list[bool]]
     #: per row: the turn ended with an EOS token (False: cut by the budget, or inactive)
     finished: list[bool]
+
+
+def sampling_options(sampling: SamplingConfig) -> SamplingConfig:
+    """The sampling options alone of a config that carries more (the rollout config's ``sampling()``): what an
+    engine's ``generate`` maps; a plain sampling config as it is."""
+    alone = getattr(sampling, "sampling", None)
+    return alone() if callable(alone) else sampling
 
 
 def default_eos_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Iterable, Literal, Mapping, Sequence
 
 import attrs
 import torch
@@ -47,33 +47,18 @@ from torch import Tensor
 
 from backends.config import ConfigError
 from backends.rollout.common import (
-    SamplingConfig,
-    TurnOutput,
-    assemble_batch,
-    check_group_ids,
-    decode_responses,
-    default_eos_token_ids,
-    left_pad,
-    prepare_prompts,
-    sample_tokens,
+    SamplingConfig, TurnOutput, assemble_batch, check_group_ids, decode_responses, default_eos_token_ids, left_pad,
+    prepare_prompts, sample_tokens, sampling_options,
 )
 from backends.rollout.decoder import Decoder, Workspace
+from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
-    "SamplingConfig",
-    "NativeRollout",
-    "build_native_rollout",
-    "sync_weights",
-    "generate",
-    "sample_tokens",
-    "decode_responses",
-    "TurnOutput",
-    "NativeSession",
-    "start_session",
-    "continue_session",
-    "end_session",
+    "SamplingConfig", "NativeRollout", "build_native_rollout", "sync_weights", "generate", "sample_tokens",
+    "decode_responses", "TurnOutput", "NativeSession", "start_session", "continue_session", "end_session",
+    "ENGINE_SPEC",
 ]
 
 
@@ -119,6 +104,33 @@ class NativeRollout:
     @property
     def vocab_size(self) -> int:
         return self.model.get_input_embeddings().weight.shape[0]
+
+    # the RolloutEngine protocol (backends.rollout.engine): the module's functions below
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), *,
+                 group_ids: Tensor | None = None, seed: int | None = None) -> RolloutBatch:
+        return generate(self, prompts, sampling_options(sampling), group_ids=group_ids, seed=seed)
+
+    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
+                      max_slots: int) -> NativeSession:
+        return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> NativeRollout:
+        return sync_weights(self, named_tensors, strict=strict)
+
+    def sync_adapter(self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float,
+                     target_modules: Sequence[str], version: int) -> NativeRollout:
+        raise ValueError("the native rollout engine receives merged full weights, not LoRA adapters")
+
+    def release_memory(self) -> NativeRollout:
+        return self  # nothing worth freeing: the caches are reused by the next step
+
+    def shutdown(self) -> None:
+        return None
+
+    def logprob_numerics(self) -> str | None:
+        # the HF model's own fp32 forward, to float rounding (tests/test_rollout_native.py); bf16 rounds its own way
+        return "hf-float32" if self.model.get_input_embeddings().weight.dtype == torch.float32 else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -398,6 +410,13 @@ class NativeSession:
         """Cache slots the session may still write (one per step of a call: see :func:`continue_session`)."""
         return self.max_slots - (self.slot - self.prompt_slots)
 
+    def continue_turn(self, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
+                      max_new_tokens: Sequence[int]) -> tuple[NativeSession, TurnOutput]:
+        return continue_session(self, forced, active=active, max_new_tokens=max_new_tokens)
+
+    def end(self) -> None:
+        end_session(self)
+
 
 def _session_prompts(rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
                      max_slots: int) -> list[list[int]]:
@@ -648,3 +667,18 @@ def _turn_output(events: list[tuple[Tensor, Tensor, Tensor]], finished: Tensor) 
         out_sampled.append([row_kinds[j] == 2 for j in keep])
     return TurnOutput(tokens=out_tokens, logprobs=out_logprobs, sampled=out_sampled,
                       finished=[bool(f) for f in finished.tolist()])
+
+
+# --------------------------------------------------------------------------------------------------
+# Registration (backends.rollout.api.ROLLOUT_ENGINES)
+
+
+def _build_from_config(cfg: Any, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0,
+                       max_context: int | None = None, device: str | torch.device | None = None) -> NativeRollout:
+    return build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype), device=device)
+
+
+#: ``rollout.engine=native``: weights in ``rollout.dtype``; runs on any ranks (it creates no process groups)
+ENGINE_SPEC = RolloutEngineSpec(build=_build_from_config, check_config=lambda cfg: None,
+                                weight_dtype=lambda cfg: getattr(torch, cfg.dtype), engine_type=NativeRollout,
+                                session_type=NativeSession)

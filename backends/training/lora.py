@@ -30,13 +30,14 @@ class LoraConfig:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     dropout: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: dropout on the adapter's input
 
-    def build_kwargs(self, backend: str) -> dict[str, Any]:
-        """The engine's ``build_actor`` keyword arguments for this adapter (``{}`` without one); checked
-        before any model is built."""
+    def build_kwargs(self, engine: Any) -> dict[str, Any]:
+        """The ``build_actor`` keyword arguments of ``engine`` (a :class:`backends.training.engine.TrainEngine`) for
+        this adapter (``{}`` without one); checked before any model is built."""
         if self.rank == 0:
             return {}
-        if backend != "fsdp":
-            raise ValueError(f"actor.lora needs actor.backend=fsdp (the {backend} engine trains full weights)")
+        if not engine.trains_lora:
+            raise ValueError(f"actor.lora needs an engine that trains LoRA adapters (actor.backend=fsdp); the "
+                             f"{engine.name} engine trains full weights")
         try:
             import peft
         except ImportError:

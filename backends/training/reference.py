@@ -2,9 +2,9 @@
 
 The reference is the frozen policy the KL term is measured against. Options:
 
-- ``backend``: ``fsdp`` (FSDP2, :func:`backends.training.fsdp.build_reference`) or ``megatron``
-  (megatron-core with ``tp`` / ``pp``, :func:`backends.training.megatron.engine.build_reference`; colocated
-  placement only, since megatron's parallel state spans the whole world);
+- ``backend``: the training engine that holds it (:mod:`backends.training.engines`): ``fsdp`` (FSDP2) or
+  ``megatron`` (megatron-core with ``tp`` / ``pp``; colocated placement only, since megatron's parallel state
+  spans the whole world); its ``build_reference`` refuses the options it does not have;
 - ``log_prob_micro_batch_size``: rows per forward when computing its log-probs (verl's
   ``ref.log_prob_micro_batch_size_per_gpu``), independent of the actor's micro-batches;
 - ``use_torch_compile``: ``torch.compile`` of each decoder layer's forward (verl's
@@ -18,21 +18,23 @@ The reference is the frozen policy the KL term is measured against. Options:
 from __future__ import annotations
 
 import os
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 
 from backends.distributed.setup import DistEnv
-from backends.training.fsdp import FSDPConfig, TrainState, build_reference, reference_from_lora_actor
+from backends.training.engine import TrainEngine
+from backends.training.engines import select_engine
+from backends.training.fsdp import FSDPConfig
 
-__all__ = ["ReferenceConfig", "build_reference_role", "reference_logprobs"]
+__all__ = ["ReferenceConfig", "build_reference_role", "reference_engine"]
 
 
 @attrs.frozen
 class ReferenceConfig:
     """How the reference model is built and run (see the module docstring)."""
 
-    backend: Literal["fsdp", "megatron"] = "fsdp"  #: fsdp (FSDP2) or megatron (tensor / pipeline parallel: reference.tp, reference.pp)
+    backend: str = "fsdp"  #: fsdp (FSDP2) or megatron (tensor / pipeline parallel: reference.tp, reference.pp)
     tp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: tensor-parallel size
     pp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: pipeline stages
     #: rows per forward of its log-prob pass; None: the FSDP config's micro-batching
@@ -48,6 +50,11 @@ class ReferenceConfig:
             raise ValueError(f"reference.log_prob_micro_batch_size must be >= 1 (or none), got {value}")
 
 
+def reference_engine(cfg: ReferenceConfig, fsdp_cfg: FSDPConfig) -> TrainEngine:
+    """The training engine ``reference.backend`` names, with the reference's sizes (a bad name or size fails here)."""
+    return select_engine(cfg.backend, fsdp=fsdp_cfg, tp=cfg.tp, pp=cfg.pp, key="reference")
+
+
 def build_reference_role(
     cfg: ReferenceConfig,
     model_path: str | os.PathLike,
@@ -55,60 +62,25 @@ def build_reference_role(
     fsdp_cfg: FSDPConfig,
     *,
     mesh: Any = None,
-    actor: TrainState | None = None,
+    actor: Any = None,
 ) -> Any:
-    """The reference state ``cfg`` asks for; errors name the option before anything is loaded.
+    """The reference state ``cfg`` asks for; errors name the option before anything is loaded. Its log-probs of a
+    rank's own rows: ``reference_engine(cfg, fsdp_cfg).own_rows_logprobs(state, batch)``.
 
     ``actor``: needed for ``ref_in_actor`` (a LoRA actor built with ``build_actor(..., lora=...)``).
     """
-    if cfg.backend not in ("fsdp", "megatron"):
-        raise ValueError(f"reference.backend must be 'fsdp' or 'megatron', got {cfg.backend!r}")
-    if cfg.backend == "fsdp" and (cfg.tp != 1 or cfg.pp != 1):
-        raise ValueError(f"reference.tp={cfg.tp} / reference.pp={cfg.pp} need reference.backend=megatron")
-    if cfg.backend == "megatron":
-        if cfg.ref_in_actor or cfg.use_torch_compile or cfg.param_offload:
-            raise ValueError(
-                "reference.backend=megatron does not take ref_in_actor, use_torch_compile or param_offload "
-                "(FSDP options)"
-            )
-        if mesh is not None and mesh.size() != env.world_size:
-            raise ValueError(
-                "reference.backend=megatron needs placement=colocated: megatron's parallel state spans every "
-                f"rank, but this reference pool has {mesh.size()} of {env.world_size} ranks"
-            )
-        from backends.training.megatron.engine import MegatronConfig
-        from backends.training.megatron.engine import build_reference as build_megatron_reference
-
-        megatron_cfg = MegatronConfig(tp=cfg.tp, pp=cfg.pp, micro_batch_size=fsdp_cfg.micro_batch_size)
-        return build_megatron_reference(model_path, env, megatron_cfg, cfg.log_prob_micro_batch_size)
+    engine = reference_engine(cfg, fsdp_cfg)
     if cfg.ref_in_actor:
-        if actor is None:
-            raise ValueError(
-                "reference.ref_in_actor=true needs the actor on this rank (the reference is the actor's module with "
-                "its LoRA adapter disabled); under placement=split the reference lives on the critic pool"
-            )
         if cfg.use_torch_compile or cfg.param_offload:
             raise ValueError(
                 "reference.ref_in_actor=true shares the actor's module: reference.use_torch_compile and "
                 "reference.param_offload do not apply (they are the actor's settings then)"
             )
-        return reference_from_lora_actor(actor, cfg.log_prob_micro_batch_size)
-    return build_reference(
-        model_path, env, fsdp_cfg, cfg.log_prob_micro_batch_size, mesh=mesh,
-        param_offload=cfg.param_offload, compile=cfg.use_torch_compile,
-    )
-
-
-def reference_logprobs(reference: Any, batch: Any) -> Any:
-    """Log-probs ``(b t)`` of this rank's rows under the reference, whichever engine holds it.
-
-    Every rank brings its own rows (data-parallel recipes); a Megatron reference with TP / PP gathers
-    the rows of its replica's ranks, runs them together and hands each rank its own.
-    """
-    if type(reference).__module__.startswith("backends.training.megatron"):
-        from backends.training.megatron.engine import compute_logprobs_of_own_rows
-
-        return compute_logprobs_of_own_rows(reference, batch)
-    from backends.training.fsdp import compute_logprobs
-
-    return compute_logprobs(reference, batch).logprobs
+        if actor is None:
+            raise ValueError(
+                "reference.ref_in_actor=true needs the actor on this rank (the reference is the actor's module with "
+                "its LoRA adapter disabled); under placement=split the reference lives on the critic pool"
+            )
+        return engine.reference_from_actor(actor, log_prob_micro_batch_size=cfg.log_prob_micro_batch_size)
+    return engine.build_reference(model_path, env, mesh=mesh, log_prob_micro_batch_size=cfg.log_prob_micro_batch_size,
+                                  param_offload=cfg.param_offload, compile=cfg.use_torch_compile)

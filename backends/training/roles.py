@@ -33,8 +33,8 @@ import attrs
 import rlfunc as rf
 from backends.distributed.placement import ROLE_POOL, Placement, PlacementConfig, build_placement
 from backends.distributed.setup import DistEnv
-from backends.training.engines import Engine
-from backends.training.reference import ReferenceConfig, build_reference_role, reference_logprobs
+from backends.training.engine import TrainEngine
+from backends.training.reference import ReferenceConfig, build_reference_role, reference_engine
 
 __all__ = ["Roles", "build_roles"]
 
@@ -44,11 +44,12 @@ class Roles:
     """This rank's part of the actor / critic / reference roles (``None`` for a role it does not hold)."""
 
     placement: Placement
-    actor_engine: Engine
-    critic_engine: Engine
+    actor_engine: TrainEngine
+    critic_engine: TrainEngine
     actor: Any = None
     critic: Any = None
     reference: Any = None
+    reference_engine: TrainEngine | None = None  #: the engine ``reference.backend`` names (set with the reference)
     #: seconds of work per phase on this rank since the last :meth:`step_times`
     times: dict[str, float] = attrs.field(factory=dict)
 
@@ -99,18 +100,20 @@ class Roles:
         """The actor (with ``optim``) on its pool, from an HF dir."""
         if self.on_actor:
             engine = self.actor_engine
-            self.actor = engine.build_actor(model_path, self.placement.env("actor"), optim, engine.config, **self._mesh(engine, "actor"))
+            self.actor = engine.build_actor(model_path, self.placement.env("actor"), optim,
+                                            mesh=self.placement.mesh("actor"))
 
     def build_critic(self, model_path: str | os.PathLike, optim: Any, *, seed: int) -> None:
         """The critic on its pool: the backbone of ``model_path`` with a fresh value head seeded by ``seed``."""
         if self.on_critic:
             engine = self.critic_engine
-            self.critic = engine.build_critic(model_path, self.placement.world, optim, engine.config, seed=seed,
-                                              **self._mesh(engine, "critic"))
+            self.critic = engine.build_critic(model_path, self.placement.world, optim, seed=seed,
+                                              mesh=self.placement.mesh("critic"))
 
     def build_reference(self, cfg: ReferenceConfig, model_path: str | os.PathLike, fsdp_cfg: Any) -> None:
         """The frozen reference on its pool (the critic's under split placement)."""
         if self.placement.has("reference"):
+            self.reference_engine = reference_engine(cfg, fsdp_cfg)
             self.reference = build_reference_role(cfg, model_path, self.placement.world, fsdp_cfg,
                                                   mesh=self.placement.mesh("reference"), actor=self.actor)
 
@@ -118,10 +121,6 @@ class Roles:
         """Replace the actor by ``fn(actor)`` on its pool (a warm-start stage, a fresh optimizer, ...)."""
         if self.on_actor:
             self.actor = fn(self.actor)
-
-    def _mesh(self, engine: Engine, role: str) -> dict[str, Any]:
-        """``build_*``'s keyword for the role's pool mesh (FSDP); megatron builds its own groups."""
-        return {"mesh": self.placement.mesh(role)} if engine.name == "fsdp" else {}
 
     # -------------------------------------------------------------------------------- the step's work
 
@@ -147,7 +146,7 @@ class Roles:
         if self.reference is None:
             return batch
         with self.timed("reference"):
-            return batch.replace(ref_logprobs=reference_logprobs(self.reference, batch))
+            return batch.replace(ref_logprobs=self.reference_engine.own_rows_logprobs(self.reference, batch))
 
     def compute_values(self, batch: Any) -> Any:
         """``batch`` with the critic's values (also kept as ``old_values`` for the clipped value loss)."""
@@ -218,6 +217,6 @@ class Roles:
             self.critic_engine.export_hf(self.critic, Path(run_dir) / "critic_hf", tokenizer=tokenizer, overwrite=True)
 
 
-def build_roles(cfg: PlacementConfig, env: DistEnv, actor_engine: Engine, critic_engine: Engine) -> Roles:
+def build_roles(cfg: PlacementConfig, env: DistEnv, actor_engine: TrainEngine, critic_engine: TrainEngine) -> Roles:
     """The placement of ``cfg`` on this world (a collective of all ranks) with no role built yet."""
     return Roles(placement=build_placement(cfg, env), actor_engine=actor_engine, critic_engine=critic_engine)

@@ -1,0 +1,1 @@
+"""The layer above training and rollout: what joins a training engine to a rollout engine (the weight bridge)."""

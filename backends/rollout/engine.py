@@ -1,0 +1,111 @@
+"""The rollout engine interface: what the agent loop, the evaluation, the recipes and the weight bridge call,
+whichever engine samples.
+
+A :class:`RolloutEngine` is the engine's state value (``NativeRollout``, ``VLLMRollout``): its methods sample from
+it, and those that change it return the new value (``rollout = rollout.sync_weights(tensors)``), as everywhere in
+the shim. A multi-turn :class:`Session` is a value too (``session, turn = session.continue_turn(...)``). Both are
+:class:`typing.Protocol` s: the engines implement them structurally, and nothing outside an engine's own modules
+asks which engine it has.
+
+An engine is registered by name (``rollout.engine=...``) in :data:`backends.rollout.api.ROLLOUT_ENGINES` with a
+:class:`RolloutEngineSpec`: how it is built from the rollout config, the settings it refuses before any work, the
+dtype it keeps weights in (so the trainer gathers them in it, also on ranks that hold no engine), and what it can
+do (LoRA adapters, running on a pool of some of the ranks). A new engine is one module with its state class, its
+session class and its spec, plus that one entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence, runtime_checkable
+
+import attrs
+import torch
+from torch import Tensor
+
+from backends.rollout.common import SamplingConfig, TurnOutput
+from rlfunc.batch import RolloutBatch
+
+__all__ = ["RolloutEngine", "RolloutEngineSpec", "Session"]
+
+
+@runtime_checkable
+class Session(Protocol):
+    """A multi-turn session: rows whose context continues across turns; only the newest value continues."""
+
+    def continue_turn(self, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
+                      max_new_tokens: Sequence[int]) -> tuple["Session", TurnOutput]:
+        """Feed each active row its ``forced`` tokens, then sample its next turn (up to EOS or its
+        ``max_new_tokens``): the new session and what the call added (token in, token out)."""
+        ...
+
+    def end(self) -> None:
+        """Free what the session holds."""
+        ...
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """A rollout engine's state: sampling, multi-turn sessions, weight sync, memory release and shutdown."""
+
+    pad_token_id: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int  #: prompt + response tokens must fit in this many positions
+    weights_version: int  #: counts weight syncs
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), *,
+                 group_ids: Tensor | None = None, seed: int | None = None) -> RolloutBatch:
+        """``sampling.n`` responses per prompt as a :class:`rlfunc.RolloutBatch` (raw sampled-token log-probs)."""
+        ...
+
+    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
+                      max_slots: int) -> Session:
+        """A multi-turn session over ``prompts`` (``sampling.n`` rows each, in ``generate``'s order);
+        ``max_slots``: the most tokens the session adds to a row after its prompt."""
+        ...
+
+    def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> "RolloutEngine":
+        """Full HF-named tensors into the engine (checked; see the engine); the new state."""
+        ...
+
+    def sync_adapter(self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float,
+                     target_modules: Sequence[str], version: int) -> "RolloutEngine":
+        """A LoRA adapter's factors alone (peft names), the base weights staying as built; an engine without
+        adapters refuses (its spec says ``adapter_sync`` is never on)."""
+        ...
+
+    def release_memory(self) -> "RolloutEngine":
+        """Once a step's sampling is done: let the trainer have the engine's memory until the next weight sync."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the engine holds beyond Python objects; after the last collective, before the process
+        group is destroyed."""
+        ...
+
+    def logprob_numerics(self) -> str | None:
+        """A label of how the engine computes log-probs: a training engine with the same label computes the same
+        numbers (:meth:`backends.training.engine.TrainEngine.logprob_numerics`). None: numerics of its own."""
+        ...
+
+
+def _never(cfg: Any) -> bool:
+    return False
+
+
+@attrs.frozen
+class RolloutEngineSpec:
+    """A rollout engine's registration (:data:`backends.rollout.api.ROLLOUT_ENGINES`)."""
+
+    #: ``(cfg, model_path, tokenizer, *, seed, max_context, device) -> RolloutEngine`` (every rank calls it)
+    build: Callable[..., RolloutEngine]
+    #: ``(cfg) -> None``: refuse, when the config is read, settings this engine cannot run
+    check_config: Callable[[Any], None]
+    weight_dtype: Callable[[Any], torch.dtype]  #: ``(cfg) -> dtype`` the engine keeps its weights in
+    engine_type: type  #: the engine's state class (a :class:`RolloutEngine`)
+    session_type: type  #: its multi-turn session class (a :class:`Session`)
+    #: ``(cfg) -> bool``: the trainer sends a LoRA actor's adapter alone (else merged full weights)
+    adapter_sync: Callable[[Any], bool] = _never
+    #: ``(cfg, rank) -> cfg``: the config with the engine set up for adapters of ``rank`` (when ``adapter_sync``)
+    with_adapter_rank: Callable[[Any, int], Any] | None = None
+    #: why the engine cannot be built on a pool of some of the ranks (None: it can)
+    pool_refusal: str | None = None

