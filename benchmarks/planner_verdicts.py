@@ -187,7 +187,8 @@ def preset_case(preset: str, model: str, gpus: int, *overrides: str) -> Case:
         label=" ".join([preset, *overrides]), model=model, gpus=gpus, prompt_len=cfg.data.max_prompt_length,
         response_len=cfg.rollout.max_new_tokens, rows=None if tokens else fsdp.micro_batch_size, tokens=tokens,
         packed=fsdp.use_remove_padding, checkpointing=fsdp.gradient_checkpointing, offload=fsdp.offload,
-        reference="resident" if cfg.algo.kl_loss_coef > 0 else "none", logprob_rows=cfg.reference.log_prob_micro_batch_size,
+        reference="resident" if cfg.algo.kl_loss_coef > 0 else "none",
+        logprob_rows=cfg.reference.log_prob_micro_batch_size,
         policy_logprob_rows=None if tokens else fsdp.micro_batch_size,  # the policy's pass micro-batches as its update
         logits_chunk_mib=fsdp.logits_chunk_mib,
         vllm_util=vllm.gpu_memory_utilization, vllm_tp=vllm.tensor_parallel_size, concurrent=vllm.max_num_seqs,

@@ -62,8 +62,9 @@ class ActorConfig:
 @attrs.frozen
 class Config(RunConfig):
     name: str = "custom_algorithm"  #: the run's name (the run dir is <run_root>/<name>-<time>)
-    prompts_per_step: int = attrs.field(default=16, validator=attrs.validators.ge(1))  #: prompts per RL step, over all ranks
-    actor: ActorConfig = ActorConfig()  #: the policy (the same keys as the GRPO and PPO recipes' actor.optim / actor.fsdp)
+    #: prompts per RL step, over all ranks
+    prompts_per_step: int = attrs.field(default=16, validator=attrs.validators.ge(1))
+    actor: ActorConfig = ActorConfig()  #: the policy (the keys of the GRPO and PPO recipes' actor.optim / actor.fsdp)
     algo: AlgoConfig = AlgoConfig()  #: the algorithm
 
 
@@ -86,11 +87,12 @@ def loss_fn(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig
     clip = algo.policy_loss_args.ppo
     loss, metrics = rf.ppo_policy_loss(
         out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
-        clip_low=clip.clip_low, clip_high=clip.clip_high, dual_clip=clip.dual_clip, agg=agg, norms=norms, horizon=horizon,
+        clip_low=clip.clip_low, clip_high=clip.clip_high, dual_clip=clip.dual_clip, agg=agg, norms=norms,
+        horizon=horizon,
     )
     if uses_kl(algo):
-        kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3", agg=agg,
-                                    norms=norms)
+        kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3",
+                                    agg=agg, norms=norms)
         loss, metrics = loss + algo.kl_loss_coef * kl, {**metrics, **kl_metrics}
     return loss, metrics
 

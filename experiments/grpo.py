@@ -128,7 +128,8 @@ class Config(RunConfig):
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
 RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "deadlines", "eval", "logger", "log_every",
                   "dump_generations_every")
-CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl_loss", "entropy",
+CONSOLE_KEYS = ("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl_loss",
+                "entropy",
                 "clip_frac",
                 "grad_norm", "response_length", "step_time_s")
 
@@ -244,7 +245,8 @@ def main(argv: list[str]) -> dict:
             batch = batch.replace(advantages=adv, returns=ret)
             skip = rf.zero_advantage_rows(adv, mask=rf.loss_tokens(batch)) if skip_zero_rows else None
             # 4. policy update(s): ppo_epochs x mini_batches optimizer steps (a random loss draws with the step's seed)
-            loss_fn = functools.partial(actor_loss, seed=loss_seed(cfg.seed, step, replica=engine.data_parallel(actor)[0]))
+            replica = engine.data_parallel(actor)[0]
+            loss_fn = functools.partial(actor_loss, seed=loss_seed(cfg.seed, step, replica=replica))
             t_update = time.time()
             watchdog.waiting_on("engine.update (forward, backward, optimizer step)")
             for _ in range(cfg.algo.ppo_epochs):
@@ -309,7 +311,8 @@ def help_registries() -> dict[str, tuple[str, ...]]:
     """The names of the keys that take a built-in, for --help."""
     estimators, aliases = group_estimators()
     return {"algo.estimator": (*estimators, *(f"{alias}={name}" for alias, name in aliases.items())),
-            "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES), "algo.kl_loss_kind": rf.KL_KINDS,
+            "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES),
+            "algo.kl_loss_kind": rf.KL_KINDS,
             "actor.backend": tuple(TRAIN_ENGINES), **SHARED_REGISTRIES}
 
 
@@ -342,7 +345,8 @@ def check_reference(reference: ReferenceConfig) -> None:
     """GRPO's reference is built by the actor's engine: of the ``reference`` keys only the log-prob micro-batch
     size applies; another one set is refused rather than ignored."""
     default = ReferenceConfig(log_prob_micro_batch_size=reference.log_prob_micro_batch_size)
-    if changed := [f.name for f in attrs.fields(ReferenceConfig) if getattr(reference, f.name) != getattr(default, f.name)]:
+    changed = [f.name for f in attrs.fields(ReferenceConfig) if getattr(reference, f.name) != getattr(default, f.name)]
+    if changed:
         raise ConfigError(f"reference.{', reference.'.join(changed)}: the GRPO recipe builds its reference with the "
                           "actor's engine (actor.backend) and reads only reference.log_prob_micro_batch_size; the "
                           "reference roles' other keys are the PPO recipe's (experiments/ppo.py)")
@@ -359,7 +363,8 @@ def zero_advantage_rows_are_skippable(algo: AlgoConfig, policy_loss: Callable) -
     """Whether zero-advantage rows add exactly nothing to the loss and its gradient: a built-in policy loss
     whose per-token term is a multiple of the advantage, and no KL or entropy term."""
     proportional = {rf.POLICY_LOSSES[name] for name in rf.ADVANTAGE_PROPORTIONAL_LOSSES}
-    return algo.skip_zero_advantage and policy_loss in proportional and algo.kl_loss_coef == 0 and algo.entropy_coef == 0
+    return (algo.skip_zero_advantage and policy_loss in proportional and algo.kl_loss_coef == 0
+            and algo.entropy_coef == 0)
 
 
 def rollout_logprobs_suffice(algo: AlgoConfig, policy_loss: Callable) -> bool:
@@ -565,7 +570,8 @@ class PolicyTrainer:
         loss_fn = functools.partial(self.loss_fn, seed=loss_seed(cfg.seed, step, replica=self.env.rank))
         for _ in range(cfg.algo.ppo_epochs):
             for mini_batch, mini_skip in zip(rf.split(batch, cfg.algo.mini_batches), split_rows(skip, cfg.algo.mini_batches)):
-                self.actor, metrics = engine.update(self.actor, mini_batch, loss_fn, with_entropy=True, skip_rows=mini_skip)
+                self.actor, metrics = engine.update(self.actor, mini_batch, loss_fn, with_entropy=True,
+                                                    skip_rows=mini_skip)
         times = {"step_time_s": time.time() - t0 + waited, "rollout_time_s": waited, "update_time_s": time.time() - t_update}
         return {**step_stats(batch, skip, times, self.env.world_size, group=self.env.group), **metrics}
 

@@ -93,7 +93,8 @@ class AlgoConfig(PolicyUpdateConfig):
 
 
 #: verl's actor defaults: PPO clip 0.2 both sides, dual clip at 3.0 (clip_ratio_c), a low-variance KL loss when on
-PPO_ALGO = AlgoConfig(policy_loss_args=PolicyLossArgs(ppo=PPOArgs(clip_high=0.2, dual_clip=3.0)), kl_loss_kind="low_var_kl")
+PPO_ALGO = AlgoConfig(policy_loss_args=PolicyLossArgs(ppo=PPOArgs(clip_high=0.2, dual_clip=3.0)),
+                      kl_loss_kind="low_var_kl")
 
 
 @attrs.frozen

@@ -122,7 +122,8 @@ class RunData:
     sft: list[SFTExample]
 
 
-def load_run_data(cfg: RunConfig, tokenizer: Any, scorer: RewardScorer, log: Any, *, needs_train: bool = True) -> RunData:
+def load_run_data(cfg: RunConfig, tokenizer: Any, scorer: RewardScorer, log: Any, *,
+                  needs_train: bool = True) -> RunData:
     """The training prompts, the held-out prompts (``eval.files``, else ``data.val_files``) and the SFT
     examples; a bad file, row or length is an error naming it, before any model is built."""
     if needs_train and not cfg.data.train_files:

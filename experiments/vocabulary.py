@@ -49,7 +49,8 @@ class RunConfig:
     seed: int = 0  #: seeds the data order, the sampling and the weights of a tiny model
     #: RL steps; none: epochs x the steps of one pass over data.train_files; 0: evaluate only (GRPO)
     steps: int | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.ge(0)))
-    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over data.train_files when steps is none
+    #: passes over data.train_files when steps is none
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     #: prompts per RL step, over all ranks (verl's data.train_batch_size)
     prompts_per_step: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     logger: tuple[str, ...] = ("console", "jsonl", "tensorboard")  #: metric sinks: console, jsonl, tensorboard, wandb
@@ -59,13 +60,15 @@ class RunConfig:
     run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
     resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
     checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
-    deadlines: DeadlineConfig = DeadlineConfig()  #: the longest each phase of a step may take (s); past it the rank exits
+    #: the longest each phase of a step may take (s); past it the rank exits
+    deadlines: DeadlineConfig = DeadlineConfig()
     model: ModelConfig = ModelConfig()  #: the starting policy
     data: DataConfig = DataConfig()  #: the prompts
     reward: RewardConfig = RewardConfig()  #: the reward functions
     eval: EvalConfig = EvalConfig()  #: held-out evaluation
     sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
-    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)  #: sampling (rollout.engine=vllm for vLLM)
+    #: sampling (rollout.engine=vllm for vLLM)
+    rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,7 +91,7 @@ class VanillaArgs:
 
 @attrs.frozen
 class ClipArgs:
-    clip_low: float = attrs.field(default=0.2, validator=_ge0)  #: clip below (GSPO: of the sequence ratio; GMPO: of log r)
+    clip_low: float = attrs.field(default=0.2, validator=_ge0)  #: clip below (GSPO: the sequence ratio; GMPO: log r)
     clip_high: float | None = None  #: clip above; none: clip_low
 
 

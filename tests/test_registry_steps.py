@@ -34,7 +34,8 @@ def step_batch(rank: int) -> rf.RolloutBatch:
     response_mask = torch.arange(RESPONSE)[None, :] < torch.tensor([5, 4, 3, 5, 2, 5, 4, 1])[:, None]
     logprobs = -torch.rand(ROWS, RESPONSE, generator=g) * 2
     return rf.RolloutBatch(
-        prompt_ids=torch.randint(4, 60, (ROWS, PROMPT), generator=g), prompt_mask=torch.ones(ROWS, PROMPT, dtype=torch.bool),
+        prompt_ids=torch.randint(4, 60, (ROWS, PROMPT), generator=g),
+        prompt_mask=torch.ones(ROWS, PROMPT, dtype=torch.bool),
         response_ids=torch.randint(4, 60, (ROWS, RESPONSE), generator=g), response_mask=response_mask,
         group_ids=torch.arange(ROWS) // GROUP, scores=torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 1.0, 0.0, 0.25]),
         rollout_logprobs=logprobs,
@@ -117,8 +118,8 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
     done = []
     for option in options:
         name = ",".join(f"{k}={v}" for k, v in option.items())
-        cfg = ppo.Config(algo=attrs.evolve(ppo.PPO_ALGO, **option), prompts_per_step=2 * world_size, rollout=attrs.evolve(
-            ppo.Config().rollout, n=GROUP, max_new_tokens=RESPONSE))
+        rollout = attrs.evolve(ppo.Config().rollout, n=GROUP, max_new_tokens=RESPONSE)
+        cfg = ppo.Config(algo=attrs.evolve(ppo.PPO_ALGO, **option), prompts_per_step=2 * world_size, rollout=rollout)
         policy_loss = ppo.resolve_policy_loss(cfg.algo)
         values = engine.compute_values(critic, batch)
         scored, kl_ctrl, kl_stats = ppo.advantages(batch.replace(values=values, old_values=values),
@@ -134,7 +135,7 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
         assert not torch.equal(before, _params(critic)), f"{name}: the critic did not change"
         assert {"vf_clipfrac", "vpred_mean"} <= set(critic_metrics), f"{name}: {sorted(critic_metrics)}"
         loss_fn = make_actor_loss(policy_loss, cfg.algo, horizon=RESPONSE)
-        expected = {"loss", "clip_frac", "dual_clip_frac", "entropy"} | ({"kl_loss"} if cfg.algo.kl_loss_coef else set())
+        expected = {"loss", "clip_frac", "dual_clip_frac", "entropy", *(["kl_loss"] if cfg.algo.kl_loss_coef else [])}
         actor = _update(engine, actor, scored, lambda out, mb, norms, f=loss_fn:
                         f(out, mb, norms, seed=loss_seed(cfg.seed, 1, replica=rank)), name, expected)
         done.append(name)

@@ -83,7 +83,8 @@ RECIPES = {
     **{
         f"grpo-megatron-{layout}": Recipe(
             GRPO,
-            _with([*COMMON, "algo.kl_loss_coef=0.01", "algo.mini_batches=2"], "model.tiny.num_layers=2", "model.tiny.num_kv_heads=2",
+            _with([*COMMON, "algo.kl_loss_coef=0.01", "algo.mini_batches=2"], "model.tiny.num_layers=2",
+                  "model.tiny.num_kv_heads=2",
                   "actor.backend=megatron", f"actor.{layout[:2]}=2"),
             frozenset({"reward_mean", "loss", "grad_norm", "kl_loss", "entropy", "clip_frac"}),
             min_ranks=2,

@@ -214,7 +214,7 @@ def test_value_loss_with_verls_keyword_names_raises_naming_ours():
     new, old = x["values"], x["values"] + 0.5
     with pytest.raises(TypeError, match=r"values= -> old_values \(verl's `values` is the prediction when"):
         rf.value_loss(new, values=old, returns=x["returns"], response_mask=x["mask"])
-    with pytest.raises(TypeError, match=r"vpreds= -> new_values.*values= -> old_values.*cliprange_value= -> clip_range"):
+    with pytest.raises(TypeError, match=r"vpreds= -> new_values.*values= -> old_values.*cliprange_value= -> clip"):
         rf.value_loss(vpreds=new, returns=x["returns"], values=old, response_mask=x["mask"], cliprange_value=0.5)
     params = list(inspect.signature(rf.value_loss).parameters)
     assert params[:2] == ["new_values", "old_values"] and "values" not in params and "vpreds" not in params
