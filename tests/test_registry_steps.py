@@ -157,3 +157,27 @@ def test_every_entry_on_two_ranks(model_dir):
     grpo_done = run_distributed(grpo_every_entry, 2, model_dir, timeout=300)
     ppo_done = run_distributed(ppo_every_option, 2, model_dir, timeout=300)
     assert grpo_done[0] == grpo_done[1] and ppo_done[0] == ppo_done[1]
+
+
+def test_a_random_loss_draws_other_tokens_each_step_and_the_same_on_resume():
+    """clip_cov with the loop's seed: steps 1 and 2 cut the gradient of different tokens; step 2 computed again (as a
+    resumed run computes it) cuts the same ones. Cheap: one 4 x 16 loss per call, no model."""
+    from experiments.actor_loss import loss_seed
+
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(4, 16, generator=g)
+    advantages, mask = torch.randn(4, 16, generator=g), torch.ones(4, 16, dtype=torch.bool)
+
+    def cut_tokens(step: int) -> torch.Tensor:
+        logprobs = old.clone().requires_grad_(True)
+        loss, _ = rf.POLICY_LOSSES["clip_cov"](logprobs, old_logprobs=old, advantages=advantages, response_mask=mask,
+                                               clip_cov_ratio=0.25, clip_cov_lb=-1e9, clip_cov_ub=1e9,
+                                               seed=loss_seed(0, step, replica=0))
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        return grad == 0
+
+    first, second = cut_tokens(1), cut_tokens(2)
+    assert first.sum() == second.sum() == 16  # a quarter of the 64 tokens each step
+    assert not torch.equal(first, second)
+    assert torch.equal(second, cut_tokens(2))
+    assert loss_seed(0, 2, replica=0) != loss_seed(0, 2, replica=1)
