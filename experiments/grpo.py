@@ -50,7 +50,7 @@ from backends.loop.weight_bridge import check_adapter_sync, logprob_gap, weight_
 from backends.rollout.api import build_rollout
 from backends.rollout.common import answer_texts
 from backends.rollout.environments import environment_factory
-from backends.training.engines import TRAIN_ENGINES, select_engine
+from backends.training.engines import TRAIN_ENGINES, registered_engine, select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.lora import LoraConfig
 from backends.training.optim import OptimConfig, with_total_steps
@@ -105,7 +105,8 @@ GRPO_LOSS_ARGS = PolicyLossArgs(ppo=PPOArgs(clip_high=0.28))
 class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0)  #: the RL optimizer
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: sharding, micro-batches, precision (the reference uses it too)
-    backend: str = "fsdp"  #: fsdp (data parallel) or megatron (tensor / pipeline parallel: actor.tp, actor.pp)
+    #: fsdp (data parallel) or megatron (tensor / pipeline parallel: actor.tp, actor.pp)
+    backend: str = attrs.field(default="fsdp", validator=registered_engine)
     tp: int = 1  #: megatron tensor-parallel size
     pp: int = 1  #: megatron pipeline-parallel size
     lora: LoraConfig = LoraConfig()  #: train a LoRA adapter instead of every weight (actor.lora.rank > 0)

@@ -54,7 +54,7 @@ from backends.distributed.setup import get_logger, init_distributed, seed_everyt
 from backends.rewards import RewardScorer
 from backends.loop.weight_bridge import weight_bridge
 from backends.rollout.api import build_rollout, decode_responses, refuse_on_a_pool
-from backends.training.engines import TRAIN_ENGINES, select_engine
+from backends.training.engines import TRAIN_ENGINES, registered_engine, select_engine
 from backends.training.fsdp import FSDPConfig, value_loss_fn
 from backends.training.optim import OptimConfig, with_total_steps
 from backends.training.reference import ReferenceConfig
@@ -102,7 +102,7 @@ class ActorConfig:
     optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0)  #: the actor's RL optimizer
     fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: the actor's sharding, micro-batches and precision
     #: fsdp or megatron, for the actor *and the critic* (megatron keeps one tp / pp layout per process)
-    backend: str = "fsdp"
+    backend: str = attrs.field(default="fsdp", validator=registered_engine)
     tp: int = 1  #: megatron tensor-parallel size
     pp: int = 1  #: megatron pipeline-parallel size
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from backends.training.engine import TrainEngine
 
-__all__ = ["TRAIN_ENGINES", "select_engine"]
+__all__ = ["TRAIN_ENGINES", "registered_engine", "select_engine"]
 
 
 def _fsdp(**settings: Any) -> TrainEngine:
@@ -42,3 +42,10 @@ def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, m
     if factory is None:
         raise ValueError(f"unknown backend {backend!r} ({key}.backend); choose one of {tuple(TRAIN_ENGINES)}")
     return factory(fsdp=fsdp, tp=tp, pp=pp, micro_batch_size=micro_batch_size, key=key)
+
+
+def registered_engine(instance: Any, attribute: Any, value: str) -> None:
+    """An attrs validator for a config field that names a training engine: an unknown name fails when the
+    config is read, not when the engine is built after the data and the SFT stage."""
+    if value not in TRAIN_ENGINES:
+        raise ValueError(f"{value!r} is not one of {', '.join(map(repr, TRAIN_ENGINES))}")

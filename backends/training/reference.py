@@ -24,7 +24,7 @@ import attrs
 
 from backends.distributed.setup import DistEnv
 from backends.training.engine import TrainEngine
-from backends.training.engines import select_engine
+from backends.training.engines import registered_engine, select_engine
 from backends.training.fsdp import FSDPConfig
 
 __all__ = ["ReferenceConfig", "build_reference_role", "reference_engine"]
@@ -34,7 +34,8 @@ __all__ = ["ReferenceConfig", "build_reference_role", "reference_engine"]
 class ReferenceConfig:
     """How the reference model is built and run (see the module docstring)."""
 
-    backend: str = "fsdp"  #: fsdp (FSDP2) or megatron (tensor / pipeline parallel: reference.tp, reference.pp)
+    #: fsdp (FSDP2) or megatron (tensor / pipeline parallel: reference.tp, reference.pp)
+    backend: str = attrs.field(default="fsdp", validator=registered_engine)
     tp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: tensor-parallel size
     pp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: pipeline stages
     #: rows per forward of its log-prob pass; None: the FSDP config's micro-batching
