@@ -27,6 +27,7 @@ from backends.config import ConfigError, apply_overrides
 from backends.data import DataConfig, DataError, load_examples
 from backends.models import TinyModelConfig, build_char_tokenizer, load_causal_lm, load_tokenizer, write_tiny_model
 from backends.rewards import RewardConfig, RewardError, RewardScorer
+from tests.checkpoint_state import State
 
 pytestmark = pytest.mark.badinput
 
@@ -61,17 +62,6 @@ class Ctx:
     def copy_checkpoint(self, tmp: Path) -> Path:
         return Path(shutil.copytree(self.checkpoint, tmp / "ckpt" / self.checkpoint.name))
 
-
-@attrs.frozen
-class State:
-    """The train-state protocol of backends.checkpoint: module, optimizer, step, replace()."""
-
-    module: torch.nn.Module
-    optimizer: Any
-    step: int = 0
-
-    def replace(self, **changes: Any) -> "State":
-        return attrs.evolve(self, **changes)
 
 
 def small_state() -> State:

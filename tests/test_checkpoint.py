@@ -41,6 +41,7 @@ from backends.checkpoint.dcp import (
 from backends.models import TinyModelConfig, build_tiny_model
 from backends.training.optim import OptimConfig
 from tests.distributed import run_distributed
+from tests.checkpoint_state import State
 
 pytestmark = pytest.mark.checkpoint
 
@@ -49,17 +50,6 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1
 OTHER_SHAPES = attrs.evolve(TINY, intermediate_size=96)
 OTHER_LAYERS = attrs.evolve(TINY, num_layers=3)
 
-
-@attrs.frozen
-class State:
-    """The train-state protocol the checkpoint needs: module, optimizer, step, replace()."""
-
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
-    step: int = 0
-
-    def replace(self, **changes):
-        return attrs.evolve(self, **changes)
 
 
 @functools.lru_cache(maxsize=None)

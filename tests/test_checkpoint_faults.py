@@ -28,6 +28,7 @@ from backends.metrics_log import MetricsLog, read_jsonl
 from backends.models import TinyModelConfig, build_tiny_model
 from tests import forkserver
 from tests.distributed import run_distributed
+from tests.checkpoint_state import State
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 
@@ -35,15 +36,6 @@ TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1
                        max_position_embeddings=64)
 TIMINGS: dict[str, float] = {}
 
-
-@attrs.frozen
-class State:
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
-    step: int = 0
-
-    def replace(self, **changes):
-        return attrs.evolve(self, **changes)
 
 
 def make_state(seed: int) -> State:

@@ -11,7 +11,6 @@ import json
 import struct
 from pathlib import Path
 
-import attrs
 import pytest
 import torch
 
@@ -21,18 +20,10 @@ from backends.checkpoint.integrity import damage, describe_items
 from backends.checkpoint.resume import newest_whole_checkpoint
 from backends.checkpoint.rng import read_rng_file
 from tests.distributed import run_distributed
+from tests.checkpoint_state import State
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 
-
-@attrs.frozen
-class State:
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
-    step: int = 0
-
-    def replace(self, **changes):
-        return attrs.evolve(self, **changes)
 
 
 def make_state(seed: int) -> State:

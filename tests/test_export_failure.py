@@ -20,21 +20,13 @@ from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.hf_export import ExportError, export_hf
 from backends.models import TinyModelConfig, build_tiny_model
 from experiments.stages import RunPaths, export_final
+from tests.checkpoint_state import State
 
 pytestmark = pytest.mark.faults
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
                        max_position_embeddings=64)
 
-
-@attrs.frozen
-class State:
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None = None
-    step: int = 0
-
-    def replace(self, **changes):
-        return attrs.evolve(self, **changes)
 
 
 @pytest.fixture

@@ -22,21 +22,13 @@ from backends.models import TinyModelConfig, build_tiny_model  # noqa: E402
 from backends.training.optim import OptimConfig  # noqa: E402
 from backends.checkpoint.orbax import load_orbax, read_orbax, save_orbax, to_numpy, to_torch, tree_to_torch  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
+from tests.checkpoint_state import State
 
 pytestmark = pytest.mark.checkpoint
 
 TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
                        max_position_embeddings=64, seed=1)
 
-
-@attrs.frozen
-class State:
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer | None
-    step: int = 0
-
-    def replace(self, **changes):
-        return attrs.evolve(self, **changes)
 
 
 @functools.lru_cache(maxsize=None)

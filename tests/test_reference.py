@@ -103,8 +103,8 @@ def test_backend_options_are_checked_before_loading(model_dir, env):
         build_reference_role(ReferenceConfig(tp=2), model_dir, env, FSDPConfig())
     with pytest.raises(ValueError, match="does not take ref_in_actor, use_torch_compile or param_offload"):
         build_reference_role(ReferenceConfig(backend="megatron", use_torch_compile=True), model_dir, env, FSDPConfig())
-    with pytest.raises(ValueError, match=r"unknown backend 'jax' \(reference.backend\); choose one of \('fsdp', "):
-        build_reference_role(ReferenceConfig(backend="jax"), model_dir, env, FSDPConfig())
+    with pytest.raises(ValueError, match=r"'jax' is not one of 'fsdp', 'megatron'"):  # when the config is read
+        ReferenceConfig(backend="jax")
 
 
 def test_ref_in_actor_needs_a_lora_actor(model_dir, env):
