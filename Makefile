@@ -54,8 +54,8 @@ demo: $(STAMP)
 test: $(TEST_STAMP)
 	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
 
-## The fast set (about a minute): single-process unit and property tests (no process groups of ranks, no vLLM
-## engine), spread over the machine's cores.
+## The fast set (about two minutes on two cores): single-process unit and property tests (no process groups of
+## ranks, no vLLM engine), spread over the machine's cores.
 test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -m "not slow and not distributed and not vllm" -n auto --durations=20 $(PYTEST_ARGS)
 
