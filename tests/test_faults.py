@@ -139,20 +139,19 @@ class Job:
     after_fault: float | None  #: from the fault (its injection, or the signal the test sent) to the exit
 
 
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
+            if _parent(int(stat.parent.name)) == pid:
+                out.append(int(stat.parent.name))
+        except OSError:  # the process ended meanwhile
             continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
     return out
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def _kill_tree(pid: int) -> None:
