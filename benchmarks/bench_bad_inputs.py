@@ -84,7 +84,7 @@ def base_overrides() -> list[str]:
     val = write_jsonl("val.jsonl", [chat_row(i) for i in range(8, 12)])
     return [f"data.train_files={DATA / 'train.jsonl'}", f"data.val_files={val}", "reward.fn=exact", "steps=2",
             "prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4",
-            "data.max_prompt_length=32", "eval.n=1", "export_hf=false", "logger=jsonl", f"run_root={DATA / 'runs'}",
+            "data.max_prompt_length=32", "eval.n=1", "export.hf=false", "logger=jsonl", f"run_root={DATA / 'runs'}",
             "model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
             "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64"]
 

@@ -220,7 +220,7 @@ def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run
     return [
         f"name={name}", f"run_root={run_root}", f"model.path={model_dir}", f"seed={seed}", f"steps={steps}",
         f"data.train_files={prompts.with_suffix('.jsonl')}", "data.shuffle=false", "reward.fn=arithmetic",
-        "eval.before_training=false", "export_hf=false", "logger=jsonl",
+        "eval.before_training=false", "export.hf=false", "logger=jsonl",
         f"prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
         f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "actor.optim.lr=1e-3",
         "actor.optim.lr_scheduler_type=constant", "actor.optim.lr_warmup_steps=0", f"algo.kl_loss_coef={beta}",

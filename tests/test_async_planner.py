@@ -98,7 +98,7 @@ def test_bad_input_is_named():
 
 
 def test_sampling_version_follows_the_lag_and_drains_at_checkpoints():
-    from experiments.offpolicy_loop import sampling_version
+    from backends.loop.split import sampling_version
 
     assert [sampling_version(s, 1) for s in range(1, 7)] == [0, 0, 1, 2, 3, 4]
     assert [sampling_version(s, 0) for s in range(1, 5)] == [0, 1, 2, 3]

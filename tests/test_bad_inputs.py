@@ -303,7 +303,7 @@ CASES = [
          lambda tmp, ctx: RewardScorer(RewardConfig(fn=("exact",), weights=(1.0, 0.5))), ConfigError,
          (r"reward\.weights has 2 entries for 1 reward\.fn",), ("reward.weights with 2 entries for 1 reward.fn", "the same")),
     Case("config-batch-not-divisible",
-         lambda tmp, ctx: __import__("experiments.grpo").grpo.check_batch_shape(grpo_config("prompts_per_step=6"), 4),
+         lambda tmp, ctx: __import__("backends.loop.rl_loop").loop.rl_loop.num_mini_batches(grpo_config("prompts_per_step=6"), 4),
          ConfigError, (r"prompts_per_step=6 must be divisible by the world size 4",),
          ("prompts_per_step=6 on 4 ranks", "the batch splits over the ranks")),
     Case("config-negative-steps", lambda tmp, ctx: grpo_config("steps=-1"), ConfigError,
@@ -311,7 +311,7 @@ CASES = [
     Case("config-zero-prompts-per-step", lambda tmp, ctx: grpo_config("prompts_per_step=0"), ConfigError,
          (r"^prompts_per_step: 'prompts_per_step' must be >= 1: 0$",), ("prompts_per_step=0", "the key itself is named")),
     Case("config-vllm-on-a-split",
-         lambda tmp, ctx: __import__("experiments.offpolicy_loop").offpolicy_loop.check_offpolicy(
+         lambda tmp, ctx: __import__("backends.loop.split").loop.split.check_offpolicy(
              grpo_config("offpolicy.rollout_ranks=1", "offpolicy.mode=one_step_off", "rollout.engine=vllm"), 2),
          ConfigError, (r"rollout\.engine=vllm with offpolicy\.rollout_ranks=1", r"process groups over every rank",
                        r"What works: rollout\.engine=native"),

@@ -107,7 +107,7 @@ def _algorithm(tmp: Path, source: str, *overrides: str) -> None:
 
     pyfile(tmp, "my_algo.py", source)
     cfg = grpo_config(*(o.replace("@", str(tmp) + "/") for o in overrides))
-    grpo.check_algorithm(cfg, *grpo.resolve_algorithm(cfg.algo))
+    grpo.group_relative(cfg)
 
 
 ESTIMATOR_POSITIONAL = "def centered(scores, group_ids):\n    return scores - scores.mean(), scores\n"
@@ -304,7 +304,7 @@ def test_warnings_for_train_as_val_empty_messages_and_too_few_prompts(tmp_path):
 
 
 def test_rollout_n_1_with_a_group_estimator_is_a_warning():
-    from experiments.algorithm_checks import group_size_warnings
+    from backends.loop.algorithm_checks import group_size_warnings
 
     assert group_size_warnings(8, key="algo.estimator", spec="grpo") == []
     [warning] = group_size_warnings(1, key="algo.estimator", spec="rloo")
@@ -313,7 +313,7 @@ def test_rollout_n_1_with_a_group_estimator_is_a_warning():
 
 def test_a_run_logs_its_data_warnings_once(tmp_path):
     """load_run_data, what every recipe calls, logs each warning once (on the first rank)."""
-    from experiments.stages import load_run_data
+    from backends.loop.stages import load_run_data
 
     train = jsonl(tmp_path / "train.jsonl", [ROW] * 3)
     cfg = grpo_config(f"data.train_files={train}", f"data.val_files={train}", "reward.fn=exact")
@@ -339,4 +339,4 @@ def test_every_builtin_estimator_and_loss_passes_the_start_up_call():
     for estimator in estimators:
         for loss in rf.POLICY_LOSSES:
             cfg = grpo_config(f"algo.estimator={estimator}", f"algo.policy_loss={loss}")
-            grpo.check_algorithm(cfg, *grpo.resolve_algorithm(cfg.algo))
+            grpo.group_relative(cfg)

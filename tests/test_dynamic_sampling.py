@@ -15,6 +15,7 @@ from backends.rewards import RewardScorer
 from backends.rollout.api import build_rollout
 from backends.training.engines import select_engine
 from backends.training.optim import OptimConfig
+from backends.loop.sampling import sample_and_score
 from experiments import grpo
 
 pytestmark = pytest.mark.data
@@ -47,7 +48,8 @@ def sample(setup, *overrides):
     actor = engine.build_actor(model_dir, env, OptimConfig())
     rollout = build_rollout(cfg.rollout, model_dir, tokenizer)
     stream = PromptStream(examples, seed=0)
-    batch, rows, stats = grpo.sample_and_score(rollout, stream, RewardScorer(cfg.reward), tokenizer, cfg, 1, engine, actor)
+    batch, rows, stats = sample_and_score(rollout, stream, RewardScorer(cfg.reward), tokenizer, cfg, 1, engine, actor,
+                                          env=env)
     return batch, rows, stats, stream
 
 

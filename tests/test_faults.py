@@ -221,7 +221,7 @@ def grpo_args(tmp_path_factory):
     # an entropy bonus and a KL term: the weights, log-probs and KL move every step even where all rewards are equal
     return [*data_args(data, sft_steps=0), *TINY_MODEL, f"steps={STEPS}", "prompts_per_step=4", "rollout.n=2",
             "algo.kl_loss_coef=0.01", "algo.entropy_coef=0.01", "eval.before_training=false", "eval.max_prompts=2",
-            "export_hf=false", "logger=[jsonl]", f"checkpoint.every={EVERY}", "checkpoint.keep_last=10"]
+            "export.hf=false", "logger=[jsonl]", f"checkpoint.every={EVERY}", "checkpoint.keep_last=10"]
 
 
 def _where(root: Path) -> list[str]:
@@ -232,7 +232,7 @@ def _rows(run_dir: Path) -> dict[int, dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r["step"] > 0 and "step_time_s" in r]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step missing, none logged twice
-    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING} for r in rows}
+    return {r["step"]: {k: v for k, v in r.items() if k not in TIMING and not k.startswith("time/")} for r in rows}
 
 
 def _complete(ckpt_dir: Path) -> list[int]:

@@ -485,8 +485,8 @@ def test_ppo_recipe_runs_on_megatron(tmp_path):
     assert "loss" not in rl[0]  # critic warm-up: the actor waits a step
     from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-    AutoModelForCausalLM.from_pretrained(run_dir / "actor_hf", local_files_only=True)
-    AutoModelForTokenClassification.from_pretrained(run_dir / "critic_hf", local_files_only=True)
+    AutoModelForCausalLM.from_pretrained(run_dir / "final_model", local_files_only=True)
+    AutoModelForTokenClassification.from_pretrained(run_dir / "final_critic", local_files_only=True)
 
 
 # ----------------------------------------------------------------------------------- GPU (megatron's)

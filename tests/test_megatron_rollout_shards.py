@@ -59,6 +59,7 @@ def _shards_worker(rank, world_size, path):
     from backends.rollout.native import build_native_rollout
     from backends.training.engines import select_engine
     from backends.training.megatron.parallel import destroy_model_parallel, init_model_parallel
+    from backends.loop.sampling import sample_and_score
     from experiments import grpo
 
     env = init_distributed(device="cpu")
@@ -75,7 +76,8 @@ def _shards_worker(rank, world_size, path):
                                 ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env))):
         sampled.clear()
         stream = PromptStream(_examples(tokenizer), seed=cfg.seed)
-        batch, rows, _ = grpo.sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state)
+        batch, rows, _ = sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state,
+                                          env=types.SimpleNamespace(group=None))
         out[name] = {"batch": batch, "rows": [r.where for r in rows], "sampled": list(sampled),
                      "shard": engine.sample_shard(state)}
     fsdp_shards = [None] * world_size

@@ -1,4 +1,4 @@
-"""The PPO recipe on a split placement (experiments/offpolicy_loop.py with experiments/ppo.py's trainer): 1 trainer
+"""The PPO recipe on a split placement (backends/loop/split.py with experiments/ppo.py's trainer): 1 trainer
 rank holding the actor, the critic and the reference + 1 rollout rank, under torchrun."""
 
 import json
@@ -11,7 +11,7 @@ from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, metrics, 
 pytestmark = [pytest.mark.offpolicy, pytest.mark.distributed, pytest.mark.slow]
 
 #: timings differ between two runs of the same schedule
-TIMES = ("step_time_s", "rollout_time_s", "sync_time_s", "tokens_per_s", "time", "wall_time")
+TIMES = ("step_time_s", "rollout_time_s", "sync_time_s", "update_time_s", "tokens_per_s", "time", "wall_time")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def final_weights(root) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     run_dir = the_run_dir(root, "ppo")
-    return {f"{role}/{name}": t for role in ("actor_hf", "critic_hf") for path in (run_dir / role).glob("*.safetensors")
+    return {f"{role}/{name}": t for role in ("final_model", "final_critic") for path in (run_dir / role).glob("*.safetensors")
             for name, t in load_file(path).items()}
 
 
@@ -67,7 +67,7 @@ def test_one_step_off_ppo_trains_actor_and_critic_one_version_behind(tmp_path, d
     # the mean score of the batch the trainer received is what the rollout pool scored
     assert all(r["reward_mean"] == pytest.approx(r["reward/score"]) for r in rl)
     assert ["val/mean@1" in r for r in rl] == [False, True, False, True]
-    assert (run_dir / "actor_hf" / "config.json").exists() and (run_dir / "critic_hf" / "config.json").exists()
+    assert (run_dir / "final_model" / "config.json").exists() and (run_dir / "final_critic" / "config.json").exists()
     # the rollout pool dumps its samples; their advantages come from the critic on the trainer pool: not known there
     dumped = [json.loads(line) for line in (run_dir / "generations" / "step_4.jsonl").read_text().splitlines()]
     assert len(dumped) == 16 and all(r["advantage"] is None for r in dumped)
@@ -81,7 +81,7 @@ def test_bounded_zero_is_sync_for_ppo(tmp_path, data_dir, length_reward):
     out = split_run(b, data_dir, "offpolicy.mode=sync", length_reward, steps=3)
     assert out.returncode == 0, out.stderr[-4000:]
     wa, wb = final_weights(a), final_weights(b)
-    assert wa.keys() == wb.keys() and any(k.startswith("critic_hf/") for k in wa)
+    assert wa.keys() == wb.keys() and any(k.startswith("final_critic/") for k in wa)
     assert [k for k in wa if not torch.equal(wa[k], wb[k])] == []
     ma, mb = without_times(metrics(the_run_dir(a, "ppo"))), without_times(metrics(the_run_dir(b, "ppo")))
     assert ma == mb

@@ -217,14 +217,14 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     assert int(tree_s["step"]) == int(tree_c["step"]) > 0
     for key in flat_c:
         torch.testing.assert_close(torch.as_tensor(flat_s[key]), torch.as_tensor(flat_c[key]), atol=1e-6, rtol=0, msg=key)
-    for role in ("actor_hf", "critic_hf"):
+    for role in ("final_model", "final_critic"):
         a, b = load_file(colocated / role / "model.safetensors"), load_file(split / role / "model.safetensors")
         assert a.keys() == b.keys()
         for name in a:
             torch.testing.assert_close(a[name], b[name], atol=1e-6, rtol=0, msg=f"{role} {name}")
     # the update really moved the weights away from the SFT stage's
     warm = load_file(split / "sft_model" / "model.safetensors")
-    actor = load_file(split / "actor_hf" / "model.safetensors")
+    actor = load_file(split / "final_model" / "model.safetensors")
     assert max((warm[k] - actor[k]).abs().max().item() for k in warm) > 1e-5
     rows_c = [json.loads(x) for x in (colocated / "metrics.jsonl").read_text().splitlines()]
     rows_s = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]

@@ -51,7 +51,7 @@ def test_torchrun_two_ranks(tmp_path, data_dir):
 
 def test_unknown_algorithm_fails_before_any_work(tmp_path):
     out = run(CUSTOM, f"run_root={tmp_path}", "algo.name=ppo2", timeout=120)
-    assert out.returncode != 0 and "algo.name must be reinforce_pp_baseline or dr_grpo" in out.stderr
+    assert out.returncode != 0 and "algo.name: 'name' must be in ('reinforce_pp_baseline', 'dr_grpo')" in out.stderr
     assert not list(tmp_path.iterdir())
 
 

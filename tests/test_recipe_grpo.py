@@ -187,7 +187,7 @@ def test_entropy_bonus_is_subtracted_and_differentiable():
         advantages=torch.randn(3, 4, generator=g) * mask, group_ids=torch.arange(3),
     )
     norms = rf.local_normalizers(mask)
-    from experiments.actor_loss import make_actor_loss
+    from backends.loop.actor_loss import make_actor_loss
 
     base, _ = make_actor_loss(rf.POLICY_LOSSES["vanilla"], recipe.AlgoConfig(), horizon=4)(out, mb, norms, seed=0)
     algo = attrs.evolve(recipe.AlgoConfig(), entropy_coef=0.1)
@@ -237,7 +237,7 @@ def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, d
 def test_algorithm_settings_are_checked_at_start_up(tmp_path):
     from backends.config import ConfigError
     from experiments.grpo import AlgoConfig, resolve_algorithm
-    from experiments.vocabulary import PPOArgs
+    from backends.loop.vocabulary import PPOArgs
 
     for bad in ({"agg": "token-meen"}, {"kl_loss_kind": "k9"}, {"rollout_rs_threshold": 0.5}, {"kl_loss_coef": -1.0}):
         with pytest.raises(ValueError):

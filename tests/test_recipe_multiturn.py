@@ -21,7 +21,7 @@ def test_grpo_learns_to_call_the_calculator_tool(tmp_path):
                                     sft_examples=4000)
     result = run(GRPO, "preset=demo/calculator", f"data.train_files={data / 'train.jsonl'}",
                  f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}",
-                 "steps=20", "eval.every=0", "eval.greedy=false", f"run_root={tmp_path / 'runs'}", "export_hf=false",
+                 "steps=20", "eval.every=0", "eval.greedy=false", f"run_root={tmp_path / 'runs'}", "export.hf=false",
                  nproc=2, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = the_run_dir(tmp_path / "runs", "grpo_calculator")

@@ -40,7 +40,7 @@ def _check_run(tmp_path, world_size: int, *, orbax: bool) -> None:
     assert (run_dir / "reward_curve.png").stat().st_size > 0
     assert list((run_dir / "tensorboard").iterdir())
     assert (run_dir / "sft_model" / "config.json").exists()
-    assert (run_dir / "actor_hf" / "config.json").exists() and (run_dir / "critic_hf" / "config.json").exists()
+    assert (run_dir / "final_model" / "config.json").exists() and (run_dir / "final_critic" / "config.json").exists()
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_2", "step_3"]  # every=1, keep_last=2
     assert (run_dir / "actor_orbax").exists() == orbax
 
@@ -55,7 +55,7 @@ def test_plain_python_launcher(tmp_path, data_dir):
     # the exported critic is a value model transformers loads
     from transformers import AutoModelForTokenClassification
 
-    critic = AutoModelForTokenClassification.from_pretrained(the_run_dir(tmp_path, "ppo") / "critic_hf")
+    critic = AutoModelForTokenClassification.from_pretrained(the_run_dir(tmp_path, "ppo") / "final_critic")
     assert critic.config.num_labels == 1
 
 

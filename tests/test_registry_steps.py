@@ -63,7 +63,7 @@ def grpo_every_entry(rank: int, world_size: int, model_dir: str) -> list[str]:
     from backends.training.fsdp import FSDPConfig
     from backends.training.optim import OptimConfig
     from experiments import grpo
-    from experiments.actor_loss import loss_seed, make_actor_loss
+    from backends.loop.actor_loss import loss_seed, make_actor_loss
 
     env = init_distributed()
     engine = select_engine("fsdp", fsdp=FSDPConfig(micro_batch_size=4))
@@ -99,7 +99,7 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
     from backends.training.fsdp import FSDPConfig, value_loss_fn
     from backends.training.optim import OptimConfig
     from experiments import ppo
-    from experiments.actor_loss import loss_seed, make_actor_loss
+    from backends.loop.actor_loss import loss_seed, make_actor_loss
 
     env = init_distributed()
     engine = select_engine("fsdp", fsdp=FSDPConfig(micro_batch_size=4))
@@ -162,7 +162,7 @@ def test_every_entry_on_two_ranks(model_dir):
 def test_a_random_loss_draws_other_tokens_each_step_and_the_same_on_resume():
     """clip_cov with the loop's seed: steps 1 and 2 cut the gradient of different tokens; step 2 computed again (as a
     resumed run computes it) cuts the same ones. Cheap: one 4 x 16 loss per call, no model."""
-    from experiments.actor_loss import loss_seed
+    from backends.loop.actor_loss import loss_seed
 
     g = torch.Generator().manual_seed(0)
     old = -torch.rand(4, 16, generator=g)

@@ -74,7 +74,7 @@ RECIPES = {
     # a KL term to the reference, and two optimizer steps per RL step (so the trainer's old log-probs are used)
     "grpo": Recipe(
         GRPO,
-        [*COMMON, "algo.kl_loss_coef=0.01", "algo.mini_batches=2"],
+        [*COMMON, "algo.kl_loss_coef=0.01", "algo.ppo_mini_batch_size=2"],
         frozenset({"reward_mean", "loss", "grad_norm", "kl_loss", "entropy", "clip_frac"}),
         states=("actor",),
     ),
@@ -83,7 +83,7 @@ RECIPES = {
     **{
         f"grpo-megatron-{layout}": Recipe(
             GRPO,
-            _with([*COMMON, "algo.kl_loss_coef=0.01", "algo.mini_batches=2"], "model.tiny.num_layers=2",
+            _with([*COMMON, "algo.kl_loss_coef=0.01", "algo.ppo_mini_batch_size=2"], "model.tiny.num_layers=2",
                   "model.tiny.num_kv_heads=2",
                   "actor.backend=megatron", f"actor.{layout[:2]}=2"),
             frozenset({"reward_mean", "loss", "grad_norm", "kl_loss", "entropy", "clip_frac"}),

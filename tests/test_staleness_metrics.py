@@ -7,7 +7,7 @@ import torch
 
 import rlfunc as rf
 from backends.distributed.sample_channel import StalenessBound
-from experiments.offpolicy_loop import stamp_policy_version
+from backends.loop.algorithm import stamp_policy_version
 
 
 def _batch(rows: int = 4, length: int = 3) -> rf.RolloutBatch:

@@ -12,7 +12,8 @@ from backends.config import ConfigError, apply_overrides
 from backends.distributed.node_checks import NodeSetupError, check_gloo_interface
 from backends.training.engines import select_engine
 from experiments import grpo, ppo
-from experiments.offpolicy_loop import check_offpolicy
+from backends.loop.rl_loop import check_placement
+from backends.loop.split import check_offpolicy
 
 pytestmark = pytest.mark.badinput
 
@@ -35,13 +36,14 @@ def test_vllm_on_the_rollout_ranks_of_a_split_is_refused_with_what_works():
 
 def test_vllm_with_ppos_split_placement_is_refused_before_any_work():
     cfg = apply_overrides(ppo.Config(), ["placement.mode=split"], presets_dir=ppo.PRESETS)
-    ppo.check_config(cfg, select_engine("fsdp"))
+    check_placement(cfg, select_engine("fsdp"), ppo.actor_critic(cfg))
     if not _has_vllm():
         pytest.skip("rollout.engine=vllm is refused earlier without vllm installed")
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm with placement.mode=split: .* What works: "
                                           r"rollout.engine=native with placement.mode=split .* "
                                           r"placement.mode=colocated"):
-        ppo.check_config(apply_overrides(cfg, ["rollout.engine=vllm"], presets_dir=ppo.PRESETS), select_engine("fsdp"))
+        check_placement(apply_overrides(cfg, ["rollout.engine=vllm"], presets_dir=ppo.PRESETS), select_engine("fsdp"),
+                        ppo.actor_critic(cfg))
 
 
 def _has_vllm() -> bool:

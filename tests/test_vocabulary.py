@@ -1,4 +1,4 @@
-"""experiments/vocabulary.py: each built-in's typed knob section is that rlfunc function's own keyword arguments, with
+"""backends/loop/vocabulary.py: each built-in's typed knob section is that rlfunc function's own keyword arguments, with
 rlfunc's defaults, and the loop's call reaches the function with them. Pure Python, no model: well under a second."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 import rlfunc as rf
 from experiments.grpo import group_estimators
-from experiments.vocabulary import EstimatorArgs, PolicyLossArgs, estimator_knobs, loss_knobs
+from backends.loop.vocabulary import EstimatorArgs, PolicyLossArgs, estimator_knobs, loss_knobs
 
 #: what the loop passes to every policy loss / group estimator (not a knob)
 LOOP_KEYWORDS = {"old_logprobs", "advantages", "response_mask", "behaviour_logprobs", "is_weights", "agg", "norms",

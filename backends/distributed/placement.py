@@ -135,6 +135,11 @@ class Placement:
             return batch
         return redistribute(batch, src, dst, like=like if self.world.rank in dst else None)
 
+    def barrier(self) -> None:
+        """Wait until every rank of the layout (the world, or the pool an asynchronous run trains on) gets here."""
+        if dist.is_initialized() and self.world.world_size > 1:
+            dist.barrier(group=self.world.group)
+
     def share(self, obj: Any, role: str) -> Any:
         """``role``'s pool leader's ``obj`` (picklable: metrics) on every rank; identity when colocated."""
         if not self.split:

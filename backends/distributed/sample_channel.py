@@ -240,7 +240,7 @@ class StalenessBound:
     def metrics(self) -> dict[str, float]:
         """The counts and the staleness over the run's accepted batches, for the metrics log: ``staleness/accepted``,
         ``rejected``, ``bound``, ``run_mean``, ``run_max``. They join the step's own ``staleness/*`` (its tokens':
-        ``min``, ``mean``, ``max``, ``frac_*``; ``experiments.offpolicy_loop.stamp_policy_version``) in one set."""
+        ``min``, ``mean``, ``max``, ``frac_*``; ``backends.loop.split.stamp_policy_version``) in one set."""
         return {
             "staleness/accepted": float(self.accepted),
             "staleness/rejected": float(self.rejected),

@@ -89,16 +89,16 @@ def check_adapter_sync(cfg: RolloutConfig, lora: LoraConfig) -> RolloutConfig:
     return rollout_engine_spec(cfg).with_adapter_rank(cfg, lora.rank)
 
 
-def logprob_gap(batch: rf.RolloutBatch, on_policy: bool) -> dict[str, float]:
+def logprob_gap(batch: rf.RolloutBatch, on_policy: bool, group: Any = None) -> dict[str, float]:
     """How far the rollout engine's log-probs of the sampled tokens are from the trainer's (verl's
-    ``rollout_probs_diff``): the max and mean absolute difference over every rank's loss tokens. Nothing when
-    the trainer did not recompute them (the on-policy shortcut of :meth:`WeightBridge.logprobs_agree`)."""
+    ``rollout_probs_diff``): the max and mean absolute difference over every rank's (of ``group``) loss tokens.
+    Nothing when the trainer did not recompute them (the on-policy shortcut of :meth:`WeightBridge.logprobs_agree`)."""
     if on_policy or batch.rollout_logprobs is None:
         return {}
     mask = rf.loss_tokens(batch)
     gap = torch.where(mask, (batch.old_logprobs - batch.rollout_logprobs.to(batch.old_logprobs.device)).abs(), 0.0)
     peak = gap.amax().reshape(1) if gap.numel() else gap.new_zeros(1)
-    gap_sum, tokens = all_reduce_sum(torch.stack([gap.sum(), mask.sum().to(gap.dtype)])).tolist()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    gap_sum, tokens = all_reduce_sum(torch.stack([gap.sum(), mask.sum().to(gap.dtype)]), group=group).tolist()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     return {"logprob_gap/max": float(peak), "logprob_gap/mean": gap_sum / max(tokens, 1.0)}

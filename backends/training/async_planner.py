@@ -1,7 +1,7 @@
 """What an asynchronous split-placement run should gain over a synchronous one: a small event simulation of
 the rollout pool and the trainer pool under the split loop's fixed schedule, driven by per-step costs.
 
-The schedule is the one ``experiments/offpolicy_loop.py`` runs with lag ``L`` (``sync`` 0, ``one_step_off`` 1,
+The schedule is the one ``backends/loop/split.py`` runs with lag ``L`` (``sync`` 0, ``one_step_off`` 1,
 ``bounded`` ``max_staleness``):
 
 - the rollout pool samples batch ``s`` with weights version ``max(0, s - 1 - L)``; it receives version ``v >= 1``

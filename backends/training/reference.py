@@ -24,7 +24,7 @@ import attrs
 
 from backends.distributed.setup import DistEnv
 from backends.training.engine import TrainEngine
-from backends.training.engines import registered_engine, select_engine
+from backends.training.engines import TRAIN_ENGINES, select_engine
 from backends.training.fsdp import FSDPConfig
 
 __all__ = ["ReferenceConfig", "build_reference_role", "reference_engine"]
@@ -34,8 +34,9 @@ __all__ = ["ReferenceConfig", "build_reference_role", "reference_engine"]
 class ReferenceConfig:
     """How the reference model is built and run (see the module docstring)."""
 
-    #: fsdp (FSDP2) or megatron (tensor / pipeline parallel: reference.tp, reference.pp)
-    backend: str = attrs.field(default="fsdp", validator=registered_engine)
+    #: actor (the actor's engine and layout, verl's default), fsdp (FSDP2) or megatron (tensor / pipeline parallel:
+    #: reference.tp, reference.pp)
+    backend: str = attrs.field(default="actor")
     tp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: tensor-parallel size
     pp: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: megatron only: pipeline stages
     #: rows per forward of its log-prob pass; None: the FSDP config's micro-batching
@@ -44,6 +45,11 @@ class ReferenceConfig:
     param_offload: bool = False  #: FSDP2 CPUOffloadPolicy for its parameters (GPU only)
     #: LoRA actor only: reference = the actor's module under ``disable_adapter()`` (no second copy)
     ref_in_actor: bool = False
+
+    @backend.validator
+    def _check_backend(self, attribute: attrs.Attribute, value: str) -> None:
+        if value != "actor" and value not in TRAIN_ENGINES:
+            raise ValueError(f"{value!r} is not one of 'actor', {', '.join(map(repr, TRAIN_ENGINES))}")
 
     @log_prob_micro_batch_size.validator
     def _check_mbs(self, attribute: attrs.Attribute, value: int | None) -> None:
@@ -64,13 +70,15 @@ def build_reference_role(
     *,
     mesh: Any = None,
     actor: Any = None,
+    engine: TrainEngine | None = None,
 ) -> Any:
     """The reference state ``cfg`` asks for; errors name the option before anything is loaded. Its log-probs of a
     rank's own rows: ``reference_engine(cfg, fsdp_cfg).own_rows_logprobs(state, batch)``.
 
-    ``actor``: needed for ``ref_in_actor`` (a LoRA actor built with ``build_actor(..., lora=...)``).
+    ``actor``: needed for ``ref_in_actor`` (a LoRA actor built with ``build_actor(..., lora=...)``); ``engine``: the
+    engine that builds it (default: the one ``reference.backend`` names; the actor's for ``reference.backend=actor``).
     """
-    engine = reference_engine(cfg, fsdp_cfg)
+    engine = engine or reference_engine(cfg, fsdp_cfg)
     if cfg.ref_in_actor:
         if cfg.use_torch_compile or cfg.param_offload:
             raise ValueError(

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import attrs
+import torch
+from torch import Tensor
 
 import rlfunc as rf
 from backends.distributed.placement import ROLE_POOL, Placement, PlacementConfig, build_placement
@@ -50,6 +52,8 @@ class Roles:
     critic: Any = None
     reference: Any = None
     reference_engine: TrainEngine | None = None  #: the engine ``reference.backend`` names (set with the reference)
+    #: the reference is laid out as the actor (``reference.backend=actor``): a rank's rows are its replica's batch
+    reference_rows_are_replicas: bool = False
     #: seconds of work per phase on this rank since the last :meth:`step_times`
     times: dict[str, float] = attrs.field(factory=dict)
 
@@ -96,12 +100,13 @@ class Roles:
 
     # -------------------------------------------------------------------------------- building
 
-    def build_actor(self, model_path: str | os.PathLike, optim: Any) -> None:
-        """The actor (with ``optim``) on its pool, from an HF dir."""
+    def build_actor(self, model_path: str | os.PathLike, optim: Any, **build_kwargs: Any) -> None:
+        """The actor (with ``optim``) on its pool, from an HF dir; ``build_kwargs``: the engine's own (a LoRA
+        adapter)."""
         if self.on_actor:
             engine = self.actor_engine
             self.actor = engine.build_actor(model_path, self.placement.env("actor"), optim,
-                                            mesh=self.placement.mesh("actor"))
+                                            mesh=self.placement.mesh("actor"), **build_kwargs)
 
     def build_critic(self, model_path: str | os.PathLike, optim: Any, *, seed: int) -> None:
         """The critic on its pool: the backbone of ``model_path`` with a fresh value head seeded by ``seed``."""
@@ -111,11 +116,15 @@ class Roles:
                                               mesh=self.placement.mesh("critic"))
 
     def build_reference(self, cfg: ReferenceConfig, model_path: str | os.PathLike, fsdp_cfg: Any) -> None:
-        """The frozen reference on its pool (the critic's under split placement)."""
+        """The frozen reference on its pool (the critic's under split placement); ``reference.backend=actor`` builds
+        it with the actor's engine and layout."""
         if self.placement.has("reference"):
-            self.reference_engine = reference_engine(cfg, fsdp_cfg)
+            same = cfg.backend == "actor"
+            self.reference_engine = self.actor_engine if same else reference_engine(cfg, fsdp_cfg)
             self.reference = build_reference_role(cfg, model_path, self.placement.world, fsdp_cfg,
-                                                  mesh=self.placement.mesh("reference"), actor=self.actor)
+                                                  mesh=self.placement.mesh("reference"), actor=self.actor,
+                                                  engine=self.reference_engine)
+            self.reference_rows_are_replicas = same
 
     def map_actor(self, fn: Callable[[Any], Any]) -> None:
         """Replace the actor by ``fn(actor)`` on its pool (a warm-start stage, a fresh optimizer, ...)."""
@@ -146,11 +155,13 @@ class Roles:
         if self.reference is None:
             return batch
         with self.timed("reference"):
+            if self.reference_rows_are_replicas:
+                return batch.replace(ref_logprobs=self.reference_engine.compute_logprobs(self.reference, batch).logprobs)
             return batch.replace(ref_logprobs=self.reference_engine.own_rows_logprobs(self.reference, batch))
 
     def compute_values(self, batch: Any) -> Any:
         """``batch`` with the critic's values (also kept as ``old_values`` for the clipped value loss)."""
-        if not self.on_critic:
+        if not self.on_critic or self.critic is None:
             return batch
         with self.timed("values"):
             values = self.critic_engine.compute_values(self.critic, batch)
@@ -158,7 +169,7 @@ class Roles:
 
     def update_critic(self, batch: Any, loss_fn: Callable, *, epochs: int, mini_batches: int) -> list[dict]:
         """``epochs`` x ``mini_batches`` critic optimizer steps; their metrics (``[]`` off the critic pool)."""
-        if not self.on_critic:
+        if not self.on_critic or self.critic is None:
             return []
         metrics = []
         with self.timed("critic_update"):
@@ -168,15 +179,19 @@ class Roles:
                     metrics.append(m)
         return metrics
 
-    def update_actor(self, batch: Any, loss_fn: Callable, *, epochs: int, mini_batches: int, **update_kwargs: Any) -> list[dict]:
-        """``epochs`` x ``mini_batches`` actor optimizer steps; their metrics (``[]`` off the actor pool)."""
+    def update_actor(self, batch: Any, loss_fn: Callable, *, epochs: int, mini_batches: int,
+                     skip_rows: Tensor | None = None, **update_kwargs: Any) -> list[dict]:
+        """``epochs`` x ``mini_batches`` actor optimizer steps; their metrics (``[]`` off the actor pool).
+        ``skip_rows``: rows that get no forward / backward (split with the batch)."""
         if not self.on_actor:
             return []
         metrics = []
+        skips = [None] * mini_batches if skip_rows is None else list(torch.tensor_split(skip_rows, mini_batches))
         with self.timed("actor_update"):
             for _ in range(epochs):
-                for mini_batch in rf.split(batch, mini_batches):
-                    self.actor, m = self.actor_engine.update(self.actor, mini_batch, loss_fn, **update_kwargs)
+                for mini_batch, skip in zip(rf.split(batch, mini_batches), skips):
+                    self.actor, m = self.actor_engine.update(self.actor, mini_batch, loss_fn, skip_rows=skip,
+                                                             **update_kwargs)
                     metrics.append(m)
         return metrics
 
@@ -198,7 +213,7 @@ class Roles:
         states = {}
         if self.on_actor:
             states[self.actor_engine.checkpoint_name(self.actor, "actor")] = self.actor
-        if self.on_critic:
+        if self.on_critic and self.critic is not None:
             states[self.critic_engine.checkpoint_name(self.critic, "critic")] = self.critic
         return states
 
@@ -206,15 +221,17 @@ class Roles:
         """Take the roles back from ``states`` (what ``load_checkpoint`` returned for :meth:`checkpoint_states`)."""
         if self.on_actor:
             self.actor = states[self.actor_engine.checkpoint_name(self.actor, "actor")]
-        if self.on_critic:
+        if self.on_critic and self.critic is not None:
             self.critic = states[self.critic_engine.checkpoint_name(self.critic, "critic")]
 
     def export_hf(self, run_dir: str | os.PathLike, tokenizer: Any) -> None:
-        """HF dirs ``actor_hf`` (a causal LM) and ``critic_hf`` (a value model), each written by its pool."""
+        """HF dirs ``final_model`` (the actor, a causal LM) and, with a critic, ``final_critic`` (a value model),
+        each written by its pool."""
         if self.on_actor:
-            self.actor_engine.export_hf(self.actor, Path(run_dir) / "actor_hf", tokenizer=tokenizer, overwrite=True)
-        if self.on_critic:
-            self.critic_engine.export_hf(self.critic, Path(run_dir) / "critic_hf", tokenizer=tokenizer, overwrite=True)
+            self.actor_engine.export_hf(self.actor, Path(run_dir) / "final_model", tokenizer=tokenizer, overwrite=True)
+        if self.on_critic and self.critic is not None:
+            self.critic_engine.export_hf(self.critic, Path(run_dir) / "final_critic", tokenizer=tokenizer,
+                                         overwrite=True)
 
 
 def build_roles(cfg: PlacementConfig, env: DistEnv, actor_engine: TrainEngine, critic_engine: TrainEngine) -> Roles:

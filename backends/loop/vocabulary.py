@@ -23,16 +23,23 @@ import attrs
 import rlfunc as rf
 from backends.checkpoint.resume import CheckpointConfig
 from backends.data import DataConfig
+from backends.distributed.placement import PlacementConfig
 from backends.distributed.watchdog import DeadlineConfig
 from backends.models import ModelConfig
 from backends.rewards import RewardConfig
 from backends.rollout.api import RolloutConfig
 from backends.rollout.evaluation import EvalConfig
+from backends.training.engines import registered_engine
+from backends.training.fsdp import FSDPConfig
+from backends.training.lora import LoraConfig
+from backends.training.optim import OptimConfig
+from backends.training.reference import ReferenceConfig
+from backends.training.reward_model import RewardModelConfig
 from backends.training.sft import SFTConfig
 
 __all__ = [
-    "RunConfig", "PolicyUpdateConfig", "PolicyLossArgs", "EstimatorArgs", "loss_knobs", "estimator_knobs",
-    "RENAMED_GRPO", "RENAMED_PPO", "RENAMED_CUSTOM",
+    "RunConfig", "RLConfig", "ActorConfig", "CriticConfig", "ExportConfig", "OffPolicyConfig", "PolicyUpdateConfig",
+    "PolicyLossArgs", "EstimatorArgs", "loss_knobs", "estimator_knobs", "RENAMED_GRPO", "RENAMED_PPO", "RENAMED_CUSTOM",
 ]
 
 _ge0 = attrs.validators.ge(0.0)
@@ -40,7 +47,7 @@ Singletons = Literal["no_baseline", "zero", "error"]
 
 
 # ---------------------------------------------------------------------------------------------------
-# The run: what every recipe has and experiments/stages.py reads.
+# The run: what every recipe has and backends/loop/stages.py reads.
 
 
 @attrs.frozen
@@ -228,10 +235,84 @@ class PolicyUpdateConfig:
     kl_loss_kind: str = attrs.field(default="k3", validator=attrs.validators.in_(rf.KL_KINDS))
     entropy_coef: float = attrs.field(default=0.0, validator=_ge0)  #: > 0 subtracts entropy_coef * the token entropy
     ppo_epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over each batch
+    #: prompts per optimizer step (global; x rollout.n rows); 0: the whole step's batch in one optimizer step
+    ppo_mini_batch_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    critic_warmup: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: steps that train only the critic
+    #: rejection (masked importance sampling): tokens (token) or whole responses (sequence, geometric) whose trainer /
+    #: rollout ratio lies outside [1 / rollout_rs_threshold, rollout_rs_threshold] leave the loss and its normalisers
+    rollout_rs: Literal["none", "token", "sequence", "geometric"] = "none"
+    rollout_rs_threshold: float = attrs.field(default=2.0, validator=attrs.validators.gt(1.0))  #: the rejection bound
+    #: > 0 (with rollout_rs): a response with a token ratio below it leaves the loss
+    rollout_token_veto: float = attrs.field(default=0.0, validator=_ge0)
+    #: rows whose advantages are all 0 get no forward / backward (they still count in the normalisers, so the
+    #: gradient is unchanged); applied only where exact: an advantage-proportional built-in loss, no KL / entropy
+    skip_zero_advantage: bool = True
+    #: DAPO: keep only groups whose samples got different scores, drawing more prompts until the batch is full
+    dynamic_sampling: bool = False
+    #: dynamic sampling's generation rounds per step at most (then the batch fills up with what was drawn)
+    max_sampling_rounds: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    overlong_filter: bool = False  #: DAPO: responses cut off by rollout.max_new_tokens carry no loss
     #: truncated importance weights for the rollout / trainer mismatch (TIS): per token, per sequence (the product of
     #: its ratios) or geometric (their geometric mean)
     rollout_is: Literal["none", "token", "sequence", "geometric"] = "none"
     rollout_is_cap: float = attrs.field(default=2.0, validator=attrs.validators.gt(0.0))  #: the TIS truncation
+
+
+# ---------------------------------------------------------------------------------------------------
+# The roles, the placement and what is written at the end: every RL recipe's, read by backends.loop.rl_loop.
+
+
+@attrs.frozen
+class ActorConfig:
+    optim: OptimConfig = OptimConfig(lr=1e-6, weight_decay=0.0, clip_grad=1.0, lr_warmup_steps=0)  #: the RL optimizer
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: sharding, micro-batches, precision
+    #: fsdp (data parallel) or megatron (tensor / pipeline parallel: actor.tp, actor.pp), for the actor and the critic
+    backend: str = attrs.field(default="fsdp", validator=registered_engine)
+    tp: int = 1  #: megatron tensor-parallel size
+    pp: int = 1  #: megatron pipeline-parallel size
+    lora: LoraConfig = LoraConfig()  #: train a LoRA adapter instead of every weight (actor.lora.rank > 0)
+
+
+@attrs.frozen
+class CriticConfig:
+    optim: OptimConfig = OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0)  #: the critic's optimizer
+    fsdp: FSDPConfig = FSDPConfig(micro_batch_size=16)  #: the critic's sharding and micro-batches
+
+
+@attrs.frozen
+class ExportConfig:
+    hf: bool = True  #: the actor (final_model) and a critic (final_critic) as HF dirs that transformers / vLLM load
+    orbax: bool = False  #: the gathered actor train state as an orbax PyTree (actor_orbax; JAX interop)
+
+
+@attrs.frozen
+class OffPolicyConfig:
+    #: sync: sample with the newest weights; one_step_off: the rollout runs one step ahead; bounded: up to
+    #: max_staleness steps ahead (new weights on a fixed schedule, so runs are reproducible)
+    mode: str = attrs.field(default="sync", validator=attrs.validators.in_(("sync", "one_step_off", "bounded")))
+    max_staleness: int = attrs.field(default=1, validator=attrs.validators.ge(0))  #: bounded: the lag in steps
+    #: ranks that only sample (the last ones of the world); 0: every rank samples and trains (colocated)
+    rollout_ranks: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen
+class RLConfig(RunConfig):
+    """An RL recipe's config: the run's sections, the roles, where they run, and the policy update (``algo``, which
+    a recipe extends with its own algorithm's keys)."""
+
+    actor: ActorConfig = ActorConfig()  #: the trained policy
+    #: the value model (algorithms with a critic: PPO); its engine is actor.backend's
+    critic: CriticConfig = CriticConfig()
+    #: the frozen reference of the KL terms (built when the algorithm uses one; verl's ref/*.yaml)
+    reference: ReferenceConfig = ReferenceConfig(log_prob_micro_batch_size=64)
+    reward_model: RewardModelConfig = RewardModelConfig()  #: an optional learned reward, added to the functions' score
+    #: where the trained roles run: colocated (every role on every rank) or split (the critic and the reference on
+    #: a pool of their own; algorithms with a critic)
+    placement: PlacementConfig = PlacementConfig()
+    #: asynchronous RL: rollout ranks of their own sample ahead while the trainer ranks update
+    offpolicy: OffPolicyConfig = OffPolicyConfig()
+    export: ExportConfig = ExportConfig()  #: what is written at the end
+    algo: PolicyUpdateConfig = PolicyUpdateConfig()  #: the algorithm
 
 
 def _clip_moved(old: str) -> str:
@@ -239,17 +320,24 @@ def _clip_moved(old: str) -> str:
             f"algo.policy_loss_args.ppo.{old}; --help lists them)")
 
 
+#: old spellings every recipe refuses -> the key that replaced them
+RENAMED_SHARED = {
+    "algo.mini_batches": "algo.ppo_mini_batch_size (prompts per optimizer step: prompts_per_step / mini_batches)",
+    "export_hf": "export.hf",
+    "ref_log_prob_micro_batch_size": "reference.log_prob_micro_batch_size",
+}
 #: old spellings -> the key that replaced them (refused at start-up with this message)
 RENAMED_GRPO = {
+    **RENAMED_SHARED,
     "algo.kl_coef": "algo.kl_loss_coef",
     "algo.kl_kind": "algo.kl_loss_kind",
     "algo.clip_low": _clip_moved("clip_low"),
     "algo.clip_high": _clip_moved("clip_high"),
     "algo.norm_by_std": "algo.estimator_args.grpo.norm_by_std",
     "algo.behaviour_weight_cap": "algo.policy_loss_args.decoupled_ppo.behaviour_weight_cap (none: no cap)",
-    "ref_log_prob_micro_batch_size": "reference.log_prob_micro_batch_size",
 }
 RENAMED_PPO = {
+    **RENAMED_SHARED,
     "algo.kl_coef": "algo.kl_reward_coef (the in-reward KL beta; the KL loss's weight is algo.kl_loss_coef)",
     "algo.kl_penalty": "algo.kl_reward_kind",
     "algo.use_kl_loss": "algo.kl_loss_coef (> 0 adds the KL loss)",
@@ -258,6 +346,7 @@ RENAMED_PPO = {
     "algo.clip_ratio_c": "algo.policy_loss_args.ppo.dual_clip",
 }
 RENAMED_CUSTOM = {
+    **RENAMED_SHARED,
     "algo.clip": "algo.policy_loss_args.ppo.clip_low and algo.policy_loss_args.ppo.clip_high",
     "algo.kl_coef": "algo.kl_loss_coef",
     "optim": "actor.optim",

@@ -10,7 +10,7 @@ import functools
 from typing import Any, Callable
 
 import rlfunc as rf
-from experiments.vocabulary import PolicyUpdateConfig, loss_knobs
+from backends.loop.vocabulary import PolicyUpdateConfig, loss_knobs
 
 __all__ = ["actor_loss", "make_actor_loss", "loss_seed"]
 

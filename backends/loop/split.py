@@ -1,7 +1,8 @@
-"""The GRPO and PPO recipes on a split placement (``offpolicy.rollout_ranks=R``): the last R ranks of the world
+"""The RL loop on rollout ranks of their own (``offpolicy.rollout_ranks=R``): the last R ranks of the world
 sample, the others train with FSDP, and the two pools overlap. This module runs the schedule, the rollout ranks and
-the trainer pool's loop; the recipe hands in how to score a batch (:class:`RecipeParts`) and its trainer
-(:class:`SplitTrainer`: GRPO's actor, or PPO's actor, critic and reference), so it imports no recipe.
+the trainer pool's loop; the trainer pool trains with the same :class:`backends.loop.learner.Learner` as the
+colocated loop (every role of the algorithm colocated over the pool: the actor, and a critic and a reference where
+the algorithm has them), and the rollout ranks sample and score with :mod:`backends.loop.sampling`.
 
 **Schedule.** With lag ``L`` (``sync``: 0, ``one_step_off``: 1, ``bounded``: ``offpolicy.max_staleness``) the
 batch of step ``s`` is sampled by the weights after update ``max(0, s - 1 - L)``, so its staleness at the update
@@ -21,7 +22,7 @@ trainer rank gathers them (a collective of the trainer pool).
 
 **Ordering.** Per step every rank does, in this order: the weights' broadcast on the push group (trainer rank 0
 and the rollout ranks), on ``eval.every`` the evaluation's metrics from the rollout pool to the trainers, then the
-world's checkpoint / stop check (:func:`experiments.stages.checkpoint_or_stop`:
+world's checkpoint / stop check (:func:`backends.loop.stages.checkpoint_or_stop`:
 the SIGTERM agreement and, on the checkpoint schedule, the save). A rollout rank makes them for version ``v`` just
 before it samples the batch that needs ``v``, so its sampling still overlaps the trainer's next ``L`` updates.
 Samples travel with ``isend`` and never block the rollout rank; a stop drains what is still in flight up to the
@@ -30,7 +31,7 @@ sender's sentinel.
 **Checkpoints.** A checkpoint drains the pipeline: the batch after checkpoint step ``c`` is sampled by version
 ``c`` (:func:`sampling_version`), so nothing sampled ahead of it is lost or needed, and a run resumed from it trains
 on the batches the uninterrupted run trained on. The trainers save their states (the actor; PPO's critic too) and
-what the recipe's loop carries (PPO's KL controller); the rollout ranks save nothing but take part, and on resume
+the algorithm's state (PPO's KL controller); the rollout ranks save nothing but take part, and on resume
 take the step and the prompt stream's position from it (sent with each batch: dynamic sampling draws a varying
 number of prompts per step).
 
@@ -46,9 +47,8 @@ is as reproducible as without it.
 
 from __future__ import annotations
 
-import functools
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -60,83 +60,27 @@ from backends.config import ConfigError
 from backends.data import PromptStream
 from backends.distributed import watchdog
 from backends.distributed.collectives import mean_over_ranks
-from backends.distributed.placement import PlacementConfig, build_placement, concat_padded
+from backends.distributed.placement import PlacementConfig, build_placement, colocated_on_pool, concat_padded
 from backends.distributed.sample_channel import SampleReceiver, SampleSender, StalenessBound
 from backends.distributed.weight_broadcast import WeightBroadcastError, broadcast_weights
-from backends.rollout.agent_loop import sample
+from backends.loop.actor_loss import loss_seed
+from backends.loop.algorithm import max_context, stamp_policy_version
+from backends.loop.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
+from backends.loop.learner import Learner, build_learner, step_stats
+from backends.loop.sampling import sample_share
+from backends.loop.stages import checkpoint_or_stop, dump_generations, evaluate_policy, export_final, summarize
+from backends.loop.vocabulary import OffPolicyConfig
 from backends.loop.weight_bridge import WeightBridge, weight_bridge
 from backends.rollout.api import build_rollout, refuse_on_a_pool
-from backends.training.engines import select_engine
 from backends.training.reward_model import build_reward_model
+from backends.training.roles import Roles
 from backends.training.sft import sft_steps
-from experiments.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
-from experiments.stages import checkpoint_or_stop, dump_generations, evaluate_policy, export_final, summarize
 
-__all__ = [
-    "OffPolicyConfig", "RecipeParts", "SplitTrainer", "TrainerFactory", "check_offpolicy", "lag", "run_split", "sampling_version",
-    "stamp_policy_version",
-]
+__all__ = ["check_offpolicy", "lag", "run_split", "sampling_version"]
 
 
 class RolloutPoolError(RuntimeError):
     """A rollout rank stopped taking part (it exited or froze) while the trainers pushed weights to it."""
-
-
-@attrs.frozen
-class OffPolicyConfig:
-    #: sync: sample with the newest weights; one_step_off: the rollout runs one step ahead; bounded: up to
-    #: max_staleness steps ahead (new weights on a fixed schedule, so runs are reproducible)
-    mode: str = attrs.field(default="sync", validator=attrs.validators.in_(("sync", "one_step_off", "bounded")))
-    max_staleness: int = attrs.field(default=1, validator=attrs.validators.ge(0))  #: bounded: the lag in steps
-    #: ranks that only sample (the last ones of the world); 0: every rank samples and trains (colocated)
-    rollout_ranks: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-
-
-@attrs.frozen
-class RecipeParts:
-    """What the rollout pool takes from the recipe (handed in, so this module imports no recipe)."""
-
-    #: ``(batch, rows, scorer, tokenizer, cfg, eos_token_ids[, reward_model=])`` -> the scored batch and its metrics
-    score_batch: Callable
-    max_context: int  #: the longest sequence the rollout engine holds
-    #: a group-relative estimator of the dumped generations' advantages (None: the dumps carry none, as PPO's
-    #: advantages come from the critic on the trainer pool)
-    estimator: Callable | None = None
-    estimator_kwargs: dict = attrs.field(factory=dict)
-    dynamic_sampling: bool = False  #: sample rounds until every share holds informative groups
-    max_sampling_rounds: int = 1
-    reward_model: Any = None  #: the reward model's config, when one scores on the rollout pool
-
-
-class SplitTrainer(Protocol):
-    """The trainer pool's side of a recipe: its trained states, one step's training, the weights it pushes."""
-
-    title: str  #: the summary's title
-
-    def states(self) -> dict[str, Any]:
-        """The states a checkpoint holds, by name (sharded, with their optimizers)."""
-
-    def load(self, states: dict[str, Any], carried: dict) -> None:
-        """Take the states back from a checkpoint, with what :meth:`carried` returned when it was written."""
-
-    def carried(self) -> dict:
-        """What the recipe's loop carries from step to step besides the states (picklable; a KL controller)."""
-
-    def train(self, batch: rf.RolloutBatch, step: int, waited: float) -> dict[str, float]:
-        """Train on the step's batch (stamped with its policy version; ``waited``: seconds spent waiting for it);
-        the step's metrics, the same on every trainer rank."""
-
-    def weights(self, bridge: WeightBridge) -> Any:
-        """The policy's full tensors as ``bridge`` gathers them (a collective of the trainer pool), for the push to
-        the rollout pool."""
-
-    def export(self, run: Any, tokenizer: Any) -> None:
-        """What the recipe writes at the end of a run."""
-
-
-#: builds the trainer on the trainer pool: ``(mesh, pool env, before_sft_update)`` -> :class:`SplitTrainer`; on a
-#: fresh start with SFT data it runs the SFT stage first, calling ``before_sft_update(step)`` before each update
-TrainerFactory = Callable[[Any, Any, Callable[[int], None]], SplitTrainer]
 
 
 def lag(cfg: OffPolicyConfig) -> int:
@@ -154,24 +98,24 @@ def sampling_version(step: int, lag: int, every: int = 0, start: int = 0) -> int
 
 
 def checkpoint_extra(step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any,
-                     carried: dict | None = None) -> dict:
+                     algorithm_state: dict | None = None) -> dict:
     """What a split run's checkpoint carries besides the trained states, as trainer rank 0 (global rank 0) has it, on every
     rank (a collective of the world): the step, how many prompts the rollout pool had drawn by the batch of that step
     (``drawn``, sent with the batch: dynamic sampling draws a varying number), the evaluation before training, the
     wall time so far, the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout
-    ranks, whose ``drawn`` is not used) and what the recipe's loop carries (``carried``)."""
+    ranks, whose ``drawn`` is not used) and the algorithm's state (``algorithm_state``)."""
     extra = None
     if bound is not None:
         extra = {"step": step, "drawn": drawn, "run_dir": str(run.run_dir), "eval_before": before,
-                 "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound), "carried": carried or {}}
+                 "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound),
+                 "algorithm_state": algorithm_state or {}}
     box = [extra]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None = None) -> None:
-    """Refuse, before any model is built, what the split loop does not do (yet); ``refused``: the recipe's own
-    settings the split does not take (a description -> whether it is set)."""
+def check_offpolicy(cfg: Any, world_size: int) -> None:
+    """Refuse, before any model is built, what the split loop does not do (yet)."""
     off = cfg.offpolicy
     if off.mode != "sync" and not off.rollout_ranks:
         raise ConfigError(f"offpolicy.mode={off.mode} needs a rollout pool: set offpolicy.rollout_ranks >= 1 "
@@ -184,21 +128,19 @@ def check_offpolicy(cfg: Any, world_size: int, refused: dict[str, bool] | None =
     if trainers < 1 or off.rollout_ranks > trainers:
         raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
                           "trainer rank and no more rollout ranks than trainer ranks")
-    pooled = select_engine(cfg.actor.backend, tp=cfg.actor.tp, pp=cfg.actor.pp).runs_on_a_pool  # a trainer pool
-    for what, bad in {f"actor.backend={cfg.actor.backend}": not pooled, **(refused or {})}.items():
+    from backends.training.engines import select_engine
+
+    refused = {
+        f"actor.backend={cfg.actor.backend}": not select_engine(cfg.actor.backend, tp=cfg.actor.tp,
+                                                                pp=cfg.actor.pp).runs_on_a_pool,
+        "placement.mode=split (the trainer pool holds every trained role)": cfg.placement.mode == "split",
+        "reward_model.shard=true (the rollout ranks hold a replicated reward model)": bool(cfg.reward_model.path)
+        and cfg.reward_model.shard,
+        "rollout.vllm.lora_sync=adapter (the pool receives merged weights)": cfg.rollout.vllm.lora_sync == "adapter",
+    }
+    for what, bad in refused.items():
         if bad:
             raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} does not support {what} yet")
-
-
-def stamp_policy_version(batch: rf.RolloutBatch, version: int,
-                         current: int | None = None) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
-    """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
-    and the staleness of the batch's tokens at this update (the trainer at version ``current``, default ``version``)
-    is logged: ``staleness/min``, ``mean``, ``max`` and the histogram ``frac_0`` ... ``frac_ge_3``."""
-    batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
-    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current,
-                              response_mask=rf.loss_tokens(batch))
-    return batch, {f"staleness/{k.removeprefix('staleness_')}": v for k, v in metrics.items()}
 
 
 @attrs.frozen
@@ -243,45 +185,32 @@ def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float], drawn: int)
             "drawn": drawn}
 
 
-def sample_share(rollout: Any, examples: list, scorer: Any, tokenizer: Any, cfg: Any, step: int, rank: int,
-                 size: int, environments: Any, parts: RecipeParts,
-                 rounds: int = 1) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
-    """Trainer pool rank ``rank``'s share of ``step``'s prompts of sampling round ``rounds``, sampled and scored with
-    the seed and group ids the colocated loop gives data rank ``rank``: the batch, each row's example, metrics."""
-    mine = examples[rank::size]
-    seed = round_seed(cfg.seed, step, rounds, size, rank)
-    offset = (rounds - 1) * len(mine)
-    episodes = sample(rollout, mine, tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
-                      environments=environments, group_ids=torch.arange(len(mine)) + offset,
-                      chat_template=cfg.data.chat_template)
-    rows = [mine[g - offset] for g in episodes.batch.group_ids.tolist()]
-    with watchdog.phase("reward", step=step, op="reward functions on the sampled responses"):
-        batch, metrics = parts.score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids)
-    return batch, rows, {**metrics, **episodes.metrics}
-
-
-def sample_step(rollout: Any, stream: PromptStream, scorer: Any, tokenizer: Any, cfg: Any, step: int, split: Split,
-                environments: Any, parts: RecipeParts, pool_group: Any) -> dict[int, tuple[rf.RolloutBatch, dict, list]]:
+def sample_step(rollout: Any, stream: PromptStream, tokenizer: Any, cfg: Any, step: int, split: Split, *,
+                scorer: Any, environments: Any, reward_model: Any,
+                pool_group: Any) -> dict[int, tuple[rf.RolloutBatch, dict, list]]:
     """This rollout rank's batch of ``step`` for each trainer (pool rank) it serves, with its metrics and the example
-    of each row. One round of
-    ``prompts_per_step`` prompts; with dynamic sampling, rounds continue (every round with the weights this batch is
-    scheduled for) until every share of the whole rollout pool holds informative groups or ``algo.max_sampling_rounds``
-    is reached, as in the colocated loop (:mod:`experiments.dynamic_sampling`)."""
+    of each row. One round of ``prompts_per_step`` prompts; trainer ``t``'s share is sampled with the seed and group
+    ids the colocated loop gives data rank ``t``. With dynamic sampling, rounds continue (every round with the
+    weights this batch is scheduled for) until every share of the whole rollout pool holds informative groups or
+    ``algo.max_sampling_rounds`` is reached, as in the colocated loop (:mod:`backends.loop.dynamic_sampling`)."""
     mine, trainers = split.served_by(dist.get_rank()), len(split.trainers)
+    dynamic = cfg.algo.dynamic_sampling
     fillers = {t: GroupFiller(cfg.prompts_per_step // trainers) for t in mine}
     out: dict[int, tuple[rf.RolloutBatch, dict, list]] = {}
     drawn = 0
-    for rounds in range(1, parts.max_sampling_rounds + 1 if parts.dynamic_sampling else 2):
+    for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if dynamic else 2):
         examples = stream.take(cfg.prompts_per_step)
         drawn += cfg.prompts_per_step
         for t in mine:
-            batch, rows, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg, step, t, trainers,
-                                                environments, parts, rounds)
+            share = examples[t::trainers]
+            batch, rows, metrics = sample_share(
+                rollout, share, scorer, tokenizer, cfg, seed=round_seed(cfg.seed, step, rounds, trainers, t),
+                group_offset=(rounds - 1) * len(share), environments=environments, reward_model=reward_model)
             out[t] = (batch, metrics, rows)
             fillers[t].add(batch, rows)
-        if not parts.dynamic_sampling or not any_short(list(fillers.values()), group=pool_group):
+        if not dynamic or not any_short(list(fillers.values()), group=pool_group):
             break
-    if not parts.dynamic_sampling:
+    if not dynamic:
         return out
     for t, filler in fillers.items():
         batch, rows, informative = filler.result()
@@ -299,7 +228,7 @@ def receive_weights(rollout: Any, split: Split, version: int, device: Any) -> An
             return rollout.sync_weights(stream)
 
 
-def push_weights(trainer: SplitTrainer, split: Split, version: int, bridge: WeightBridge) -> None:
+def push_weights(trainer: Learner, split: Split, version: int, bridge: WeightBridge) -> None:
     """Every trainer rank gathers the full weights; trainer rank 0 broadcasts them to the rollout pool."""
     with watchdog.phase("weight_sync", step=version, op=f"push weights version {version} to the rollout pool"):
         tensors = trainer.weights(bridge)
@@ -348,20 +277,21 @@ def share_from_rollouts(obj: Any, split: Split) -> Any:
     return box[0]
 
 
-def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tokenizer: Any, scorer: Any,
-                      environments: Any, steps: int, parts: RecipeParts, log: Any) -> dict:
+def rollout_rank_loop(ctx: Any, split: Split) -> None:
     """A rollout rank: the first weights (version 0, or the checkpoint's), the evaluation before training, then per
     step the versions its batch needs (:func:`sampling_version`; each one followed by the checkpoint / stop check the
     trainers make after pushing it) and this rank's batches sent to its trainers; at the end the last versions and
     the evaluation after training."""
-    pool_env = split.placement.env("critic")
+    cfg, env, run, data, tokenizer, scorer, environments = (ctx.cfg, ctx.env, ctx.run, ctx.data, ctx.tokenizer,
+                                                            ctx.scorer, ctx.environments)
+    steps, log, pool_env = ctx.steps, ctx.log, split.placement.env("critic")
     if run.resume_from is None and data.sft:  # the trainers write the policy this engine starts from
         wait_for_sft(split, sft_steps(cfg.sft, len(data.sft)))
     rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
-                            max_context=parts.max_context)
-    if parts.reward_model is not None and parts.reward_model.path:  # the pool scores with a replicated reward model
-        reward_model = build_reward_model(parts.reward_model.path, pool_env, parts.reward_model)
-        parts = attrs.evolve(parts, score_batch=functools.partial(parts.score_batch, reward_model=reward_model))
+                            max_context=max_context(cfg))
+    reward_model = None
+    if cfg.reward_model.path:  # the pool scores with a replicated reward model
+        reward_model = build_reward_model(cfg.reward_model.path, pool_env, cfg.reward_model)
     start, before, t_start, wall_before, drawn = 0, {}, time.time(), 0.0, 0
     if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
         with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
@@ -402,12 +332,13 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
         if stopped:
             break
         with watchdog.phase("rollout", step=step):
-            batches = sample_step(rollout, stream, scorer, tokenizer, cfg, step, split, environments, parts, pool_env.group)
+            batches = sample_step(rollout, stream, tokenizer, cfg, step, split, scorer=scorer,
+                                  environments=environments, reward_model=reward_model, pool_group=pool_env.group)
         for t, (batch, metrics, _) in batches.items():
             sender.send_samples(batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received,
                                 step=step)
         if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
-            dump_samples(run, step, tokenizer, list(batches.values()), parts, pool_env.group)
+            dump_samples(run, step, tokenizer, list(batches.values()), ctx.algorithm, pool_env)
     if not stopped:  # the updates after the last batch
         rollout, received, stopped = receive_through(steps, rollout, received, split, env, after_version)
     sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
@@ -416,22 +347,19 @@ def rollout_rank_loop(cfg: Any, env: Any, split: Split, run: Any, data: Any, tok
             after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
         share_from_rollouts(after, split)
     rollout.shutdown()
-    return {}
 
 
-def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, parts: RecipeParts, group: Any) -> None:
-    """``generations/step_<step>.jsonl`` from the rollout pool (a collective of ``group``): its shares of the step
-    (``(batch, metrics, rows)``) with the advantages the trainers compute from the same scores (the estimator is a
-    pure function of them)."""
+def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, algorithm: Any, pool_env: Any) -> None:
+    """``generations/step_<step>.jsonl`` from the rollout pool (a collective of its ranks): its shares of the step
+    (``(batch, metrics, rows)``) with the advantages the trainers compute from the same scores, where the algorithm's
+    advantages are a function of the scores alone (no critic: its values live on the trainer pool)."""
     scored = []
     for batch, _, _ in shares:  # per share: each trainer's group ids start at 0
-        if parts.estimator is not None:
-            adv, _ = parts.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
-                                     **parts.estimator_kwargs)
-            batch = batch.replace(advantages=adv)
+        if not algorithm.uses_critic:
+            batch, _, _ = algorithm.advantages(batch, algorithm.initial_state(), env=pool_env)
         scored.append(batch)
     rows = [r for _, _, part in shares for r in part]
-    dump_generations(run, step, tokenizer, concat_padded(scored), rows, group=group)
+    dump_generations(run, step, tokenizer, concat_padded(scored), rows, group=pool_env.group)
 
 
 def receive_through(version: int, rollout: Any, received: int, split: Split, env: Any,
@@ -447,90 +375,123 @@ def receive_through(version: int, rollout: Any, received: int, split: Split, env
     return rollout, received, False
 
 
-def run_split(cfg: Any, env: Any, log: Any, run: Any, data: Any, tokenizer: Any, scorer: Any, environments: Any,
-              steps: int, mlog: Any, parts: RecipeParts, make_trainer: TrainerFactory, t_start: float) -> dict:
-    """The whole RL stage on a split placement (every rank calls it); the summary on the trainers' rank 0.
-    ``make_trainer`` builds the recipe's trainer on the trainer pool (:data:`TrainerFactory`)."""
-    split = build_split(cfg, env)
+def run_split(ctx: Any) -> dict:
+    """The whole RL stage with rollout ranks of their own (every rank calls it); the summary on the trainers' rank 0."""
+    cfg, run, mlog = ctx.cfg, ctx.run, ctx.metrics_log
+    split = build_split(cfg, ctx.env)
     if not split.is_trainer:
-        summary = rollout_rank_loop(cfg, env, split, run, data, tokenizer, scorer, environments, steps, parts, log)
+        rollout_rank_loop(ctx, split)
         mlog.close()
-        return summary
+        return {}
     tenv = split.placement.env("actor")
-    sft = run.resume_from is None and bool(data.sft)  # a fresh start with SFT data trains and exports the policy first
-    trainer = make_trainer(split.placement.mesh("actor"), tenv,
-                           lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
+    sft = run.resume_from is None and bool(ctx.data.sft)  # a fresh start with SFT data trains and exports it first
+    roles = Roles(placement=colocated_on_pool(tenv, split.placement.mesh("actor")), actor_engine=ctx.engine,
+                  critic_engine=ctx.critic_engine)
+    trainer = build_learner(cfg, ctx.algorithm, roles, run, ctx.data, ctx.tokenizer, rl_optim=ctx.rl_optim,
+                            critic_optim=ctx.critic_optim, mini_batches=ctx.mini_batches, metrics_log=mlog,
+                            build_kwargs=ctx.build_kwargs,
+                            before_sft_update=lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
     if sft:
         sft_signal(split, _SFT_DONE, "the SFT stage is over")
-    bridge = weight_bridge(cfg.rollout)  # the rollout pool's engine receives full weights in its dtype
-    start, before, wall_before, bound, drawn = 0, {}, 0.0, StalenessBound(max_staleness=split.lag), 0
-    if run.resume_from is not None:  # the trained states with their optimizers, every rank's RNG, the counts
-        with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
-            states, extra = load_checkpoint(run.resume_from, trainer.states(), config=run.must_match)
-        trainer.load(states, extra["carried"])
-        start, before, wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
-        bound, drawn = StalenessBound(**extra["staleness"]), extra["drawn"]
-    push_weights(trainer, split, start, bridge)
-    if run.resume_from is None:
-        before = share_from_rollouts(None, split)
-        mlog.log(0, before)
+    loop = TrainerLoop(ctx=ctx, split=split, trainer=trainer, tenv=tenv)
+    return loop.run()
 
-    def save(step: int) -> None:  # the states sharded with their optimizers, RNG, the step, the pool's stream position
-        extra = checkpoint_extra(step, drawn, run, before, wall_before + time.time() - t_start, bound=bound,
-                                 carried=trainer.carried())
-        with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
-            save_checkpoint(run.ckpt_dir, step, trainer.states(), extra, keep_last=cfg.checkpoint.keep_last,
-                            config=run.must_match)
 
-    receiver = SampleReceiver(timeout_s=cfg.deadlines.process_group or 1800.0)
-    src = split.rollout_of(tenv.rank)
-    preempted_at, last_eval = None, {}
-    for step in range(start + 1, steps + 1):
-        stats, drawn = trainer_step(trainer, receiver, src, bound, step, tenv)
-        t_sync = time.time()
-        push_weights(trainer, split, step, bridge)
-        stats["sync_time_s"] = time.time() - t_sync
-        if cfg.eval.every and step % cfg.eval.every == 0:  # the rollout pool evaluates these weights
-            with watchdog.phase("eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"):
-                last_eval = {"step": step, "metrics": share_from_rollouts(None, split)}
-            stats.update(last_eval["metrics"])
-        mlog.log(step, stats)
-        if checkpoint_or_stop(step, steps, cfg, run, save, log):  # the rollout pool makes the same call for the version
-            preempted_at = step
-            break
-    dropped = receiver.drain(src=src)  # the batches sampled ahead of a stop, up to the sentinel
-    if preempted_at is not None:
-        log.warning(f"stopped with {dropped} batch(es) from rank {src} in flight, dropped")
-        summary = {"preempted_at_step": preempted_at, "run_dir": str(run.run_dir)}
-    else:
+@attrs.define
+class TrainerLoop:
+    """A trainer rank of a split run: receive each step's batch, train on it, push the new weights."""
+
+    ctx: Any
+    split: Split
+    trainer: Learner
+    tenv: Any  #: this rank's DistEnv within the trainer pool
+    start: int = 0
+    before: dict = attrs.field(factory=dict)
+    wall_before: float = 0.0
+    bound: StalenessBound | None = None
+    drawn: int = 0  #: the rollout pool's prompt stream position after the last batch trained on
+
+    def run(self) -> dict:
+        ctx, cfg, run, split = self.ctx, self.ctx.cfg, self.ctx.run, self.split
+        bridge = weight_bridge(cfg.rollout)  # the rollout pool's engine receives full weights in its dtype
+        self.bound = StalenessBound(max_staleness=split.lag)
+        if run.resume_from is not None:  # the trained states with their optimizers, every rank's RNG, the counts
+            with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
+                states, extra = load_checkpoint(run.resume_from, self.trainer.states(), config=run.must_match)
+            self.trainer.load(states, extra["algorithm_state"])
+            self.start, self.before, self.wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
+            self.bound, self.drawn = StalenessBound(**extra["staleness"]), extra["drawn"]
+        push_weights(self.trainer, split, self.start, bridge)
+        if run.resume_from is None:
+            self.before = share_from_rollouts(None, split)
+            ctx.metrics_log.log(0, self.before)
+        receiver = SampleReceiver(timeout_s=cfg.deadlines.process_group or 1800.0)
+        src = split.rollout_of(self.tenv.rank)
+        preempted_at, last_eval = None, {}
+        for step in range(self.start + 1, ctx.steps + 1):
+            stats = self.step(receiver, src, step)
+            t_sync = time.time()
+            push_weights(self.trainer, split, step, bridge)
+            stats["sync_time_s"] = time.time() - t_sync
+            if cfg.eval.every and step % cfg.eval.every == 0:  # the rollout pool evaluates these weights
+                with watchdog.phase("eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"):
+                    last_eval = {"step": step, "metrics": share_from_rollouts(None, split)}
+                stats.update(last_eval["metrics"])
+            ctx.metrics_log.log(step, stats)
+            if checkpoint_or_stop(step, ctx.steps, cfg, run, self.save, ctx.log):  # the rollout pool makes the same call
+                preempted_at = step
+                break
+        dropped = receiver.drain(src=src)  # the batches sampled ahead of a stop, up to the sentinel
+        if preempted_at is not None:
+            ctx.log.warning(f"stopped with {dropped} batch(es) from rank {src} in flight, dropped")
+            summary = {"preempted_at_step": preempted_at, "run_dir": str(run.run_dir)}
+        else:
+            summary = self.finish(last_eval)
+        ctx.metrics_log.close()
+        return summary
+
+    def finish(self, last_eval: dict) -> dict:
+        ctx, run, steps = self.ctx, self.ctx.run, self.ctx.steps
         if last_eval.get("step") == steps:  # the last step's evaluation is the final one
             after = last_eval["metrics"]
         else:
-            after = share_from_rollouts(None, split)
-            mlog.log(steps, after)
+            after = share_from_rollouts(None, self.split)
+            ctx.metrics_log.log(steps, after)
         with watchdog.phase("checkpoint", step=steps, op="export"):  # the rollout pool cannot join a save here
-            export_final(lambda: trainer.export(run, tokenizer), run, steps, save=None)
-        summary = summarize(cfg, run, env, before, after, steps=steps, wall=wall_before + time.time() - t_start,
-                            title=trainer.title)
-    mlog.close()
-    return summary
+            export_final(lambda: self.trainer.export(run, ctx.tokenizer), run, steps, save=None)
+        return summarize(ctx.cfg, run, ctx.env, self.before, after, steps=steps,
+                         wall=self.wall_before + time.time() - ctx.t_start, title=self.trainer.title)
 
+    def save(self, step: int) -> None:
+        """The states sharded with their optimizers, RNG, the step, the pool's stream position, the algorithm's
+        state."""
+        ctx, run = self.ctx, self.ctx.run
+        extra = checkpoint_extra(step, self.drawn, run, self.before, self.wall_before + time.time() - ctx.t_start,
+                                 bound=self.bound, algorithm_state=self.trainer.state)
+        with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
+            save_checkpoint(run.ckpt_dir, step, self.trainer.states(), extra, keep_last=ctx.cfg.checkpoint.keep_last,
+                            config=run.must_match)
 
-def trainer_step(trainer: SplitTrainer, receiver: SampleReceiver, src: int, bound: StalenessBound, step: int,
-                 tenv: Any) -> tuple[dict, int]:
-    """Receive batch ``step``, check its staleness, stamp its policy version and train on it: the step's metrics
-    (the rollout pool's sampling metrics, the recipe's, the staleness counts) and the prompt stream's position after
-    the batch."""
-    t0 = time.time()
-    with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
-        payload, version, sent_step = receiver.recv_samples(src=src)
-    if sent_step != step:
-        raise RuntimeError(f"trainer rank {dist.get_rank()} expected the batch of step {step}, rank {src} sent step {sent_step}")
-    if not bound.admit(step - 1, version):  # the fixed schedule never goes past the bound: a bookkeeping error
-        raise RuntimeError(f"the batch of step {step} from rank {src} is {bound.last} versions old, past the bound {bound.max_staleness}")
-    batch, provenance = stamp_policy_version(rf.RolloutBatch(**payload["batch"]), version, current=step - 1)
-    with watchdog.phase("update", step=step, op="log-probs, advantages and the update"):
-        metrics = trainer.train(batch, step, waited=time.time() - t0)
-    stats = {**mean_over_ranks(payload["metrics"], tenv.group), **metrics,
-             **{k: float(v) for k, v in provenance.items()}, **bound.metrics()}
-    return stats, payload["drawn"]
+    def step(self, receiver: SampleReceiver, src: int, step: int) -> dict[str, float]:
+        """Receive batch ``step``, check its staleness, stamp its policy version and train on it (the old log-probs
+        recomputed: the batch is off-policy); the step's metrics (the rollout pool's sampling metrics, the
+        learner's, the staleness counts)."""
+        t0, cfg = time.time(), self.ctx.cfg
+        with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
+            payload, version, sent_step = receiver.recv_samples(src=src)
+        if sent_step != step:
+            raise RuntimeError(f"trainer rank {dist.get_rank()} expected the batch of step {step}, rank {src} sent "
+                               f"step {sent_step}")
+        if not self.bound.admit(step - 1, version):  # the fixed schedule never goes past the bound: a bookkeeping error
+            raise RuntimeError(f"the batch of step {step} from rank {src} is {self.bound.last} versions old, past the "
+                               f"bound {self.bound.max_staleness}")
+        self.drawn = payload["drawn"]
+        batch, provenance = stamp_policy_version(rf.RolloutBatch(**payload["batch"]), version, current=step - 1)
+        waited = time.time() - t0
+        with watchdog.phase("update", step=step, op="log-probs, advantages and the update"):
+            batch, metrics = self.trainer.train(batch, step, seed=loss_seed(cfg.seed, step, replica=self.tenv.rank))
+        times = {"step_time_s": time.time() - t0, "rollout_time_s": waited, "update_time_s": time.time() - t0 - waited,
+                 **{f"time/{k}_s": v for k, v in self.trainer.roles.step_times().items()}}
+        return {**mean_over_ranks(payload["metrics"], self.tenv.group),
+                **step_stats(batch, times, self.tenv.world_size, group=self.tenv.group), **metrics,
+                **{k: float(v) for k, v in provenance.items()}, **self.bound.metrics()}

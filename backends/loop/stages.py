@@ -4,7 +4,7 @@ SFT stage, held-out evaluation, generation dumps, the final export and the summa
 A recipe starts ``prepare_run`` -> ``run_tokenizer`` -> ``load_run_data`` (and its own checks) -> ``commit_run``:
 nothing of a run dir is written or removed before the last check has passed.
 
-A recipe's config extends :class:`experiments.vocabulary.RunConfig`, the sections these read (``model``,
+A recipe's config extends :class:`backends.loop.vocabulary.RunConfig`, the sections these read (``model``,
 ``data``, ``reward``, ``eval``, ``sft``, ``checkpoint``, ``logger``, ...) declared once, so each recipe keeps only
 its own algorithm and loop.
 """
@@ -35,7 +35,7 @@ from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
 from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
-from experiments.vocabulary import RunConfig
+from backends.loop.vocabulary import RunConfig
 
 __all__ = [
     "SHARED_REGISTRIES", "checkpoint_or_stop", "commit_run", "export_final",
@@ -158,18 +158,19 @@ def warn_once(log: Any, warnings: Sequence[str]) -> None:
             log.warning(warning)
 
 
-def start_actor(cfg: RunConfig, engine: Any, env: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
+def start_actor(cfg: RunConfig, roles: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
                 metrics_log: MetricsLog, *, build_kwargs: dict | None = None,
-                before_sft_update: Callable[[int], None] | None = None) -> Any:
-    """The actor with the RL optimizer. A fresh start with SFT data runs the SFT stage through the same
-    engine (loss on the response tokens) and exports the result as the policy RL starts from; a resume
-    builds that policy's architecture, which the checkpoint's weights then load into.
-    ``before_sft_update(step)`` is called before each SFT update."""
+                before_sft_update: Callable[[int], None] | None = None) -> None:
+    """The actor on its pool (``roles``: :class:`backends.training.roles.Roles`) with the RL optimizer. A fresh start
+    with SFT data runs the SFT stage through the same engine (loss on the response tokens) and exports the result as
+    the policy RL starts from (every pool builds from it); a resume builds that policy's architecture, which the
+    checkpoint's weights then load into. ``before_sft_update(step)`` is called before each SFT update."""
     kwargs = build_kwargs or {}
     if run.resume_from is not None or not data.sft:
-        return engine.build_actor(run.policy_path, env, rl_optim, **kwargs)
-    steps = sft_steps(cfg.sft, len(data.sft))
-    actor = engine.build_actor(run.model_path, env, sft_optim(cfg.sft, steps), **kwargs)
+        roles.build_actor(run.policy_path, rl_optim, **kwargs)
+        return
+    engine, steps = roles.actor_engine, sft_steps(cfg.sft, len(data.sft))
+    roles.build_actor(run.model_path, sft_optim(cfg.sft, steps), **kwargs)
     stream = PromptStream(data.sft, seed=cfg.seed)
 
     def next_examples(step: int) -> list:
@@ -177,12 +178,13 @@ def start_actor(cfg: RunConfig, engine: Any, env: Any, run: RunPaths, data: RunD
             before_sft_update(step)
         return stream.take(cfg.sft.batch_size)
 
-    actor = run_sft(actor, next_examples, attrs.evolve(cfg.sft, steps=steps),
-                    pad_token_id=tokenizer.pad_token_id, data_parallel=engine.data_parallel(actor),
-                    update_fn=engine.update, metrics_log=metrics_log, show_progress=env.is_main)
-    actor = engine.fresh_optimizer(actor, rl_optim)
-    engine.export_hf(actor, run.policy_path, tokenizer=tokenizer)
-    return actor
+    roles.map_actor(lambda actor: run_sft(actor, next_examples, attrs.evolve(cfg.sft, steps=steps),
+                                          pad_token_id=tokenizer.pad_token_id, data_parallel=engine.data_parallel(actor),
+                                          update_fn=engine.update, metrics_log=metrics_log,
+                                          show_progress=roles.placement.world.is_main))
+    roles.map_actor(lambda actor: engine.fresh_optimizer(actor, rl_optim))
+    roles.run_on("actor", None, engine.export_hf, roles.actor, run.policy_path, tokenizer=tokenizer)
+    roles.placement.barrier()  # the policy is on disk for every pool
 
 
 def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: RunConfig, env: Any,
@@ -233,7 +235,7 @@ def summarize(cfg: RunConfig, run: RunPaths, env: Any, before: dict[str, float],
         "eval_before": before.get(key), "eval_after": after.get(key),
         "eval_metric": f"held-out success (score >= reward.max_score={cfg.reward.max_score:g}): mean over "
                        f"{cfg.eval.n} samples per prompt at temperature {cfg.eval.temperature:g}",
-        "before": before, "after": after, "steps": steps, "wall_seconds": round(wall, 1), "world_size": env.world_size,
+        "before": before, "after": after, "algorithm": title, "steps": steps, "wall_seconds": round(wall, 1), "world_size": env.world_size,
         "resumed_from": str(run.resume_from) if run.resume_from is not None else None, "run_dir": str(run.run_dir),
         **(extra or {}),
     }
