@@ -28,7 +28,15 @@ import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["BlockLayout", "PackedRows", "boundaries_from_positions", "model_kwargs", "pack_rows", "pad_layout", "unpack"]
+__all__ = [
+    "BlockLayout",
+    "PackedRows",
+    "boundaries_from_positions",
+    "model_kwargs",
+    "pack_rows",
+    "pad_layout",
+    "unpack",
+]
 
 
 @attrs.frozen
@@ -70,8 +78,13 @@ class PackedRows:
 
 
 def pack_rows(
-    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
-    share_prompts: bool = False, with_last_token: bool = False,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    *,
+    share_prompts: bool = False,
+    with_last_token: bool = False,
 ) -> PackedRows:
     """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses into one row,
     for predicting each row's response tokens up to its last ``response_mask`` token (at least one).
@@ -127,8 +140,14 @@ def pack_rows(
     predict_index = index[:, p - 1 : p + t - 1][response_keep]
     rows, resp_cols = response_keep.nonzero(as_tuple=True)
     common = dict(
-        input_ids=packed_input_ids, position_ids=packed_position_ids, max_seqlen=int(seqlens.max()),
-        predict_index=predict_index, rows=rows, cols=resp_cols, labels=response_ids[response_keep], shape=(b, t),
+        input_ids=packed_input_ids,
+        position_ids=packed_position_ids,
+        max_seqlen=int(seqlens.max()),
+        predict_index=predict_index,
+        rows=rows,
+        cols=resp_cols,
+        labels=response_ids[response_keep],
+        shape=(b, t),
     )
     if not share_prompts:
         cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
@@ -201,12 +220,15 @@ def model_kwargs(packed: PackedRows, *, block_layout: bool = False) -> dict[str,
     if layout is None and block_layout:
         layout = pad_layout(tuple(int(x) for x in packed.cu_seqlens.tolist()), packed.input_ids.device)
     if layout is not None:
-        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=layout,
-                    use_cache=False)
+        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=layout, use_cache=False)
     return dict(
-        input_ids=packed.input_ids, position_ids=packed.position_ids,
-        cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
-        max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen, use_cache=False,
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        cu_seq_lens_q=packed.cu_seqlens,
+        cu_seq_lens_k=packed.cu_seqlens,
+        max_length_q=packed.max_seqlen,
+        max_length_k=packed.max_seqlen,
+        use_cache=False,
     )
 
 
@@ -233,4 +255,6 @@ def pad_layout(bounds: tuple[int, ...], device: torch.device) -> BlockLayout:
     inside = cols[None] < lengths[:, None]
     gather = starts[:, None] + torch.minimum(cols[None], lengths[:, None] - 1)
     scatter = inside.reshape(-1).nonzero().squeeze(-1)  # row-major over (n, L): the packed order
-    return BlockLayout(gather=gather.to(device), scatter=scatter.to(device), max_len=max_len, lengths=lengths.to(device))
+    return BlockLayout(
+        gather=gather.to(device), scatter=scatter.to(device), max_len=max_len, lengths=lengths.to(device)
+    )

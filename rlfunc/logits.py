@@ -48,7 +48,9 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int | No
         return picked - torch.logsumexp(x, dim=-1)
     _check_chunk_size(chunk_size)
     lead = labels.shape
-    logp, _ = _ChunkedLogprobs.apply(logits.reshape(1, v) if logits.dim() == 1 else logits, labels.reshape(-1).long(), chunk_size)
+    logp, _ = _ChunkedLogprobs.apply(
+        logits.reshape(1, v) if logits.dim() == 1 else logits, labels.reshape(-1).long(), chunk_size
+    )
     return logp.reshape(lead)
 
 

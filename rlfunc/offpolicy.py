@@ -116,8 +116,15 @@ def decoupled_ppo_policy_loss(
     :math:`\log\pi_{behav} - \log\pi_{prox}`; AReaL's ``behave_approx_kl`` with the opposite sign).
     """
     knobs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, behaviour_weight_cap=behaviour_weight_cap)
-    high = _check(logprobs, knobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask,
-                  behaviour_logprobs=behaviour_logprobs, is_weights=is_weights)
+    high = _check(
+        logprobs,
+        knobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        behaviour_logprobs=behaviour_logprobs,
+        is_weights=is_weights,
+    )
     cap = behaviour_weight_cap
     log_weight, weight, capped = _behaviour_weights(old_logprobs, behaviour_logprobs, response_mask, cap)
     token_weight = weight if is_weights is None else weight * is_weights.detach()

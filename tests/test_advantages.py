@@ -615,8 +615,16 @@ def test_golden_aliases_resolve_to_the_same_numbers(golden):
 
 def test_registry():
     assert set(ADVANTAGE_ESTIMATORS) == {
-        "gae", "grpo", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_pp", "reinforce_pp_baseline", "remax",
-        "opo", "gpg",
+        "gae",
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "rloo_vectorized",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "remax",
+        "opo",
+        "gpg",
     }
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         assert get_advantage_estimator(name) is fn
@@ -712,4 +720,3 @@ def test_grpo_groups_with_one_reward_are_exactly_the_zero_advantage_rows(groups,
     adv, _ = grpo(scores, group_ids=group_ids, response_mask=mask)
     same = torch.tensor([scores[group_ids == i].unique().numel() == 1 for i in range(groups)])[group_ids]
     assert torch.equal(zero_advantage_rows(adv, mask), same)
-

@@ -36,8 +36,10 @@ def test_sft_answers_are_wrong_by_the_fraction_and_seeded():
     assert all(1 <= abs(x - y) <= 9 and y >= 0 for x, y in wrong)
     assert rows == list(sft_rows(problems, 4000, 0.4, seed=0))
     assert rows != list(sft_rows(problems, 4000, 0.4, seed=1))
-    assert all(int(r["response"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
-               for r in sft_rows(problems, 200, 0.0, seed=0))
+    assert all(
+        int(r["response"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
+        for r in sft_rows(problems, 200, 0.0, seed=0)
+    )
     with pytest.raises(ValueError, match="wrong_answer_fraction"):
         list(sft_rows(problems, 1, 1.0, seed=0))
 
@@ -82,7 +84,10 @@ def test_the_files_load_as_recipe_data(tmp_path):
     examples, report = load_examples([str(tmp_path / "val.jsonl")], DataConfig(max_prompt_length=16), tok)
     assert report.kept == 10 and examples[0].source == "arithmetic"
     first = _read(tmp_path / "val.jsonl")[0]
-    assert list(examples[0].prompt_ids) == tok.apply_chat_template(first["prompt"], add_generation_prompt=True)["input_ids"]
+    assert (
+        list(examples[0].prompt_ids)
+        == tok.apply_chat_template(first["prompt"], add_generation_prompt=True)["input_ids"]
+    )
     assert examples[0].ground_truth == first["answer"]
     sft = load_sft_examples(SFTConfig(files=(str(tmp_path / "sft.jsonl"),)), tok)
     row = _read(tmp_path / "sft.jsonl")[0]

@@ -32,10 +32,10 @@ from tests.checkpoint_state import State
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64
+)
 TIMINGS: dict[str, float] = {}
-
 
 
 def make_state(seed: int) -> State:
@@ -80,6 +80,7 @@ def inject(point: str) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     if point == "shard write":  # half of the first write of a DCP shard reaches the file
+
         @contextlib.contextmanager
         def stream(self, path, mode):
             with _DyingFile(str(path), mode) as f:
@@ -89,6 +90,7 @@ def inject(point: str) -> None:
     elif point == "after shards, before COMPLETE":
         ckpt.write_json_atomic = lambda path, data: _die()
     elif point == "mid COMPLETE write":
+
         def partial_dump(data, f, **kw):
             f.write(json.dumps(data)[:40])
             f.flush()
@@ -108,6 +110,7 @@ def inject(point: str) -> None:
 
         ckpt.os = type("O", (), {"replace": staticmethod(replace)})
     elif point == "retention delete":
+
         def rmtree(path, ignore_errors=False):  # one file of the doomed checkpoint goes, then the crash
             next(Path(path).glob("*.distcp")).unlink()
             _die()
@@ -144,7 +147,8 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
         _save(root, s, seed=s)
     t0 = time.perf_counter()
     child = forkserver.context().Process(
-        target=_crashing_save, args=(point, str(root), step, step + 10, None if keep_last == "none" else int(keep_last)))
+        target=_crashing_save, args=(point, str(root), step, step + 10, None if keep_last == "none" else int(keep_last))
+    )
     child.start()
     child.join(timeout=300)
     TIMINGS[f"crash: {point}"] = time.perf_counter() - t0
@@ -211,8 +215,11 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_corrupts_nothing(tmp_pat
     else:
         monkeypatch.setattr(ckpt, "write_json_atomic", _enospc)
     t0 = time.perf_counter()
-    with pytest.raises(CheckpointError, match=rf"saving checkpoint '{root / 'step_2'}' failed: .*no space left on device"
-                       r".*earlier checkpoints in .* are intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"saving checkpoint '{root / 'step_2'}' failed: .*no space left on device"
+        r".*earlier checkpoints in .* are intact",
+    ):
         saved = _save(root, 2, seed=2, async_save=where.endswith("async"))
         if not isinstance(saved, Path):
             saved.wait()
@@ -228,8 +235,12 @@ def test_a_full_disk_when_creating_the_temp_dir(tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     _save(root, 1, seed=1)
     real_mkdir = Path.mkdir
-    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: _enospc(self) if ".tmp-" in self.name else real_mkdir(self, *a, **k))
-    with pytest.raises(CheckpointError, match=rf"cannot create a temp dir for step 2 under '{root}': no space left on device"):
+    monkeypatch.setattr(
+        Path, "mkdir", lambda self, *a, **k: _enospc(self) if ".tmp-" in self.name else real_mkdir(self, *a, **k)
+    )
+    with pytest.raises(
+        CheckpointError, match=rf"cannot create a temp dir for step 2 under '{root}': no space left on device"
+    ):
         _save(root, 2, seed=2)
     monkeypatch.undo()
     assert resolve_resume("auto", root) == root / "step_1"
@@ -285,7 +296,9 @@ def test_a_full_disk_while_logging_metrics_keeps_the_rows_before(tmp_path, monke
 
     monkeypatch.setattr(metrics_log.os, "write", half_then_enospc)
     t0 = time.perf_counter()
-    with pytest.raises(OSError, match=rf"writing a metrics row to '{tmp_path / 'metrics.jsonl'}' failed: no space left on device"):
+    with pytest.raises(
+        OSError, match=rf"writing a metrics row to '{tmp_path / 'metrics.jsonl'}' failed: no space left on device"
+    ):
         log.log(3, {"reward": 0.3, "note": "x" * 50})
     TIMINGS["ENOSPC: metrics row"] = time.perf_counter() - t0
     monkeypatch.undo()
@@ -310,7 +323,9 @@ def test_a_full_disk_while_cutting_metrics_back_on_resume(tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
 
     monkeypatch.setattr(Path, "write_text", full)
-    with pytest.raises(OSError, match=rf"cutting '{path}' back to step 2 failed: No space left on device; the file is unchanged"):
+    with pytest.raises(
+        OSError, match=rf"cutting '{path}' back to step 2 failed: No space left on device; the file is unchanged"
+    ):
         truncate_metrics(path, 2)
     monkeypatch.undo()
     assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

@@ -196,7 +196,8 @@ def test_controller_under_torch_func():
     # grad of the new beta w.r.t. the observed KL: beta * n / (H * target) inside the clip range
     s = adaptive_kl_controller(0.1, target_kl=0.05, horizon=100)
     g = torch.func.grad(lambda kl: update_kl_controller(s, observed_kl=kl, n_steps=10).beta)(
-        torch.tensor(0.055, dtype=torch.float64))
+        torch.tensor(0.055, dtype=torch.float64)
+    )
     close(g, torch.tensor(0.1 * 10 / (100 * 0.05), dtype=torch.float64), tol=1e-12)
 
 
@@ -208,10 +209,18 @@ def test_controller_under_torch_func():
         (lambda: adaptive_kl_controller(-0.1, target_kl=0.1, horizon=10), "init_beta"),
         (lambda: fixed_kl_controller(-1.0), "beta"),
         (lambda: fixed_kl_controller(float("nan")), "finite"),
-        (lambda: update_kl_controller(adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=float("nan"),
-                                      n_steps=4), "observed_kl"),
-        (lambda: update_kl_controller(adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=torch.ones(3),
-                                      n_steps=4), "scalar"),
+        (
+            lambda: update_kl_controller(
+                adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=float("nan"), n_steps=4
+            ),
+            "observed_kl",
+        ),
+        (
+            lambda: update_kl_controller(
+                adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=torch.ones(3), n_steps=4
+            ),
+            "scalar",
+        ),
     ],
 )
 def test_controller_bad_inputs(make, match):

@@ -18,8 +18,9 @@ from backends.training.lora import LoraConfig
 from backends.training.optim import OptimConfig
 from tests.test_reference import make_batch, pg_loss
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-                       max_position_embeddings=64, seed=5)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96, max_position_embeddings=64, seed=5
+)
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,44 @@ import torch
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
-from tests.test_fsdp_engine import (OPTIM, _max_diff, _nan_loss, _numpy, _ppo_loss, assert_nonfinite_step_skipped,
-                                    hf_logprobs, make_batch, pg_loss, rank_rows, reference_updates)
+from tests.test_fsdp_engine import (
+    OPTIM,
+    _max_diff,
+    _nan_loss,
+    _numpy,
+    _ppo_loss,
+    assert_nonfinite_step_skipped,
+    hf_logprobs,
+    make_batch,
+    pg_loss,
+    rank_rows,
+    reference_updates,
+)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
-QWEN = TinyModelConfig(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=192, max_position_embeddings=64, seed=3)
-LLAMA = TinyModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                        intermediate_size=96, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5e5, seed=4)
+QWEN = TinyModelConfig(
+    arch="qwen2",
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=192,
+    max_position_embeddings=64,
+    seed=3,
+)
+LLAMA = TinyModelConfig(
+    arch="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    rope_theta=5e5,
+    seed=4,
+)
 LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp) on 2 ranks: TP=2, PP=2, DP=2
 
 
@@ -60,16 +89,22 @@ def _megatron_grads(state, batch):
     from rlfunc.aggregation import local_normalizers
 
     mbs = E._micro_batches(state, batch, 4)  # 12 rows -> 3 micro-batches
-    norms = gather_counts(local_normalizers(batch.response_mask), len(mbs), group=state.dp_group,
-                          group_size=state.dp_size, device=state.env.device)[0]
+    norms = gather_counts(
+        local_normalizers(batch.response_mask),
+        len(mbs),
+        group=state.dp_group,
+        group_size=state.dp_size,
+        device=state.env.device,
+    )[0]
     for mb in mbs:
         inp = layout_micro_batch(mb, state.cfg.layout)
 
         def head(out, mb=mb, inp=inp):
             return pg_loss(E._head_outputs(state, out, inp, mb, False), mb, norms)
 
-        run_micro_batch(state.module, state.dims, inp, head, hidden_size=state.shape.hidden_size,
-                        dtype=torch.float32, backward=True)
+        run_micro_batch(
+            state.module, state.dims, inp, head, hidden_size=state.shape.hidden_size, dtype=torch.float32, backward=True
+        )
     E._sync_grads(state)
     with torch.no_grad():
         saved = {n: p.detach().clone() for n, p in state.module.named_parameters()}
@@ -91,8 +126,15 @@ def _logits(state, batch):
 
     inp = layout_micro_batch(batch, "bshd")
     with torch.no_grad():
-        out = run_micro_batch(state.module, state.dims, inp, lambda o: o, hidden_size=state.shape.hidden_size,
-                              dtype=torch.float32, backward=False)
+        out = run_micro_batch(
+            state.module,
+            state.dims,
+            inp,
+            lambda o: o,
+            hidden_size=state.shape.hidden_size,
+            dtype=torch.float32,
+            backward=False,
+        )
     if out is None:
         return None
     if state.dims.tp > 1:
@@ -114,7 +156,7 @@ def _hf_aligned_logits(model, batch, inp):
     valid = torch.zeros(inp.input_ids.shape, dtype=torch.bool)
     for i in range(batch.prompt_ids.shape[0]):
         n = int(plen[i]) + batch.response_ids.shape[1]
-        out[i, :n] = logits[i, p - int(plen[i]):]
+        out[i, :n] = logits[i, p - int(plen[i]) :]
         valid[i, : int(plen[i]) + int(batch.response_mask[i].sum())] = True
     return out, valid
 
@@ -198,17 +240,21 @@ def _roles_worker(rank, world_size, dirs):
     value_model, _ = load_value_model(model_dir, seed=7)
     attention_mask = batch.attention_mask.long()
     with torch.no_grad():
-        v = value_model(input_ids=batch.input_ids, attention_mask=attention_mask,
-                        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[..., 0]
+        v = value_model(
+            input_ids=batch.input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits[..., 0]
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    want_values = torch.where(batch.response_mask, v[:, p - 1:p + t - 1], 0.0)
+    want_values = torch.where(batch.response_mask, v[:, p - 1 : p + t - 1], 0.0)
     for tp, pp in [(2, 1), (1, 2)]:
         key = f"tp{tp}-pp{pp}"
         critic = E.build_critic(model_dir, env, OPTIM, E.MegatronConfig(tp=tp, pp=pp, micro_batch_size=4), seed=7)
         values = E.compute_values(critic, batch)
         out[f"values-{key}"] = float((values - want_values).abs().max())
-        vb = batch.replace(returns=torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(2)),
-                           old_values=values)
+        vb = batch.replace(
+            returns=torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(2)), old_values=values
+        )
         critic, m = E.update(critic, vb, E.value_loss_fn())
         out[f"critic_metrics-{key}"] = m
         E.export_hf(critic, f"{model_dir}-critic-{key}")
@@ -364,7 +410,9 @@ def _nonfinite_worker(rank, world_size, model_dir):
     # optim.nonfinite=error: raises on every rank, naming the update, before any optimizer step
     import attrs
 
-    state = E.build_actor(model_dir, env, attrs.evolve(OPTIM, nonfinite="error"), E.MegatronConfig(tp=2, micro_batch_size=4))
+    state = E.build_actor(
+        model_dir, env, attrs.evolve(OPTIM, nonfinite="error"), E.MegatronConfig(tp=2, micro_batch_size=4)
+    )
     before = [p.detach().clone() for p in state.module.parameters()]
     try:
         E.update(state, batch, _nan_loss)
@@ -400,12 +448,29 @@ def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         model_shape({"model_type": "gpt2", "n_embd": 64})
     with pytest.raises(ValueError, match="sliding-window"):
-        model_shape({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096, "hidden_size": 64,
-                     "num_attention_heads": 2})
+        model_shape(
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 4096,
+                "hidden_size": 64,
+                "num_attention_heads": 2,
+            }
+        )
     with pytest.raises(ValueError, match="unsupported architecture model_type='mistral'"):
         model_shape({"model_type": "mistral", "sliding_window": 4096})
-    shape = model_shape(QWEN and {"model_type": "qwen2", "vocab_size": 83, "hidden_size": 128, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192})
+    shape = model_shape(
+        QWEN
+        and {
+            "model_type": "qwen2",
+            "vocab_size": 83,
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 192,
+        }
+    )
     with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
         check_parallel_sizes(shape, 3, 1)
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
@@ -418,9 +483,19 @@ def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
     (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         build_actor(model_dir, cfg=MegatronConfig(tp=2))
-    (model_dir / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 83, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 192}))
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 83,
+                "hidden_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 192,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
         build_actor(model_dir, cfg=MegatronConfig(tp=4))
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -448,9 +523,22 @@ def test_grpo_recipe_runs_on_megatron(tmp_path, layout):
     from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
-    out = run(GRPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
-              "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-              "algo.kl_loss_coef=0.01", "actor.backend=megatron", layout, nproc=2)
+    out = run(
+        GRPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data),
+        *TINY_MODEL,
+        "model.tiny.num_kv_heads=2",
+        "model.tiny.num_layers=2",
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "algo.kl_loss_coef=0.01",
+        "actor.backend=megatron",
+        layout,
+        nproc=2,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path / "runs", "grpo")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -473,9 +561,23 @@ def test_ppo_recipe_runs_on_megatron(tmp_path):
     from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
-    out = run(PPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
-              "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-              "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "actor.backend=megatron", "actor.tp=2", nproc=2)
+    out = run(
+        PPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data),
+        *TINY_MODEL,
+        "model.tiny.num_kv_heads=2",
+        "model.tiny.num_layers=2",
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "algo.critic_warmup=1",
+        "algo.kl_ctrl=adaptive",
+        "actor.backend=megatron",
+        "actor.tp=2",
+        nproc=2,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path / "runs", "ppo")
     rl = metrics(run_dir)
@@ -517,7 +619,6 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
         destroy_model_parallel()
 
 
-
 @pytest.mark.gpu
 def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     """bf16 has no loss scaler, so megatron's optimizer would step on NaN gradients: the engine's check
@@ -539,7 +640,6 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     assert m["update_skipped"] == 0.0 and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and actor.step == 2
     assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
     destroy_model_parallel()
-
 
 
 @pytest.mark.gpu
@@ -593,13 +693,23 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
         batch = engine.share_batch(actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=step))
         adv = torch.randn(batch.response_ids.shape[0], generator=torch.Generator().manual_seed(step))[:, None]
         batch = batch.replace(old_logprobs=batch.rollout_logprobs, advantages=adv * batch.response_mask)
-        actor, _ = engine.update(actor, batch, lambda out, mb, norms: loss(
-            out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
-            norms=norms))
+        actor, _ = engine.update(
+            actor,
+            batch,
+            lambda out, mb, norms: loss(
+                out.logprobs,
+                old_logprobs=mb.old_logprobs,
+                advantages=mb.advantages,
+                response_mask=mb.response_mask,
+                norms=norms,
+            ),
+        )
         before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
         rollout = sync_weights(rollout, engine.full_state_dict(actor))
         moved.append(max(float((v - before[k]).abs().max()) for k, v in rollout.model.state_dict().items()))
-        fresh = engine.share_batch(actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=10 + step))
+        fresh = engine.share_batch(
+            actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=10 + step)
+        )
         trainer = engine.compute_logprobs(actor, fresh).logprobs
         gaps.append(float(((trainer - fresh.rollout_logprobs).abs() * fresh.response_mask).max()))
     destroy_model_parallel()

@@ -593,8 +593,15 @@ def test_vanilla_defaults_are_verls(index, case):
     norms, horizon = golden_norms(case["global_info"], inp["response_mask"])
     ours = {k: v for k, v in case["ours"].items() if k != "dual_clip"}
     loss, grad, metrics = loss_and_grad(
-        get_policy_loss("vanilla"), inp["log_prob"], inp["old_log_prob"], inp["advantages"], inp["response_mask"],
-        agg=case["agg"], norms=norms, horizon=horizon, is_weights=inp["is_weights"] if case["is_weights"] else None,
+        get_policy_loss("vanilla"),
+        inp["log_prob"],
+        inp["old_log_prob"],
+        inp["advantages"],
+        inp["response_mask"],
+        agg=case["agg"],
+        norms=norms,
+        horizon=horizon,
+        is_weights=inp["is_weights"] if case["is_weights"] else None,
         **ours,
     )
     close(loss, _TENSORS[f"case{index}/loss"])

@@ -29,7 +29,11 @@ from backends.rollout.native import (
 pytestmark = pytest.mark.multiturn
 
 TINY = dict(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=96,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
 )
 TEXTS = ["1+2=", "12+34=", "7"]  # different lengths: the prompts are left-padded
@@ -128,8 +132,9 @@ def test_greedy_one_turn_equals_generate(setup):
     for row in range(3):
         length = int(batch.response_mask[row].sum())
         assert out.tokens[row] == batch.response_ids[row, :length].tolist()
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), batch.rollout_logprobs[row, :length],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs[row]), batch.rollout_logprobs[row, :length], rtol=0, atol=1e-5
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -210,8 +215,7 @@ def test_generate_between_turns_leaves_the_session_alone(setup):
     session = start_session(rollout, prompts, sampling, seed=1, max_slots=40)
     session, first = continue_session(session, [[]] * 6, active=[True] * 6, max_new_tokens=[8] * 6)
     others = [tok.encode(t) for t in ["9-8=", "55+66=", "3"]]
-    generate(attrs.evolve(rollout, compact_fraction=1.0), others,
-             attrs.evolve(sampling, max_new_tokens=40))
+    generate(attrs.evolve(rollout, compact_fraction=1.0), others, attrs.evolve(sampling, max_new_tokens=40))
     forced = [[20, 21]] * 6
     session, second = continue_session(session, forced, active=[True] * 6, max_new_tokens=[8] * 6)
     _check_rows(model, session, prompts, sampling.n, [first, second], [[[]] * 6, forced])

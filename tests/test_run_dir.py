@@ -65,12 +65,22 @@ def test_a_fresh_start_in_a_new_dir_writes_nothing_before_its_checks(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize(("resume", "says"), [("never", "continue it with resume=auto"),
-                                               ("auto", "it has no checkpoint to continue from")])
+@pytest.mark.parametrize(
+    ("resume", "says"), [("never", "continue it with resume=auto"), ("auto", "it has no checkpoint to continue from")]
+)
 def test_a_finished_run_is_not_overwritten_by_a_fresh_start(tmp_path, resume, says):
     files = existing_run(tmp_path, finished=True)
-    with pytest.raises(ConfigError, match=rf"run_dir='.*/run' holds a finished run \(its summary\.json\): a fresh start "
-                                          rf"would overwrite its records; {says}.*, or give another run_dir"):
-        grpo.main([f"run_dir={tmp_path / 'run'}", f"data.train_files=[{data_file(tmp_path)}]", "reward.fn=[exact]",
-                   f"resume={resume}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"run_dir='.*/run' holds a finished run \(its summary\.json\): a fresh start "
+        rf"would overwrite its records; {says}.*, or give another run_dir",
+    ):
+        grpo.main(
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"data.train_files=[{data_file(tmp_path)}]",
+                "reward.fn=[exact]",
+                f"resume={resume}",
+            ]
+        )
     assert unchanged(files, tmp_path / "run")

@@ -154,7 +154,9 @@ def checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
             f"{str(path)!r} has checkpoint format version {marker.get('version')}; this code reads version {FORMAT_VERSION}"
         )
     if not (path / ".metadata").is_file():
-        raise CheckpointCorruptError(f"{str(path)!r} has a {MARKER} marker but no DCP .metadata file: the checkpoint is damaged")
+        raise CheckpointCorruptError(
+            f"{str(path)!r} has a {MARKER} marker but no DCP .metadata file: the checkpoint is damaged"
+        )
     return CheckpointInfo(
         path=path,
         step=int(marker["step"]),
@@ -202,4 +204,3 @@ def checkpoint_writer(path: Path) -> tuple[Any, list[OSError]]:
     writer = FileSystemWriter(str(path))
     writer.fs = RecordingFileSystem()
     return writer, errors
-

@@ -174,8 +174,12 @@ class SampleReceiver:
             raise ChannelClosed(f"rank {src} closed its sample channel to rank {dist.get_rank()}")
         timeout = self.timeout if timeout_s is None else _seconds(timeout_s, "recv_samples")
         header = torch.empty(5, dtype=torch.int64)
-        _wait(dist.irecv(header, src=src, group=self.group, tag=self.tag), timeout, peer=src,
-              what="waiting for a batch header from")
+        _wait(
+            dist.irecv(header, src=src, group=self.group, tag=self.tag),
+            timeout,
+            peer=src,
+            what="waiting for a batch header from",
+        )
         magic, kind, nbytes, version, step = (int(x) for x in header.tolist())
         if magic != MAGIC or kind not in (_BATCH, _CLOSE) or nbytes < 0:
             raise ChannelError(f"sample channel: malformed header {header.tolist()} from rank {src} (tag {self.tag})")
@@ -184,8 +188,12 @@ class SampleReceiver:
             raise ChannelClosed(f"rank {src} closed its sample channel to rank {dist.get_rank()}")
         data = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            _wait(dist.irecv(data, src=src, group=self.group, tag=self.tag), timeout, peer=src,
-                  what=f"waiting for the {nbytes} bytes of the batch of step {step} from")
+            _wait(
+                dist.irecv(data, src=src, group=self.group, tag=self.tag),
+                timeout,
+                peer=src,
+                what=f"waiting for the {nbytes} bytes of the batch of step {step} from",
+            )
         try:
             payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a malformed message

@@ -47,8 +47,16 @@ from torch import Tensor
 
 from backends.config import ConfigError
 from backends.rollout.common import (
-    SamplingConfig, TurnOutput, assemble_batch, check_group_ids, decode_responses, default_eos_token_ids, left_pad,
-    prepare_prompts, sample_tokens, sampling_options,
+    SamplingConfig,
+    TurnOutput,
+    assemble_batch,
+    check_group_ids,
+    decode_responses,
+    default_eos_token_ids,
+    left_pad,
+    prepare_prompts,
+    sample_tokens,
+    sampling_options,
 )
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
@@ -56,16 +64,28 @@ from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
-    "SamplingConfig", "NativeRollout", "build_native_rollout", "sync_weights", "generate", "sample_tokens",
-    "decode_responses", "TurnOutput", "NativeSession", "start_session", "continue_session", "end_session",
+    "SamplingConfig",
+    "NativeRollout",
+    "build_native_rollout",
+    "sync_weights",
+    "generate",
+    "sample_tokens",
+    "decode_responses",
+    "TurnOutput",
+    "NativeSession",
+    "start_session",
+    "continue_session",
+    "end_session",
     "ENGINE_SPEC",
 ]
 
 
 def _check_decode_backend(instance: Any, attribute: attrs.Attribute, value: str) -> None:
     if value == "kernel":
-        raise ConfigError("NativeRollout.decode_backend='kernel': the CPU kernels were removed from rlfunc; the "
-                          "decoder runs PyTorch on every device: use decode_backend='auto' (the default) or 'torch'")
+        raise ConfigError(
+            "NativeRollout.decode_backend='kernel': the CPU kernels were removed from rlfunc; the "
+            "decoder runs PyTorch on every device: use decode_backend='auto' (the default) or 'torch'"
+        )
     if value not in ("auto", "torch"):
         raise ConfigError(f"NativeRollout.decode_backend must be 'auto' or 'torch', got {value!r}")
 
@@ -107,19 +127,27 @@ class NativeRollout:
 
     # the RolloutEngine protocol (backends.rollout.engine): the module's functions below
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), *,
-                 group_ids: Tensor | None = None, seed: int | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig = SamplingConfig(),
+        *,
+        group_ids: Tensor | None = None,
+        seed: int | None = None,
+    ) -> RolloutBatch:
         return generate(self, prompts, sampling_options(sampling), group_ids=group_ids, seed=seed)
 
-    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
-                      max_slots: int) -> NativeSession:
+    def start_session(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> NativeSession:
         return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> NativeRollout:
         return sync_weights(self, named_tensors, strict=strict)
 
-    def sync_adapter(self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float,
-                     target_modules: Sequence[str], version: int) -> NativeRollout:
+    def sync_adapter(
+        self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float, target_modules: Sequence[str], version: int
+    ) -> NativeRollout:
         raise ValueError("the native rollout engine receives merged full weights, not LoRA adapters")
 
     def release_memory(self) -> NativeRollout:
@@ -141,7 +169,9 @@ def _check_supported(model: Any) -> None:
     cfg = model.config
     model_type = getattr(cfg, "model_type", None)
     if model_type not in ("llama", "qwen2"):
-        raise NotImplementedError(f"the native rollout engine runs Llama and Qwen2 models, got model_type {model_type!r}")
+        raise NotImplementedError(
+            f"the native rollout engine runs Llama and Qwen2 models, got model_type {model_type!r}"
+        )
     layer_types = getattr(cfg, "layer_types", None) or []
     if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
         raise NotImplementedError("the native rollout engine does not implement sliding-window attention")
@@ -196,7 +226,9 @@ def build_native_rollout(
     )
 
 
-def sync_weights(rollout: NativeRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> NativeRollout:
+def sync_weights(
+    rollout: NativeRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True
+) -> NativeRollout:
     """Copy full tensors with HF names (``model.layers.0.self_attn.q_proj.weight``...) into the model.
 
     Tensors are consumed one at a time (a generator of gathered FSDP tensors works), cast to the
@@ -272,9 +304,18 @@ def generate(
         tokens, logprobs = _generate_tokens(rollout, prompt_ids, prompt_mask, sampling, generator)
     # fresh (non-inference) tensors, so the trainer may use them in autograd; on the host, as vLLM's batch is:
     # rewards, advantages and metrics are host-side, and the trainer moves each micro-batch to its device
-    response_ids, response_mask, rollout_logprobs = (x.cpu() for x in _responses(rollout, tokens.clone(), logprobs.clone()))
-    return assemble_batch(prompt_ids.cpu().clone(), prompt_mask.cpu().clone(), response_ids, response_mask,
-                          rollout_logprobs, n=sampling.n, group_ids=group_ids)
+    response_ids, response_mask, rollout_logprobs = (
+        x.cpu() for x in _responses(rollout, tokens.clone(), logprobs.clone())
+    )
+    return assemble_batch(
+        prompt_ids.cpu().clone(),
+        prompt_mask.cpu().clone(),
+        response_ids,
+        response_mask,
+        rollout_logprobs,
+        n=sampling.n,
+        group_ids=group_ids,
+    )
 
 
 def _responses(rollout: NativeRollout, tokens: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -292,7 +333,11 @@ def _responses(rollout: NativeRollout, tokens: Tensor, logprobs: Tensor) -> tupl
 
 
 def _generate_tokens(
-    rollout: NativeRollout, prompt_ids: Tensor, prompt_mask: Tensor, sampling: SamplingConfig, generator: torch.Generator
+    rollout: NativeRollout,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    sampling: SamplingConfig,
+    generator: torch.Generator,
 ) -> tuple[Tensor, Tensor]:
     """The decoding loop over left-padded prompts ``(num_prompts p)``. Returns raw tokens and log-probs
     ``(b steps)`` (garbage after a row's EOS)."""
@@ -410,20 +455,24 @@ class NativeSession:
         """Cache slots the session may still write (one per step of a call: see :func:`continue_session`)."""
         return self.max_slots - (self.slot - self.prompt_slots)
 
-    def continue_turn(self, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
-                      max_new_tokens: Sequence[int]) -> tuple[NativeSession, TurnOutput]:
+    def continue_turn(
+        self, forced: Sequence[Sequence[int]], *, active: Sequence[bool], max_new_tokens: Sequence[int]
+    ) -> tuple[NativeSession, TurnOutput]:
         return continue_session(self, forced, active=active, max_new_tokens=max_new_tokens)
 
     def end(self) -> None:
         end_session(self)
 
 
-def _session_prompts(rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-                     max_slots: int) -> list[list[int]]:
+def _session_prompts(
+    rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, max_slots: int
+) -> list[list[int]]:
     """The prompts, checked as ``generate`` checks them, with ``max_slots`` in place of ``max_new_tokens``."""
     context = rollout.max_context
     if not 1 <= max_slots < context:
-        raise ValueError(f"max_slots must be in [1, {context}) (the rollout's context is {context} positions), got {max_slots}")
+        raise ValueError(
+            f"max_slots must be in [1, {context}) (the rollout's context is {context} positions), got {max_slots}"
+        )
     if not sampling.truncate_prompts and isinstance(prompts, Sequence):
         for i, prompt in enumerate(prompts):
             if len(prompt) + max_slots > context:
@@ -436,8 +485,9 @@ def _session_prompts(rollout: NativeRollout, prompts: Sequence[Sequence[int]], s
     return prepare_prompts(prompts, slots_as_budget, max_context=context, vocab_size=rollout.vocab_size)
 
 
-def start_session(rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
-                  max_slots: int) -> NativeSession:
+def start_session(
+    rollout: NativeRollout, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+) -> NativeSession:
     """Prefill ``prompts`` once and open a multi-turn session over ``sampling.n`` rows per prompt.
 
     Rows are in :func:`generate`'s order (prompt i's ``n`` copies consecutive). ``max_slots``: the cache
@@ -455,18 +505,27 @@ def start_session(rollout: NativeRollout, prompts: Sequence[Sequence[int]], samp
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     p = prompt_ids.shape[1]
     with torch.inference_mode():
-        decoder = Decoder(rollout.model, rows, p + max_slots, rollout.prepack_cpu_weights, rollout.workspace,
-                          own_cache=True)
+        decoder = Decoder(
+            rollout.model, rows, p + max_slots, rollout.prepack_cpu_weights, rollout.workspace, own_cache=True
+        )
         logits = decoder.prefill(prompt_ids, prompt_mask, copies=n).float().repeat_interleave(n, dim=0)
         uniforms = None
         if sampling.temperature > 0.0:
             # one uniform per row and per sample it can draw: every sample but its latest one takes a slot
             uniforms = torch.rand((rows, max_slots + 1), generator=generator, device=device)
     return NativeSession(
-        rollout=rollout, sampling=sampling, tokens=tuple(tuple(prompts[r // n]) for r in range(rows)),
-        prompt_slots=p, max_slots=max_slots, slot=p, unfed=(None,) * rows,
-        positions=prompt_mask.sum(-1).repeat_interleave(n), logits=logits,
-        num_sampled=torch.zeros(rows, dtype=torch.long, device=device), generator=generator, uniforms=uniforms,
+        rollout=rollout,
+        sampling=sampling,
+        tokens=tuple(tuple(prompts[r // n]) for r in range(rows)),
+        prompt_slots=p,
+        max_slots=max_slots,
+        slot=p,
+        unfed=(None,) * rows,
+        positions=prompt_mask.sum(-1).repeat_interleave(n),
+        logits=logits,
+        num_sampled=torch.zeros(rows, dtype=torch.long, device=device),
+        generator=generator,
+        uniforms=uniforms,
         live=_LiveCache(decoder=decoder, slot=p),
     )
 
@@ -478,8 +537,9 @@ def end_session(session: NativeSession) -> None:
         session.live.decoder = None
 
 
-def _check_turn(session: NativeSession, forced: Sequence[Sequence[int]], active: Sequence[bool],
-                max_new_tokens: Sequence[int]) -> tuple[list[list[int]], list[bool], list[int]]:
+def _check_turn(
+    session: NativeSession, forced: Sequence[Sequence[int]], active: Sequence[bool], max_new_tokens: Sequence[int]
+) -> tuple[list[list[int]], list[bool], list[int]]:
     """The call's arguments as plain lists, checked against the session."""
     if session.live.decoder is None:
         raise RuntimeError("continue_session: the session has ended (end_session was called)")
@@ -502,8 +562,9 @@ def _check_turn(session: NativeSession, forced: Sequence[Sequence[int]], active:
     return forced, active, budgets
 
 
-def continue_session(session: NativeSession, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
-                     max_new_tokens: Sequence[int]) -> tuple[NativeSession, TurnOutput]:
+def continue_session(
+    session: NativeSession, forced: Sequence[Sequence[int]], *, active: Sequence[bool], max_new_tokens: Sequence[int]
+) -> tuple[NativeSession, TurnOutput]:
     """Continue every active row by one turn: feed its ``forced`` tokens (given, never sampled: an
     observation, a tool result), then sample until an EOS or ``max_new_tokens[row]`` sampled tokens.
 
@@ -536,8 +597,13 @@ def continue_session(session: NativeSession, forced: Sequence[Sequence[int]], *,
     unfed = tuple(int(e) if e >= 0 else (None if act else u) for e, act, u in zip(ends, active, session.unfed))
     session.live.slot = turn.slot
     new = attrs.evolve(
-        session, tokens=tuple(old + tuple(added) for old, added in zip(session.tokens, out.tokens)), slot=turn.slot,
-        unfed=unfed, positions=turn.positions, logits=turn.logits, num_sampled=turn.num_sampled,
+        session,
+        tokens=tuple(old + tuple(added) for old, added in zip(session.tokens, out.tokens)),
+        slot=turn.slot,
+        unfed=unfed,
+        positions=turn.positions,
+        logits=turn.logits,
+        num_sampled=turn.num_sampled,
     )
     return new, out
 
@@ -625,8 +691,15 @@ def _run_turn(session: NativeSession, plan: _TurnPlan) -> _TurnResult:
             logits = logits.index_copy(0, stepping, stepped)
         positions += in_turn
         slot += 1
-    return _TurnResult(events=events, last_sample=last_sample, finished=finished, positions=positions, logits=logits,
-                       num_sampled=num_sampled, slot=slot)
+    return _TurnResult(
+        events=events,
+        last_sample=last_sample,
+        finished=finished,
+        positions=positions,
+        logits=logits,
+        num_sampled=num_sampled,
+        slot=slot,
+    )
 
 
 def _fits_a_chunk(session: NativeSession, plan: _TurnPlan) -> bool:
@@ -637,8 +710,9 @@ def _fits_a_chunk(session: NativeSession, plan: _TurnPlan) -> bool:
     return 0 < width and session.slot + width + int(plan.budget.max()) <= session.prompt_slots + session.max_slots
 
 
-def _feed_queues(session: NativeSession, plan: _TurnPlan, logits: Tensor,
-                 positions: Tensor) -> tuple[Tensor, Tensor, Tensor, int, list[tuple[Tensor, Tensor, Tensor]]]:
+def _feed_queues(
+    session: NativeSession, plan: _TurnPlan, logits: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor, Tensor, int, list[tuple[Tensor, Tensor, Tensor]]]:
     """Every active row's queue (its unfed token, then its forced ones) in one forward over the cache: an
     observation costs one pass, not one decode step per token. Returns the logits after each row's queue, the
     new positions, the tokens fed, the next slot and the events (kind 1 for forced tokens, 0 for the rest)."""
@@ -665,20 +739,32 @@ def _turn_output(events: list[tuple[Tensor, Tensor, Tensor]], finished: Tensor) 
         out_tokens.append([row_tokens[j] for j in keep])
         out_logprobs.append([row_logprobs[j] for j in keep])
         out_sampled.append([row_kinds[j] == 2 for j in keep])
-    return TurnOutput(tokens=out_tokens, logprobs=out_logprobs, sampled=out_sampled,
-                      finished=[bool(f) for f in finished.tolist()])
+    return TurnOutput(
+        tokens=out_tokens, logprobs=out_logprobs, sampled=out_sampled, finished=[bool(f) for f in finished.tolist()]
+    )
 
 
 # --------------------------------------------------------------------------------------------------
 # Registration (backends.rollout.api.ROLLOUT_ENGINES)
 
 
-def _build_from_config(cfg: Any, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0,
-                       max_context: int | None = None, device: str | torch.device | None = None) -> NativeRollout:
+def _build_from_config(
+    cfg: Any,
+    model_path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    seed: int = 0,
+    max_context: int | None = None,
+    device: str | torch.device | None = None,
+) -> NativeRollout:
     return build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype), device=device)
 
 
 #: ``rollout.engine=native``: weights in ``rollout.dtype``; runs on any ranks (it creates no process groups)
-ENGINE_SPEC = RolloutEngineSpec(build=_build_from_config, check_config=lambda cfg: None,
-                                weight_dtype=lambda cfg: getattr(torch, cfg.dtype), engine_type=NativeRollout,
-                                session_type=NativeSession)
+ENGINE_SPEC = RolloutEngineSpec(
+    build=_build_from_config,
+    check_config=lambda cfg: None,
+    weight_dtype=lambda cfg: getattr(torch, cfg.dtype),
+    engine_type=NativeRollout,
+    session_type=NativeSession,
+)

@@ -45,7 +45,12 @@ from backends.distributed.setup import DistEnv, device_mesh, init_distributed
 from backends.distributed.sharded_state import reshard
 from backends.models import check_model_dir, quiet_transformers, load_tokenizer
 from backends.training.common import (
-    all_reduce_max, check_batch, dummy_micro_batch, micro_batches, to_device, trim_micro_batch,
+    all_reduce_max,
+    check_batch,
+    dummy_micro_batch,
+    micro_batches,
+    to_device,
+    trim_micro_batch,
 )
 from rlfunc.batch import RolloutBatch
 from rlfunc.checks import bind, check_finite, check_floating
@@ -74,7 +79,9 @@ class RewardModelConfig:
     param_dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "float32", "bfloat16"))
     )
-    shard: bool = False  #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
+    shard: bool = (
+        False  #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -125,7 +132,11 @@ def load_reward_model(
         )
     with quiet_transformers():
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, config=hf_config, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+            path,
+            config=hf_config,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
             output_loading_info=True,
         )
     if info["missing_keys"]:
