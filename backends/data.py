@@ -62,16 +62,16 @@ class DataError(ValueError):
 class DataConfig:
     """Where the prompts come from and how they become token ids."""
 
-    train_files: tuple[
-        str, ...
-    ] = ()  #: training data: .jsonl / .json (one object per line), .parquet, or a saved datasets dir
+    #: training data: .jsonl / .json (one object per line), .parquet, or a saved datasets dir
+    train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()  #: held-out data for evaluation (same format); empty: no evaluation
     prompt_key: str = "prompt"  #: column holding the prompt: a string or a list of {role, content} messages
-    answer_key: str = "answer"  #: column of the ground truth given to the reward (dotted for nested: reward_model.ground_truth); empty: none
-    source_key: str = "data_source"  #: column naming the row's source (routes rewards, splits eval metrics); rows without it: "default"
-    max_prompt_length: int = attrs.field(
-        default=512, validator=attrs.validators.ge(1)
-    )  #: longest prompt in tokens, after the chat template
+    #: column of the ground truth given to the reward (dotted for nested: reward_model.ground_truth); empty: none
+    answer_key: str = "answer"
+    #: column naming the row's source (routes rewards, splits eval metrics); rows without it: "default"
+    source_key: str = "data_source"
+    #: longest prompt in tokens, after the chat template
+    max_prompt_length: int = attrs.field(default=512, validator=attrs.validators.ge(1))
     #: what a longer prompt does: error (stop, naming the row), left / right (keep the last / first
     #: max_prompt_length tokens), filter (drop the row and count it)
     truncation: Literal["error", "left", "right", "filter"] = "error"

@@ -197,10 +197,11 @@ class TinyModelConfig:
 class ModelConfig:
     """The policy model a recipe starts from."""
 
-    path: str = ""  #: a local Hugging Face dir (Llama / Qwen2 family) used as it is; empty: a tiny random model (model.tiny) in the run dir
-    tiny: TinyModelConfig = (
-        TinyModelConfig()
-    )  #: the tiny model written when model.path is empty (char tokenizer with a chat template)
+    #: a local Hugging Face dir (Llama / Qwen2 family) used as it is; empty: a tiny random model (model.tiny) in the
+    #: run dir
+    path: str = ""
+    #: the tiny model written when model.path is empty (char tokenizer with a chat template)
+    tiny: TinyModelConfig = TinyModelConfig()
     #: the tiny model's tokenizer: strings that become one token each (e.g. the fixed part of a task's tool-call JSON)
     tiny_words: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
@@ -288,7 +289,8 @@ def check_model_dir(path: Path) -> dict:
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"unsupported model_type {model_type!r} in {str(config_file)!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model_type {model_type!r} in {str(config_file)!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     has_weights = any((path / f).is_file() for f in _WEIGHT_FILES) or any(path.glob("*.safetensors"))
     if not has_weights:

@@ -160,7 +160,8 @@ def _check_rows(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, r
     t = response_ids.shape[1]
     if response_ids.shape[0] != b or prompt_mask.shape != (b, p) or response_mask.shape != (b, t):
         raise ValueError(
-            f"pack_rows: shapes disagree: prompt_ids {tuple(prompt_ids.shape)}, prompt_mask {tuple(prompt_mask.shape)}, "
+            f"pack_rows: shapes disagree: prompt_ids {tuple(prompt_ids.shape)}, "
+            f"prompt_mask {tuple(prompt_mask.shape)}, "
             f"response_ids {tuple(response_ids.shape)}, response_mask {tuple(response_mask.shape)}"
         )
     if t == 0:
@@ -192,9 +193,10 @@ def _shared_layout(index: Tensor, stored: Tensor, prompt_len: Tensor, seqlens: T
     # a sequence's tokens are the contiguous columns [p - prompt_len, p - prompt_len + seqlen) of its row
     col = (p - prompt_len)[:, None] + torch.minimum(j[None], (seqlens - 1)[:, None])
     gather = index.gather(1, col)  # (b L)
+    # (b, p + t): the block slot of each column (valid on the row's sequence)
     slot = torch.arange(b, device=index.device)[:, None] * max_len + (
         torch.arange(index.shape[1], device=index.device)[None] - (p - prompt_len)[:, None]
-    )  # (b, p + t): the block slot of each column (valid on the row's sequence)
+    )
     scatter = torch.empty(int(stored.sum()), dtype=torch.long, device=index.device)
     scatter[index[stored]] = slot[stored]
     return BlockLayout(gather=gather, scatter=scatter, max_len=max_len, lengths=seqlens.to(torch.long))

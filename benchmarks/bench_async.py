@@ -234,10 +234,11 @@ def report(results: dict[str, list[dict]], steps: int, recipe: str, wall_s: floa
     )
     for key, runs in results.items():
         after, at_wall = [r["after"] for r in runs], [held_out_at(r, wall_s) for r in runs]
-        mean = lambda k: statistics.mean(r[k] for r in runs)  # noqa: E731
+        mean = lambda k: statistics.mean(r[k] for r in runs)
         print(
             f"({key}) {CONFIGS[key][0]} | {len(runs)} | {mean('loop_s'):.1f} | {mean('samples_per_s'):.1f} | "
-            f"{mean('rollout_s'):.3f} | {mean('update_s'):.3f} | {mean('push_s'):.3f} | {mean('length'):.1f} / {mean('longest'):.1f} | "
+            f"{mean('rollout_s'):.3f} | {mean('update_s'):.3f} | {mean('push_s'):.3f} | "
+            f"{mean('length'):.1f} / {mean('longest'):.1f} | "
             f"{statistics.mean(after):.1%} ({min(after):.1%}..{max(after):.1%}) | "
             f"{statistics.mean(at_wall):.1%} ({min(at_wall):.1%}..{max(at_wall):.1%})"
         )

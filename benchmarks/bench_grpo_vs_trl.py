@@ -383,9 +383,8 @@ def run_child(cmd: list[str], log: Path, out: Path) -> dict:
 def summarize(runs: list[dict], skip: int) -> dict:
     steps = [t for r in runs for t in r["step_ms"][skip:]]
     rollouts = [t for r in runs for t in r["rollout_ms"][skip:]]
-    calib = statistics.median(
-        c for r in runs for c in (r["calib_ms_before"], r["calib_ms_after"])
-    )  # robust to one spike
+    # robust to one spike
+    calib = statistics.median(c for r in runs for c in (r["calib_ms_before"], r["calib_ms_after"]))
     lengths = [x for r in runs for x in r["completion_length"][skip:] if x is not None]
     cpu = [t for r in runs for t in r.get("cycle_cpu_ms", [])]  # already steps 2..N
     step = statistics.median(steps)
@@ -431,7 +430,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="comma-separated: fp32, bf16 (both sides run each; TRL's bf16 is bf16=True)",
     )
     args = ap.parse_args(argv)
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
     args.configs, args.sides, args.precisions = split(args.configs), split(args.sides), split(args.precisions)
     for c in args.configs:
         if c not in CONFIGS:
@@ -536,7 +535,8 @@ def run_cases(args: argparse.Namespace, work: Path, model_dirs: dict[str, Path],
                 cpu = statistics.median(res["cycle_cpu_ms"]) if res.get("cycle_cpu_ms") else float("nan")
                 print(
                     f"    median step {med:.1f} ms wall, {cpu:.1f} ms CPU (steps 2..{len(res['step_ms'])}), calib "
-                    f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, process {res['process_wall_s']:.0f} s",
+                    f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, "
+                    f"process {res['process_wall_s']:.0f} s",
                     flush=True,
                 )
                 results[case][side].append(res)
@@ -552,11 +552,12 @@ def print_table(args: argparse.Namespace, summary: dict, model_dirs: dict[str, P
     )
     head = (
         f"{'case':<9}{'params':>10}{'new tok':>8}{'ours ms':>10}{'TRL ms':>10}{'ratio':>8}{'norm. ratio':>12}"
-        f"{'CPU ratio':>10}{'ours rollout':>13}{'TRL rollout':>12}{'ours len':>9}{'TRL len':>8}{'calib ours/TRL ms':>19}"
+        f"{'CPU ratio':>10}"
+        f"{'ours rollout':>13}{'TRL rollout':>12}{'ours len':>9}{'TRL len':>8}{'calib ours/TRL ms':>19}"
     )
     print(head)
     print("-" * len(head))
-    fmt = lambda d, k, f: format(d[k], f) if d else "-"  # noqa: E731
+    fmt = lambda d, k, f: format(d[k], f) if d else "-"
     for c in args.configs:
         for prec in args.precisions:
             case = case_name(c, prec)
@@ -568,7 +569,8 @@ def print_table(args: argparse.Namespace, summary: dict, model_dirs: dict[str, P
             s["ratio"], s["normalised_ratio"], s["cpu_ratio"] = ratio, norm, cpu_ratio
             print(
                 f"{case:<9}{param_count(model_dirs[c]):>10,}{CONFIGS[c]['max_new_tokens']:>8}"
-                f"{fmt(o, 'step_ms', '.1f'):>10}{fmt(t, 'step_ms', '.1f'):>10}{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
+                f"{fmt(o, 'step_ms', '.1f'):>10}{fmt(t, 'step_ms', '.1f'):>10}"
+                f"{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
                 f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
                 f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
                 f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}"
@@ -591,7 +593,8 @@ def print_table(args: argparse.Namespace, summary: dict, model_dirs: dict[str, P
             (o_ms, o_p), (t_ms, t_p) = best["ours"], best["trl"]
             fastest[c] = {"ours": [o_ms, o_p], "trl": [t_ms, t_p], "ratio": o_ms / t_ms}
             print(
-                f"config {c}, each side at its fastest precision: ours {o_ms:.1f} ms ({o_p}) / TRL {t_ms:.1f} ms ({t_p}) "
+                f"config {c}, each side at its fastest precision: ours {o_ms:.1f} ms ({o_p}) "
+                f"/ TRL {t_ms:.1f} ms ({t_p}) "
                 f"= {o_ms / t_ms:.3f} (target <= {args.target})"
             )
     return fastest

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_fsdp_memory import make_batch, pg_loss  # noqa: E402
 from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model  # noqa: E402
+from benchmarks.bench_fsdp_memory import make_batch, pg_loss  # noqa: E402
 from rlfunc.batch import select  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -33,8 +33,8 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, steps: int, layout: str) -> dict:
     import attrs
 
-    from backends.training import fsdp as F
     from backends.distributed.setup import init_distributed
+    from backends.training import fsdp as F
     from backends.training.megatron import engine as M
     from backends.training.optim import OptimConfig
 

@@ -138,7 +138,7 @@ def _two_ranks(rank: int, world_size: int, model_dir: str, vocab: int, rows: int
         batches.append(select(select(b, order), slice(rank * n, (rank + 1) * n)))
     from backends.training.dp_balance import balance_across_ranks
 
-    count = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
+    count = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())
     tokens = sum(count(b) for b in batches) / steps
     balanced = sum(count(balance_across_ranks(b, states["balanced budget"])) for b in batches) / steps
     return {"times": _time_updates(states, batches), "tokens": int(tokens), "balanced_tokens": int(balanced)}

@@ -1,10 +1,10 @@
 """Native rollout engine vs ``transformers`` ``model.generate``: generated tokens per second.
 
-Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of
-``"a+b="`` prompts on the same random-init model (config B of benchmarks/bench_grpo_vs_trl.py by
-default: Qwen2, hidden 256, 4 layers, about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a
-response, i.e. up to and including the first EOS. Runs alternate between the two engines (so a noisy
-neighbour hits both alike); the medians and their ratio are printed.
+Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of ``"a+b="`` prompts
+on the same random-init model (config B of benchmarks/bench_grpo_vs_trl.py by default: Qwen2, hidden 256, 4 layers,
+about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a response, i.e. up to and
+including the first EOS. Runs alternate between the two engines (so a noisy neighbour hits both alike); the medians and
+their ratio are printed.
 
     python benchmarks/bench_rollout.py                 # 128 prompts x 1 sample, 32 new tokens
     python benchmarks/bench_rollout.py --prompts 16 --n 8
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout.decoder import Linear  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.decoder import Linear  # noqa: E402
 from backends.rollout.native import build_native_rollout, generate  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 

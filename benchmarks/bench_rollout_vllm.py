@@ -31,17 +31,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import rlfunc as rf  # noqa: E402
-from experiments.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from rlfunc.rewards import arithmetic_reward  # noqa: E402
 from backends.distributed.setup import init_distributed, shutdown  # noqa: E402
-from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update  # noqa: E402
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
-from backends.training.optim import OptimConfig  # noqa: E402
 from backends.rollout.common import SamplingConfig, decode_responses  # noqa: E402
 from backends.rollout.native import build_native_rollout  # noqa: E402
 from backends.rollout.native import generate as native_generate  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, shutdown_vllm, sync_weights  # noqa: E402
 from backends.rollout.vllm import generate as vllm_generate  # noqa: E402
+from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update  # noqa: E402
+from backends.training.optim import OptimConfig  # noqa: E402
+from experiments.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from rlfunc.rewards import arithmetic_reward  # noqa: E402
 
 
 def policy_loss(out, mb, norms):

@@ -42,10 +42,10 @@ PRESET = "gpu/qwen2_5_0_5b_1gpu"
 def write_checkpoint(out: Path) -> Path:
     """A random ``MODEL``-shaped Qwen2 in bf16 safetensors with the char tokenizer (and its chat template)."""
     import torch
+    from planner_verdicts import MODELS
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from backends.models import build_char_tokenizer
-    from planner_verdicts import MODELS
 
     tokenizer = build_char_tokenizer(model_max_length=4096)
     fields = {k: v for k, v in MODELS[MODEL].items() if k not in ("architectures", "model_type", "torch_dtype")}
@@ -65,7 +65,6 @@ def write_checkpoint(out: Path) -> Path:
 def planner_phases(overrides: list[str], prompt_len: int) -> dict[str, float]:
     """The planner's per-phase peaks (GiB) for the preset with ``overrides``, at the prompts' real length."""
     import attrs
-
     from planner_verdicts import GIB, judge, preset_case, write_models
 
     with tempfile.TemporaryDirectory() as tmp:

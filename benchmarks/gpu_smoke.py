@@ -51,7 +51,7 @@ def summarize(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 1 and "step_time_s" in r]  # step 1 pays one-off warm-up costs
     summary = json.loads((run_dir / "summary.json").read_text())
-    median = lambda key: statistics.median(r[key] for r in steps) if all(key in r for r in steps) else float("nan")  # noqa: E731
+    median = lambda key: statistics.median(r[key] for r in steps) if all(key in r for r in steps) else float("nan")
     return {
         "tokens_per_s": median("tokens_per_s"),
         "step_s": median("step_time_s"),
@@ -112,7 +112,8 @@ def main() -> None:
         results[engine] = summarize(run_dir)
 
     print(
-        f"\nGRPO on {gpus} x {', '.join(names)} (torch {torch.__version__}), {args.steps} steps, bf16, medians of steps 2..N"
+        f"\nGRPO on {gpus} x {', '.join(names)} (torch {torch.__version__}), "
+        f"{args.steps} steps, bf16, medians of steps 2..N"
     )
     head = (
         "engine",

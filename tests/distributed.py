@@ -195,9 +195,8 @@ def _serve(rank: int, world_size: int, port: int, backend: str, inbox: Any, outb
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)  # the rank's own output goes to its log, whose tail a failure report shows
     os.dup2(log, 2)
-    faulthandler.register(
-        signal.SIGUSR2, all_threads=True
-    )  # the parent asks a rank that does not answer for its stacks
+    # the parent asks a rank that does not answer for its stacks
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     os.environ.update(forkserver.rank_environment())
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -24,7 +24,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from experiments.tasks.arithmetic import ArithmeticTask, write_dataset
 from tests import forkserver
@@ -205,8 +204,9 @@ class RecipeJob:
 
 
 def start(recipe: Path, *args: str, nproc: int = 1, environ: dict[str, str] | None = None) -> RecipeJob:
-    """Start the recipe's ``main`` on ``nproc`` forked ranks (see the module doc); ``environ`` adds to their environment.
-    ``recipe`` is any script of this checkout whose module has ``main(argv)`` (a recipe, a test's worker script)."""
+    """Start the recipe's ``main`` on ``nproc`` forked ranks (see the module doc); ``environ`` adds to their
+    environment. ``recipe`` is any script of this checkout whose module has ``main(argv)`` (a recipe, a test's worker
+    script)."""
     return RecipeJob(recipe, args, nproc, environ)
 
 

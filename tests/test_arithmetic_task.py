@@ -1,4 +1,5 @@
-"""The arithmetic task as data files: held-out pairs never in training, seeded noisy SFT answers, the recipe's format."""
+"""The arithmetic task as data files: held-out pairs never in training, seeded noisy SFT answers, the recipe's
+format."""
 
 import json
 
@@ -15,7 +16,7 @@ def test_heldout_pairs_are_never_training_prompts(tmp_path):
     task = ArithmeticTask(max_operand=9, max_second_operand=9, num_heldout=20)
     out = write_dataset(tmp_path, task, sft_examples=500)
     train, val, sft = _read(out / "train.jsonl"), _read(out / "val.jsonl"), _read(out / "sft.jsonl")
-    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}
     assert len(val) == 20 and len(train) == 80 and not prompts(val) & prompts(train)
     assert not prompts(val) & prompts(sft)
     for row in train + val:
@@ -46,7 +47,8 @@ def test_sft_answers_are_wrong_by_the_fraction_and_seeded():
 
 def test_long_tailed_thoughts_keep_the_answers_and_the_reward():
     """With ``think_mean``, responses restate the answer a heavy-tailed number of times (up to the cap) before
-    ``####<answer>``; the answers are those of the plain rows (same seed), and the built-in reward accepts the format."""
+    ``####<answer>``; the answers are those of the plain rows (same seed), and the built-in reward accepts the
+    format."""
     from rlfunc.rewards import arithmetic_reward
 
     problems = ArithmeticTask().train()

@@ -40,8 +40,8 @@ from backends.checkpoint.dcp import (
 )
 from backends.models import TinyModelConfig, build_tiny_model
 from backends.training.optim import OptimConfig
-from tests.distributed import run_distributed
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.checkpoint
 

@@ -27,8 +27,8 @@ from backends.checkpoint.resume import truncate_metrics
 from backends.metrics_log import MetricsLog, read_jsonl
 from backends.models import TinyModelConfig, build_tiny_model
 from tests import forkserver
-from tests.distributed import run_distributed
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 
@@ -76,8 +76,9 @@ def _die() -> None:
 
 def inject(point: str) -> None:
     """In the child: arm the crash at ``point``."""
-    import backends.checkpoint.files as files
     from torch.distributed.checkpoint.filesystem import FileSystem
+
+    import backends.checkpoint.files as files
 
     if point == "shard write":  # half of the first write of a DCP shard reaches the file
 

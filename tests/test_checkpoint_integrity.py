@@ -19,8 +19,8 @@ from backends.checkpoint.errors import CheckpointCorruptError
 from backends.checkpoint.integrity import damage, describe_items
 from backends.checkpoint.resume import newest_whole_checkpoint
 from backends.checkpoint.rng import read_rng_file
-from tests.distributed import run_distributed
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 

@@ -54,7 +54,8 @@ def test_build_md_holds_the_current_key_table(name):
     match = re.search(rf"<!-- keys: {re.escape(name)} -->\n(.*?)\n<!-- /keys -->", text, re.S)
     assert match, f"BUILD.md has no <!-- keys: {name} --> table"
     assert match.group(1).strip() == config_markdown(RECIPES[name]()).strip(), (
-        f"BUILD.md's key table for {name} is out of date: regenerate it with python -m backends.config --update BUILD.md"
+        f"BUILD.md's key table for {name} is out of date: "
+        f"regenerate it with python -m backends.config --update BUILD.md"
     )
 
 

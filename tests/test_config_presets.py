@@ -8,8 +8,8 @@ import attrs
 import pytest
 
 from backends.config import ConfigError, apply_overrides, available_presets, expand_presets, load_preset
-from backends.training.optim import OptimConfig
 from backends.distributed.placement import PlacementConfig
+from backends.training.optim import OptimConfig
 from backends.training.reference import ReferenceConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from backends.training.fsdp import FSDPConfig, ModelOutputs
 from backends.models import (
     TinyModelConfig,
     build_tiny_classifier,
@@ -23,6 +22,7 @@ from backends.models import (
     write_tiny_reward_model,
     write_tiny_value_model,
 )
+from backends.training.fsdp import FSDPConfig, ModelOutputs
 from backends.training.optim import OptimConfig, build_optimizer, lr_at
 from rlfunc.batch import RolloutBatch, select
 from rlfunc.value_loss import value_loss

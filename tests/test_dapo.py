@@ -82,5 +82,5 @@ def test_truncated_responses():
 
 def test_overlong_penalty_is_vmappable():
     lengths = torch.tensor([[3, 9], [10, 1]])
-    fn = lambda x: rf.overlong_penalty(x, max_response_length=10, buffer_length=4)  # noqa: E731
+    fn = lambda x: rf.overlong_penalty(x, max_response_length=10, buffer_length=4)
     torch.testing.assert_close(torch.func.vmap(fn)(lengths), fn(lengths))

@@ -61,7 +61,7 @@ def _signature_problems(protocol: type, cls: type, *, inherited_ok: tuple[str, .
         want = list(inspect.signature(getattr(protocol, name)).parameters.values())
         have = list(inspect.signature(getattr(cls, name)).parameters.values())
         extra = have[len(want) :]
-        shape = lambda params: [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in params]  # noqa: E731
+        shape = lambda params: [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in params]
         if shape(have[: len(want)]) != shape(want):
             problems.append(
                 f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} is not "
@@ -226,6 +226,7 @@ def test_the_name_scan_finds_what_it_looks_for():
     )
     found = engine_name_tests(planted, "experiments.recipe")
     assert sorted(engine for _, engine, _ in found) == ["fsdp", "native", "vllm", "vllm"]
+    # vLLM's own module may test its own name, not another's
     assert engine_name_tests(planted.split("\n")[0] + "\n    pass\n", "backends.rollout.vllm_session") == [
         (1, "fsdp", "compares with 'fsdp'")
-    ]  # vLLM's own module may test its own name, not another's
+    ]

@@ -14,8 +14,8 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-
 import transformers.modeling_utils
+
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.hf_export import ExportError, export_hf
 from backends.models import TinyModelConfig, build_tiny_model

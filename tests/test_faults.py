@@ -386,7 +386,8 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(grpo_args, uninterrup
     assert summary["resumed_from"].endswith(f"step_{EVERY}")  # the crash came before step 4's checkpoint
     compared = _same_metrics(uninterrupted, _rows(tmp_path / "run"), after=EVERY)
     print(
-        f"(d) restarted from {Path(summary['resumed_from']).name}: {compared} metric values equal the uninterrupted run's"
+        f"(d) restarted from {Path(summary['resumed_from']).name}: "
+        f"{compared} metric values equal the uninterrupted run's"
     )
 
 

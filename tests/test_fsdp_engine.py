@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.training.common import trim_micro_batch
 from backends.training.fsdp import FSDPConfig, ModelOutputs, micro_batches
-from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.training.optim import OptimConfig, build_optimizer, lr_at, lr_multiplier, warmup_steps
 from rlfunc.aggregation import aggregate, local_normalizers
 from rlfunc.batch import RolloutBatch, select
@@ -555,7 +555,7 @@ def test_reference_role(weights):
 @pytest.mark.distributed
 def test_lr_schedule_applied_per_step(behaviour):
     # warm-up 2 steps (0, 0.5 lr), then cosine from lr to 0.1 lr over steps 2..5
-    cos = lambda s: max(0.1, 0.45 * math.cos(math.pi * (s - 2) / 3) + 0.55)  # noqa: E731
+    cos = lambda s: max(0.1, 0.45 * math.cos(math.pi * (s - 2) / 3) + 0.55)
     expected = [0.0, 5e-4] + [1e-3 * cos(s) for s in (2, 3, 4)]
     for r in behaviour:
         assert r["lrs"] == pytest.approx(expected, rel=1e-12, abs=1e-15)
@@ -717,9 +717,10 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(behaviour, mod
 
 @pytest.mark.parametrize("policy", ["skip", "error"])
 def test_nonfinite_policy_on_one_process(model_dir, policy, tmp_path):
-    """A NaN loss (a NaN advantages batch is refused earlier, by the batch checks) through the real engine update (one process): ``skip`` leaves the weights as they
-    were and counts the update in the running total ``nonfinite_updates_skipped``; ``error`` raises naming
-    the update and the non-finite value, before any optimizer step. Either way the weights never change."""
+    """A NaN loss (a NaN advantages batch is refused earlier, by the batch checks) through the real engine update (one
+    process): ``skip`` leaves the weights as they were and counts the update in the running total
+    ``nonfinite_updates_skipped``; ``error`` raises naming the update and the non-finite value, before any optimizer
+    step. Either way the weights never change."""
     import attrs
 
     from backends.distributed.setup import init_distributed
@@ -730,7 +731,7 @@ def test_nonfinite_policy_on_one_process(model_dir, policy, tmp_path):
         model_dir, init_distributed(), attrs.evolve(OPTIM, nonfinite=policy), FSDPConfig(micro_batch_size=4)
     )
     batch = make_batch(0)
-    params = lambda: [_local(p).detach().clone() for p in state.module.parameters()]  # noqa: E731
+    params = lambda: [_local(p).detach().clone() for p in state.module.parameters()]
     p0 = params()
     if policy == "error":
         with pytest.raises(NonFiniteUpdateError, match=r"actor update 0 .*non-finite loss and grad norm"):

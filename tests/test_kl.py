@@ -286,7 +286,7 @@ def test_monte_carlo_estimators_approach_true_kl():
 def test_func_grad_equals_autograd(kind):
     lp0, ref = torch.randn(3, 4), torch.randn(3, 4)
     mask = torch.rand(3, 4) > 0.3
-    fn = lambda lp: kl_loss(lp, ref_logprobs=ref, mask=mask, kind=kind)[0]  # noqa: E731
+    fn = lambda lp: kl_loss(lp, ref_logprobs=ref, mask=mask, kind=kind)[0]
     g_func = torch.func.grad(fn)(lp0)
     lp = lp0.clone().requires_grad_()
     fn(lp).backward()
@@ -299,7 +299,7 @@ def test_vmap_equals_loop(kind):
     mask = torch.rand(4, 6) > 0.3
     per_example = lambda a, b, m: kl_loss(
         a[None], ref_logprobs=b[None], mask=m[None], kind=kind, agg="seq-mean-token-mean"
-    )[0]  # noqa: E731
+    )[0]
     batched = torch.func.vmap(per_example)(lp, ref, mask)
     looped = torch.stack([per_example(lp[i], ref[i], mask[i]) for i in range(4)])
     close(batched, looped)

@@ -294,9 +294,9 @@ def _chunked_and_plain_peaks(which: str) -> tuple[int, int, int]:
     x = torch.randn(n, v, dtype=torch.bfloat16).requires_grad_()
     labels = torch.randint(0, v, (n,))
     if which == "logp":
-        fn = lambda cs: logprobs_from_logits(x, labels, chunk_size=cs)  # noqa: E731
+        fn = lambda cs: logprobs_from_logits(x, labels, chunk_size=cs)
     else:
-        fn = lambda cs: entropy_from_logits(x, chunk_size=cs)  # noqa: E731
+        fn = lambda cs: entropy_from_logits(x, chunk_size=cs)
     y = torch.randn(4, 64, requires_grad=True)  # warm-up: one-time allocations are not counted
     for cs in (None, 2):
         (

@@ -12,8 +12,8 @@ from backends.distributed.setup import init_distributed
 from backends.distributed.sharded_state import full_state_dict
 from backends.models import TinyModelConfig, build_tiny_model, write_tiny_model
 from backends.rollout.native import build_native_rollout, sync_weights
-from backends.training.fsdp import build_actor, compute_logprobs, update
 from backends.training.engines import select_engine
+from backends.training.fsdp import build_actor, compute_logprobs, update
 from backends.training.lora import LoraConfig
 from backends.training.optim import OptimConfig
 from tests.test_reference import make_batch, pg_loss

@@ -228,8 +228,8 @@ def _parity_worker(rank, world_size, dirs):
 
 def _roles_worker(rank, world_size, dirs):
     """Critic (values, update, export) and reference on TP=2, then PP=2; PPO update vs the FSDP engine."""
-    from backends.training import fsdp as F
     from backends.distributed.setup import init_distributed
+    from backends.training import fsdp as F
     from backends.training.megatron import engine as E
     from backends.training.megatron.parallel import destroy_model_parallel
 
@@ -672,14 +672,14 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
     sampled-token log-probs with the trainer's for the same tokens (both fp32)."""
     import functools
 
+    import rlfunc as rf
     from backends.distributed.setup import init_distributed
+    from backends.models import load_tokenizer
+    from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
     from backends.training.engines import select_engine
     from backends.training.fsdp import FSDPConfig
     from backends.training.megatron.parallel import destroy_model_parallel
-    from backends.models import load_tokenizer
     from backends.training.optim import OptimConfig
-    from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
-    import rlfunc as rf
 
     env = init_distributed()
     engine = select_engine("megatron", fsdp=FSDPConfig(micro_batch_size=8), tp=tp, pp=pp)

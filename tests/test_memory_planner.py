@@ -19,6 +19,7 @@ import attrs
 import pytest
 import torch
 
+from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.training.hf_forward import forward_micro_batch
 from backends.training.hf_modules import enable_checkpointing
 from backends.training.memory_planner import (
@@ -32,7 +33,6 @@ from backends.training.memory_planner import (
     main,
     suggest,
 )
-from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
 from tests.forkserver import call_in_child
 from tests.test_fsdp_engine import make_batch
@@ -181,7 +181,7 @@ def test_packed_activations_match_saved_tensors(dirs, name):
     model.train()
 
     enable_packed_attention(model)
-    est_of = lambda packed: estimate(  # noqa: E731
+    est_of = lambda packed: estimate(
         ModelShape.from_pretrained(dirs[name]),
         Parallelism(),
         Workload(micro_batch_rows=1, seq_len=packed.num_tokens, response_len=int(packed.labels.numel()), padded=False),
@@ -228,7 +228,7 @@ def test_suggest_fits_the_budget(dirs):
             Parallelism(),
             Workload(
                 seq_len=256,
-                micro_batch_rows=rows,  # noqa: E731
+                micro_batch_rows=rows,
                 gradient_checkpointing=gc,
             ),
         ).total
@@ -360,8 +360,8 @@ def _status(key: str) -> int:
 
 
 def _peak_batch(rows: int, p: int, t: int) -> RolloutBatch:
-    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))  # noqa: E731
-    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)  # noqa: E731
+    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))
+    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)
     return RolloutBatch(
         prompt_ids=ids(p), prompt_mask=ones(p), response_ids=ids(t), response_mask=ones(t), group_ids=torch.arange(rows)
     )
@@ -478,7 +478,7 @@ def test_largest_micro_batch_keeps_the_checkpointing_setting(dirs):
     for gc in (False, True):
         work = Workload(seq_len=256, gradient_checkpointing=gc)
         rows = largest_micro_batch(shape, Parallelism(), work, 64 * 2**20)
-        fits = lambda r: estimate(shape, Parallelism(), attrs.evolve(work, micro_batch_rows=r)).total <= 64 * 2**20  # noqa: E731
+        fits = lambda r: estimate(shape, Parallelism(), attrs.evolve(work, micro_batch_rows=r)).total <= 64 * 2**20
         assert rows >= 1 and fits(rows) and not fits(rows + 1)
 
 
@@ -507,9 +507,8 @@ def test_update_peak_of_the_logits_chunked_and_whole(with_entropy):
     )
     shape = ModelShape.from_hf_config(cfg)
     whole, chunked = call_in_child(_update_peak, None, with_entropy), call_in_child(_update_peak, 64, with_entropy)
-    assert (
-        chunked < (0.55 if with_entropy else 0.7) * whole
-    )  # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6
+    # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6
+    assert chunked < (0.55 if with_entropy else 0.7) * whole
     for rows, peak in ((None, whole), (64, chunked)):
         est = estimate(
             shape,

@@ -20,7 +20,7 @@ from backends.config import ConfigError
 from backends.data import Example, prompt_token_ids
 from backends.models import CHAT_TOKENS, TinyModelConfig, build_char_tokenizer, write_tiny_model
 from backends.rollout.agent_loop import EnvironmentStepError, run_episodes, sample
-from backends.rollout.api import build_rollout, RolloutConfig
+from backends.rollout.api import RolloutConfig, build_rollout
 from backends.rollout.common import SamplingConfig, answer_texts
 from backends.rollout.environments import (
     MultiTurnConfig,
@@ -545,7 +545,9 @@ MALFORMED_TURNS = {
     "missing closing brace": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>',
     "missing closing brace and marker": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}',
     "closing marker without an opening one": '{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
-    "a second opening before the close": '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    "a second opening before the close": (
+        '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    ),
     "extra text after the JSON": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}}</tool_call>',
     "arguments string cut short": '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2"}</tool_call>',
     "empty call": "<tool_call></tool_call>",

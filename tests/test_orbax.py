@@ -18,11 +18,18 @@ import torch
 
 pytest.importorskip("orbax.checkpoint")
 
+from backends.checkpoint.orbax import (  # noqa: E402
+    load_orbax,
+    read_orbax,
+    save_orbax,
+    to_numpy,
+    to_torch,
+    tree_to_torch,
+)
 from backends.models import TinyModelConfig, build_tiny_model  # noqa: E402
 from backends.training.optim import OptimConfig  # noqa: E402
-from backends.checkpoint.orbax import load_orbax, read_orbax, save_orbax, to_numpy, to_torch, tree_to_torch  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.checkpoint
 
@@ -140,7 +147,8 @@ def test_bad_input(tmp_path):
     other = State(build_tiny_model(attrs.evolve(TINY, intermediate_size=96)), None)
     with pytest.raises(
         ValueError,
-        match=r"another model:\n  shape of model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)",
+        match=r"another model:\n  shape of model.layers.0.mlp.down_proj.weight: "
+        r"checkpoint \(64, 128\), model \(64, 96\)",
     ):
         load_orbax(other, path)
     save_orbax(State(state.module, None), tmp_path / "no_optim")

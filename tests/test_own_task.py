@@ -42,7 +42,7 @@ def write_task(root, *, parquet: bool, sft_examples: int = 4000, wrong: float = 
         "answer": w[::-1],
         "word": w,
         "data_source": "rev",
-    }  # noqa: E731
+    }
     root.mkdir(parents=True, exist_ok=True)
     suffix = "parquet" if parquet else "jsonl"
     for name, part in (("train", train), ("val", val)):

@@ -13,16 +13,16 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
-from backends.training.fsdp import FSDPConfig, micro_batch_groups
-from backends.training.hf_forward import forward_micro_batch
-from backends.training.hf_modules import enable_checkpointing
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from backends.packing import model_kwargs, pack_rows, pad_layout, unpack
 from backends.training import packed_attention
+from backends.training.fsdp import FSDPConfig, micro_batch_groups
+from backends.training.hf_forward import forward_micro_batch
+from backends.training.hf_modules import enable_checkpointing
 from backends.training.packed_attention import (
     VARLEN_SDPA,
     enable_packed_attention,
@@ -30,7 +30,6 @@ from backends.training.packed_attention import (
     varlen_sdpa_attention,
 )
 from rlfunc.aggregation import aggregate
-from rlfunc.tree import tree_map
 from rlfunc.balancing import (
     balanced_partition,
     greedy_partition,
@@ -39,6 +38,7 @@ from rlfunc.balancing import (
     spread,
     token_budget_balanced_partition,
 )
+from rlfunc.tree import tree_map
 from tests.distributed import run_distributed
 from tests.test_fsdp_engine import OPTIM, _max_diff, _numpy, make_batch, pg_loss, rank_rows, reference_updates
 
@@ -582,7 +582,7 @@ def _packing_worker(rank, world_size, model_dir):
     local = rank_rows(make_batch(0), rank, world_size)
     state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4))
     balanced = balance_across_ranks(local, state)
-    tokens = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
+    tokens = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())
     out["tokens_before"], out["tokens_after"] = tokens(local), tokens(balanced)
     out["rows_after"] = int(balanced.prompt_ids.shape[0])
     out["group_ids_after"] = balanced.group_ids.tolist()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from backends.distributed.setup import init_distributed
+from backends.models import TinyModelConfig, write_tiny_model
 from backends.training.fsdp import (
     FSDPConfig,
     build_actor,
@@ -19,7 +20,6 @@ from backends.training.fsdp import (
     compute_logprobs,
     update,
 )
-from backends.models import TinyModelConfig, write_tiny_model
 from backends.training.optim import OptimConfig
 from backends.training.reference import ReferenceConfig, build_reference_role
 from rlfunc.aggregation import aggregate

@@ -7,12 +7,12 @@ weights through ``sync_weights``; each rank samples its own prompts and both sid
 import pytest
 import torch
 
-from backends.distributed.setup import init_distributed
-from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict, update
-from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model
-from backends.training.optim import OptimConfig
-from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
 import rlfunc as rf
+from backends.distributed.setup import init_distributed
+from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model
+from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict, update
+from backends.training.optim import OptimConfig
 from tests.distributed import run_distributed
 
 CFG = TinyModelConfig(

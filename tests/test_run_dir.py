@@ -30,7 +30,8 @@ def _keep_signal_handlers():
 
 
 def existing_run(tmp_path: Path, *, finished: bool) -> dict[Path, bytes]:
-    """A run dir as a run leaves it (config, metrics, base model, and with ``finished`` its summary); every file's bytes."""
+    """A run dir as a run leaves it (config, metrics, base model, and with ``finished`` its summary); every file's
+    bytes."""
     run = tmp_path / "run"
     (run / "base_model").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"name": "earlier", "seed": 3}))

@@ -24,8 +24,20 @@ from backends.distributed.setup import init_distributed  # noqa: E402
 from backends.distributed.sharded_state import full_state_dict  # noqa: E402
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
-from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, score_logprobs, shutdown_vllm, sync_weights  # noqa: E402
-from backends.rollout.vllm_lora import adapter_bytes, adapter_engine_config, lora_engine_kwargs, sync_adapter  # noqa: E402
+from backends.rollout.vllm import (  # noqa: E402
+    VLLMConfig,
+    build_vllm_rollout,
+    generate,
+    score_logprobs,
+    shutdown_vllm,
+    sync_weights,
+)
+from backends.rollout.vllm_lora import (  # noqa: E402
+    adapter_bytes,
+    adapter_engine_config,
+    lora_engine_kwargs,
+    sync_adapter,
+)
 from backends.training.engines import select_engine  # noqa: E402
 from backends.training.fsdp import build_actor, update  # noqa: E402
 from backends.training.lora import LoraConfig, adapter_state_dict  # noqa: E402

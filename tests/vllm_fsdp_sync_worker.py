@@ -18,11 +18,12 @@ from pathlib import Path
 import attrs
 import torch
 
-from backends.distributed.setup import all_reduce_sum, barrier, init_distributed, shutdown
-from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict
+from backends.distributed.collectives import all_reduce_sum, barrier
+from backends.distributed.setup import init_distributed, shutdown
 from backends.models import TinyModelConfig, write_tiny_model
 from backends.rollout.native import SamplingConfig
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm, sync_weights
+from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict
 
 TINY = TinyModelConfig(
     hidden_size=64,

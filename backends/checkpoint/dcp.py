@@ -117,7 +117,6 @@ from backends.checkpoint.files import (
     remove_dir,
     write_json_atomic,
 )
-from backends.checkpoint.integrity import record_integrity, verify_integrity
 from backends.checkpoint.fingerprint import (
     config_diff,
     config_hash,
@@ -128,6 +127,7 @@ from backends.checkpoint.fingerprint import (
     model_fingerprint,
     state_dict_fingerprint,
 )
+from backends.checkpoint.integrity import record_integrity, verify_integrity
 from backends.checkpoint.rng import capture_rng_state, read_rng_file, restore_rng_state, write_rng_file
 from backends.checkpoint.safe_reader import safe_reader, tensor_only_planner
 from backends.distributed.collectives import world_rank, world_size

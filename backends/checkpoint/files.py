@@ -151,7 +151,8 @@ def checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointCorruptError(f"{str(marker_file)!r} is not an rlfunc checkpoint marker (format {FORMAT!r})")
     if marker.get("version") != FORMAT_VERSION:
         raise CheckpointCorruptError(
-            f"{str(path)!r} has checkpoint format version {marker.get('version')}; this code reads version {FORMAT_VERSION}"
+            f"{str(path)!r} has checkpoint format version {marker.get('version')}; "
+            f"this code reads version {FORMAT_VERSION}"
         )
     if not (path / ".metadata").is_file():
         raise CheckpointCorruptError(

@@ -92,7 +92,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def state_dict_fingerprint(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"sha256", "params": [[name, shape, dtype], ...]}`` of a state dict's tensors (see :func:`model_fingerprint`)."""
+    """``{"sha256", "params": [[name, shape, dtype], ...]}`` of a state dict's tensors (see
+    :func:`model_fingerprint`)."""
     params = [
         [name, list(value.shape), _dtype_name(value.dtype)]
         for name, value in state_dict.items()

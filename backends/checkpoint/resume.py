@@ -36,8 +36,8 @@ import torch.distributed as dist
 from backends.checkpoint.dcp import resolve_resume, wait_for_pending_save
 from backends.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from backends.checkpoint.files import checkpoint_info, list_checkpoints
-from backends.checkpoint.integrity import damage
 from backends.checkpoint.fingerprint import config_diff, flatten_config
+from backends.checkpoint.integrity import damage
 from backends.distributed.collectives import broadcast_object
 
 __all__ = [

@@ -94,7 +94,8 @@ def tensor_only_planner() -> Any:
     class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
             raise CheckpointCorruptError(
-                f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor; refusing to unpickle it"
+                f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor; "
+                f"refusing to unpickle it"
             )
 
     return TensorOnlyLoadPlanner()

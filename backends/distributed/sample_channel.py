@@ -6,11 +6,11 @@ batch therefore carries the ``version`` of the weights that sampled it (the numb
 them) and the ``step`` it is meant for; the trainer, at its own version, computes the batch's staleness
 (``trainer version - sample version``) and :class:`StalenessBound` decides whether it may train on it.
 
-**Messages.** Point-to-point, on a tag of their own (so they do not mix with other point-to-point traffic
-of the group): a header of five int64 (magic, kind, byte count, version, step), then the payload as
-``torch.save`` bytes in a uint8 tensor. The payload is a dict of tensors and plain values (numbers,
-strings, None, lists / tuples / dicts of those), checked on the sender so a bad value fails where it
-was made (tensors travel on the CPU: under ``cpu:gloo,cuda:nccl`` the channel is gloo's); the receiver loads it with ``torch.load(weights_only=True)``, which cannot run code.
+**Messages.** Point-to-point, on a tag of their own (so they do not mix with other point-to-point traffic of the group):
+a header of five int64 (magic, kind, byte count, version, step), then the payload as ``torch.save`` bytes in a uint8
+tensor. The payload is a dict of tensors and plain values (numbers, strings, None, lists / tuples / dicts of those),
+checked on the sender so a bad value fails where it was made (tensors travel on the CPU: under ``cpu:gloo,cuda:nccl``
+the channel is gloo's); the receiver loads it with ``torch.load(weights_only=True)``, which cannot run code.
 :class:`SampleSender` sends with ``isend`` and keeps each pending work and its buffers alive until
 :meth:`SampleSender.flush` (or a later send) sees it done, so the rollout rank goes on generating.
 

@@ -19,10 +19,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from backends.distributed.node_checks import check_gloo_interface
-
 # The collectives live in backends.distributed.collectives; they are re-imported here so the names recipes
-# and engines import from this module keep working.
+# and engines import from this module keep working (tests/test_distributed_setup.py holds it to that).
 from backends.distributed.collectives import (  # noqa: F401 - re-exported
     all_reduce_max,
     all_reduce_sum,
@@ -34,6 +32,7 @@ from backends.distributed.collectives import (  # noqa: F401 - re-exported
     world_rank,
     world_size,
 )
+from backends.distributed.node_checks import check_gloo_interface
 
 __all__ = [
     "DistEnv",

@@ -137,7 +137,8 @@ def _bcast_bytes(buffer: Tensor, group: Any, src: int, what: str) -> None:
 def _lost(src: int, what: str, error: BaseException) -> str:
     return (
         f"weight broadcast from source rank {src} failed on rank {dist.get_rank()} while moving {what}: a rank of the "
-        f"group is gone or stuck (a dead peer closes its connections; the process-group timeout bounds the rest): {error}"
+        f"group is gone or stuck "
+        f"(a dead peer closes its connections; the process-group timeout bounds the rest): {error}"
     )
 
 
@@ -328,7 +329,8 @@ class WeightStream:
                     for name, of in header["aliases"]:
                         if of not in kept:
                             raise WeightBroadcastError(
-                                f"weight broadcast from rank {self.src}: alias {name!r} of {of!r}, which this rank does not hold"
+                                f"weight broadcast from rank {self.src}: alias {name!r} of {of!r}, "
+                                f"which this rank does not hold"
                             )
                         yield name, kept[of]
                 for name in header["released"]:

@@ -7,12 +7,11 @@ per sample as ``fn(response, ground_truth, **columns)``, where ``columns`` are t
 (those the function names as parameters, or all of them when it takes ``**kwargs``), and returns a number
 or a dict with a ``score`` and extra numbers, which are logged.
 
-Every function is resolved when the scorer is built (a misspelt name fails at start-up). User functions
-run in worker processes (``reward.workers``, :mod:`backends.rewards.workers`), each call under
-``reward.timeout_s``: a call that raises, runs out of time or ends its worker process (named at once, with how
-it ended) is an error naming the function and the row, or, with ``reward.on_error=zero``, a zero that
-``reward/errors`` counts (a worker lost is said on the console too). A result that is not a finite number (in float32, where scores are
-kept) is always an error.
+Every function is resolved when the scorer is built (a misspelt name fails at start-up). User functions run in worker
+processes (``reward.workers``, :mod:`backends.rewards.workers`), each call under ``reward.timeout_s``: a call that
+raises, runs out of time or ends its worker process (named at once, with how it ended) is an error naming the function
+and the row, or, with ``reward.on_error=zero``, a zero that ``reward/errors`` counts (a worker lost is said on the
+console too). A result that is not a finite number (in float32, where scores are kept) is always an error.
 """
 
 from __future__ import annotations
@@ -50,20 +49,16 @@ class RewardConfig:
     #: format) or references package.module:function / path/to/file.py:function
     fn: tuple[str, ...] = ()
     weights: tuple[float, ...] = ()  #: one weight per reward.fn entry; empty: 1 each
-    by_source: tuple[
-        str, ...
-    ] = ()  #: source=function entries: rows of that data_source use that function instead of reward.fn
+    #: source=function entries: rows of that data_source use that function instead of reward.fn
+    by_source: tuple[str, ...] = ()
     format_pattern: str = r".*"  #: the regex the built-in `format` reward needs the whole response to match
     max_score: float = 1.0  #: the best score; a sample "succeeds" when its score reaches it (success_rate, eval)
-    workers: int = (
-        -1
-    )  #: worker processes for the calls; 0: in this process; -1: 0 if every function is built in, else 2
-    timeout_s: float = attrs.field(
-        default=60.0, validator=attrs.validators.gt(0)
-    )  #: limit of one call (in a worker, or in-process on the main thread)
-    on_error: Literal["error", "zero"] = (
-        "error"  #: a call that raises or times out: stop with an error, or score 0 and count it
-    )
+    #: worker processes for the calls; 0: in this process; -1: 0 if every function is built in, else 2
+    workers: int = -1
+    #: limit of one call (in a worker, or in-process on the main thread)
+    timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    #: a call that raises or times out: stop with an error, or score 0 and count it
+    on_error: Literal["error", "zero"] = "error"
     #: DAPO's overlong shaping: a linear penalty over the last overlong_buffer_len tokens of the response
     #: budget, reaching -overlong_penalty_factor at the budget; 0 turns it off
     overlong_buffer_len: int = attrs.field(default=0, validator=attrs.validators.ge(0))
@@ -163,7 +158,7 @@ class RewardScorer:
         if cfg.weights and len(cfg.weights) != len(cfg.fn):
             raise ConfigError(f"reward.weights has {len(cfg.weights)} entries for {len(cfg.fn)} reward.fn entries")
         self.cfg = cfg
-        describe = lambda spec, key: _describe(spec, key, cfg.format_pattern)  # noqa: E731
+        describe = lambda spec, key: _describe(spec, key, cfg.format_pattern)
         self.default = [(describe(s, "reward.fn"), w) for s, w in zip(cfg.fn, cfg.weights or [1.0] * len(cfg.fn))]
         self.routes: dict[str, _Function] = {}
         for entry in cfg.by_source:

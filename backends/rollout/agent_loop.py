@@ -29,8 +29,8 @@ import attrs
 import torch
 
 from backends.data import Example
-from backends.rollout.engine import RolloutEngine
 from backends.rollout.common import SamplingConfig, assemble_batch, left_pad
+from backends.rollout.engine import RolloutEngine
 from backends.rollout.environments import Environment, MultiTurnConfig, Observation, observation_token_ids
 from rlfunc.batch import RolloutBatch
 from rlfunc.turns import turn_rewards_to_tokens
@@ -49,9 +49,8 @@ class Episodes:
     batch: RolloutBatch  #: see the module doc
     turn_rewards: list[list[float]]  #: each trajectory's per-turn environment rewards
     turns: list[int]  #: model turns per trajectory
-    finished: list[
-        bool
-    ]  #: the environment ended the trajectory (done, or a turn it did not answer) before a budget cut it
+    #: the environment ended the trajectory (done, or a turn it did not answer) before a budget cut it
+    finished: list[bool]
     #: per trajectory, averaged over the batch: multi_turn/turns, multi_turn/finished and the environments'
     #: own metrics as multi_turn/<name> (tool_calls, tool_call_errors, errors, timeouts), plus
     #: multi_turn/tool_call_validity (the share of tool calls that ran)
@@ -142,9 +141,8 @@ def run_episodes(
             forced = [[] for _ in rows]
             for r in range(len(rows)):
                 budget[r] -= len(out.tokens[r])
-            state.cut(
-                [r for r in range(len(rows)) if active[r] and not out.finished[r]]
-            )  # a token limit ended the turn
+            # a token limit ended the turn
+            state.cut([r for r in range(len(rows)) if active[r] and not out.finished[r]])
             answered = [r for r in range(len(rows)) if active[r] and out.finished[r]]
             for r, obs in _step_environments(pool, envs, answered, state, tokenizer, cfg, rows).items():
                 state.observe(r, obs)

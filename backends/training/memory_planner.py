@@ -379,7 +379,7 @@ def chunk_rows_for(chunk_mib: float, vocab: int) -> int | None:
 
 def _largest_rows(shape: ModelShape, parallel: Parallelism, work: Workload, budget: float) -> int:
     """Binary search on micro-batch rows (memory grows monotonically with rows)."""
-    fits = lambda rows: estimate(shape, parallel, attrs.evolve(work, micro_batch_rows=rows, kv_seqs=0)).total <= budget  # noqa: E731
+    fits = lambda rows: estimate(shape, parallel, attrs.evolve(work, micro_batch_rows=rows, kv_seqs=0)).total <= budget
     if not fits(1):
         return 0
     lo, hi = 1, 2

@@ -186,7 +186,7 @@ def with_total_steps(cfg: OptimConfig, total_steps: int) -> OptimConfig:
 
 
 def fresh_optimizer(state: Any, optim: OptimConfig) -> Any:
-    """Same weights, a new AdamW and LR schedule (the RL phase does not inherit the previous stage's moments (an SFT stage))."""
+    """Same weights, a new AdamW and LR schedule: the RL phase does not inherit a previous (SFT) stage's moments."""
     return state.replace(
         optimizer=build_optimizer(state.module.parameters(), optim),
         optim_cfg=optim,

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from backends.distributed.setup import DistEnv, device_mesh, init_distributed
 from backends.distributed.sharded_state import reshard
-from backends.models import check_model_dir, quiet_transformers, load_tokenizer
+from backends.models import check_model_dir, load_tokenizer, quiet_transformers
 from backends.training.common import (
     all_reduce_max,
     check_batch,
@@ -79,9 +79,8 @@ class RewardModelConfig:
     param_dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "float32", "bfloat16"))
     )
-    shard: bool = (
-        False  #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
-    )
+    #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
+    shard: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -47,19 +47,17 @@ class SFTConfig:
     #: column of a whole conversation (chat messages: system, user, assistant, tool) trained on its assistant turns
     #: only; when set, sft.prompt_key and sft.response_key are not read
     messages_key: str = ""
-    epochs: int = attrs.field(
-        default=1, validator=attrs.validators.ge(1)
-    )  #: passes over sft.files (when sft.steps is 0)
-    steps: int = attrs.field(
-        default=0, validator=attrs.validators.ge(0)
-    )  #: SFT updates; 0: sft.epochs passes over the data
+    #: passes over sft.files (when sft.steps is 0)
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    #: SFT updates; 0: sft.epochs passes over the data
+    steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     batch_size: int = attrs.field(default=64, validator=attrs.validators.ge(1))  #: global examples per SFT update
-    max_length: int = attrs.field(
-        default=1024, validator=attrs.validators.ge(2)
-    )  #: longest prompt + response in tokens (longer rows are an error)
+    #: longest prompt + response in tokens (longer rows are an error)
+    max_length: int = attrs.field(default=1024, validator=attrs.validators.ge(2))
+    #: the SFT stage's optimizer
     optim: OptimConfig = OptimConfig(
         lr=1e-5, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1
-    )  #: the SFT stage's optimizer
+    )
 
 
 def sft_steps(cfg: SFTConfig, num_examples: int) -> int:

@@ -13,9 +13,8 @@ from __future__ import annotations
 import pathlib
 
 import torch
-from safetensors.torch import save_file
-
 import verl
+from safetensors.torch import save_file
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
 OUT = pathlib.Path(__file__).with_name("importance.safetensors")

@@ -28,11 +28,10 @@ import pathlib
 import sys
 
 import torch
-from safetensors.torch import save_file
-
 import verl
 import verl.trainer.ppo.core_algos as core_algos
 import verl.utils.torch_functional as verl_F
+from safetensors.torch import save_file
 
 OUT = pathlib.Path(__file__).with_name("kl.safetensors")
 KINDS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]

@@ -31,11 +31,10 @@ On a GPU (``MegatronConfig.schedule="auto"`` with CUDA) step 2 is megatron's own
 megatron's ``DistributedOptimizer`` built from :class:`MegatronOptimConfig` (verl's
 ``optim/megatron.yaml`` fields); the LR is still rlfunc's schedule, written into its param groups.
 
-Defined behaviour matches the FSDP engine: an empty batch or a non-finite loss / grad norm skips the
-optimizer step and drops the gradients (``update_skipped = 1``, ``step`` advances; ``optim.nonfinite=error``: raises; every rank agrees,
-on the GPU schedule too, where megatron's optimizer alone would step on NaN gradients in bf16 / fp32);
-a row with an empty prompt raises; bad
-configs (unsupported architecture, TP not dividing the heads / KV heads, PP not dividing the layers,
+Defined behaviour matches the FSDP engine: an empty batch or a non-finite loss / grad norm skips the optimizer step and
+drops the gradients (``update_skipped = 1``, ``step`` advances; ``optim.nonfinite=error``: raises; every rank agrees, on
+the GPU schedule too, where megatron's optimizer alone would step on NaN gradients in bf16 / fp32); a row with an empty
+prompt raises; bad configs (unsupported architecture, TP not dividing the heads / KV heads, PP not dividing the layers,
 world size not divisible by tp * pp) raise before any weight is read.
 """
 
@@ -170,9 +169,8 @@ class MegatronState:
     step: int = 0
     role: Literal["actor", "reference", "critic"] = "actor"
     log_prob_micro_batch_size: int | None = None
-    nonfinite_updates_skipped: int = (
-        0  #: updates skipped for a non-finite loss / grad norm so far (optim.nonfinite=skip)
-    )
+    #: updates skipped for a non-finite loss / grad norm so far (optim.nonfinite=skip)
+    nonfinite_updates_skipped: int = 0
 
     def replace(self, **changes: Any) -> "MegatronState":
         return attrs.evolve(self, **changes)
