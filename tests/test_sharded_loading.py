@@ -149,7 +149,7 @@ def test_plain_world_size_one_module_moves_to_the_mesh_device(env):
     """At world size 1 in fp32 the module stays unsharded: it is moved to the mesh's device, which
     ``fully_shard`` would otherwise have done (on a GPU, an unmoved module stayed on the CPU)."""
     from backends.distributed.setup import device_mesh
-    from backends.training.fsdp import shard_module
+    from backends.training.fsdp_sharding import shard_module
     from backends.training.sharded_loading import mesh_device
 
     mesh = device_mesh(env)
@@ -239,15 +239,15 @@ def _same_tensors(a: dict, b: dict) -> list[str]:
 
 
 class _CountReads:
-    """Counts, while active, whole-model loads (the engine's ``load_model``) and the tensors the sharded
+    """Counts, while active, whole-model loads (``fsdp_sharding.load_model``) and the tensors the sharded
     loader reads from safetensors files (``get_tensor``; reading headers does not count)."""
 
     def __enter__(self):
-        import backends.training.fsdp as fsdp
+        import backends.training.fsdp_sharding as fsdp_sharding
         import backends.training.sharded_loading as loading
 
         self.loads = self.tensors = 0
-        self._saved = loading.safe_open, fsdp.load_model
+        self._saved = loading.safe_open, fsdp_sharding.load_model
         safe_open, load_model = self._saved
         counter = self
 
@@ -276,14 +276,14 @@ class _CountReads:
             counter.loads += 1
             return load_model(*args, **kwargs)
 
-        loading.safe_open, fsdp.load_model = Counted, counted_load_model
+        loading.safe_open, fsdp_sharding.load_model = Counted, counted_load_model
         return self
 
     def __exit__(self, *exc):
-        import backends.training.fsdp as fsdp
+        import backends.training.fsdp_sharding as fsdp_sharding
         import backends.training.sharded_loading as loading
 
-        loading.safe_open, fsdp.load_model = self._saved
+        loading.safe_open, fsdp_sharding.load_model = self._saved
 
 
 def _compare_actor(path, env, mesh, rank, world_size, fsdp_cfg):

@@ -189,7 +189,8 @@ def build_reward_model(
     vocab_size = model.get_input_embeddings().num_embeddings
     mesh = None
     if config.shard:
-        from backends.training.fsdp import FSDPConfig, shard_module
+        from backends.training.fsdp import FSDPConfig
+        from backends.training.fsdp_sharding import shard_module
 
         mesh = device_mesh(env)
         model = shard_module(model.to(device), mesh, FSDPConfig(), None)
