@@ -1,4 +1,4 @@
-"""backends.rollout.native sessions: multi-turn rollouts that continue each row's KV cache across turns.
+"""backends.rollout.native_session: multi-turn rollouts that continue each row's KV cache across turns.
 
 The trainer must see exactly the tokens the sampler produced, so every check here reads a row's whole
 token history back from the session and recomputes it with one plain fp32 HF forward (teacher forced):
@@ -15,16 +15,9 @@ import torch
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.rollout import decoder as rollout_decoder
-from backends.rollout import native
-from backends.rollout.native import (
-    SamplingConfig,
-    TurnOutput,
-    build_native_rollout,
-    continue_session,
-    end_session,
-    generate,
-    start_session,
-)
+from backends.rollout import native_session
+from backends.rollout.native import SamplingConfig, TurnOutput, build_native_rollout, generate
+from backends.rollout.native_session import continue_session, end_session, start_session
 
 pytestmark = pytest.mark.multiturn
 
@@ -181,7 +174,7 @@ def test_forced_tokens_go_in_as_one_chunk(setup, monkeypatch):
     chunked, chunked_outs = _run(rollout, _prompts(tok), SAMPLINGS[0], SCHEDULE)
     assert calls["extend"] == len(SCHEDULE) - 1  # every call but the first has something to feed
     stepped_calls = dict(calls)
-    monkeypatch.setattr(native, "_fits_a_chunk", lambda session, plan: False)
+    monkeypatch.setattr(native_session, "_fits_a_chunk", lambda session, plan: False)
     stepwise, stepwise_outs = _run(rollout, _prompts(tok), SAMPLINGS[0], SCHEDULE)
     assert calls["extend"] == stepped_calls["extend"] and calls["step"] - stepped_calls["step"] > stepped_calls["step"]
     assert chunked.tokens == stepwise.tokens
