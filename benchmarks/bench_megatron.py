@@ -36,6 +36,7 @@ def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, st
     from backends.distributed.setup import init_distributed
     from backends.training import fsdp as F
     from backends.training.megatron import engine as M
+    from backends.training.megatron import update as U
     from backends.training.optim import OptimConfig
 
     env = init_distributed()
@@ -59,7 +60,7 @@ def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, st
         for kind in ("bshd", "thd"):
             meg = meg.replace(cfg=attrs.evolve(mcfg, layout=kind))
             t0 = time.perf_counter()
-            meg, _ = M.update(meg, meg_rows, pg_loss)
+            meg, _ = U.update(meg, meg_rows, pg_loss)
             times[f"megatron-{kind}"].append(time.perf_counter() - t0)
     return {"times": times, "params": params}
 

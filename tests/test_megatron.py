@@ -83,6 +83,7 @@ def _megatron_grads(state, batch):
     """The engine's accumulated, stage/replica-synced gradients, gathered in HF names."""
     from backends.training.common import gather_counts
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.convert import gather_hf_state
     from backends.training.megatron.layout import layout_micro_batch
     from backends.training.megatron.pipeline import run_micro_batch
@@ -100,12 +101,12 @@ def _megatron_grads(state, batch):
         inp = layout_micro_batch(mb, state.cfg.layout)
 
         def head(out, mb=mb, inp=inp):
-            return pg_loss(E._head_outputs(state, out, inp, mb, False), mb, norms)
+            return pg_loss(E.head_outputs(state, out, inp, mb, False), mb, norms)
 
         run_micro_batch(
             state.module, state.dims, inp, head, hidden_size=state.shape.hidden_size, dtype=torch.float32, backward=True
         )
-    E._sync_grads(state)
+    U._sync_grads(state)
     with torch.no_grad():
         saved = {n: p.detach().clone() for n, p in state.module.named_parameters()}
         for p in state.module.parameters():
@@ -164,6 +165,7 @@ def _hf_aligned_logits(model, batch, inp):
 def _parity_worker(rank, world_size, dirs):
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -215,7 +217,7 @@ def _parity_worker(rank, world_size, dirs):
             metrics = []
             for b in (batch, make_batch(1)):
                 b_local = b if tp * pp == 2 else rank_rows(b, rank, world_size)
-                state, m = E.update(state, b_local, pg_loss)
+                state, m = U.update(state, b_local, pg_loss)
                 metrics.append(m)
             r["metrics"] = metrics
             params = _numpy(dict(E.full_state_dict(state)))
@@ -231,6 +233,7 @@ def _roles_worker(rank, world_size, dirs):
     from backends.distributed.setup import init_distributed
     from backends.training import fsdp as F
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -255,7 +258,7 @@ def _roles_worker(rank, world_size, dirs):
         vb = batch.replace(
             returns=torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(2)), old_values=values
         )
-        critic, m = E.update(critic, vb, E.value_loss_fn())
+        critic, m = U.update(critic, vb, E.value_loss_fn())
         out[f"critic_metrics-{key}"] = m
         E.export_hf(critic, f"{model_dir}-critic-{key}")
         if env.is_main:
@@ -264,7 +267,7 @@ def _roles_worker(rank, world_size, dirs):
         ref = E.build_reference(model_dir, env, E.MegatronConfig(tp=tp, pp=pp), log_prob_micro_batch_size=3)
         out[f"ref_no_grads-{key}"] = all(not q.requires_grad for q in ref.module.parameters())
         try:
-            E.update(ref, batch, pg_loss)
+            U.update(ref, batch, pg_loss)
         except ValueError as e:
             out[f"ref_update_error-{key}"] = str(e)
         destroy_model_parallel()
@@ -275,7 +278,7 @@ def _roles_worker(rank, world_size, dirs):
     ppo_batch = ppo_batch.replace(old_logprobs=E.compute_logprobs(ref, batch).logprobs - 0.05 * batch.advantages.tanh())
     destroy_model_parallel()
     actor = E.build_actor(model_dir, env, OPTIM, E.MegatronConfig(tp=2, micro_batch_size=4))
-    actor, mm = E.update(actor, ppo_batch, _ppo_loss)
+    actor, mm = U.update(actor, ppo_batch, _ppo_loss)
     megatron_params = _numpy(dict(E.full_state_dict(actor)))
     destroy_model_parallel()
     fsdp = F.build_actor(model_dir, env, OPTIM, F.FSDPConfig(micro_batch_size=4))
@@ -381,6 +384,7 @@ def _nonfinite_worker(rank, world_size, model_dir):
     through the engine (TP=2): no step, gradients dropped, the next update steps."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel, init_model_parallel
 
     env = init_distributed()
@@ -389,20 +393,20 @@ def _nonfinite_worker(rank, world_size, model_dir):
     for tp, pp in LAYOUTS:  # the flag crosses the TP group, the PP group, the DP group
         dims = init_model_parallel(tp, pp)
         out[f"tp{tp}-pp{pp}"] = {
-            "nan_loss_on_rank_1": E._nonfinite_on_any_rank((nan if rank == 1 else 1.0, 2.0), dims, env.device),
-            "inf_norm_on_rank_0": E._nonfinite_on_any_rank((1.0, inf if rank == 0 else 2.0), dims, env.device),
-            "finite_everywhere": E._nonfinite_on_any_rank((1.0 + rank, 2.0), dims, env.device),
+            "nan_loss_on_rank_1": U._nonfinite_on_any_rank((nan if rank == 1 else 1.0, 2.0), dims, env.device),
+            "inf_norm_on_rank_0": U._nonfinite_on_any_rank((1.0, inf if rank == 0 else 2.0), dims, env.device),
+            "finite_everywhere": U._nonfinite_on_any_rank((1.0 + rank, 2.0), dims, env.device),
         }
         destroy_model_parallel()
 
     state = E.build_actor(model_dir, env, OPTIM, E.MegatronConfig(tp=2, micro_batch_size=4))
     before = [p.detach().clone() for p in state.module.parameters()]
     batch = make_batch(0)
-    state, m = E.update(state, batch, _nan_loss)
+    state, m = U.update(state, batch, _nan_loss)
     out["nan_metrics"] = m
     out["nan_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
     out["nan_grads_dropped"] = all(p.grad is None for p in state.module.parameters())
-    state, m = E.update(state, batch, pg_loss)
+    state, m = U.update(state, batch, pg_loss)
     out["after_nan_metrics"] = m
     out["after_nan_changed"] = not all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
     out["after_nan_step"] = state.step
@@ -415,7 +419,7 @@ def _nonfinite_worker(rank, world_size, model_dir):
     )
     before = [p.detach().clone() for p in state.module.parameters()]
     try:
-        E.update(state, batch, _nan_loss)
+        U.update(state, batch, _nan_loss)
         out["error"] = None
     except FloatingPointError as e:
         out["error"] = str(e)
@@ -599,6 +603,7 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
     """On CUDA the engine runs megatron's own schedule, DDP and DistributedOptimizer (one process)."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -613,7 +618,7 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
             want = hf_logprobs(hf, batch)
         m = batch.response_mask
         assert float((out.logprobs.cpu() - torch.where(m, want, 0.0)).abs().max()) < 1e-4
-        actor, metrics = E.update(actor, batch, pg_loss)
+        actor, metrics = U.update(actor, batch, pg_loss)
         assert metrics["update_skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
         assert len(dict(E.full_state_dict(actor))) == len(hf.state_dict())
         destroy_model_parallel()
@@ -625,6 +630,7 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     skips the step and drops the gradients (DDP buffers zeroed), as the FSDP engine does."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -632,11 +638,11 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     assert actor.uses_megatron_schedule
     batch = make_batch(0)
     before = {k: v.clone() for k, v in E.full_state_dict(actor)}
-    actor, m = E.update(actor, batch, _nan_loss)
+    actor, m = U.update(actor, batch, _nan_loss)
     assert m["update_skipped"] == 1.0 and np.isnan(m["loss"]) and not np.isfinite(m["grad_norm"])
     assert all(torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
     assert all(not bool(b.grad_data.any()) for b in actor.module.buffers)
-    actor, m = E.update(actor, batch, pg_loss)
+    actor, m = U.update(actor, batch, pg_loss)
     assert m["update_skipped"] == 0.0 and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and actor.step == 2
     assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
     destroy_model_parallel()
@@ -648,12 +654,13 @@ def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(m
     DDP module fills, reduces and zeroes (not those of a second wrapper)."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, E.MegatronConfig(param_dtype="bfloat16", micro_batch_size=4))
     batch = make_batch(0)
-    actor, _ = E.update(actor, batch, pg_loss)
+    actor, _ = U.update(actor, batch, pg_loss)
     fresh = E.fresh_optimizer(actor, OPTIM)
     assert fresh.module is actor.module and fresh.optimizer is not actor.optimizer and fresh.step == 0
     buffers = {b.grad_data.untyped_storage().data_ptr() for b in fresh.module.buffers}
@@ -661,7 +668,7 @@ def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(m
     assert params and all(p.main_grad.untyped_storage().data_ptr() in buffers for p in params)
     assert fresh.module.module.config.grad_scale_func == fresh.optimizer.scale_loss
     before = {k: v.clone() for k, v in E.full_state_dict(fresh)}
-    fresh, m = E.update(fresh, batch, pg_loss)
+    fresh, m = U.update(fresh, batch, pg_loss)
     assert m["update_skipped"] == 0.0 and np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(fresh))
     destroy_model_parallel()

@@ -1,8 +1,8 @@
 """The megatron-core engine as a :class:`backends.training.engine.TrainEngine`: the functions of
-:mod:`backends.training.megatron.engine` behind the engine's methods, with the
-:class:`~backends.training.megatron.engine.MegatronConfig` (tensor / pipeline sizes, micro-batches) the engine
-was made with. Megatron's parallel state spans every rank, so its roles are never built on a pool of some of
-them, and it trains full weights (no LoRA adapter).
+:mod:`backends.training.megatron.engine` and :mod:`backends.training.megatron.update` behind the engine's
+methods, with the :class:`~backends.training.megatron.engine.MegatronConfig` (tensor / pipeline sizes,
+micro-batches) the engine was made with. Megatron's parallel state spans every rank, so its roles are never
+built on a pool of some of them, and it trains full weights (no LoRA adapter).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import Tensor
 from backends.training.common import LossFn, ModelOutputs
 from backends.training.engine import TrainEngine
 from backends.training.megatron import engine as M
+from backends.training.megatron import update as U
 from rlfunc.batch import RolloutBatch
 
 __all__ = ["MegatronEngine", "make_megatron_engine"]
@@ -101,7 +102,7 @@ class MegatronEngine(TrainEngine):
         with_entropy: bool = False,
         skip_rows: Tensor | None = None,
     ) -> tuple[Any, dict[str, float]]:
-        return M.update(state, batch, loss_fn, with_entropy=with_entropy, skip_rows=skip_rows)
+        return U.update(state, batch, loss_fn, with_entropy=with_entropy, skip_rows=skip_rows)
 
     def full_state_dict(
         self, state: Any, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None
