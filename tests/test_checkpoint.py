@@ -242,7 +242,7 @@ def test_crash_before_rename_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("simulated crash after the shards were written")
 
-    monkeypatch.setattr(ckpt, "_finalize", boom)
+    monkeypatch.setattr(ckpt, "commit_checkpoint", boom)
     with pytest.raises(CheckpointError, match="failed: OSError: simulated crash.*temp dir step_2.tmp-.* was removed"):
         save_checkpoint(tmp_path, 2, {"actor": state}, {"pos": 2})
     monkeypatch.undo()
@@ -276,7 +276,7 @@ state = make_small_state()
 ckpt.save_checkpoint(sys.argv[1], 1, {"actor": state}, {"pos": 1})
 for p in state.module.parameters():
     p.data.add_(1.0)
-ckpt._finalize = lambda *args, **kwargs: os._exit(17)  # killed after the shards, before COMPLETE + rename
+ckpt.commit_checkpoint = lambda *args, **kwargs: os._exit(17)  # killed after the shards, before COMPLETE + rename
 ckpt.save_checkpoint(sys.argv[1], 2, {"actor": state}, {"pos": 2})
 """
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import backends.checkpoint.dcp as ckpt
+import backends.checkpoint.files as files
 from backends.checkpoint.dcp import CheckpointError, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from backends.checkpoint.resume import truncate_metrics
 from backends.metrics_log import MetricsLog, read_jsonl
@@ -78,8 +79,6 @@ def inject(point: str) -> None:
     """In the child: arm the crash at ``point``."""
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    import backends.checkpoint.files as files
-
     if point == "shard write":  # half of the first write of a DCP shard reaches the file
 
         @contextlib.contextmanager
@@ -89,7 +88,7 @@ def inject(point: str) -> None:
 
         FileSystem.create_stream = stream
     elif point == "after shards, before COMPLETE":
-        ckpt.write_json_atomic = lambda path, data: _die()
+        files.write_json_atomic = lambda path, data: _die()
     elif point == "mid COMPLETE write":
 
         def partial_dump(data, f, **kw):
@@ -99,17 +98,23 @@ def inject(point: str) -> None:
 
         files.json = type("J", (), {"dump": staticmethod(partial_dump)})
     elif point == "after COMPLETE, before rename":
-        ckpt.fsync_dir = lambda path: _die()
+        files.fsync_dir = lambda path: _die()
     elif point == "re-save: old step moved aside, new not renamed":
-        real_replace, calls = os.replace, []
+        calls = []
 
-        def replace(src, dst):  # dcp's renames: 1: step_N -> step_N.old-*, 2: tmp -> step_N
-            calls.append(src)
-            if len(calls) == 2:
-                _die()
-            real_replace(src, dst)
+        def replace(src, dst):  # commit_checkpoint's dir renames: 1: step_N -> step_N.old-*, 2: tmp -> step_N
+            if Path(src).is_dir():
+                calls.append(src)
+                if len(calls) == 2:
+                    _die()
+            os.replace(src, dst)
 
-        ckpt.os = type("O", (), {"replace": staticmethod(replace)})
+        class _OsDyingOnTheSecondDirRename:
+            def __getattr__(self, name):
+                return getattr(os, name)
+
+        _OsDyingOnTheSecondDirRename.replace = staticmethod(replace)
+        files.os = _OsDyingOnTheSecondDirRename()
     elif point == "retention delete":
 
         def rmtree(path, ignore_errors=False):  # one file of the doomed checkpoint goes, then the crash
@@ -214,7 +219,7 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_corrupts_nothing(tmp_pat
     elif where == "rng file":
         monkeypatch.setattr(ckpt, "write_rng_file", _enospc)
     else:
-        monkeypatch.setattr(ckpt, "write_json_atomic", _enospc)
+        monkeypatch.setattr(files, "write_json_atomic", _enospc)
     t0 = time.perf_counter()
     with pytest.raises(
         CheckpointError,
@@ -254,7 +259,7 @@ def _full_disk_worker(rank, world_size, ckpt_dir, failing_rank, where):
         if where == "rng file":
             ckpt.write_rng_file = _enospc
         else:
-            ckpt.write_json_atomic = _enospc
+            files.write_json_atomic = _enospc
     t0 = time.perf_counter()
     try:
         _save(Path(ckpt_dir), 2, seed=2)

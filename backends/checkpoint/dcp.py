@@ -111,11 +111,9 @@ from backends.checkpoint.files import (
     checkpoint_info,
     checkpoint_writer,
     clean_stale_dirs,
-    fsync_dir,
+    commit_checkpoint,
     latest_checkpoint,
     list_checkpoints,
-    remove_dir,
-    write_json_atomic,
 )
 from backends.checkpoint.fingerprint import (
     config_diff,
@@ -217,7 +215,7 @@ class PendingCheckpoint:
         try:
             if future.exception() is None:
                 self._marker["integrity"] = record_integrity(self._tmp, saved_by=1)
-                _finalize(self._tmp, self.path, self._marker, self._keep_last)
+                commit_checkpoint(self._tmp, self.path, self._marker, self._keep_last)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
         finally:
@@ -279,23 +277,6 @@ def resolve_resume(resume: str | os.PathLike | bool | None, ckpt_dir: str | os.P
 # --------------------------------------------------------------------------------------------- save
 
 
-def _finalize(tmp: Path, final: Path, marker: dict, keep_last: int | None) -> None:
-    """Rank 0: write COMPLETE into the temp dir, rename it into place, apply retention."""
-    write_json_atomic(tmp / MARKER, marker)
-    fsync_dir(tmp)
-    if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
-        aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex}")
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if keep_last is not None:
-        for old in list_checkpoints(final.parent)[:-keep_last]:
-            remove_dir(old)
-
-
 def _failure_reason(error: BaseException | None) -> str:
     """What went wrong, from DCP's CheckpointException (per-rank failures) or a plain exception; a full disk
     is said as such."""
@@ -349,7 +330,7 @@ def _finalize_on_rank0(tmp: Path, final: Path, marker: dict, keep_last: int | No
     error = None
     if world_rank() == 0:
         try:
-            _finalize(tmp, final, marker, keep_last)
+            commit_checkpoint(tmp, final, marker, keep_last)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
     if not all_ok(error is None):  # also the barrier: the renamed checkpoint is visible to everyone

@@ -27,6 +27,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MARKER",
     "CheckpointInfo",
+    "commit_checkpoint",
     "step_of",
     "list_checkpoints",
     "latest_checkpoint",
@@ -123,6 +124,24 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     """The newest complete checkpoint under ``ckpt_dir``, or None (no dir, or nothing complete)."""
     found = list_checkpoints(ckpt_dir)
     return found[-1] if found else None
+
+
+def commit_checkpoint(tmp: Path, final: Path, marker: dict, keep_last: int | None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: write COMPLETE into it, rename it to ``final`` (an
+    existing ``final``, a re-saved step, is moved aside first), then keep only the newest ``keep_last``."""
+    write_json_atomic(tmp / MARKER, marker)
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
+        aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex}")
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if keep_last is not None:
+        for old in list_checkpoints(final.parent)[:-keep_last]:
+            remove_dir(old)
 
 
 def checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
