@@ -508,7 +508,8 @@ def format_table(est: MemoryEstimate, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m backends.training.memory_planner``."""
     parser = argparse.ArgumentParser(description="Per-device memory estimate of a training role, and settings that fit")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local Hugging Face checkpoint dir (config.json is read)")
@@ -550,7 +551,11 @@ def main(argv: list[str] | None = None) -> None:
         default=256.0,
         help="FSDPConfig.logits_chunk_mib (the recipes' default; 0: the log-probs of a whole micro-batch at once)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.tiny:
         from backends.models import TinyModelConfig, build_char_tokenizer
 
