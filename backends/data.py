@@ -29,8 +29,19 @@ from typing import Any, Iterator, Literal, Mapping, Sequence
 import attrs
 
 __all__ = [
-    "CHAT_ROLES", "DataConfig", "DataError", "Example", "LoadReport", "PromptStream", "TRUNCATION_BYTES_FACTOR",
-    "column_value", "data_warnings", "load_examples", "max_token_bytes", "prompt_byte_limit", "prompt_token_ids",
+    "CHAT_ROLES",
+    "DataConfig",
+    "DataError",
+    "Example",
+    "LoadReport",
+    "PromptStream",
+    "TRUNCATION_BYTES_FACTOR",
+    "column_value",
+    "data_warnings",
+    "load_examples",
+    "max_token_bytes",
+    "prompt_byte_limit",
+    "prompt_token_ids",
     "read_rows",
 ]
 
@@ -51,12 +62,16 @@ class DataError(ValueError):
 class DataConfig:
     """Where the prompts come from and how they become token ids."""
 
-    train_files: tuple[str, ...] = ()  #: training data: .jsonl / .json (one object per line), .parquet, or a saved datasets dir
+    #: training data: .jsonl / .json (one object per line), .parquet, or a saved datasets dir
+    train_files: tuple[str, ...] = ()
     val_files: tuple[str, ...] = ()  #: held-out data for evaluation (same format); empty: no evaluation
     prompt_key: str = "prompt"  #: column holding the prompt: a string or a list of {role, content} messages
-    answer_key: str = "answer"  #: column of the ground truth given to the reward (dotted for nested: reward_model.ground_truth); empty: none
-    source_key: str = "data_source"  #: column naming the row's source (routes rewards, splits eval metrics); rows without it: "default"
-    max_prompt_length: int = attrs.field(default=512, validator=attrs.validators.ge(1))  #: longest prompt in tokens, after the chat template
+    #: column of the ground truth given to the reward (dotted for nested: reward_model.ground_truth); empty: none
+    answer_key: str = "answer"
+    #: column naming the row's source (routes rewards, splits eval metrics); rows without it: "default"
+    source_key: str = "data_source"
+    #: longest prompt in tokens, after the chat template
+    max_prompt_length: int = attrs.field(default=512, validator=attrs.validators.ge(1))
     #: what a longer prompt does: error (stop, naming the row), left / right (keep the last / first
     #: max_prompt_length tokens), filter (drop the row and count it)
     truncation: Literal["error", "left", "right", "filter"] = "error"
@@ -107,9 +122,11 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
         raise DataError(f"{path}: unknown data format {path.suffix!r} (use .jsonl, .parquet or a saved datasets dir)")
 
 
-_ARRAY_HINT = ("; the file looks like one JSON array, and data files are JSON Lines: one JSON object per line "
-               "(convert it with: python -c \"import json,sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]\" "
-               "< in.json > out.jsonl)")
+_ARRAY_HINT = (
+    "; the file looks like one JSON array, and data files are JSON Lines: one JSON object per line "
+    '(convert it with: python -c "import json,sys; [print(json.dumps(r)) for r in json.load(sys.stdin)]" '
+    "< in.json > out.jsonl)"
+)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -129,12 +146,13 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}){array}") from None
             except RecursionError:  # the parser's own limit: name the row rather than crash
-                raise DataError(f"{where}: the JSON is nested too deeply to read (more than Python's recursion limit, "
-                                f"{sys.getrecursionlimit()} levels)") from None
+                raise DataError(
+                    f"{where}: the JSON is nested too deeply to read (more than Python's recursion limit, "
+                    f"{sys.getrecursionlimit()} levels)"
+                ) from None
             if not isinstance(row, dict):
                 raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}{array}")
             yield where, row
-
 
 
 def _parquet_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -187,7 +205,9 @@ def _check_prompt(prompt: Any, where: str, key: str) -> str | list[dict[str, str
     messages = []
     for i, message in enumerate(prompt):
         if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
-            raise DataError(f"{where}: {key}[{i}] must be a {{'role': ..., 'content': ...}} message, got {message!r:.80}")
+            raise DataError(
+                f"{where}: {key}[{i}] must be a {{'role': ..., 'content': ...}} message, got {message!r:.80}"
+            )
         if message["role"] not in CHAT_ROLES:
             raise DataError(f"{where}: {key}[{i}] has role {message['role']!r}; known roles: {', '.join(CHAT_ROLES)}")
         if not isinstance(message["content"], str):
@@ -237,16 +257,25 @@ def _refuse_by_bytes(nbytes: int, cfg: DataConfig, per_token: int, where: str) -
         return True
     spell = f"data.max_prompt_length={cfg.max_prompt_length} tokens of at most {per_token} bytes each"
     if cfg.truncation == "error":
-        raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text, more than {spell} can hold ({limit:,} "
-                        "bytes): refused before tokenising (raise data.max_prompt_length, or set "
-                        "data.truncation=left|right|filter)")
-    raise DataError(f"{where}: the prompt is {nbytes:,} bytes of text; data.truncation={cfg.truncation} cuts prompts "
-                    f"up to {TRUNCATION_BYTES_FACTOR} x what {spell} can hold ({limit:,} bytes): refused before "
-                    "tokenising (shorten it in the data, or set data.truncation=filter to drop such rows)")
+        raise DataError(
+            f"{where}: the prompt is {nbytes:,} bytes of text, more than {spell} can hold ({limit:,} "
+            "bytes): refused before tokenising (raise data.max_prompt_length, or set "
+            "data.truncation=left|right|filter)"
+        )
+    raise DataError(
+        f"{where}: the prompt is {nbytes:,} bytes of text; data.truncation={cfg.truncation} cuts prompts "
+        f"up to {TRUNCATION_BYTES_FACTOR} x what {spell} can hold ({limit:,} bytes): refused before "
+        "tokenising (shorten it in the data, or set data.truncation=filter to drop such rows)"
+    )
 
 
-def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto",
-                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
+def prompt_token_ids(
+    prompt: str | Sequence[Mapping[str, str]],
+    tokenizer: Any,
+    *,
+    chat_template: str = "auto",
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
     """The token ids the model reads for ``prompt``: a chat through the chat template with the
     generation prompt (``apply_chat_template``'s ids exactly, with the JSON schemas of ``tools`` when a
     multi-turn run has tools), a string as the tokenizer encodes it."""
@@ -256,10 +285,17 @@ def prompt_token_ids(prompt: str | Sequence[Mapping[str, str]], tokenizer: Any, 
         raise DataError("a chat prompt needs a chat template, and data.chat_template=none")
     template = None if chat_template == "auto" else Path(chat_template).read_text()
     if template is None and not getattr(tokenizer, "chat_template", None):
-        raise DataError("the tokenizer has no chat template for chat prompts; give one with data.chat_template=<jinja file>")
+        raise DataError(
+            "the tokenizer has no chat template for chat prompts; give one with data.chat_template=<jinja file>"
+        )
     try:
-        encoded = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True,
-                                                chat_template=template, tools=list(tools) if tools else None)
+        encoded = tokenizer.apply_chat_template(
+            list(prompt),
+            add_generation_prompt=True,
+            tokenize=True,
+            chat_template=template,
+            tools=list(tools) if tools else None,
+        )
     except Exception as e:  # a broken template: jinja's errors name neither the template nor the row
         source = "the tokenizer's chat template" if template is None else f"the chat template {chat_template}"
         raise DataError(f"{source} failed on this prompt: {type(e).__name__}: {e}") from e
@@ -277,11 +313,12 @@ def _fit_length(ids: list[int], cfg: DataConfig, where: str) -> list[int] | None
         )
     if cfg.truncation == "filter":
         return None
-    return ids[-cfg.max_prompt_length:] if cfg.truncation == "left" else ids[: cfg.max_prompt_length]
+    return ids[-cfg.max_prompt_length :] if cfg.truncation == "left" else ids[: cfg.max_prompt_length]
 
 
-def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
-                  tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[Example], LoadReport]:
+def load_examples(
+    files: Sequence[str], cfg: DataConfig, tokenizer: Any, *, tools: Sequence[Mapping[str, Any]] | None = None
+) -> tuple[list[Example], LoadReport]:
     """Every row of ``files`` (in order) as an :class:`Example`, checked and tokenised (chat prompts with the
     ``tools`` schemas); see the module doc."""
     if isinstance(files, str):
@@ -297,9 +334,11 @@ def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
             prompt = _check_prompt(column_value(row, cfg.prompt_key, where), where, cfg.prompt_key)
             answer = column_value(row, cfg.answer_key, where) if cfg.answer_key else None
             if cfg.answer_key and answer is None:
-                raise DataError(f"{where}: {cfg.answer_key} is null; the reward gets each row's ground truth (give "
-                                "every row one, or set data.answer_key= (empty) for a reward that needs none)")
-            if (blank := _empty_content(prompt, cfg.prompt_key)):
+                raise DataError(
+                    f"{where}: {cfg.answer_key} is null; the reward gets each row's ground truth (give "
+                    "every row one, or set data.answer_key= (empty) for a reward that needs none)"
+                )
+            if blank := _empty_content(prompt, cfg.prompt_key):
                 empty, first_empty = empty + 1, first_empty or f"{where} {blank}"
             if _refuse_by_bytes(_prompt_bytes(prompt), cfg, per_token, where):
                 filtered += 1
@@ -316,20 +355,35 @@ def load_examples(files: Sequence[str], cfg: DataConfig, tokenizer: Any, *,
             top_answer = cfg.answer_key if "." not in cfg.answer_key else None  # a nested answer's column stays
             columns = {k: v for k, v in row.items() if k not in (cfg.prompt_key, top_answer)}
             source = row.get(cfg.source_key)
-            examples.append(Example(prompt_ids=tuple(fitted), ground_truth=answer,
-                                    source=str(source) if source not in (None, "") else "default",
-                                    columns=columns, where=where))
+            examples.append(
+                Example(
+                    prompt_ids=tuple(fitted),
+                    ground_truth=answer,
+                    source=str(source) if source not in (None, "") else "default",
+                    columns=columns,
+                    where=where,
+                )
+            )
     if rows == 0:
         raise DataError(f"no rows in {', '.join(map(str, files)) or 'the data files (none given)'}")
     if not examples:
-        raise DataError(f"all {rows} rows of {', '.join(map(str, files))} are longer than data.max_prompt_length="
-                        f"{cfg.max_prompt_length} and were filtered out")
-    return examples, LoadReport(rows=rows, kept=len(examples), filtered=filtered, truncated=truncated,
-                                empty_contents=empty, first_empty_content=first_empty)
+        raise DataError(
+            f"all {rows} rows of {', '.join(map(str, files))} are longer than data.max_prompt_length="
+            f"{cfg.max_prompt_length} and were filtered out"
+        )
+    return examples, LoadReport(
+        rows=rows,
+        kept=len(examples),
+        filtered=filtered,
+        truncated=truncated,
+        empty_contents=empty,
+        first_empty_content=first_empty,
+    )
 
 
-def data_warnings(train_files: Sequence[str], val_files: Sequence[str], reports: Mapping[str, LoadReport], *,
-                  prompts_per_step: int) -> list[str]:
+def data_warnings(
+    train_files: Sequence[str], val_files: Sequence[str], reports: Mapping[str, LoadReport], *, prompts_per_step: int
+) -> list[str]:
     """What is allowed but probably not meant, one line each, for a run to warn about once: held-out files that are
     training files (the evaluation measures memory, not learning), chat messages with empty content, and fewer
     training prompts than one step draws (every step repeats prompts). ``reports``: ``{"training": ..., "held-out":
@@ -337,16 +391,22 @@ def data_warnings(train_files: Sequence[str], val_files: Sequence[str], reports:
     warnings = []
     same = sorted({str(Path(f).resolve()) for f in train_files} & {str(Path(f).resolve()) for f in val_files})
     if same:
-        warnings.append(f"the held-out data is training data ({', '.join(same)} in both data.train_files and the "
-                        "held-out files): the evaluation measures what the policy memorised, not what it learned")
+        warnings.append(
+            f"the held-out data is training data ({', '.join(same)} in both data.train_files and the "
+            "held-out files): the evaluation measures what the policy memorised, not what it learned"
+        )
     for name, report in reports.items():
         if report.empty_contents:
-            warnings.append(f"{report.empty_contents} {name} row(s) have a chat message with empty content (the first: "
-                            f"{report.first_empty_content}); the model reads only the template's markers there")
+            warnings.append(
+                f"{report.empty_contents} {name} row(s) have a chat message with empty content (the first: "
+                f"{report.first_empty_content}); the model reads only the template's markers there"
+            )
     train = reports.get("training")
     if train is not None and train.kept < prompts_per_step:
-        warnings.append(f"the training data has {train.kept} prompt(s), fewer than prompts_per_step="
-                        f"{prompts_per_step}: every step draws some prompts more than once")
+        warnings.append(
+            f"the training data has {train.kept} prompt(s), fewer than prompts_per_step="
+            f"{prompts_per_step}: every step draws some prompts more than once"
+        )
     return warnings
 
 

@@ -29,9 +29,16 @@ class MetricsLog:
     """
 
     def __init__(
-        self, run_dir: str | os.PathLike, *, enabled: bool = True, loggers: Iterable[str] = ("jsonl", "tensorboard"),
-        run_name: str = "", config: Mapping[str, Any] | None = None, console_keys: Sequence[str] = (),
-        console_every: int = 10, always_keys: Sequence[str] = (),
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        enabled: bool = True,
+        loggers: Iterable[str] = ("jsonl", "tensorboard"),
+        run_name: str = "",
+        config: Mapping[str, Any] | None = None,
+        console_keys: Sequence[str] = (),
+        console_every: int = 10,
+        always_keys: Sequence[str] = (),
     ) -> None:
         loggers = tuple(loggers)
         unknown = [name for name in loggers if name not in LOGGERS]
@@ -55,9 +62,16 @@ class MetricsLog:
             try:
                 import wandb
             except ImportError:
-                raise ValueError("logger=wandb needs the wandb package (pip install wandb, or the `wandb` extra)") from None
-            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "rlfunc"), name=run_name or self.run_dir.name,
-                                     dir=str(self.run_dir), config=dict(config or {}), reinit="finish_previous")
+                raise ValueError(
+                    "logger=wandb needs the wandb package (pip install wandb, or the `wandb` extra)"
+                ) from None
+            self._wandb = wandb.init(
+                project=os.environ.get("WANDB_PROJECT", "rlfunc"),
+                name=run_name or self.run_dir.name,
+                dir=str(self.run_dir),
+                config=dict(config or {}),
+                reinit="finish_previous",
+            )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if not self.enabled:
@@ -110,8 +124,11 @@ class _JsonlAppender:
             except OSError:
                 pass
             reason = "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
-            raise OSError(e.errno, f"writing a metrics row to {str(self.path)!r} failed: {reason}; the rows "
-                          "logged before it are intact", str(self.path)) from e
+            raise OSError(
+                e.errno,
+                f"writing a metrics row to {str(self.path)!r} failed: {reason}; the rows logged before it are intact",
+                str(self.path),
+            ) from e
 
     def close(self) -> None:
         if self._fd >= 0:

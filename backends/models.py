@@ -59,14 +59,17 @@ CHAR_CHAT_TEMPLATE = (
 )
 
 # JSON and code characters come last, so the ids of the earlier ones stay what they were
-_DEFAULT_CHARS = (string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/"
-                  + "{}[]\"'_#<>%&|\n")
+_DEFAULT_CHARS = (
+    string.digits + "+-*=" + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?()/" + "{}[]\"'_#<>%&|\n"
+)
 
 #: Qwen2's pre-tokenizer split (transformers' ``Qwen2Tokenizer``). The tiny tokenizer uses Qwen2's whole pipeline
 #: because ``AutoTokenizer`` rebuilds any ``model_type: qwen2`` dir's tokenizer with it, keeping only the vocabulary
 #: of ``tokenizer.json``: with the same pipeline on both sides every loader gives the same ids.
-QWEN2_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-                           r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 _WEIGHT_FILES = (
     "model.safetensors",
@@ -116,18 +119,22 @@ def build_char_tokenizer(*, words: Sequence[str] = (), model_max_length: int = 2
         vocab[word] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False, byte_fallback=False))
     core.normalizer = normalizers.NFC()
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     core.decoder = decoders.ByteLevel()
     # whole-token matches before the byte split (and dropped by skip_special_tokens)
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + CHAT_TOKENS])
     core.add_tokens([AddedToken(w, special=False, normalized=False) for w in words])
     for word in words:  # the byte-level decoder reads a token's characters as bytes where it can
         if core.decode(core.encode(word).ids) != word:
-            raise ValueError(f"tokenizer word {word!r} does not decode back to itself (a word mixing characters "
-                             "outside ASCII with no space); leave it out, its bytes are tokens already")
+            raise ValueError(
+                f"tokenizer word {word!r} does not decode back to itself (a word mixing characters "
+                "outside ASCII with no space); leave it out, its bytes are tokens already"
+            )
     return PreTrainedTokenizerFast(
         chat_template=CHAR_CHAT_TEMPLATE,
         tokenizer_object=core,
@@ -190,8 +197,11 @@ class TinyModelConfig:
 class ModelConfig:
     """The policy model a recipe starts from."""
 
-    path: str = ""  #: a local Hugging Face dir (Llama / Qwen2 family) used as it is; empty: a tiny random model (model.tiny) in the run dir
-    tiny: TinyModelConfig = TinyModelConfig()  #: the tiny model written when model.path is empty (char tokenizer with a chat template)
+    #: a local Hugging Face dir (Llama / Qwen2 family) used as it is; empty: a tiny random model (model.tiny) in the
+    #: run dir
+    path: str = ""
+    #: the tiny model written when model.path is empty (char tokenizer with a chat template)
+    tiny: TinyModelConfig = TinyModelConfig()
     #: the tiny model's tokenizer: strings that become one token each (e.g. the fixed part of a task's tool-call JSON)
     tiny_words: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
@@ -229,7 +239,9 @@ def build_tiny_model(config: TinyModelConfig = TinyModelConfig(), tokenizer: Any
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    tokenizer = (
+        tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    )
     hf_config = _hf_config(config, tokenizer)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
@@ -240,13 +252,17 @@ def build_tiny_model(config: TinyModelConfig = TinyModelConfig(), tokenizer: Any
     return model.eval()
 
 
-def write_tiny_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None) -> Path:
+def write_tiny_model(
+    out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig(), tokenizer: Any = None
+) -> Path:
     """Write :func:`build_tiny_model`'s model as a real HF checkpoint dir (config, safetensors, tokenizer).
 
     Returns the directory (created if needed).
     """
     out = Path(out_dir)
-    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    tokenizer = (
+        tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    )
     model = build_tiny_model(config, tokenizer)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -258,7 +274,9 @@ def check_model_dir(path: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
     if not path.is_dir():
-        raise NotADirectoryError(f"model path {str(path)!r} is not a directory (expected a Hugging Face checkpoint dir)")
+        raise NotADirectoryError(
+            f"model path {str(path)!r} is not a directory (expected a Hugging Face checkpoint dir)"
+        )
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
@@ -271,7 +289,8 @@ def check_model_dir(path: Path) -> dict:
     model_type = hf_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
-            f"unsupported model_type {model_type!r} in {str(config_file)!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model_type {model_type!r} in {str(config_file)!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     has_weights = any((path / f).is_file() for f in _WEIGHT_FILES) or any(path.glob("*.safetensors"))
     if not has_weights:
@@ -294,8 +313,10 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
         raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {type(e).__name__}: {e}") from e
     if tokenizer.pad_token is None:  # padding needs a token: the end-of-sequence one, as verl does
         if tokenizer.eos_token is None:
-            raise ValueError(f"the tokenizer in {str(path)!r} has neither a pad token nor an eos token; set "
-                             "pad_token in its tokenizer_config.json")
+            raise ValueError(
+                f"the tokenizer in {str(path)!r} has neither a pad token nor an eos token; set "
+                "pad_token in its tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -319,8 +340,12 @@ def load_causal_lm(
     try:
         with quiet_transformers():  # its load report is replaced by the checks below
             model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
-                output_loading_info=True, ignore_mismatched_sizes=True,
+                path,
+                dtype=dtype,
+                local_files_only=True,
+                attn_implementation=attn_implementation,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
             )
     except Exception as e:  # a truncated safetensors file, a config.json that transformers refuses, ...
         raise ValueError(f"cannot load the model in {str(path)!r}: {type(e).__name__}: {e}") from e
@@ -335,21 +360,29 @@ def load_causal_lm(
 def check_loaded_weights(path: Path, info: Mapping[str, Any]) -> None:
     """Weights whose shape does not fit ``config.json``, or that the files lack, are an error naming them
     (transformers would re-initialise them at random and only log it)."""
-    mismatched = [f"{key}: file {tuple(saved)}, config.json {tuple(wanted)}" for key, saved, wanted in info["mismatched_keys"]]
+    mismatched = [
+        f"{key}: file {tuple(saved)}, config.json {tuple(wanted)}" for key, saved, wanted in info["mismatched_keys"]
+    ]
     if mismatched:
-        raise ValueError(f"the weights in {str(path)!r} do not fit its config.json ({len(mismatched)} of other shape): "
-                         + "; ".join(sorted(mismatched)[:4]))
+        raise ValueError(
+            f"the weights in {str(path)!r} do not fit its config.json ({len(mismatched)} of other shape): "
+            + "; ".join(sorted(mismatched)[:4])
+        )
     if info["missing_keys"]:
-        raise ValueError(f"the weight files in {str(path)!r} lack {len(info['missing_keys'])} weight(s) of the model, "
-                         f"e.g. {sorted(info['missing_keys'])[:3]}")
+        raise ValueError(
+            f"the weight files in {str(path)!r} lack {len(info['missing_keys'])} weight(s) of the model, "
+            f"e.g. {sorted(info['missing_keys'])[:3]}"
+        )
 
 
 def check_vocab(path: Path, model: Any, tokenizer: Any) -> None:
     """Every token id the tokenizer can give (the pad id too) has a row in the model's embedding."""
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
-        raise ValueError(f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model embeds only {rows} "
-                         "(config.json vocab_size): the tokenizer belongs to another model")
+        raise ValueError(
+            f"the tokenizer in {str(path)!r} has {len(tokenizer)} tokens but the model embeds only {rows} "
+            "(config.json vocab_size): the tokenizer belongs to another model"
+        )
 
 
 # ------------------------------------------------------------------ value models and reward models
@@ -376,7 +409,9 @@ def build_tiny_classifier(
     classes = {"token": AutoModelForTokenClassification, "sequence": AutoModelForSequenceClassification}
     if kind not in classes:
         raise ValueError(f"kind must be one of {tuple(classes)}, got {kind!r}")
-    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    tokenizer = (
+        tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    )
     hf_config = _hf_config(config, tokenizer)
     hf_config.num_labels = 1
     hf_config.classifier_dropout = 0.0
@@ -388,7 +423,9 @@ def build_tiny_classifier(
 
 def _write_classifier(out_dir: str | os.PathLike, config: TinyModelConfig, tokenizer: Any, kind: str) -> Path:
     out = Path(out_dir)
-    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    tokenizer = (
+        tokenizer if tokenizer is not None else build_char_tokenizer(model_max_length=config.max_position_embeddings)
+    )
     model = build_tiny_classifier(config, tokenizer, kind=kind)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
@@ -470,7 +507,11 @@ def load_value_model(
     hf_config.classifier_dropout = 0.0
     with quiet_transformers():
         model, info = AutoModelForTokenClassification.from_pretrained(
-            path, config=hf_config, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+            path,
+            config=hf_config,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
             output_loading_info=True,
         )
     missing = set(info["missing_keys"])

@@ -28,7 +28,15 @@ import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["BlockLayout", "PackedRows", "boundaries_from_positions", "model_kwargs", "pack_rows", "pad_layout", "unpack"]
+__all__ = [
+    "BlockLayout",
+    "PackedRows",
+    "boundaries_from_positions",
+    "model_kwargs",
+    "pack_rows",
+    "pad_layout",
+    "unpack",
+]
 
 
 @attrs.frozen
@@ -70,8 +78,13 @@ class PackedRows:
 
 
 def pack_rows(
-    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, *,
-    share_prompts: bool = False, with_last_token: bool = False,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    *,
+    share_prompts: bool = False,
+    with_last_token: bool = False,
 ) -> PackedRows:
     """Pack ``(b p)`` prompts (real tokens where ``prompt_mask``) and ``(b t)`` responses into one row,
     for predicting each row's response tokens up to its last ``response_mask`` token (at least one).
@@ -127,8 +140,14 @@ def pack_rows(
     predict_index = index[:, p - 1 : p + t - 1][response_keep]
     rows, resp_cols = response_keep.nonzero(as_tuple=True)
     common = dict(
-        input_ids=packed_input_ids, position_ids=packed_position_ids, max_seqlen=int(seqlens.max()),
-        predict_index=predict_index, rows=rows, cols=resp_cols, labels=response_ids[response_keep], shape=(b, t),
+        input_ids=packed_input_ids,
+        position_ids=packed_position_ids,
+        max_seqlen=int(seqlens.max()),
+        predict_index=predict_index,
+        rows=rows,
+        cols=resp_cols,
+        labels=response_ids[response_keep],
+        shape=(b, t),
     )
     if not share_prompts:
         cu_seqlens = torch.cat([seqlens.new_zeros(1), seqlens.cumsum(0)]).to(torch.int32)
@@ -141,7 +160,8 @@ def _check_rows(prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, r
     t = response_ids.shape[1]
     if response_ids.shape[0] != b or prompt_mask.shape != (b, p) or response_mask.shape != (b, t):
         raise ValueError(
-            f"pack_rows: shapes disagree: prompt_ids {tuple(prompt_ids.shape)}, prompt_mask {tuple(prompt_mask.shape)}, "
+            f"pack_rows: shapes disagree: prompt_ids {tuple(prompt_ids.shape)}, "
+            f"prompt_mask {tuple(prompt_mask.shape)}, "
             f"response_ids {tuple(response_ids.shape)}, response_mask {tuple(response_mask.shape)}"
         )
     if t == 0:
@@ -173,9 +193,10 @@ def _shared_layout(index: Tensor, stored: Tensor, prompt_len: Tensor, seqlens: T
     # a sequence's tokens are the contiguous columns [p - prompt_len, p - prompt_len + seqlen) of its row
     col = (p - prompt_len)[:, None] + torch.minimum(j[None], (seqlens - 1)[:, None])
     gather = index.gather(1, col)  # (b L)
+    # (b, p + t): the block slot of each column (valid on the row's sequence)
     slot = torch.arange(b, device=index.device)[:, None] * max_len + (
         torch.arange(index.shape[1], device=index.device)[None] - (p - prompt_len)[:, None]
-    )  # (b, p + t): the block slot of each column (valid on the row's sequence)
+    )
     scatter = torch.empty(int(stored.sum()), dtype=torch.long, device=index.device)
     scatter[index[stored]] = slot[stored]
     return BlockLayout(gather=gather, scatter=scatter, max_len=max_len, lengths=seqlens.to(torch.long))
@@ -201,12 +222,15 @@ def model_kwargs(packed: PackedRows, *, block_layout: bool = False) -> dict[str,
     if layout is None and block_layout:
         layout = pad_layout(tuple(int(x) for x in packed.cu_seqlens.tolist()), packed.input_ids.device)
     if layout is not None:
-        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=layout,
-                    use_cache=False)
+        return dict(input_ids=packed.input_ids, position_ids=packed.position_ids, packed_layout=layout, use_cache=False)
     return dict(
-        input_ids=packed.input_ids, position_ids=packed.position_ids,
-        cu_seq_lens_q=packed.cu_seqlens, cu_seq_lens_k=packed.cu_seqlens,
-        max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen, use_cache=False,
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        cu_seq_lens_q=packed.cu_seqlens,
+        cu_seq_lens_k=packed.cu_seqlens,
+        max_length_q=packed.max_seqlen,
+        max_length_k=packed.max_seqlen,
+        use_cache=False,
     )
 
 
@@ -233,4 +257,6 @@ def pad_layout(bounds: tuple[int, ...], device: torch.device) -> BlockLayout:
     inside = cols[None] < lengths[:, None]
     gather = starts[:, None] + torch.minimum(cols[None], lengths[:, None] - 1)
     scatter = inside.reshape(-1).nonzero().squeeze(-1)  # row-major over (n, L): the packed order
-    return BlockLayout(gather=gather.to(device), scatter=scatter.to(device), max_len=max_len, lengths=lengths.to(device))
+    return BlockLayout(
+        gather=gather.to(device), scatter=scatter.to(device), max_len=max_len, lengths=lengths.to(device)
+    )

@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 DATA = Path(tempfile.gettempdir()) / "bench_bad_inputs"
-WARNING = re.compile(r"WARNING.*(held-out data is training|empty content|fewer than prompts_per_step"
-                     r"|rollout\.n=1 with)")
+WARNING = re.compile(
+    r"WARNING.*(held-out data is training|empty content|fewer than prompts_per_step"
+    r"|rollout\.n=1 with)"
+)
 ERROR = re.compile(r"^(\[rank\d+\]: )?[\w.]*(Error|Exception)\b|^error:")
 
 
@@ -47,7 +49,8 @@ def cases() -> dict[str, list[str]]:
         "def positional(scores, group_ids):\n    return scores - scores.mean(), scores\n"
         "def centered(scores, *, group_ids, response_mask):\n    return scores - scores.mean(), scores\n"
         "def loss_positional(logprobs, old_logprobs, advantages):\n    return -(logprobs * advantages).mean(), {}\n"
-        "def loss_float(logprobs, **kwargs):\n    return 0.5, {}\n")
+        "def loss_float(logprobs, **kwargs):\n    return 0.5, {}\n"
+    )
     empty_content = {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "1+1="}], "answer": "2"}
     train = write_jsonl("train.jsonl", [chat_row(i) for i in range(8)])
     big = write_jsonl("big.jsonl", [chat_row(1), {"prompt": "7" * 5_000_000, "answer": "1"}])
@@ -82,17 +85,32 @@ def cases() -> dict[str, list[str]]:
 def base_overrides() -> list[str]:
     """A run that gets through 2 steps in seconds when nothing is wrong."""
     val = write_jsonl("val.jsonl", [chat_row(i) for i in range(8, 12)])
-    return [f"data.train_files={DATA / 'train.jsonl'}", f"data.val_files={val}", "reward.fn=exact", "steps=2",
-            "prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=4",
-            "data.max_prompt_length=32", "eval.n=1", "export.hf=false", "logger=jsonl", f"run_root={DATA / 'runs'}",
-            "model.tiny.hidden_size=64", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-            "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64"]
+    return [
+        f"data.train_files={DATA / 'train.jsonl'}",
+        f"data.val_files={val}",
+        "reward.fn=exact",
+        "steps=2",
+        "prompts_per_step=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=4",
+        "data.max_prompt_length=32",
+        "eval.n=1",
+        "export.hf=false",
+        "logger=jsonl",
+        f"run_root={DATA / 'runs'}",
+        "model.tiny.hidden_size=64",
+        "model.tiny.num_layers=1",
+        "model.tiny.num_heads=2",
+        "model.tiny.num_kv_heads=1",
+        "model.tiny.intermediate_size=64",
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--root", default=str(Path(__file__).resolve().parents[1]),
-                        help="the repository whose code runs")
+    parser.add_argument(
+        "--root", default=str(Path(__file__).resolve().parents[1]), help="the repository whose code runs"
+    )
     parser.add_argument("only", nargs="*", help="run only the cases whose name holds one of these")
     args = parser.parse_args(argv)
     root = Path(args.root)
@@ -113,9 +131,18 @@ def main(argv: list[str] | None = None) -> None:
         errors = [line for line in lines if ERROR.search(line.strip())]
         warnings = [line for line in lines if WARNING.search(line)]
         rss = re.findall(r"MAXRSS_KB=(\d+)", text)
-        print(json.dumps({"case": name, "rc": rc, "s": round(time.time() - t0, 1),
-                          "rss_mb": int(rss[-1]) // 1024 if rss else None,
-                          "line": (errors[-1] if errors else warnings[0] if warnings else "")[:400]}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "case": name,
+                    "rc": rc,
+                    "s": round(time.time() - t0, 1),
+                    "rss_mb": int(rss[-1]) // 1024 if rss else None,
+                    "line": (errors[-1] if errors else warnings[0] if warnings else "")[:400],
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

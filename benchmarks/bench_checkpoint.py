@@ -115,8 +115,13 @@ def _worker(rank: int, world_size: int, model_dir: str, root: str, repeats: int,
 
         def torch_load() -> None:
             blob = torch.load(file, weights_only=True)
-            set_state_dict(actor.module, [actor.optimizer], model_state_dict=blob["model"],
-                           optim_state_dict=blob["optim"], options=StateDictOptions(full_state_dict=True))
+            set_state_dict(
+                actor.module,
+                [actor.optimizer],
+                model_state_dict=blob["model"],
+                optim_state_dict=blob["optim"],
+                options=StateDictOptions(full_state_dict=True),
+            )
 
         timed("torch.save (gathered)", torch_save)
         timed("torch.load (every rank)", torch_load)
@@ -161,8 +166,10 @@ def main() -> None:
             table[world] = res
 
     params = next(iter(table.values()))["params"]
-    print(f"\nconfig-B actor: {params / 1e6:.2f}M parameters + AdamW state; median of {args.repeats} repeats, "
-          f"seconds (1 torch thread per rank; torch {torch.__version__}; {os.cpu_count()} CPUs)")
+    print(
+        f"\nconfig-B actor: {params / 1e6:.2f}M parameters + AdamW state; median of {args.repeats} repeats, "
+        f"seconds (1 torch thread per rank; torch {torch.__version__}; {os.cpu_count()} CPUs)"
+    )
     rows = list(next(iter(table.values()))["times"])
     header = f"{'':32}" + "".join(f"{f'{w} rank' + ('s' if w > 1 else ''):>12}" for w in table)
     print(header)

@@ -132,21 +132,41 @@ def bench_outcome(n: int, group: int, t: int, runs: int, loop_runs: int, gen: to
     maski = mask.long()  # verl's trainer passes attention_mask[:, -T:], an int64 tensor
     shape = f"{n} seq, group {group}, T={t}"
     cases = [
-        ("GRPO", lambda: rf.grpo(token_rewards.sum(-1), group_ids=ids, response_mask=mask),
-         ca.compute_grpo_vectorized_outcome_advantage, ca.compute_grpo_outcome_advantage),
-        ("RLOO", lambda: rf.rloo(token_rewards.sum(-1), group_ids=ids, response_mask=mask),
-         ca.compute_rloo_vectorized_outcome_advantage, ca.compute_rloo_outcome_advantage),
+        (
+            "GRPO",
+            lambda: rf.grpo(token_rewards.sum(-1), group_ids=ids, response_mask=mask),
+            ca.compute_grpo_vectorized_outcome_advantage,
+            ca.compute_grpo_outcome_advantage,
+        ),
+        (
+            "RLOO",
+            lambda: rf.rloo(token_rewards.sum(-1), group_ids=ids, response_mask=mask),
+            ca.compute_rloo_vectorized_outcome_advantage,
+            ca.compute_rloo_outcome_advantage,
+        ),
     ]
     for name, ours, vec, loop in cases:
         d_vec = diff(ours()[0], vec(token_rewards, maskf, ids_np)[0])
         d_loop = diff(ours()[0], loop(token_rewards, maskf, ids_np)[0])
         assert max(d_vec, d_loop) <= 1e-5, (name, d_vec, d_loop)
-        compare(name, f"{shape} vs verl vectorized", ours, lambda: vec(token_rewards, maskf, ids_np), runs,
-                f"max|diff| {d_vec:.1e}")
+        compare(
+            name,
+            f"{shape} vs verl vectorized",
+            ours,
+            lambda: vec(token_rewards, maskf, ids_np),
+            runs,
+            f"max|diff| {d_vec:.1e}",
+        )
         compare(name, "   vs verl vectorized, uid strings", ours, lambda: vec(token_rewards, maskf, ids_str), runs)
         compare(name, "   vs verl vectorized, int64 mask", ours, lambda: vec(token_rewards, maski, ids_np), runs)
-        compare(name, "   vs verl loop", ours, lambda: loop(token_rewards, maskf, ids_np), loop_runs,
-                f"max|diff| {d_loop:.1e}")
+        compare(
+            name,
+            "   vs verl loop",
+            ours,
+            lambda: loop(token_rewards, maskf, ids_np),
+            loop_runs,
+            f"max|diff| {d_loop:.1e}",
+        )
 
 
 def bench_policy_loss(b: int, t: int, runs: int, gen: torch.Generator) -> None:

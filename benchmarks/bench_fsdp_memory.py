@@ -180,8 +180,10 @@ def main() -> None:
         if args.skip_timing:
             return
         times = run_distributed(_timing, 2, model_dir, vocab, args.rows, args.steps)
-        print(f"\nstep time on 2 ranks x 1 thread, {args.rows} rows (64 per rank, micro-batch 16), "
-              f"median of steps 2..{args.steps} (seconds, rank 0 / rank 1)")
+        print(
+            f"\nstep time on 2 ranks x 1 thread, {args.rows} rows (64 per rank, micro-batch 16), "
+            f"median of steps 2..{args.steps} (seconds, rank 0 / rank 1)"
+        )
         gap = times[0].pop("logprob_gap")
         times[1].pop("logprob_gap")
         print(f"  bf16 vs fp32 log-probs of the same tokens, same weights: mean |diff| {gap[0]:.2e}, max {gap[1]:.2e}")
@@ -191,8 +193,11 @@ def main() -> None:
         for kind in ("update", "logprobs"):
             # paired by step (the two dtypes run back to back), so load drift cancels
             ratios = [b / f for f, b in zip(times[0][f"{kind}/float32"][1:], times[0][f"{kind}/bfloat16"][1:])]
-            print(f"  {kind}: bf16 / fp32 time, median of per-step ratios = {statistics.median(ratios):.2f} "
-                  f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+            print(
+                f"  {kind}: bf16 / fp32 time, median of per-step ratios = {statistics.median(ratios):.2f} "
+                f"(range {min(ratios):.2f}-{max(ratios):.2f})"
+            )
+
 
 if __name__ == "__main__":
     main()

@@ -74,8 +74,22 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 CONFIGS = {
-    "A": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 256, "max_new_tokens": 16},
-    "B": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 688, "max_new_tokens": 32},
+    "A": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 256,
+        "max_new_tokens": 16,
+    },
+    "B": {
+        "hidden_size": 256,
+        "num_layers": 4,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "intermediate_size": 688,
+        "max_new_tokens": 32,
+    },
 }
 PROMPTS_PER_STEP = 16
 SAMPLES = 8
@@ -117,10 +131,19 @@ def write_model(name: str, out_dir: Path) -> Path:
     tok = build_char_tokenizer(model_max_length=256)
     # the fields backends.models.write_tiny_model sets, without TinyModelConfig's head_dim >= 32 check
     hf_config = Qwen2Config(
-        vocab_size=len(tok), hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
-        num_hidden_layers=c["num_layers"], num_attention_heads=c["num_heads"], num_key_value_heads=c["num_kv_heads"],
-        max_position_embeddings=256, tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6,
-        initializer_range=0.02, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+        vocab_size=len(tok),
+        hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_layers"],
+        num_attention_heads=c["num_heads"],
+        num_key_value_heads=c["num_kv_heads"],
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
     with torch.random.fork_rng(devices=[]):
@@ -157,8 +180,15 @@ def param_count(model_dir: Path) -> int:
     return sum(t.numel() for t in load_file(str(model_dir / "model.safetensors")).values())
 
 
-def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, rows: int = PROMPTS_PER_STEP * SAMPLES,
-                  vocab: int = 66, reps: int = 5, dtype=None) -> tuple[float, float]:
+def gemm_floor_ms(
+    name: str,
+    prompt_tokens: float,
+    completion_tokens: float,
+    rows: int = PROMPTS_PER_STEP * SAMPLES,
+    vocab: int = 66,
+    reps: int = 5,
+    dtype=None,
+) -> tuple[float, float]:
     """Matmul time alone of one GRPO step, 1 thread: ``(rollout_ms, update_ms)``.
 
     A lower bound for any implementation of the step in ``dtype`` (default fp32) that runs its
@@ -178,8 +208,13 @@ def gemm_floor_ms(name: str, prompt_tokens: float, completion_tokens: float, row
 
     c = CONFIGS[name]
     hidden, head_dim = c["hidden_size"], c["hidden_size"] // c["num_heads"]
-    layer = [(hidden, hidden + 2 * c["num_kv_heads"] * head_dim), (hidden, hidden), (hidden, c["intermediate_size"]),
-             (hidden, c["intermediate_size"]), (c["intermediate_size"], hidden)]
+    layer = [
+        (hidden, hidden + 2 * c["num_kv_heads"] * head_dim),
+        (hidden, hidden),
+        (hidden, c["intermediate_size"]),
+        (hidden, c["intermediate_size"]),
+        (c["intermediate_size"], hidden),
+    ]
 
     def timed(fn) -> float:
         return median_seconds(fn, reps) * 1e3
@@ -215,15 +250,39 @@ PRECISION_OVERRIDES = {
 }
 
 
-def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run_root: Path, name: str,
-              extra: list[str], prompts: Path, precision: str = "fp32", skip_zero_advantage: bool = False) -> list[str]:
+def ours_argv(
+    model_dir: Path,
+    cfg: str,
+    steps: int,
+    beta: float,
+    seed: int,
+    run_root: Path,
+    name: str,
+    extra: list[str],
+    prompts: Path,
+    precision: str = "fp32",
+    skip_zero_advantage: bool = False,
+) -> list[str]:
     return [
-        f"name={name}", f"run_root={run_root}", f"model.path={model_dir}", f"seed={seed}", f"steps={steps}",
-        f"data.train_files={prompts.with_suffix('.jsonl')}", "data.shuffle=false", "reward.fn=arithmetic",
-        "eval.before_training=false", "export.hf=false", "logger=jsonl",
-        f"prompts_per_step={PROMPTS_PER_STEP}", f"rollout.n={SAMPLES}", "rollout.temperature=1.0",
-        f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}", "actor.optim.lr=1e-3",
-        "actor.optim.lr_scheduler_type=constant", "actor.optim.lr_warmup_steps=0", f"algo.kl_loss_coef={beta}",
+        f"name={name}",
+        f"run_root={run_root}",
+        f"model.path={model_dir}",
+        f"seed={seed}",
+        f"steps={steps}",
+        f"data.train_files={prompts.with_suffix('.jsonl')}",
+        "data.shuffle=false",
+        "reward.fn=arithmetic",
+        "eval.before_training=false",
+        "export.hf=false",
+        "logger=jsonl",
+        f"prompts_per_step={PROMPTS_PER_STEP}",
+        f"rollout.n={SAMPLES}",
+        "rollout.temperature=1.0",
+        f"rollout.max_new_tokens={CONFIGS[cfg]['max_new_tokens']}",
+        "actor.optim.lr=1e-3",
+        "actor.optim.lr_scheduler_type=constant",
+        "actor.optim.lr_warmup_steps=0",
+        f"algo.kl_loss_coef={beta}",
         "algo.agg=token-mean",
         # TRL's per_device_train_batch_size=128: the 128 completions in one forward/backward
         f"actor.fsdp.micro_batch_size={PROMPTS_PER_STEP * SAMPLES}",
@@ -232,7 +291,8 @@ def ours_argv(model_dir: Path, cfg: str, steps: int, beta: float, seed: int, run
         # zero-advantage rows would skip the whole update: off unless asked for, so that both sides
         # run the same forward / backward.
         f"algo.skip_zero_advantage={str(skip_zero_advantage).lower()}",
-        *PRECISION_OVERRIDES[precision], *extra,
+        *PRECISION_OVERRIDES[precision],
+        *extra,
     ]
 
 
@@ -267,19 +327,24 @@ def child_ours(recipe_argv: list[str], out: Path) -> None:
     calib_after = calibrate()
     rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
     rows = [r for r in rows if r.get("step", 0) > 0 and "step_time_s" in r]
-    out.write_text(json.dumps({
-        "side": "ours",
-        "threads": torch.get_num_threads(),
-        "calib_ms_before": calib_before,
-        "calib_ms_after": calib_after,
-        "step_ms": [r["step_time_s"] * 1e3 for r in rows],
-        "rollout_ms": [r["rollout_time_s"] * 1e3 for r in rows],
-        "cycle_cpu_ms": [(b - a) * 1e3 for a, b in zip(cpu_marks, cpu_marks[1:])],
-        "completion_length": [r.get("response_length") for r in rows],
-        "reward": [r.get("reward_mean") for r in rows],
-        "recipe_wall_s": wall,
-        "run_dir": summary["run_dir"],
-    }, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "side": "ours",
+                "threads": torch.get_num_threads(),
+                "calib_ms_before": calib_before,
+                "calib_ms_after": calib_after,
+                "step_ms": [r["step_time_s"] * 1e3 for r in rows],
+                "rollout_ms": [r["rollout_time_s"] * 1e3 for r in rows],
+                "cycle_cpu_ms": [(b - a) * 1e3 for a, b in zip(cpu_marks, cpu_marks[1:])],
+                "completion_length": [r.get("response_length") for r in rows],
+                "reward": [r.get("reward_mean") for r in rows],
+                "recipe_wall_s": wall,
+                "run_dir": summary["run_dir"],
+            },
+            indent=1,
+        )
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -288,8 +353,14 @@ def child_ours(recipe_argv: list[str], out: Path) -> None:
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               TRANSFORMERS_VERBOSITY="error", PYTHONUNBUFFERED="1")
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        TRANSFORMERS_VERBOSITY="error",
+        PYTHONUNBUFFERED="1",
+    )
     env.pop("WORLD_SIZE", None), env.pop("RANK", None), env.pop("LOCAL_RANK", None)
     return env
 
@@ -312,7 +383,8 @@ def run_child(cmd: list[str], log: Path, out: Path) -> dict:
 def summarize(runs: list[dict], skip: int) -> dict:
     steps = [t for r in runs for t in r["step_ms"][skip:]]
     rollouts = [t for r in runs for t in r["rollout_ms"][skip:]]
-    calib = statistics.median(c for r in runs for c in (r["calib_ms_before"], r["calib_ms_after"]))  # robust to one spike
+    # robust to one spike
+    calib = statistics.median(c for r in runs for c in (r["calib_ms_before"], r["calib_ms_after"]))
     lengths = [x for r in runs for x in r["completion_length"][skip:] if x is not None]
     cpu = [t for r in runs for t in r.get("cycle_cpu_ms", [])]  # already steps 2..N
     step = statistics.median(steps)
@@ -339,17 +411,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--beta", type=float, default=0.0, help="KL coefficient (TRL beta, our algo.kl_loss_coef)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", default=str(REPO / "runs" / "bench_grpo_vs_trl"))
-    ap.add_argument("--trl-python", default=os.environ.get(TRL_PYTHON_ENV),
-                    help=f"the python of the TRL venv (default: ${TRL_PYTHON_ENV}); needed unless --sides ours")
+    ap.add_argument(
+        "--trl-python",
+        default=os.environ.get(TRL_PYTHON_ENV),
+        help=f"the python of the TRL venv (default: ${TRL_PYTHON_ENV}); needed unless --sides ours",
+    )
     ap.add_argument("--sides", default="ours,trl", help="comma-separated: ours, trl")
     ap.add_argument("--ours-override", action="append", default=[], help="extra key=value for our recipe")
     ap.add_argument("--target", type=float, default=0.5, help="target ours/TRL ratio")
-    ap.add_argument("--skip-zero-advantage", action="store_true",
-                    help="keep our recipe's skip of zero-advantage rows (at random init: the whole update)")
-    ap.add_argument("--precisions", default="fp32,bf16",
-                    help="comma-separated: fp32, bf16 (both sides run each; TRL's bf16 is bf16=True)")
+    ap.add_argument(
+        "--skip-zero-advantage",
+        action="store_true",
+        help="keep our recipe's skip of zero-advantage rows (at random init: the whole update)",
+    )
+    ap.add_argument(
+        "--precisions",
+        default="fp32,bf16",
+        help="comma-separated: fp32, bf16 (both sides run each; TRL's bf16 is bf16=True)",
+    )
     args = ap.parse_args(argv)
-    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]  # noqa: E731
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()]
     args.configs, args.sides, args.precisions = split(args.configs), split(args.sides), split(args.precisions)
     for c in args.configs:
         if c not in CONFIGS:
@@ -364,8 +445,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit("--steps must be >= 2 (step 1 is excluded from the medians)")
     if "trl" in args.sides:
         if not args.trl_python:
-            raise SystemExit(f"the TRL side needs the python of a TRL venv: pass --trl-python PATH or set "
-                             f"{TRL_PYTHON_ENV} (BUILD.md, 'Benchmarks', shows how to build it), or run --sides ours")
+            raise SystemExit(
+                f"the TRL side needs the python of a TRL venv: pass --trl-python PATH or set "
+                f"{TRL_PYTHON_ENV} (BUILD.md, 'Benchmarks', shows how to build it), or run --sides ours"
+            )
         if not os.access(args.trl_python, os.X_OK):
             raise SystemExit(f"--trl-python {args.trl_python!r} is not an executable file")
     return args
@@ -376,18 +459,58 @@ def case_name(config: str, precision: str) -> str:
     return f"{config}/{precision}"
 
 
-def side_command(side: str, args: argparse.Namespace, c: str, prec: str, model_dir: Path, prompts: Path,
-                 work: Path, tag: str, out: Path) -> list[str]:
+def side_command(
+    side: str,
+    args: argparse.Namespace,
+    c: str,
+    prec: str,
+    model_dir: Path,
+    prompts: Path,
+    work: Path,
+    tag: str,
+    out: Path,
+) -> list[str]:
     """The child process of one side for one case."""
     if side == "ours":
-        recipe = ours_argv(model_dir, c, args.steps, args.beta, args.seed, work / "runs", tag, args.ours_override,
-                           prompts, precision=prec, skip_zero_advantage=args.skip_zero_advantage)
+        recipe = ours_argv(
+            model_dir,
+            c,
+            args.steps,
+            args.beta,
+            args.seed,
+            work / "runs",
+            tag,
+            args.ours_override,
+            prompts,
+            precision=prec,
+            skip_zero_advantage=args.skip_zero_advantage,
+        )
         return [sys.executable, str(Path(__file__).resolve()), "--child-ours", str(out), *recipe]
-    return [args.trl_python, str(REPO / "benchmarks" / "trl_grpo_step.py"), "--model-dir", str(model_dir),
-            "--prompts", str(prompts), "--steps", str(args.steps),
-            "--prompts-per-step", str(PROMPTS_PER_STEP), "--num-generations", str(SAMPLES),
-            "--max-completion-length", str(CONFIGS[c]["max_new_tokens"]), "--beta", str(args.beta),
-            "--lr", "1e-3", "--seed", str(args.seed), "--out", str(out), *(["--bf16"] if prec == "bf16" else [])]
+    return [
+        args.trl_python,
+        str(REPO / "benchmarks" / "trl_grpo_step.py"),
+        "--model-dir",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--steps",
+        str(args.steps),
+        "--prompts-per-step",
+        str(PROMPTS_PER_STEP),
+        "--num-generations",
+        str(SAMPLES),
+        "--max-completion-length",
+        str(CONFIGS[c]["max_new_tokens"]),
+        "--beta",
+        str(args.beta),
+        "--lr",
+        "1e-3",
+        "--seed",
+        str(args.seed),
+        "--out",
+        str(out),
+        *(["--bf16"] if prec == "bf16" else []),
+    ]
 
 
 def run_cases(args: argparse.Namespace, work: Path, model_dirs: dict[str, Path], prompts: Path):
@@ -399,7 +522,7 @@ def run_cases(args: argparse.Namespace, work: Path, model_dirs: dict[str, Path],
     for r in range(args.rounds):
         for c, prec in cases:
             case = case_name(c, prec)
-            for side in (args.sides if r % 2 == 0 else args.sides[::-1]):
+            for side in args.sides if r % 2 == 0 else args.sides[::-1]:
                 tag = f"{side}_{c}_{prec}_r{r}_{stamp}"
                 out, log = work / f"{tag}.json", work / f"{tag}.log"
                 cmd = side_command(side, args, c, prec, model_dirs[c], prompts, work, tag, out)
@@ -410,9 +533,12 @@ def run_cases(args: argparse.Namespace, work: Path, model_dirs: dict[str, Path],
                     continue
                 med = statistics.median(res["step_ms"][1:])
                 cpu = statistics.median(res["cycle_cpu_ms"]) if res.get("cycle_cpu_ms") else float("nan")
-                print(f"    median step {med:.1f} ms wall, {cpu:.1f} ms CPU (steps 2..{len(res['step_ms'])}), calib "
-                      f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, process {res['process_wall_s']:.0f} s",
-                      flush=True)
+                print(
+                    f"    median step {med:.1f} ms wall, {cpu:.1f} ms CPU (steps 2..{len(res['step_ms'])}), calib "
+                    f"{res['calib_ms_before']:.2f}/{res['calib_ms_after']:.2f} ms, "
+                    f"process {res['process_wall_s']:.0f} s",
+                    flush=True,
+                )
                 results[case][side].append(res)
     return results, failures
 
@@ -420,13 +546,18 @@ def run_cases(args: argparse.Namespace, work: Path, model_dirs: dict[str, Path],
 def print_table(args: argparse.Namespace, summary: dict, model_dirs: dict[str, Path]) -> dict:
     """The per-case table, then each side at its fastest precision; adds the ratios to ``summary``."""
     print()
-    print(f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, 1 torch thread, beta={args.beta}, "
-          f"median of steps 2..{args.steps} x {args.rounds} round(s)")
-    head = (f"{'case':<9}{'params':>10}{'new tok':>8}{'ours ms':>10}{'TRL ms':>10}{'ratio':>8}{'norm. ratio':>12}"
-            f"{'CPU ratio':>10}{'ours rollout':>13}{'TRL rollout':>12}{'ours len':>9}{'TRL len':>8}{'calib ours/TRL ms':>19}")
+    print(
+        f"GRPO step, {PROMPTS_PER_STEP} prompts x {SAMPLES} samples, 1 torch thread, beta={args.beta}, "
+        f"median of steps 2..{args.steps} x {args.rounds} round(s)"
+    )
+    head = (
+        f"{'case':<9}{'params':>10}{'new tok':>8}{'ours ms':>10}{'TRL ms':>10}{'ratio':>8}{'norm. ratio':>12}"
+        f"{'CPU ratio':>10}"
+        f"{'ours rollout':>13}{'TRL rollout':>12}{'ours len':>9}{'TRL len':>8}{'calib ours/TRL ms':>19}"
+    )
     print(head)
     print("-" * len(head))
-    fmt = lambda d, k, f: format(d[k], f) if d else "-"  # noqa: E731
+    fmt = lambda d, k, f: format(d[k], f) if d else "-"
     for c in args.configs:
         for prec in args.precisions:
             case = case_name(c, prec)
@@ -436,21 +567,36 @@ def print_table(args: argparse.Namespace, summary: dict, model_dirs: dict[str, P
             norm = o["normalised_step"] / t["normalised_step"] if o and t else float("nan")
             cpu_ratio = o["cpu_ms"] / t["cpu_ms"] if o and t else float("nan")
             s["ratio"], s["normalised_ratio"], s["cpu_ratio"] = ratio, norm, cpu_ratio
-            print(f"{case:<9}{param_count(model_dirs[c]):>10,}{CONFIGS[c]['max_new_tokens']:>8}"
-                  f"{fmt(o, 'step_ms', '.1f'):>10}{fmt(t, 'step_ms', '.1f'):>10}{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
-                  f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
-                  f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
-                  f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}")
+            print(
+                f"{case:<9}{param_count(model_dirs[c]):>10,}{CONFIGS[c]['max_new_tokens']:>8}"
+                f"{fmt(o, 'step_ms', '.1f'):>10}{fmt(t, 'step_ms', '.1f'):>10}"
+                f"{ratio:>8.3f}{norm:>12.3f}{cpu_ratio:>10.3f}"
+                f"{fmt(o, 'rollout_share', '.0%'):>13}{fmt(t, 'rollout_share', '.0%'):>12}"
+                f"{fmt(o, 'completion_length', '.1f'):>9}{fmt(t, 'completion_length', '.1f'):>8}"
+                f"{(fmt(o, 'calib_ms', '.2f') + '/' + fmt(t, 'calib_ms', '.2f')):>19}"
+            )
     # each side at its fastest precision (what a user of either would pick on this CPU)
     fastest = {}
     for c in args.configs:
-        best = {side: min(((summary[case_name(c, p)][side]["step_ms"], p) for p in args.precisions
-                           if side in summary[case_name(c, p)]), default=None) for side in args.sides}
+        best = {
+            side: min(
+                (
+                    (summary[case_name(c, p)][side]["step_ms"], p)
+                    for p in args.precisions
+                    if side in summary[case_name(c, p)]
+                ),
+                default=None,
+            )
+            for side in args.sides
+        }
         if all(best.get(side) for side in ("ours", "trl")):
             (o_ms, o_p), (t_ms, t_p) = best["ours"], best["trl"]
             fastest[c] = {"ours": [o_ms, o_p], "trl": [t_ms, t_p], "ratio": o_ms / t_ms}
-            print(f"config {c}, each side at its fastest precision: ours {o_ms:.1f} ms ({o_p}) / TRL {t_ms:.1f} ms ({t_p}) "
-                  f"= {o_ms / t_ms:.3f} (target <= {args.target})")
+            print(
+                f"config {c}, each side at its fastest precision: ours {o_ms:.1f} ms ({o_p}) "
+                f"/ TRL {t_ms:.1f} ms ({t_p}) "
+                f"= {o_ms / t_ms:.3f} (target <= {args.target})"
+            )
     return fastest
 
 
@@ -474,8 +620,10 @@ def print_gemm_floors(args: argparse.Namespace, summary: dict, model_dirs: dict[
             roll, upd = gemm_floor_ms(c, prompt_tokens, o["completion_length"], dtype=dtype)
             vs_trl = f" = {(roll + upd) / trl['step_ms']:.2f}x TRL's step" if trl else ""
             summary[case]["gemm_floor_ms"] = {"rollout": roll, "update": upd}
-            print(f"{case}: {prec} GEMM floor of one step (linear layers only, no padding, 1 thread): rollout "
-                  f"{roll:.0f} ms + update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl}; ours spends {o['step_ms']:.0f} ms")
+            print(
+                f"{case}: {prec} GEMM floor of one step (linear layers only, no padding, 1 thread): rollout "
+                f"{roll:.0f} ms + update {upd:.0f} ms = {roll + upd:.0f} ms{vs_trl}; ours spends {o['step_ms']:.0f} ms"
+            )
 
 
 def main(argv: list[str]) -> None:
@@ -493,11 +641,17 @@ def main(argv: list[str]) -> None:
     for case, by_side in failures.items():
         for side, error in by_side.items():
             print(f"{case}: {side} FAILED: {error}")
-    print(f"\nratio = ours / TRL wall ms per step, same precision on both sides (target <= {args.target}); norm. ratio "
-          "divides each side by its own 512x512 matmul calibration first; CPU ratio compares process CPU ms per step "
-          "(step end to step end); rollout = share of the step spent generating; len = mean completion tokens.")
-    (work / "results.json").write_text(json.dumps({"args": vars(args), "summary": summary, "fastest": fastest,
-                                                   "failures": failures, "runs": results}, indent=1))
+    print(
+        f"\nratio = ours / TRL wall ms per step, same precision on both sides (target <= {args.target}); norm. ratio "
+        "divides each side by its own 512x512 matmul calibration first; CPU ratio compares process CPU ms per step "
+        "(step end to step end); rollout = share of the step spent generating; len = mean completion tokens."
+    )
+    (work / "results.json").write_text(
+        json.dumps(
+            {"args": vars(args), "summary": summary, "fastest": fastest, "failures": failures, "runs": results},
+            indent=1,
+        )
+    )
     print(f"raw results: {work / 'results.json'}")
 
 

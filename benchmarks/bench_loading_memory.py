@@ -76,8 +76,15 @@ def worker(mode: str, model_dir: str, role: str, out_dir: str) -> None:
     seconds = time.perf_counter() - start
     peak = _peak_rss_bytes()
     shard, full = _local_bytes(state.module)
-    result = {"rank": env.rank, "torch": RSS_AFTER_TORCH_KB * 1024, "ready": ready, "peak": peak,
-              "shard": shard, "model": full, "seconds": seconds}
+    result = {
+        "rank": env.rank,
+        "torch": RSS_AFTER_TORCH_KB * 1024,
+        "ready": ready,
+        "peak": peak,
+        "shard": shard,
+        "model": full,
+        "seconds": seconds,
+    }
     (Path(out_dir) / f"{mode}-rank{env.rank}.json").write_text(json.dumps(result))
     shutdown(env)
 
@@ -86,8 +93,14 @@ def write_model(out: Path, args: argparse.Namespace) -> Path:
     sys.path.insert(0, str(ROOT))
     from backends.models import TinyModelConfig, build_char_tokenizer, build_tiny_model
 
-    config = TinyModelConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 128,
-                             num_kv_heads=2, intermediate_size=args.intermediate, tie_word_embeddings=True)
+    config = TinyModelConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=args.hidden // 128,
+        num_kv_heads=2,
+        intermediate_size=args.intermediate,
+        tie_word_embeddings=True,
+    )
     tokenizer = build_char_tokenizer(model_max_length=config.max_position_embeddings)
     model = build_tiny_model(config, tokenizer).to(getattr(torch, args.checkpoint_dtype))
     model.save_pretrained(out, safe_serialization=True, max_shard_size=args.max_shard_size)
@@ -97,9 +110,22 @@ def write_model(out: Path, args: argparse.Namespace) -> Path:
 
 
 def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, out_dir: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           str(Path(__file__).resolve()), "--worker", mode, "--model-dir", str(model_dir), "--role", args.role,
-           "--out", str(out_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.nproc}",
+        str(Path(__file__).resolve()),
+        "--worker",
+        mode,
+        "--model-dir",
+        str(model_dir),
+        "--role",
+        args.role,
+        "--out",
+        str(out_dir),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     subprocess.run(cmd, check=True, env=env, cwd=ROOT)
     return [json.loads((out_dir / f"{mode}-rank{r}.json").read_text()) for r in range(args.nproc)]
@@ -116,8 +142,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--intermediate", type=int, default=4096)
     parser.add_argument("--max-shard-size", default="400MB", help="safetensors file size of the written model")
-    parser.add_argument("--checkpoint-dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="dtype of the written checkpoint (the actor loads it as fp32 either way)")
+    parser.add_argument(
+        "--checkpoint-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the written checkpoint (the actor loads it as fp32 either way)",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.model_dir, args.role, args.out)
@@ -125,16 +155,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_loading_") as tmp:
         model_dir = Path(args.model_dir) if args.model_dir else write_model(Path(tmp) / "model", args)
         files = sorted(model_dir.glob("*.safetensors"))
-        print(f"model: {model_dir} ({len(files)} safetensors files, {sum(f.stat().st_size for f in files) / MIB:.0f} MiB)")
+        print(
+            f"model: {model_dir} ({len(files)} safetensors files, {sum(f.stat().st_size for f in files) / MIB:.0f} MiB)"
+        )
         results = {mode: run_mode(mode, model_dir, args, Path(tmp)) for mode in ("every-rank", "sharded")}
     model = results["sharded"][0]["model"]
-    print(f"\n{args.role} built in fp32 from a {args.checkpoint_dtype} checkpoint, {args.nproc} ranks; "
-          f"model parameters {model / MIB:.0f} MiB; RSS in MiB")
-    print(f"{'path':<11} {'rank':>4} {'torch':>7} {'ready':>7} {'peak':>7} {'peak-ready':>10} {'shard':>7} {'load s':>7}")
+    print(
+        f"\n{args.role} built in fp32 from a {args.checkpoint_dtype} checkpoint, {args.nproc} ranks; "
+        f"model parameters {model / MIB:.0f} MiB; RSS in MiB"
+    )
+    print(
+        f"{'path':<11} {'rank':>4} {'torch':>7} {'ready':>7} {'peak':>7} {'peak-ready':>10} {'shard':>7} {'load s':>7}"
+    )
     for mode, ranks in results.items():
         for r in ranks:
-            print(f"{mode:<11} {r['rank']:>4} {r['torch'] / MIB:>7.0f} {r['ready'] / MIB:>7.0f} {r['peak'] / MIB:>7.0f} "
-                  f"{(r['peak'] - r['ready']) / MIB:>10.0f} {r['shard'] / MIB:>7.0f} {r['seconds']:>7.1f}")
+            print(
+                f"{mode:<11} {r['rank']:>4} {r['torch'] / MIB:>7.0f} {r['ready'] / MIB:>7.0f} {r['peak'] / MIB:>7.0f} "
+                f"{(r['peak'] - r['ready']) / MIB:>10.0f} {r['shard'] / MIB:>7.0f} {r['seconds']:>7.1f}"
+            )
 
 
 if __name__ == "__main__":

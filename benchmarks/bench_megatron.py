@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_fsdp_memory import make_batch, pg_loss  # noqa: E402
 from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model  # noqa: E402
+from benchmarks.bench_fsdp_memory import make_batch, pg_loss  # noqa: E402
 from rlfunc.batch import select  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
@@ -33,9 +33,10 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "dp2": (1, 1)}
 def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, steps: int, layout: str) -> dict:
     import attrs
 
-    from backends.training import fsdp as F
     from backends.distributed.setup import init_distributed
+    from backends.training import fsdp as F
     from backends.training.megatron import engine as M
+    from backends.training.megatron import update as U
     from backends.training.optim import OptimConfig
 
     env = init_distributed()
@@ -47,8 +48,10 @@ def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, st
     mcfg = M.MegatronConfig(tp=tp, pp=pp, micro_batch_size=16)
     meg = M.build_actor(model_dir, env, optim, mcfg)
     meg_rows = batch if tp * pp == 2 else half
-    params = {"fsdp": sum(p.to_local().numel() for p in fsdp.module.parameters()) * 4,
-              "megatron": sum(p.numel() for p in meg.module.parameters()) * 4}
+    params = {
+        "fsdp": sum(p.to_local().numel() for p in fsdp.module.parameters()) * 4,
+        "megatron": sum(p.numel() for p in meg.module.parameters()) * 4,
+    }
     times: dict[str, list[float]] = {"fsdp": [], "megatron-bshd": [], "megatron-thd": []}
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -57,7 +60,7 @@ def _bench(rank: int, world_size: int, model_dir: str, vocab: int, rows: int, st
         for kind in ("bshd", "thd"):
             meg = meg.replace(cfg=attrs.evolve(mcfg, layout=kind))
             t0 = time.perf_counter()
-            meg, _ = M.update(meg, meg_rows, pg_loss)
+            meg, _ = U.update(meg, meg_rows, pg_loss)
             times[f"megatron-{kind}"].append(time.perf_counter() - t0)
     return {"times": times, "params": params}
 
@@ -73,14 +76,18 @@ def main() -> None:
         model_dir = str(write_tiny_model(Path(tmp) / "b", TinyModelConfig(), tokenizer))
         ranks = run_distributed(_bench, 2, model_dir, len(tokenizer), args.rows, args.steps, args.layout, timeout=1800)
     times = ranks[0]["times"]
-    print(f"layout {args.layout}, {args.rows} rows, config-B model, 2 ranks x 1 thread; seconds per update "
-          f"(median of steps 2..{args.steps}) and median per-step ratio vs FSDP")
+    print(
+        f"layout {args.layout}, {args.rows} rows, config-B model, 2 ranks x 1 thread; seconds per update "
+        f"(median of steps 2..{args.steps}) and median per-step ratio vs FSDP"
+    )
     for name, ts in times.items():
         ratio = statistics.median(t / f for t, f in zip(ts[1:], times["fsdp"][1:]))
         print(f"  {name:14s} {statistics.median(ts[1:]):7.3f} s   x{ratio:.2f}")
     for r, out in enumerate(ranks):
-        print(f"  rank {r} parameter bytes: fsdp {out['params']['fsdp'] / 2**20:.2f} MiB, "
-              f"megatron {out['params']['megatron'] / 2**20:.2f} MiB")
+        print(
+            f"  rank {r} parameter bytes: fsdp {out['params']['fsdp'] / 2**20:.2f} MiB, "
+            f"megatron {out['params']['megatron'] / 2**20:.2f} MiB"
+        )
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from backends.rollout.common import SamplingConfig  # noqa: E402
 from backends.rollout.environments import MultiTurnConfig, Observation, observation_token_ids  # noqa: E402
 from backends.rollout.native import build_native_rollout, generate  # noqa: E402
 
+
 class FixedObservation:
     """Answers every turn with the same tool message and never ends the trajectory."""
 
@@ -67,8 +68,9 @@ def run_single(rollout, prompts, args, seed: int) -> int:
 
 def run_session(rollout, examples, tokenizer, sampling, args, seed: int) -> int:
     cfg = MultiTurnConfig(max_turns=args.turns, max_total_tokens=args.max_total_tokens, workers=4)
-    episodes = run_episodes(rollout, examples, tokenizer, sampling, cfg, lambda e: FixedObservation(args.obs_text),
-                            seed=seed)
+    episodes = run_episodes(
+        rollout, examples, tokenizer, sampling, cfg, lambda e: FixedObservation(args.obs_text), seed=seed
+    )
     args.session_tokens.append(model_tokens(episodes.batch) / len(episodes.turns))
     return model_tokens(episodes.batch)
 
@@ -110,15 +112,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_tiny_model(Path(tmp) / "model", TinyModelConfig())  # config B
         tokenizer = load_tokenizer(model_dir)
-        prompts = [prompt_token_ids([{"role": "user", "content": f"{i}+{i + 7}="}], tokenizer) for i in range(args.prompts)]
+        prompts = [
+            prompt_token_ids([{"role": "user", "content": f"{i}+{i + 7}="}], tokenizer) for i in range(args.prompts)
+        ]
         observation = observation_token_ids([{"role": "tool", "content": args.obs_text}], tokenizer)
         args.max_total_tokens = max(map(len, prompts)) + args.turns * (args.turn_tokens + len(observation) + 2)
         digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
-        rollout = build_native_rollout(model_dir, tokenizer, dtype=torch.float32, max_context=args.max_total_tokens + 8,
-                                       eos_token_ids=[tokenizer.eos_token_id, *digits])
+        rollout = build_native_rollout(
+            model_dir,
+            tokenizer,
+            dtype=torch.float32,
+            max_context=args.max_total_tokens + 8,
+            eos_token_ids=[tokenizer.eos_token_id, *digits],
+        )
         plain = build_native_rollout(model_dir, tokenizer, dtype=torch.float32, max_context=args.max_total_tokens + 8)
-        examples = [Example(prompt_ids=tuple(p), ground_truth=None, source="bench", columns={}, where=f"prompt {i}")
-                    for i, p in enumerate(prompts)]
+        examples = [
+            Example(prompt_ids=tuple(p), ground_truth=None, source="bench", columns={}, where=f"prompt {i}")
+            for i, p in enumerate(prompts)
+        ]
         sampling = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.turn_tokens)
         args.session_tokens = []
         run_session(rollout, examples, tokenizer, sampling, args, seed=12345)  # sets the single-turn length
@@ -136,14 +147,18 @@ def main() -> None:
                 if rep:
                     rates[name].append(tokens / (time.perf_counter() - start))
 
-    print(f"{args.prompts} prompts x {args.n} samples, <= {args.turns} turns x <= {args.turn_tokens} model tokens, "
-          f"{len(observation)}-token observations, {statistics.mean(args.session_tokens):.1f} model tokens per "
-          f"trajectory (single: {args.single_tokens}), config B fp32, {args.threads} thread(s), median of {args.reps}")
+    print(
+        f"{args.prompts} prompts x {args.n} samples, <= {args.turns} turns x <= {args.turn_tokens} model tokens, "
+        f"{len(observation)}-token observations, {statistics.mean(args.session_tokens):.1f} model tokens per "
+        f"trajectory (single: {args.single_tokens}), config B fp32, {args.threads} thread(s), median of {args.reps}"
+    )
     median = {name: statistics.median(r) for name, r in rates.items()}
     for name, value in median.items():
         print(f"  {name:10s} {value:9.0f} model tokens/s")
-    print(f"  session / reprefill {median['session'] / median['reprefill']:.2f}x, "
-          f"session / single {median['session'] / median['single']:.2f}x")
+    print(
+        f"  session / reprefill {median['session'] / median['reprefill']:.2f}x, "
+        f"session / single {median['session'] / median['single']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

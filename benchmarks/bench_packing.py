@@ -78,8 +78,10 @@ def _report(times: dict[str, list[float]], base: str, other: str, label: str) ->
     for name, ts in times.items():
         print(f"  {name:34s} median {statistics.median(ts[1:]):7.3f} s  (steps 2..{len(ts)})")
     ratios = [b / o for b, o in zip(times[base][1:], times[other][1:])]
-    print(f"  {label}: {base} / {other} time, median of per-step ratios = {statistics.median(ratios):.2f}x "
-          f"(range {min(ratios):.2f}-{max(ratios):.2f})")
+    print(
+        f"  {label}: {base} / {other} time, median of per-step ratios = {statistics.median(ratios):.2f}x "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f})"
+    )
 
 
 def single_process(model_dir: str, vocab: int, rows: int, steps: int, max_response: int) -> None:
@@ -90,15 +92,18 @@ def single_process(model_dir: str, vocab: int, rows: int, steps: int, max_respon
     states = {
         "padded (16-row micro-batches)": build_actor(model_dir, None, optim, FSDPConfig(micro_batch_size=16)),
         "packed (16-row micro-batches)": build_actor(
-            model_dir, None, optim, FSDPConfig(micro_batch_size=16, use_remove_padding=True)),
+            model_dir, None, optim, FSDPConfig(micro_batch_size=16, use_remove_padding=True)
+        ),
     }
     batches = [long_tail_batch(rows, vocab, seed, max_response) for seed in range(steps)]
     real = [int(b.prompt_mask.sum() + b.response_mask.sum()) for b in batches]
     padded = [b.prompt_ids.numel() + b.response_ids.numel() for b in batches]
     longest = [int(b.response_mask.sum(-1).max()) for b in batches]
-    print(f"\n1 process x 1 thread, {rows} rows per step: real tokens {statistics.median(real):.0f}, "
-          f"padded (b x (p + t)) {statistics.median(padded):.0f}, longest response {statistics.median(longest):.0f} "
-          f"(medians over steps)")
+    print(
+        f"\n1 process x 1 thread, {rows} rows per step: real tokens {statistics.median(real):.0f}, "
+        f"padded (b x (p + t)) {statistics.median(padded):.0f}, longest response {statistics.median(longest):.0f} "
+        f"(medians over steps)"
+    )
     times = _time_updates(states, batches)
     _report(times, "padded (16-row micro-batches)", "packed (16-row micro-batches)", "packed speed-up (target >= 1.5x)")
 
@@ -111,9 +116,17 @@ def _two_ranks(rank: int, world_size: int, model_dir: str, vocab: int, rows: int
     budget = 8 * (8 + max_response)
     states = {
         "fixed rows": build_actor(model_dir, None, optim, FSDPConfig(micro_batch_size=16, use_remove_padding=True)),
-        "balanced budget": build_actor(model_dir, None, optim, FSDPConfig(
-            max_tokens_per_micro_batch=budget, token_budget_grouping="balanced", balance_dp=True,
-            use_remove_padding=True)),
+        "balanced budget": build_actor(
+            model_dir,
+            None,
+            optim,
+            FSDPConfig(
+                max_tokens_per_micro_batch=budget,
+                token_budget_grouping="balanced",
+                balance_dp=True,
+                use_remove_padding=True,
+            ),
+        ),
     }
     n = rows // world_size
     # sorted by group length, so that rank 1 gets the long groups: the imbalance balancing removes
@@ -125,7 +138,7 @@ def _two_ranks(rank: int, world_size: int, model_dir: str, vocab: int, rows: int
         batches.append(select(select(b, order), slice(rank * n, (rank + 1) * n)))
     from backends.training.dp_balance import balance_across_ranks
 
-    count = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
+    count = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())
     tokens = sum(count(b) for b in batches) / steps
     balanced = sum(count(balance_across_ranks(b, states["balanced budget"])) for b in batches) / steps
     return {"times": _time_updates(states, batches), "tokens": int(tokens), "balanced_tokens": int(balanced)}
@@ -155,10 +168,12 @@ def main() -> None:
         out = run_distributed(_two_ranks, 2, model_dir, vocab, args.rows, args.steps, args.max_response)
         before = [o["tokens"] for o in out]
         after = [o["balanced_tokens"] for o in out]
-        print(f"\n2 gloo ranks x 1 thread, packed, {args.rows} rows: real tokens per rank (mean per step) "
-              f"{before[0]} / {before[1]} as given, {after[0]} / {after[1]} balanced: the slowest rank's "
-              f"work shrinks {max(before) / max(after):.2f}x (the bound on the speed-up when the ranks run "
-              f"in parallel; with fewer free cores than ranks they do not)")
+        print(
+            f"\n2 gloo ranks x 1 thread, packed, {args.rows} rows: real tokens per rank (mean per step) "
+            f"{before[0]} / {before[1]} as given, {after[0]} / {after[1]} balanced: the slowest rank's "
+            f"work shrinks {max(before) / max(after):.2f}x (the bound on the speed-up when the ranks run "
+            f"in parallel; with fewer free cores than ranks they do not)"
+        )
         _report(out[0]["times"], "fixed rows", "balanced budget", "balanced speed-up (rank 0)")
 
 

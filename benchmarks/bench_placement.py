@@ -34,10 +34,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "experiments" / "ppo.py"
-PHASES = ("rollout", "old_logprob", "to_critic_pool", "reference", "values", "advantages", "to_actor_pool",
-          "critic_update", "actor_update", "weight_sync")
-SIDES = {"colocated": ["placement.mode=colocated"],
-         "split": ["placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2"]}
+PHASES = (
+    "rollout",
+    "old_logprob",
+    "to_critic_pool",
+    "reference",
+    "values",
+    "advantages",
+    "to_actor_pool",
+    "critic_update",
+    "actor_update",
+    "weight_sync",
+)
+SIDES = {
+    "colocated": ["placement.mode=colocated"],
+    "split": ["placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2"],
+}
 
 
 def task_args(tmp: Path) -> list[str]:
@@ -47,16 +59,34 @@ def task_args(tmp: Path) -> list[str]:
     data = tmp / "data"
     if not (data / "train.jsonl").exists():
         write_dataset(data, sft_examples=256)
-    return [f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}"]
+    return [
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        f"sft.files={data / 'sft.jsonl'}",
+    ]
 
 
 def run(side: str, args: argparse.Namespace, tmp: Path, round_: int) -> dict:
     run_dir = tmp / f"{side}-{round_}"
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
-        str(torchrun), "--standalone", "--nproc_per_node", "4", str(RECIPE), "preset=demo/ppo_arithmetic", f"run_dir={run_dir}",
-        *task_args(tmp), f"steps={args.steps}", "sft.steps=2", f"prompts_per_step={args.prompts}", f"rollout.n={args.n}",
-        "eval.before_training=false", "export.hf=false", "algo.critic_warmup=0", *SIDES[side], *args.overrides,
+        str(torchrun),
+        "--standalone",
+        "--nproc_per_node",
+        "4",
+        str(RECIPE),
+        "preset=demo/ppo_arithmetic",
+        f"run_dir={run_dir}",
+        *task_args(tmp),
+        f"steps={args.steps}",
+        "sft.steps=2",
+        f"prompts_per_step={args.prompts}",
+        f"rollout.n={args.n}",
+        "eval.before_training=false",
+        "export.hf=false",
+        "algo.critic_warmup=0",
+        *SIDES[side],
+        *args.overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -87,19 +117,26 @@ def main() -> None:
                 results[side].append(run(side, args, Path(tmp), r))
                 print(f"round {r} {side:9s}: step {results[side][-1]['step_time_s']:.3f} s", flush=True)
 
-    print(f"\nPPO step on 4 ranks (recipe's default tiny model, {args.prompts} prompts x {args.n} samples, "
-          f"median of steps {args.skip + 1}..{args.steps}, {args.rounds} alternating rounds); "
-          "4 ranks on 2 cores oversubscribe the CPU, see the module docstring")
+    print(
+        f"\nPPO step on 4 ranks (recipe's default tiny model, {args.prompts} prompts x {args.n} samples, "
+        f"median of steps {args.skip + 1}..{args.steps}, {args.rounds} alternating rounds); "
+        "4 ranks on 2 cores oversubscribe the CPU, see the module docstring"
+    )
     print(f"{'phase (s)':16s} {'colocated':>10s} {'split':>10s}")
     for key in ("step_time_s", *PHASES):
         c = statistics.median(x[key] for x in results["colocated"])
         s = statistics.median(x[key] for x in results["split"])
         print(f"{key:16s} {c:10.3f} {s:10.3f}")
     ratios = [c["step_time_s"] / s["step_time_s"] for c, s in zip(results["colocated"], results["split"])]
-    print(f"\ncolocated / split step time: {statistics.median(ratios):.2f}x (per round: "
-          + ", ".join(f"{x:.2f}" for x in ratios) + "; > 1 means split is faster)")
-    print("under split, critic_update (critic pool) and actor_update + weight_sync (actor pool) overlap; "
-          "to_critic_pool / to_actor_pool include waiting for the other pool")
+    print(
+        f"\ncolocated / split step time: {statistics.median(ratios):.2f}x (per round: "
+        + ", ".join(f"{x:.2f}" for x in ratios)
+        + "; > 1 means split is faster)"
+    )
+    print(
+        "under split, critic_update (critic pool) and actor_update + weight_sync (actor pool) overlap; "
+        "to_critic_pool / to_actor_pool include waiting for the other pool"
+    )
 
 
 if __name__ == "__main__":

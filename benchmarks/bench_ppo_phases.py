@@ -27,8 +27,13 @@ sys.path.insert(0, str(ROOT))
 RECIPE = ROOT / "experiments" / "ppo.py"
 PHASES = ("rollout", "old_logprob", "reference", "values", "advantages", "critic_update", "actor_update", "weight_sync")
 # config B: the TinyModelConfig defaults (the demo preset's is a smaller model)
-CONFIG_B = ["model.tiny.hidden_size=256", "model.tiny.num_layers=4", "model.tiny.num_heads=4", "model.tiny.num_kv_heads=2",
-            "model.tiny.intermediate_size=688"]
+CONFIG_B = [
+    "model.tiny.hidden_size=256",
+    "model.tiny.num_layers=4",
+    "model.tiny.num_heads=4",
+    "model.tiny.num_kv_heads=2",
+    "model.tiny.intermediate_size=688",
+]
 
 
 def main() -> None:
@@ -45,17 +50,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         launcher = (
-            [sys.executable] if args.nproc == 1
+            [sys.executable]
+            if args.nproc == 1
             else [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", str(args.nproc)]
         )
         from experiments.tasks.arithmetic import write_dataset
 
         data = write_dataset(Path(tmp) / "data", sft_examples=256)
         cmd = [
-            *launcher, str(RECIPE), "preset=demo/ppo_arithmetic", f"run_dir={run_dir}", *CONFIG_B, f"steps={args.steps}",
-            f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}",
-            "sft.steps=2", f"prompts_per_step={args.prompts}", f"rollout.n={args.n}", "eval.before_training=false",
-            "export.hf=false", "algo.critic_warmup=0", *args.overrides,
+            *launcher,
+            str(RECIPE),
+            "preset=demo/ppo_arithmetic",
+            f"run_dir={run_dir}",
+            *CONFIG_B,
+            f"steps={args.steps}",
+            f"data.train_files={data / 'train.jsonl'}",
+            f"data.val_files={data / 'val.jsonl'}",
+            f"sft.files={data / 'sft.jsonl'}",
+            "sft.steps=2",
+            f"prompts_per_step={args.prompts}",
+            f"rollout.n={args.n}",
+            "eval.before_training=false",
+            "export.hf=false",
+            "algo.critic_warmup=0",
+            *args.overrides,
         ]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         out = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -68,8 +86,10 @@ def main() -> None:
         return sum(r.get(key, 0.0) for r in rows) / len(rows)
 
     step = mean("step_time_s")
-    print(f"PPO step phases: config-B model, {args.prompts} prompts x {args.n} samples, {args.nproc} rank(s), "
-          f"{args.threads} thread(s)/rank, mean of {len(rows)} steps (rank 0)")
+    print(
+        f"PPO step phases: config-B model, {args.prompts} prompts x {args.n} samples, {args.nproc} rank(s), "
+        f"{args.threads} thread(s)/rank, mean of {len(rows)} steps (rank 0)"
+    )
     print(f"{'phase':<16}{'seconds':>10}{'share':>9}")
     for phase in PHASES:
         t = mean(f"time/{phase}_s")

@@ -102,36 +102,57 @@ def main() -> None:
     trainers = {"fp32": (model32, None), "bf16": (model16, None), "bf16 + fp32 LM head": (model16, model32.lm_head)}
     batches = {}
     for rollout in DTYPES:
-        batch = sample(args.model, tok, examples[: args.prompts], DTYPES[rollout], args.seed, args.n,
-                       args.max_new_tokens, scorer)
+        batch = sample(
+            args.model, tok, examples[: args.prompts], DTYPES[rollout], args.seed, args.n, args.max_new_tokens, scorer
+        )
         batches[rollout] = batch
         informative = rf.informative_groups(batch.scores, group_ids=batch.group_ids).float().mean()
-        print(f"rollout {rollout}: reward mean {float(batch.scores.mean()):.4f}, "
-              f"informative groups {float(informative):.3f}, response tokens {int(batch.response_mask.sum())}")
+        print(
+            f"rollout {rollout}: reward mean {float(batch.scores.mean()):.4f}, "
+            f"informative groups {float(informative):.3f}, response tokens {int(batch.response_mask.sum())}"
+        )
         with torch.no_grad():
             logits = response_logits(model32, batch)[batch.response_mask]
-        print(f"  fp32 logits at the response tokens: max |logit| {float(logits.abs().max()):.1f}, mean top-1 minus "
-              f"top-2 {float((logits.topk(2).values[:, 0] - logits.topk(2).values[:, 1]).mean()):.2f}")
+        print(
+            f"  fp32 logits at the response tokens: max |logit| {float(logits.abs().max()):.1f}, mean top-1 minus "
+            f"top-2 {float((logits.topk(2).values[:, 0] - logits.topk(2).values[:, 1]).mean()):.2f}"
+        )
         for trainer, (model, head) in trainers.items():
             with torch.no_grad():
                 logp = trainer_logprobs(model, batch, head)
             mask = batch.response_mask
             gap = (logp - batch.rollout_logprobs).abs()[mask]
             weights = torch.exp(logp - batch.rollout_logprobs)[mask]
-            print(f"  trainer {trainer} / rollout {rollout}: log-prob gap per token mean {float(gap.mean()):.5f} "
-                  f"max {float(gap.max()):.4f}; IS weight std {float(weights.std()):.5f}")
+            print(
+                f"  trainer {trainer} / rollout {rollout}: log-prob gap per token mean {float(gap.mean()):.5f} "
+                f"max {float(gap.max()):.4f}; IS weight std {float(weights.std()):.5f}"
+            )
     batch = batches["fp32"]
     g32, g16 = policy_gradient(model32, batch), policy_gradient(model16, batch)
-    other = sample(args.model, tok, examples[args.prompts : 2 * args.prompts], torch.float32, args.seed + 1, args.n,
-                   args.max_new_tokens, scorer)
+    other = sample(
+        args.model,
+        tok,
+        examples[args.prompts : 2 * args.prompts],
+        torch.float32,
+        args.seed + 1,
+        args.n,
+        args.max_new_tokens,
+        scorer,
+    )
     g_other = policy_gradient(model32, other)
-    print(f"gradient, same fp32 batch: cos(bf16, fp32) {cosine(g16, g32):.4f}, |bf16 - fp32| / |fp32| "
-          f"{float((g16 - g32).norm() / g32.norm()):.4f}, |bf16| / |fp32| {float(g16.norm() / g32.norm()):.4f}")
-    print(f"gradient, two independent fp32 batches ({args.prompts} prompts x {args.n} each): "
-          f"cos {cosine(g_other, g32):.4f}")
+    print(
+        f"gradient, same fp32 batch: cos(bf16, fp32) {cosine(g16, g32):.4f}, |bf16 - fp32| / |fp32| "
+        f"{float((g16 - g32).norm() / g32.norm()):.4f}, |bf16| / |fp32| {float(g16.norm() / g32.norm()):.4f}"
+    )
+    print(
+        f"gradient, two independent fp32 batches ({args.prompts} prompts x {args.n} each): "
+        f"cos {cosine(g_other, g32):.4f}"
+    )
     g16_is = policy_gradient(model16, batch, is_cap=2.0)
-    print(f"gradient, bf16 trainer on the fp32 rollout's batch with algo.rollout_is=token (cap 2) vs without: "
-          f"cos {cosine(g16_is, g16):.4f}; with it vs the fp32 gradient: cos {cosine(g16_is, g32):.4f}")
+    print(
+        f"gradient, bf16 trainer on the fp32 rollout's batch with algo.rollout_is=token (cap 2) vs without: "
+        f"cos {cosine(g16_is, g16):.4f}; with it vs the fp32 gradient: cos {cosine(g16_is, g32):.4f}"
+    )
 
 
 if __name__ == "__main__":

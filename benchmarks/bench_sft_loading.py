@@ -33,8 +33,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="bench_sft_loading_"))
-    conv = calculator.write_dataset(root / "calc", calculator.CalculatorTask(num_train=4000, num_heldout=16),
-                                    sft_examples=args.rows) / "sft.jsonl"
+    conv = (
+        calculator.write_dataset(
+            root / "calc", calculator.CalculatorTask(num_train=4000, num_heldout=16), sft_examples=args.rows
+        )
+        / "sft.jsonl"
+    )
     single = arithmetic.write_dataset(root / "arith", sft_examples=args.rows) / "sft.jsonl"
     tok = build_char_tokenizer(words=calculator.TOKENIZER_WORDS)
     tools = tool_schemas(MultiTurnConfig(max_turns=3, tools=("experiments.tasks.calculator:multiply",)))

@@ -39,8 +39,10 @@ from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, shutdown_vllm,
 
 
 def per_request(rollout, prompts, sampling, seed):
-    params = [to_sampling_params(sampling, rollout.eos_token_ids, seed=(seed * 1_000_003 + i * sampling.n) % 2**62)
-              for i in range(len(prompts))]
+    params = [
+        to_sampling_params(sampling, rollout.eos_token_ids, seed=(seed * 1_000_003 + i * sampling.n) % 2**62)
+        for i in range(len(prompts))
+    ]
     return rollout.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
@@ -92,12 +94,14 @@ def main() -> None:
             later = tokens(fn(rollout, prompts, sampling, 7))
             other = tokens(fn(rollout, prompts, sampling, 8))
             alone = tokens(fn(rollout, prompts[:2], sampling, 7))  # the first rows with fewer rows beside them
-            print(f"{name}: median {statistics.median(times[name]) * 1e3:.1f} ms per generate "
-                  f"({args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, "
-                  f"{args.runs} runs); "
-                  f"same seed twice identical: {first == again}; after other generations identical: {first == later}; "
-                  f"another seed differs: {first != other}; a row's samples independent of the other rows: "
-                  f"{alone == first[:2]}")
+            print(
+                f"{name}: median {statistics.median(times[name]) * 1e3:.1f} ms per generate "
+                f"({args.prompts} prompts x {args.n} samples, <= {args.max_new_tokens} new tokens, "
+                f"{args.runs} runs); "
+                f"same seed twice identical: {first == again}; after other generations identical: {first == later}; "
+                f"another seed differs: {first != other}; a row's samples independent of the other rows: "
+                f"{alone == first[:2]}"
+            )
         ratio = statistics.median(times["seed per request"]) / statistics.median(times["one seeded batch"])
         print(f"seed per request / one seeded batch: {ratio:.2f}x the time")
         shutdown_vllm(rollout)

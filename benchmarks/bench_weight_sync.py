@@ -192,24 +192,33 @@ def build(label: str, root: Path, buckets_mb: list[float]) -> tuple[int, list]:
     dist.barrier()
     actor = build_actor(path, env)
     rollout = build_native_rollout(path, dtype=torch.bfloat16)
-    streams = [("one by one, fp32", lambda: one_by_one(actor.module)),
-               ("bucketed fp32 @ 512", lambda: full_state_dict(actor, bucket_mb=512))]
+    streams = [
+        ("one by one, fp32", lambda: one_by_one(actor.module)),
+        ("bucketed fp32 @ 512", lambda: full_state_dict(actor, bucket_mb=512)),
+    ]
     for mb in buckets_mb:
-        streams.append((f"bucketed bf16 @ {mb:g}",
-                        lambda mb=mb: full_state_dict(actor, dtype=torch.bfloat16, bucket_mb=mb)))
+        streams.append(
+            (f"bucketed bf16 @ {mb:g}", lambda mb=mb: full_state_dict(actor, dtype=torch.bfloat16, bucket_mb=mb))
+        )
     syncs = [(name, lambda stream=stream: sync_weights(rollout, stream())) for name, stream in streams]
     return sum(p.numel() for p in actor.module.parameters()), syncs
 
 
 def print_table(label: str, params: int, rows: list[tuple[str, dict]]) -> None:
-    print(f"\n{label}: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32), "
-          f"{dist.get_world_size()} ranks, rank 0's view, {_cpu_model()}")
+    print(
+        f"\n{label}: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB fp32), "
+        f"{dist.get_world_size()} ranks, rank 0's view, {_cpu_model()}"
+    )
     rss = "rss" in rows[0][1]
-    print(f"{'setting':<22} {'collectives':>11} {'sent MB':>8} {'received MB':>11} {'time ms':>8} {'peak MB':>8}"
-          + (f" {'rss MB':>7}" if rss else ""))
+    print(
+        f"{'setting':<22} {'collectives':>11} {'sent MB':>8} {'received MB':>11} {'time ms':>8} {'peak MB':>8}"
+        + (f" {'rss MB':>7}" if rss else "")
+    )
     for name, r in rows:
-        print(f"{name:<22} {r['collectives']:>11} {r['sent'] / 2**20:>8.1f} {r['received'] / 2**20:>11.1f} "
-              f"{r['time'] * 1e3:>8.1f} {r['peak'] / 2**20:>8.1f}" + (f" {r['rss'] / 2**20:>7.1f}" if rss else ""))
+        print(
+            f"{name:<22} {r['collectives']:>11} {r['sent'] / 2**20:>8.1f} {r['received'] / 2**20:>11.1f} "
+            f"{r['time'] * 1e3:>8.1f} {r['peak'] / 2**20:>8.1f}" + (f" {r['rss'] / 2**20:>7.1f}" if rss else "")
+        )
 
 
 def main() -> None:

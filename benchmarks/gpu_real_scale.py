@@ -42,15 +42,19 @@ PRESET = "gpu/qwen2_5_0_5b_1gpu"
 def write_checkpoint(out: Path) -> Path:
     """A random ``MODEL``-shaped Qwen2 in bf16 safetensors with the char tokenizer (and its chat template)."""
     import torch
+    from planner_verdicts import MODELS
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from backends.models import build_char_tokenizer
-    from planner_verdicts import MODELS
 
     tokenizer = build_char_tokenizer(model_max_length=4096)
     fields = {k: v for k, v in MODELS[MODEL].items() if k not in ("architectures", "model_type", "torch_dtype")}
-    config = Qwen2Config(**fields, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
+    config = Qwen2Config(
+        **fields,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
@@ -61,7 +65,6 @@ def write_checkpoint(out: Path) -> Path:
 def planner_phases(overrides: list[str], prompt_len: int) -> dict[str, float]:
     """The planner's per-phase peaks (GiB) for the preset with ``overrides``, at the prompts' real length."""
     import attrs
-
     from planner_verdicts import GIB, judge, preset_case, write_models
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,14 +92,34 @@ def main() -> None:
     data = write_dataset(root / "data", sft_examples=64)
     model = write_checkpoint(root / "model")
     prompt_len = 32
-    overrides = [f"prompts_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new_tokens}",
-                 f"data.max_prompt_length={prompt_len}"]
-    cmd = [str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc_per_node", "1",
-           str(ROOT / "experiments" / "grpo.py"), "preset=gsm8k/grpo_qwen2_5_0_5b", f"preset={PRESET}",
-           f"model.path={model}", f"run_root={root / 'runs'}", "name=real_scale", f"steps={args.steps}",
-           f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}", "reward.fn=arithmetic",
-           "eval.max_prompts=64", "eval.n=1", "eval.every=0", "rollout.engine=native", "rollout.dtype=bfloat16",
-           "logger=console,jsonl", *overrides]
+    overrides = [
+        f"prompts_per_step={args.prompts}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
+        f"data.max_prompt_length={prompt_len}",
+    ]
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--standalone",
+        "--nproc_per_node",
+        "1",
+        str(ROOT / "experiments" / "grpo.py"),
+        "preset=gsm8k/grpo_qwen2_5_0_5b",
+        f"preset={PRESET}",
+        f"model.path={model}",
+        f"run_root={root / 'runs'}",
+        "name=real_scale",
+        f"steps={args.steps}",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        "reward.fn=arithmetic",
+        "eval.max_prompts=64",
+        "eval.n=1",
+        "eval.every=0",
+        "rollout.engine=native",
+        "rollout.dtype=bfloat16",
+        "logger=console,jsonl",
+        *overrides,
+    ]
     print("$ " + " ".join(cmd), flush=True)
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run(cmd, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}, cwd=ROOT)
@@ -110,15 +133,22 @@ def main() -> None:
     def median(key: str) -> float:
         return statistics.median(r[key] for r in later if key in r) if any(key in r for r in later) else float("nan")
 
-    print(f"\n{MODEL} shape, random init, 1 x {torch.cuda.get_device_name(0)} (torch {torch.__version__}), "
-          f"{args.prompts} prompts x 5 samples, {args.max_new_tokens} new tokens, {args.steps} steps")
-    print(f"step {median('step_time_s'):.2f} s | rollout {median('rollout_time_s'):.2f} s | "
-          f"update {median('update_time_s'):.2f} s | {median('tokens_per_s'):.0f} tokens/s | "
-          f"mean response {median('response_length'):.0f} tokens")
+    print(
+        f"\n{MODEL} shape, random init, 1 x {torch.cuda.get_device_name(0)} (torch {torch.__version__}), "
+        f"{args.prompts} prompts x 5 samples, {args.max_new_tokens} new tokens, {args.steps} steps"
+    )
+    print(
+        f"step {median('step_time_s'):.2f} s | rollout {median('rollout_time_s'):.2f} s | "
+        f"update {median('update_time_s'):.2f} s | {median('tokens_per_s'):.0f} tokens/s | "
+        f"mean response {median('response_length'):.0f} tokens"
+    )
     print("peak GPU memory per step (GiB): " + ", ".join(f"{r.get('gpu_memory_gib', float('nan')):.1f}" for r in steps))
     plan = planner_phases(overrides, prompt_len)
-    print("planner (GiB): " + ", ".join(f"{phase} {value:.1f}" for phase, value in plan.items())
-          + " (rollout: vLLM's share, not comparable)")
+    print(
+        "planner (GiB): "
+        + ", ".join(f"{phase} {value:.1f}" for phase, value in plan.items())
+        + " (rollout: vLLM's share, not comparable)"
+    )
 
 
 if __name__ == "__main__":

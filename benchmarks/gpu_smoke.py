@@ -30,10 +30,19 @@ sys.path.insert(0, str(ROOT))
 
 def recipe_args(data: Path, run_root: Path, engine: str, steps: int) -> list[str]:
     return [
-        "preset=demo/arithmetic", f"run_root={run_root}", f"name=gpu_{engine}", f"steps={steps}",
-        f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}",
-        "sft.steps=100", "eval.every=0", "logger=console,jsonl", f"rollout.engine={engine}",
-        "actor.fsdp.param_dtype=bfloat16", "algo.rollout_is=token",
+        "preset=demo/arithmetic",
+        f"run_root={run_root}",
+        f"name=gpu_{engine}",
+        f"steps={steps}",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        f"sft.files={data / 'sft.jsonl'}",
+        "sft.steps=100",
+        "eval.every=0",
+        "logger=console,jsonl",
+        f"rollout.engine={engine}",
+        "actor.fsdp.param_dtype=bfloat16",
+        "algo.rollout_is=token",
         *(["rollout.vllm.dtype=bfloat16"] if engine == "vllm" else ["rollout.dtype=bfloat16"]),
     ]
 
@@ -42,20 +51,28 @@ def summarize(run_dir: Path) -> dict[str, float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 1 and "step_time_s" in r]  # step 1 pays one-off warm-up costs
     summary = json.loads((run_dir / "summary.json").read_text())
-    median = lambda key: statistics.median(r[key] for r in steps) if all(key in r for r in steps) else float("nan")  # noqa: E731
+    median = lambda key: statistics.median(r[key] for r in steps) if all(key in r for r in steps) else float("nan")
     return {
-        "tokens_per_s": median("tokens_per_s"), "step_s": median("step_time_s"), "sync_s": median("sync_time_s"),
-        "rollout_s": median("rollout_time_s"), "update_s": median("update_time_s"),
+        "tokens_per_s": median("tokens_per_s"),
+        "step_s": median("step_time_s"),
+        "sync_s": median("sync_time_s"),
+        "rollout_s": median("rollout_time_s"),
+        "update_s": median("update_time_s"),
         "gpu_gib": max((r.get("gpu_memory_gib", float("nan")) for r in steps), default=float("nan")),
         "gap_max": max((r.get("logprob_gap/max", float("nan")) for r in steps), default=float("nan")),
-        "gap_mean": median("logprob_gap/mean"), "before": summary["eval_before"], "after": summary["eval_after"],
+        "gap_mean": median("logprob_gap/mean"),
+        "before": summary["eval_before"],
+        "after": summary["eval_after"],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engines", default=None,
-                        help="comma-separated rollout engines (default: vllm where it is installed, then native)")
+    parser.add_argument(
+        "--engines",
+        default=None,
+        help="comma-separated rollout engines (default: vllm where it is installed, then native)",
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--keep", default="", help="keep the runs under this dir (default: a temporary one)")
     args = parser.parse_args()
@@ -78,8 +95,14 @@ def main() -> None:
         args.engines = "vllm,native" if importlib.util.find_spec("vllm") else "native"
         print(f"engines: {args.engines}" + ("" if "vllm" in args.engines else " (vllm is not installed here)"))
     for engine in [e.strip() for e in args.engines.split(",") if e.strip()]:
-        cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(gpus), str(ROOT / "experiments" / "grpo.py"),
-               *recipe_args(data, root / "runs", engine, args.steps)]
+        cmd = [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node",
+            str(gpus),
+            str(ROOT / "experiments" / "grpo.py"),
+            *recipe_args(data, root / "runs", engine, args.steps),
+        ]
         print("$ " + " ".join(cmd), flush=True)
         out = subprocess.run(cmd, env=env, cwd=ROOT)
         if out.returncode != 0:
@@ -88,16 +111,32 @@ def main() -> None:
         (run_dir,) = sorted((root / "runs").glob(f"gpu_{engine}-*"))[-1:]
         results[engine] = summarize(run_dir)
 
-    print(f"\nGRPO on {gpus} x {', '.join(names)} (torch {torch.__version__}), {args.steps} steps, bf16, medians of steps 2..N")
-    head = ("engine", "tokens/s", "step s", "rollout s", "update s", "sync s", "peak GiB", "gap max", "gap mean", "held-out")
+    print(
+        f"\nGRPO on {gpus} x {', '.join(names)} (torch {torch.__version__}), "
+        f"{args.steps} steps, bf16, medians of steps 2..N"
+    )
+    head = (
+        "engine",
+        "tokens/s",
+        "step s",
+        "rollout s",
+        "update s",
+        "sync s",
+        "peak GiB",
+        "gap max",
+        "gap mean",
+        "held-out",
+    )
     print(" | ".join(head))
     for engine, r in results.items():
         if "failed" in r:
             print(f"{engine} | FAILED ({r['failed']})")
             continue
-        print(f"{engine} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['rollout_s']:.3f} | {r['update_s']:.3f} | "
-              f"{r['sync_s']:.3f} | {r['gpu_gib']:.2f} | {r['gap_max']:.3g} | {r['gap_mean']:.3g} | "
-              f"{r['before']:.1%} -> {r['after']:.1%}")
+        print(
+            f"{engine} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['rollout_s']:.3f} | {r['update_s']:.3f} | "
+            f"{r['sync_s']:.3f} | {r['gpu_gib']:.2f} | {r['gap_max']:.3g} | {r['gap_mean']:.3g} | "
+            f"{r['before']:.1%} -> {r['after']:.1%}"
+        )
     if any("failed" in r for r in results.values()):
         sys.exit(1)
 

@@ -50,15 +50,21 @@ def phase(kind: str, **kwargs: Any) -> Iterator[None]:
     finally:
         _reset_peak()
         peak = _open_peaks.pop()
-    print(f"MEM {kind} step={kwargs.get('step')} start={start / GIB:.2f} peak={peak / GIB:.2f} "
-          f"end={torch.cuda.memory_allocated() / GIB:.2f}", flush=True)
+    print(
+        f"MEM {kind} step={kwargs.get('step')} start={start / GIB:.2f} peak={peak / GIB:.2f} "
+        f"end={torch.cuda.memory_allocated() / GIB:.2f}",
+        flush=True,
+    )
 
 
 def waiting_on(op: str) -> None:
     if "update" in op and _open_peaks:  # the recipes' log-prob passes are done; the optimizer steps begin
         torch.cuda.synchronize()
-        print(f"MEM logprobs peak={torch.cuda.max_memory_allocated() / GIB:.2f} "
-              f"now={torch.cuda.memory_allocated() / GIB:.2f}", flush=True)
+        print(
+            f"MEM logprobs peak={torch.cuda.max_memory_allocated() / GIB:.2f} "
+            f"now={torch.cuda.memory_allocated() / GIB:.2f}",
+            flush=True,
+        )
         _reset_peak()
     _waiting_on(op)
 

@@ -99,9 +99,12 @@ def main(argv: list[str]) -> dict:
     need = args.prompts_per_step * args.steps
     if len(problems) < need:
         raise SystemExit(f"{args.prompts} has {len(problems)} prompts, {need} needed")
-    dataset = Dataset.from_dict({
-        "prompt": [p["prompt"] for p in problems[:need]], "answer": [int(p["answer"]) for p in problems[:need]],
-    })
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [p["prompt"] for p in problems[:need]],
+            "answer": [int(p["answer"]) for p in problems[:need]],
+        }
+    )
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir, local_files_only=True)
 
     completions = args.prompts_per_step * args.num_generations

@@ -18,21 +18,21 @@ try:
 except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.1.0"
 
-from rlfunc.tree import *  # noqa: F401,F403
-from rlfunc.checks import *  # noqa: F401,F403
-from rlfunc.batch import *  # noqa: F401,F403
-from rlfunc.masked import *  # noqa: F401,F403
-from rlfunc.aggregation import *  # noqa: F401,F403
-from rlfunc.logits import *  # noqa: F401,F403
-from rlfunc.policy_losses import *  # noqa: F401,F403
-from rlfunc.policy_loss_registry import *  # noqa: F401,F403
-from rlfunc.value_loss import *  # noqa: F401,F403
-from rlfunc.kl import *  # noqa: F401,F403
-from rlfunc.schedules import *  # noqa: F401,F403
-from rlfunc.rewards import *  # noqa: F401,F403
-from rlfunc.token_advantages import *  # noqa: F401,F403
-from rlfunc.outcome_advantages import *  # noqa: F401,F403
-from rlfunc.advantages import *  # noqa: F401,F403
-from rlfunc.importance import *  # noqa: F401,F403
-from rlfunc.dapo import *  # noqa: F401,F403
-from rlfunc.turns import *  # noqa: F401,F403
+from rlfunc.advantages import *
+from rlfunc.aggregation import *
+from rlfunc.batch import *
+from rlfunc.checks import *
+from rlfunc.dapo import *
+from rlfunc.importance import *
+from rlfunc.kl import *
+from rlfunc.logits import *
+from rlfunc.masked import *
+from rlfunc.outcome_advantages import *
+from rlfunc.policy_loss_registry import *
+from rlfunc.policy_losses import *
+from rlfunc.rewards import *
+from rlfunc.schedules import *
+from rlfunc.token_advantages import *
+from rlfunc.tree import *
+from rlfunc.turns import *
+from rlfunc.value_loss import *

@@ -25,9 +25,7 @@ from rlfunc.tree import pytree_dataclass
 
 __all__ = ["AggMode", "AGG_MODES", "Normalizers", "local_normalizers", "aggregate"]
 
-AggMode = Literal[
-    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
+AggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 
 

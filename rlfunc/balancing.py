@@ -81,7 +81,7 @@ def karmarkar_karp(lengths: Sequence[int], k: int, *, equal_size: bool = False) 
     order = sorted(range(len(values)), key=lambda i: (values[i], i))
     heap: list[tuple[int, int, _Solution]] = []
     if equal_size:
-        seeds = [order[j:j + k] for j in range(0, len(order), k)]
+        seeds = [order[j : j + k] for j in range(0, len(order), k)]
         initial = [_Solution([[i] for i in chunk], [values[i] for i in chunk]) for chunk in seeds]
     else:
         initial = [_Solution([[i]] + [[] for _ in range(k - 1)], [values[i]] + [0] * (k - 1)) for i in order]
@@ -137,7 +137,10 @@ def spread(lengths: Sequence[int], parts: Sequence[Sequence[int]]) -> int:
 
 
 def balanced_partition(
-    lengths: Sequence[int], k: int, *, equal_size: bool = False,
+    lengths: Sequence[int],
+    k: int,
+    *,
+    equal_size: bool = False,
     method: Literal["karmarkar_karp", "greedy"] = "karmarkar_karp",
 ) -> list[list[int]]:
     """``k`` parts with near-equal sums: Karmarkar-Karp, or greedy when that is better (or asked for).
@@ -155,9 +158,7 @@ def balanced_partition(
     return kk if kk_key <= greedy_key else greedy
 
 
-def token_budget_balanced_partition(
-    lengths: Sequence[int], max_tokens: int, *, min_parts: int = 1
-) -> list[list[int]]:
+def token_budget_balanced_partition(lengths: Sequence[int], max_tokens: int, *, min_parts: int = 1) -> list[list[int]]:
     """The fewest parts (at least ``min_parts``, at most one per item) whose sums all fit ``max_tokens``,
     with near-equal sums. An item longer than the budget raises. Parts come out in order of their
     first item."""

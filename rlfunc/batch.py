@@ -217,5 +217,7 @@ def concat(batches: Sequence[B]) -> B:
         if type(b) is not type(first):
             raise TypeError(f"cannot concatenate {type(first).__name__} with {type(b).__name__}")
         if tree_structure(b) != structure:
-            raise ValueError(f"cannot concatenate batches with different fields set: {structure} vs {tree_structure(b)}")
+            raise ValueError(
+                f"cannot concatenate batches with different fields set: {structure} vs {tree_structure(b)}"
+            )
     return tree_map(lambda *xs: torch.cat(xs, dim=0), *batches)

@@ -40,7 +40,11 @@ def informative_groups(scores: Tensor, *, group_ids: Tensor) -> Tensor:
 
 
 def overlong_penalty(
-    response_lengths: Tensor, *, max_response_length: int, buffer_length: int, penalty_factor: float = 1.0,
+    response_lengths: Tensor,
+    *,
+    max_response_length: int,
+    buffer_length: int,
+    penalty_factor: float = 1.0,
 ) -> Tensor:
     r"""DAPO's soft overlong punishment, added to each response's reward (float, same shape as the lengths).
 
@@ -54,7 +58,9 @@ def overlong_penalty(
     wherever the length is within the budget, which a sampler's lengths always are.
     """
     if not 0 < buffer_length <= max_response_length:
-        raise ValueError(f"buffer_length must be in (0, max_response_length={max_response_length}], got {buffer_length}")
+        raise ValueError(
+            f"buffer_length must be in (0, max_response_length={max_response_length}], got {buffer_length}"
+        )
     if penalty_factor < 0:
         raise ValueError(f"penalty_factor must be >= 0, got {penalty_factor}")
     lengths = response_lengths.to(torch.float32)

@@ -66,9 +66,7 @@ _LOG_RATIO_BOUND = 20.0
 def _token_log_ratio(trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor, level: str) -> Tensor:
     """Checked inputs -> detached ``log pi_train - log pi_rollout`` in >= fp32, exactly 0 outside the mask."""
     if level not in CORRECTION_LEVELS:
-        raise ValueError(
-            f"unknown importance-sampling level {level!r}; known levels: {', '.join(CORRECTION_LEVELS)}"
-        )
+        raise ValueError(f"unknown importance-sampling level {level!r}; known levels: {', '.join(CORRECTION_LEVELS)}")
     check_shape("trainer_logprobs", trainer_logprobs, "b t")
     check_same_shape(
         "trainer_logprobs", trainer_logprobs, rollout_logprobs=rollout_logprobs, response_mask=response_mask

@@ -247,12 +247,18 @@ def adaptive_kl_controller(init_beta: float, *, target_kl: float, horizon: int |
     See :func:`update_kl_controller` for the update rule. Requires ``init_beta >= 0``, ``target_kl > 0``
     and ``horizon > 0``.
     """
-    for name, value, positive in (("init_beta", init_beta, False), ("target_kl", target_kl, True), ("horizon", horizon, True)):
+    for name, value, positive in (
+        ("init_beta", init_beta, False),
+        ("target_kl", target_kl, True),
+        ("horizon", horizon, True),
+    ):
         if not isinstance(value, Tensor) and isinstance(value, (int, float)) and not isinstance(value, bool):
             if (value <= 0) if positive else (value < 0):
                 raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value}")
     return KLControllerState(
-        beta=_scalar("init_beta", init_beta), target_kl=_scalar("target_kl", target_kl), horizon=_scalar("horizon", horizon)
+        beta=_scalar("init_beta", init_beta),
+        target_kl=_scalar("target_kl", target_kl),
+        horizon=_scalar("horizon", horizon),
     )
 
 

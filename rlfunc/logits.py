@@ -30,9 +30,9 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int | No
 
     .. math:: \log \pi(y_{t}) = z_{t, y_t} - \log \sum_{k} \exp z_{t,k}
 
-    Computed in fp32 for bf16 / fp16 / fp32 logits (fp64 stays fp64). ``chunk_size=None`` is the plain autograd path; an int
-    processes that many rows of the flattened ``(b t) v`` logits at a time and never holds more than one
-    chunk in fp32 (forward and backward), with the same values and gradient.
+    Computed in fp32 for bf16 / fp16 / fp32 logits (fp64 stays fp64). ``chunk_size=None`` is the plain autograd path; an
+    int processes that many rows of the flattened ``(b t) v`` logits at a time and never holds more than one chunk in
+    fp32 (forward and backward), with the same values and gradient.
 
     Same numbers as verl's ``verl.utils.torch_functional.logprobs_from_logits`` for fp32 logits. For bf16
     logits verl's fallback (``logprobs_from_logits_v2``) runs ``log_softmax`` in bf16 and returns bf16;
@@ -48,7 +48,9 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, *, chunk_size: int | No
         return picked - torch.logsumexp(x, dim=-1)
     _check_chunk_size(chunk_size)
     lead = labels.shape
-    logp, _ = _ChunkedLogprobs.apply(logits.reshape(1, v) if logits.dim() == 1 else logits, labels.reshape(-1).long(), chunk_size)
+    logp, _ = _ChunkedLogprobs.apply(
+        logits.reshape(1, v) if logits.dim() == 1 else logits, labels.reshape(-1).long(), chunk_size
+    )
     return logp.reshape(lead)
 
 

@@ -115,7 +115,9 @@ def masked_whiten(
     else:
         mean, var = (torch.as_tensor(s, dtype=x.dtype, device=x.device) for s in stats)
         if mean.dim() != 0 or var.dim() != 0:
-            raise ValueError(f"stats must be two 0-d tensors (mean, var), got shapes {tuple(mean.shape)}, {tuple(var.shape)}")
+            raise ValueError(
+                f"stats must be two 0-d tensors (mean, var), got shapes {tuple(mean.shape)}, {tuple(var.shape)}"
+            )
         centered = torch.where(mask, x - mean, zero)
     whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:

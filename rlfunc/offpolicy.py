@@ -116,8 +116,15 @@ def decoupled_ppo_policy_loss(
     :math:`\log\pi_{behav} - \log\pi_{prox}`; AReaL's ``behave_approx_kl`` with the opposite sign).
     """
     knobs = dict(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip, behaviour_weight_cap=behaviour_weight_cap)
-    high = _check(logprobs, knobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask,
-                  behaviour_logprobs=behaviour_logprobs, is_weights=is_weights)
+    high = _check(
+        logprobs,
+        knobs,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        response_mask=response_mask,
+        behaviour_logprobs=behaviour_logprobs,
+        is_weights=is_weights,
+    )
     cap = behaviour_weight_cap
     log_weight, weight, capped = _behaviour_weights(old_logprobs, behaviour_logprobs, response_mask, cap)
     token_weight = weight if is_weights is None else weight * is_weights.detach()
@@ -129,10 +136,29 @@ def decoupled_ppo_policy_loss(
         surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
     loss = -aggregate(surrogate * token_weight, response_mask, mode=agg, norms=norms, horizon=horizon)
 
+    metrics = _decoupled_metrics(
+        log_ratio, advantages, response_mask, clip_low, high, dual_clip, log_weight, weight, capped
+    )
+    return loss, metrics
+
+
+def _decoupled_metrics(
+    log_ratio: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    log_weight: Tensor,
+    weight: Tensor,
+    capped: Tensor,
+) -> dict[str, Tensor]:
+    """:func:`decoupled_ppo_policy_loss`'s metrics (no gradient): PPO's clip fractions and KL against the
+    proximal policy, and the behaviour weights' mean, capped fraction and KL."""
     with torch.no_grad():
         count = response_mask.sum().clamp(min=1)
         lr = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        clipped = (advantages > 0) & (lr > math.log1p(high)) | (advantages < 0) & (lr < math.log1p(-clip_low))
+        clipped = (advantages > 0) & (lr > math.log1p(clip_high)) | (advantages < 0) & (lr < math.log1p(-clip_low))
         clipped = response_mask & clipped
         dual = torch.zeros_like(response_mask)
         if dual_clip is not None:
@@ -145,4 +171,4 @@ def decoupled_ppo_policy_loss(
             "behaviour_capped_frac": capped.sum() / count,
             "behaviour_kl": -log_weight.sum() / count,
         }
-    return loss, metrics
+    return metrics

@@ -370,4 +370,3 @@ def remax(scores: Tensor, *, baseline_scores: Tensor, response_mask: Tensor) -> 
     returns = s.unsqueeze(-1) * keep
     advantages = (s - baseline_scores.to(s.dtype)).unsqueeze(-1) * keep
     return advantages, returns
-

@@ -18,13 +18,15 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 #: verl's keywords of ``compute_policy_loss_*(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
 #: config, rollout_is_weights)`` -> what a policy loss here takes instead
-VERL_POLICY_LOSS_KEYWORDS: Mapping[str, str] = types.MappingProxyType({
-    "log_prob": "logprobs (the first argument: the policy being trained)",
-    "old_log_prob": "old_logprobs",
-    "loss_agg_mode": "agg",
-    "rollout_is_weights": "is_weights",
-    "config": "the loss's own keywords (clip_low, clip_high, ...; see its signature)",
-})
+VERL_POLICY_LOSS_KEYWORDS: Mapping[str, str] = types.MappingProxyType(
+    {
+        "log_prob": "logprobs (the first argument: the policy being trained)",
+        "old_log_prob": "old_logprobs",
+        "loss_agg_mode": "agg",
+        "rollout_is_weights": "is_weights",
+        "config": "the loss's own keywords (clip_low, clip_high, ...; see its signature)",
+    }
+)
 
 
 def refuse_verl_keywords(**ours: str) -> Callable[[F], F]:

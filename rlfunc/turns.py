@@ -36,4 +36,6 @@ def turn_rewards_to_tokens(turn_rewards: Tensor, *, turn_ids: Tensor, loss_mask:
     last = torch.full((b, max(k, 1)), -1, dtype=torch.long, device=turn_ids.device)
     last = last.scatter_reduce(1, index, torch.where(in_range, positions, -1), reduce="amax")
     is_last = in_range & (positions == last.gather(1, index))
-    return torch.where(is_last, turn_rewards.to(torch.float32).gather(1, index), torch.zeros((), device=turn_ids.device))
+    return torch.where(
+        is_last, turn_rewards.to(torch.float32).gather(1, index), torch.zeros((), device=turn_ids.device)
+    )

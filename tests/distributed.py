@@ -121,12 +121,17 @@ class _ProcessState:
             module = sys.modules.get(name)
             if module is not None:
                 namespace = vars(module)
-                namespace.update({key: value for key, value in saved.items() if namespace.get(key, _UNSET) is not value})
+                namespace.update(
+                    {key: value for key, value in saved.items() if namespace.get(key, _UNSET) is not value}
+                )
         problems = _reset_megatron()
         deadline = time.monotonic() + 5.0  # a test's helper threads (a writer, a watchdog) may still be ending
         while time.monotonic() < deadline:
-            left = [t for t in threading.enumerate()
-                    if t.ident not in self.threads_alive and t.is_alive() and t.name not in _PROCESS_THREADS]
+            left = [
+                t
+                for t in threading.enumerate()
+                if t.ident not in self.threads_alive and t.is_alive() and t.name not in _PROCESS_THREADS
+            ]
             if not left:
                 break
             time.sleep(0.05)
@@ -140,8 +145,11 @@ _UNSET = object()
 
 
 def _project_modules() -> dict[str, Any]:
-    return {name: module for name, module in list(sys.modules.items())
-            if module is not None and name.partition(".")[0] in _PROJECT_PACKAGES}
+    return {
+        name: module
+        for name, module in list(sys.modules.items())
+        if module is not None and name.partition(".")[0] in _PROJECT_PACKAGES
+    }
 
 
 def _all_loggers() -> dict[str, logging.Logger]:
@@ -187,10 +195,17 @@ def _serve(rank: int, world_size: int, port: int, backend: str, inbox: Any, outb
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(log, 1)  # the rank's own output goes to its log, whose tail a failure report shows
     os.dup2(log, 2)
-    faulthandler.register(signal.SIGUSR2, all_threads=True)  # the parent asks a rank that does not answer for its stacks
+    # the parent asks a rank that does not answer for its stacks
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     os.environ.update(forkserver.rank_environment())
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     try:
         import torch
 
@@ -236,8 +251,19 @@ class RankPool:
         self.inboxes = [ctx.SimpleQueue() for _ in range(world_size)]
         port = free_port()
         self.procs = [
-            ctx.Process(target=_serve, args=(r, world_size, port, self.backend, self.inboxes[r], self.outbox,
-                                               str(self.log_dir / f"rank{r}.log")), daemon=True)
+            ctx.Process(
+                target=_serve,
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    self.backend,
+                    self.inboxes[r],
+                    self.outbox,
+                    str(self.log_dir / f"rank{r}.log"),
+                ),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for p in self.procs:
@@ -286,8 +312,9 @@ class RankPool:
         problems = self._await_ready(timeout=_HEALTH_TIMEOUT_S)
         if problems:
             self.healthy = False
-            warnings.warn(f"the pool of {self.world_size} ranks is replaced after this test: " + "; ".join(problems),
-                          stacklevel=3)
+            warnings.warn(
+                f"the pool of {self.world_size} ranks is replaced after this test: " + "; ".join(problems), stacklevel=3
+            )
         return [results[r] for r in range(self.world_size)]
 
     def _await_ready(self, timeout: float) -> list[str]:
@@ -343,8 +370,9 @@ def close_pools() -> None:
     _pools.clear()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 300,
-                    fresh: bool = False) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 300, fresh: bool = False
+) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a process group; return results by rank.
 
     ``fn`` must be importable (a module-level function). A failure on any rank raises with its traceback.

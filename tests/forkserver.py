@@ -55,8 +55,13 @@ def rank_environment() -> dict[str, str]:
     """What every rank's environment holds beyond the test process's: one torch thread per rank (two ranks
     share CI's two cores), no hub, this checkout first on the path (for the ranks' own child processes)."""
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg",
-            "PYTHONPATH": path}
+    return {
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "MPLBACKEND": "Agg",
+        "PYTHONPATH": path,
+    }
 
 
 def context() -> BaseContext:
@@ -112,7 +117,9 @@ def call_in_child(fn: Callable[..., Any], *args: Any, timeout: float = 300) -> A
         status, value = parent.recv()
     except EOFError:
         proc.join(timeout=10)
-        raise RuntimeError(f"{getattr(fn, '__name__', fn)}'s process ended without a result (exit code {proc.exitcode})")
+        raise RuntimeError(
+            f"{getattr(fn, '__name__', fn)}'s process ended without a result (exit code {proc.exitcode})"
+        )
     finally:
         if proc.is_alive():
             proc.join(timeout=10)

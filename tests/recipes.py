@@ -24,7 +24,6 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 from experiments.tasks.arithmetic import ArithmeticTask, write_dataset
 from tests import forkserver
@@ -37,7 +36,10 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 #: a one-layer model small enough for a few steps in seconds
 TINY_MODEL = [
-    "model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=96",
+    "model.tiny.hidden_size=64",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1",
+    "model.tiny.intermediate_size=96",
     "model.tiny.num_layers=1",
 ]
 
@@ -46,8 +48,15 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
-def arithmetic_data(out_dir: Path, *, max_operand: int = 99, max_second_operand: int = 9, num_heldout: int = 8,
-                    sft_examples: int = 64, wrong_answer_fraction: float = 0.5) -> Path:
+def arithmetic_data(
+    out_dir: Path,
+    *,
+    max_operand: int = 99,
+    max_second_operand: int = 9,
+    num_heldout: int = 8,
+    sft_examples: int = 64,
+    wrong_answer_fraction: float = 0.5,
+) -> Path:
     """The arithmetic task's train / val / sft JSONL files in ``out_dir``."""
     task = ArithmeticTask(max_operand=max_operand, max_second_operand=max_second_operand, num_heldout=num_heldout)
     return write_dataset(out_dir, task, sft_examples=sft_examples, wrong_answer_fraction=wrong_answer_fraction)
@@ -55,10 +64,21 @@ def arithmetic_data(out_dir: Path, *, max_operand: int = 99, max_second_operand:
 
 def data_args(data_dir: Path, *, sft_steps: int = 4) -> list[str]:
     """Overrides that point a recipe at ``data_dir``'s files, with a short SFT stage on them."""
-    args = [f"data.train_files={data_dir / 'train.jsonl'}", f"data.val_files={data_dir / 'val.jsonl'}",
-            "data.max_prompt_length=16", "reward.fn=arithmetic", "rollout.max_new_tokens=6", "eval.n=1"]
+    args = [
+        f"data.train_files={data_dir / 'train.jsonl'}",
+        f"data.val_files={data_dir / 'val.jsonl'}",
+        "data.max_prompt_length=16",
+        "reward.fn=arithmetic",
+        "rollout.max_new_tokens=6",
+        "eval.n=1",
+    ]
     if sft_steps:
-        args += [f"sft.files={data_dir / 'sft.jsonl'}", f"sft.steps={sft_steps}", "sft.batch_size=8", "sft.optim.lr=3e-3"]
+        args += [
+            f"sft.files={data_dir / 'sft.jsonl'}",
+            f"sft.steps={sft_steps}",
+            "sft.batch_size=8",
+            "sft.optim.lr=3e-3",
+        ]
     return args
 
 
@@ -110,12 +130,24 @@ class RecipeJob:
         for rank in range(nproc):
             rank_env = {**env(), **(environ or {})}
             if nproc > 1:
-                rank_env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                                GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
-                                MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                                TORCHELASTIC_RUN_ID="none")
+                rank_env.update(
+                    RANK=str(rank),
+                    LOCAL_RANK=str(rank),
+                    WORLD_SIZE=str(nproc),
+                    LOCAL_WORLD_SIZE=str(nproc),
+                    GROUP_RANK="0",
+                    ROLE_RANK=str(rank),
+                    ROLE_WORLD_SIZE=str(nproc),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=str(port),
+                    TORCHELASTIC_RESTART_COUNT="0",
+                    TORCHELASTIC_MAX_RESTARTS="0",
+                    TORCHELASTIC_RUN_ID="none",
+                )
             module = ".".join(recipe.resolve().relative_to(ROOT).with_suffix("").parts)
-            proc = ctx.Process(target=_recipe_rank, args=(module, list(args), rank_env, str(self.out_dir / f"rank{rank}")))
+            proc = ctx.Process(
+                target=_recipe_rank, args=(module, list(args), rank_env, str(self.out_dir / f"rank{rank}"))
+            )
             proc.start()
             self.ranks.append(proc)
 
@@ -172,13 +204,15 @@ class RecipeJob:
 
 
 def start(recipe: Path, *args: str, nproc: int = 1, environ: dict[str, str] | None = None) -> RecipeJob:
-    """Start the recipe's ``main`` on ``nproc`` forked ranks (see the module doc); ``environ`` adds to their environment.
-    ``recipe`` is any script of this checkout whose module has ``main(argv)`` (a recipe, a test's worker script)."""
+    """Start the recipe's ``main`` on ``nproc`` forked ranks (see the module doc); ``environ`` adds to their
+    environment. ``recipe`` is any script of this checkout whose module has ``main(argv)`` (a recipe, a test's worker
+    script)."""
     return RecipeJob(recipe, args, nproc, environ)
 
 
-def run(recipe: Path, *args: str, nproc: int = 1, timeout: float = 600,
-        environ: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run(
+    recipe: Path, *args: str, nproc: int = 1, timeout: float = 600, environ: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The recipe on ``nproc`` forked ranks, to its end: exit status and every rank's stdout / stderr."""
     return start(recipe, *args, nproc=nproc, environ=environ).wait(timeout)
 

@@ -455,7 +455,7 @@ def test_gae_func_grad_equals_autograd():
     assert not g_r[~m].any() and not g_v[~m].any()
     # d A_t / d r_s = (gamma lam)^(#valid between) for valid s >= t: check one entry by hand.
     one = torch.ones(1, 3, dtype=torch.bool)
-    first_advantage = lambda rr: gae(rr, values=torch.zeros(1, 3), response_mask=one, gamma=0.5, lam=0.5)[0][0, 0]  # noqa: E731
+    first_advantage = lambda rr: gae(rr, values=torch.zeros(1, 3), response_mask=one, gamma=0.5, lam=0.5)[0][0, 0]
     grad_r0 = torch.func.grad(first_advantage)(torch.zeros(1, 3))
     close(grad_r0, torch.tensor([[1.0, 0.25, 0.0625]]))
 
@@ -479,7 +479,7 @@ def test_gae_autograd_fast_path_equals_func_grad_general_path():
     close(g_r, a_r, atol=1e-5)
     close(g_v, a_v, atol=1e-5)
     x = torch.randn(3, 100, generator=gen)
-    f = lambda y: (discounted_reverse_cumsum(y, discount=0.9) * x).sum()  # noqa: E731
+    f = lambda y: (discounted_reverse_cumsum(y, discount=0.9) * x).sum()
     x_ = x.clone().requires_grad_()
     close(torch.func.grad(f)(x), torch.autograd.grad(f(x_), x_)[0], atol=1e-5)
 
@@ -490,7 +490,7 @@ def test_outcome_func_grad_equals_autograd():
     m = torch.ones(5, 2, dtype=torch.bool)
     w = torch.arange(10.0).reshape(5, 2)
     for fn in [grpo, rloo, reinforce_pp_baseline, opo]:
-        obj = lambda x: (fn(x, group_ids=g, response_mask=m)[0] * w).sum()  # noqa: E731
+        obj = lambda x: (fn(x, group_ids=g, response_mask=m)[0] * w).sum()
         s_ = s.clone().requires_grad_()
         close(torch.func.grad(obj)(s), torch.autograd.grad(obj(s_), s_)[0], atol=1e-6)
 
@@ -615,8 +615,16 @@ def test_golden_aliases_resolve_to_the_same_numbers(golden):
 
 def test_registry():
     assert set(ADVANTAGE_ESTIMATORS) == {
-        "gae", "grpo", "grpo_passk", "rloo", "rloo_vectorized", "reinforce_pp", "reinforce_pp_baseline", "remax",
-        "opo", "gpg",
+        "gae",
+        "grpo",
+        "grpo_passk",
+        "rloo",
+        "rloo_vectorized",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "remax",
+        "opo",
+        "gpg",
     }
     for name, fn in ADVANTAGE_ESTIMATORS.items():
         assert get_advantage_estimator(name) is fn
@@ -712,4 +720,3 @@ def test_grpo_groups_with_one_reward_are_exactly_the_zero_advantage_rows(groups,
     adv, _ = grpo(scores, group_ids=group_ids, response_mask=mask)
     same = torch.tensor([scores[group_ids == i].unique().numel() == 1 for i in range(groups)])[group_ids]
     assert torch.equal(zero_advantage_rows(adv, mask), same)
-

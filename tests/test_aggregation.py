@@ -1,6 +1,7 @@
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rlfunc as rf
 

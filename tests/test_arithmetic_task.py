@@ -1,4 +1,5 @@
-"""The arithmetic task as data files: held-out pairs never in training, seeded noisy SFT answers, the recipe's format."""
+"""The arithmetic task as data files: held-out pairs never in training, seeded noisy SFT answers, the recipe's
+format."""
 
 import json
 
@@ -15,7 +16,7 @@ def test_heldout_pairs_are_never_training_prompts(tmp_path):
     task = ArithmeticTask(max_operand=9, max_second_operand=9, num_heldout=20)
     out = write_dataset(tmp_path, task, sft_examples=500)
     train, val, sft = _read(out / "train.jsonl"), _read(out / "val.jsonl"), _read(out / "sft.jsonl")
-    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
+    prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}
     assert len(val) == 20 and len(train) == 80 and not prompts(val) & prompts(train)
     assert not prompts(val) & prompts(sft)
     for row in train + val:
@@ -36,15 +37,18 @@ def test_sft_answers_are_wrong_by_the_fraction_and_seeded():
     assert all(1 <= abs(x - y) <= 9 and y >= 0 for x, y in wrong)
     assert rows == list(sft_rows(problems, 4000, 0.4, seed=0))
     assert rows != list(sft_rows(problems, 4000, 0.4, seed=1))
-    assert all(int(r["response"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
-               for r in sft_rows(problems, 200, 0.0, seed=0))
+    assert all(
+        int(r["response"]) == sum(map(int, r["prompt"][0]["content"][:-1].split("+")))
+        for r in sft_rows(problems, 200, 0.0, seed=0)
+    )
     with pytest.raises(ValueError, match="wrong_answer_fraction"):
         list(sft_rows(problems, 1, 1.0, seed=0))
 
 
 def test_long_tailed_thoughts_keep_the_answers_and_the_reward():
     """With ``think_mean``, responses restate the answer a heavy-tailed number of times (up to the cap) before
-    ``####<answer>``; the answers are those of the plain rows (same seed), and the built-in reward accepts the format."""
+    ``####<answer>``; the answers are those of the plain rows (same seed), and the built-in reward accepts the
+    format."""
     from rlfunc.rewards import arithmetic_reward
 
     problems = ArithmeticTask().train()
@@ -82,7 +86,10 @@ def test_the_files_load_as_recipe_data(tmp_path):
     examples, report = load_examples([str(tmp_path / "val.jsonl")], DataConfig(max_prompt_length=16), tok)
     assert report.kept == 10 and examples[0].source == "arithmetic"
     first = _read(tmp_path / "val.jsonl")[0]
-    assert list(examples[0].prompt_ids) == tok.apply_chat_template(first["prompt"], add_generation_prompt=True)["input_ids"]
+    assert (
+        list(examples[0].prompt_ids)
+        == tok.apply_chat_template(first["prompt"], add_generation_prompt=True)["input_ids"]
+    )
     assert examples[0].ground_truth == first["answer"]
     sft = load_sft_examples(SFTConfig(files=(str(tmp_path / "sft.jsonl"),)), tok)
     row = _read(tmp_path / "sft.jsonl")[0]

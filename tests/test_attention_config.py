@@ -24,8 +24,9 @@ def test_auto_is_sdpa_on_a_cpu_and_flash_is_refused_there():
 
 
 def test_the_model_is_loaded_with_it(tmp_path):
-    path = write_tiny_model(tmp_path / "m", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                           intermediate_size=96))
+    path = write_tiny_model(
+        tmp_path / "m", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96)
+    )
     env = init_distributed(device="cpu")
     eager = build_actor(path, env, fsdp_cfg=FSDPConfig(attn_implementation="eager"))
     assert eager.module.config._attn_implementation == "eager"

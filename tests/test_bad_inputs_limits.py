@@ -77,8 +77,14 @@ def _parquet_null_answer(tmp: Path) -> Any:
 def _resume_with(tmp: Path, ckpt_dir: str) -> Any:
     from backends.checkpoint.resume import CheckpointConfig, resume_point
 
-    return resume_point("never", CheckpointConfig(every=10, dir=ckpt_dir), run_dir="", run_root=str(tmp / "runs"),
-                        name="x", must_match={})
+    return resume_point(
+        "never",
+        CheckpointConfig(every=10, dir=ckpt_dir),
+        run_dir="",
+        run_root=str(tmp / "runs"),
+        name="x",
+        must_match={},
+    )
 
 
 def _unwritable_dir(tmp: Path) -> str:
@@ -111,8 +117,7 @@ def _algorithm(tmp: Path, source: str, *overrides: str) -> None:
 
 
 ESTIMATOR_POSITIONAL = "def centered(scores, group_ids):\n    return scores - scores.mean(), scores\n"
-ESTIMATOR_PER_ROW = ("def centered(scores, *, group_ids, response_mask):\n"
-                     "    return scores - scores.mean(), scores\n")
+ESTIMATOR_PER_ROW = "def centered(scores, *, group_ids, response_mask):\n    return scores - scores.mean(), scores\n"
 LOSS_POSITIONAL = "def my_loss(logprobs, old_logprobs, advantages):\n    return -(logprobs * advantages).mean(), {}\n"
 LOSS_FLOAT = "def my_loss(logprobs, **kwargs):\n    return 0.5, {}\n"
 GENERATOR_REWARD = "def fn(r, g):\n    yield 1.0\n"
@@ -130,88 +135,170 @@ class Case:
 
 CASES = [
     # ----------------------------------------------------------------------------------- data: limits
-    Case("data-huge-prompt", _huge_row, DataError,
-         (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text, more than data\.max_prompt_length=16 tokens "
-          r"of at most \d+ bytes each can hold", "refused before tokenising"),
-         ("a 1 MB prompt with data.max_prompt_length=16", "the prompt's bytes against what max_prompt_length tokens "
-          "can spell, before tokenising")),
-    Case("data-huge-prompt-truncated", lambda tmp: _huge_row(tmp, truncation="left"), DataError,
-         (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text; data\.truncation=left cuts prompts up to 64 x",),
-         ("the same with data.truncation=left", "prompts up to 64 x that bound are cut; longer ones are refused")),
-    Case("data-huge-chat-prompt",
-         lambda tmp: _huge_row(tmp, [{"role": "system", "content": "x" * 600_000},
-                                     {"role": "user", "content": "y" * 400_000}]),
-         DataError, (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text",),
-         ("a chat prompt of 1 MB over two messages", "every message's content counts")),
-    Case("data-json-array-file",
-         lambda tmp: _text_file(tmp, "d.json", json.dumps([ROW, ROW], indent=2)), DataError,
-         (r"d\.json:line 1: not valid JSON", r"the file looks like one JSON array",
-          r"JSON Lines: one JSON object per line"),
-         ("a .json file holding one JSON array", "data files are JSON Lines; the error says so")),
-    Case("data-json-array-one-line", lambda tmp: _text_file(tmp, "d.json", json.dumps([ROW, ROW])), DataError,
-         (r"d\.json:line 1: a row must be a JSON object, got list", r"JSON Lines"),
-         ("the same array on one line", "the same")),
-    Case("data-deep-json",
-         lambda tmp: _text_file(tmp, "d.jsonl", json.dumps(ROW) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"),
-         DataError,
-         (r"d\.jsonl:line 2: the JSON is nested too deeply to read",),
-         ("a line of 100,000 nested arrays", "the parser's recursion limit, naming the file and line")),
-    Case("data-null-answer", lambda tmp: load([jsonl(tmp / "d.jsonl", [ROW, {"prompt": "2+2=", "answer": None}])]),
-         DataError, (r"d\.jsonl:line 2: answer is null",),
-         ("a row with answer: null", "every row's ground truth, at load")),
-    Case("data-null-answer-parquet", _parquet_null_answer, DataError, (r"d\.parquet\[row 1\]: answer is null",),
-         ("the same in parquet", "the same")),
+    Case(
+        "data-huge-prompt",
+        _huge_row,
+        DataError,
+        (
+            r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text, more than data\.max_prompt_length=16 tokens "
+            r"of at most \d+ bytes each can hold",
+            "refused before tokenising",
+        ),
+        (
+            "a 1 MB prompt with data.max_prompt_length=16",
+            "the prompt's bytes against what max_prompt_length tokens can spell, before tokenising",
+        ),
+    ),
+    Case(
+        "data-huge-prompt-truncated",
+        lambda tmp: _huge_row(tmp, truncation="left"),
+        DataError,
+        (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text; data\.truncation=left cuts prompts up to 64 x",),
+        ("the same with data.truncation=left", "prompts up to 64 x that bound are cut; longer ones are refused"),
+    ),
+    Case(
+        "data-huge-chat-prompt",
+        lambda tmp: _huge_row(
+            tmp, [{"role": "system", "content": "x" * 600_000}, {"role": "user", "content": "y" * 400_000}]
+        ),
+        DataError,
+        (r"d\.jsonl:line 2: the prompt is 1,000,000 bytes of text",),
+        ("a chat prompt of 1 MB over two messages", "every message's content counts"),
+    ),
+    Case(
+        "data-json-array-file",
+        lambda tmp: _text_file(tmp, "d.json", json.dumps([ROW, ROW], indent=2)),
+        DataError,
+        (
+            r"d\.json:line 1: not valid JSON",
+            r"the file looks like one JSON array",
+            r"JSON Lines: one JSON object per line",
+        ),
+        ("a .json file holding one JSON array", "data files are JSON Lines; the error says so"),
+    ),
+    Case(
+        "data-json-array-one-line",
+        lambda tmp: _text_file(tmp, "d.json", json.dumps([ROW, ROW])),
+        DataError,
+        (r"d\.json:line 1: a row must be a JSON object, got list", r"JSON Lines"),
+        ("the same array on one line", "the same"),
+    ),
+    Case(
+        "data-deep-json",
+        lambda tmp: _text_file(tmp, "d.jsonl", json.dumps(ROW) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n"),
+        DataError,
+        (r"d\.jsonl:line 2: the JSON is nested too deeply to read",),
+        ("a line of 100,000 nested arrays", "the parser's recursion limit, naming the file and line"),
+    ),
+    Case(
+        "data-null-answer",
+        lambda tmp: load([jsonl(tmp / "d.jsonl", [ROW, {"prompt": "2+2=", "answer": None}])]),
+        DataError,
+        (r"d\.jsonl:line 2: answer is null",),
+        ("a row with answer: null", "every row's ground truth, at load"),
+    ),
+    Case(
+        "data-null-answer-parquet",
+        _parquet_null_answer,
+        DataError,
+        (r"d\.parquet\[row 1\]: answer is null",),
+        ("the same in parquet", "the same"),
+    ),
     # ------------------------------------------------------------------------------------ checkpoints
-    Case("checkpoint-keep-last-zero", lambda tmp: grpo_config("checkpoint.keep_last=0"), ConfigError,
-         (r"checkpoint\.keep_last", r"must be >= 1"), ("checkpoint.keep_last=0", "at least one checkpoint is kept")),
-    Case("checkpoint-dir-under-a-file",
-         lambda tmp: (tmp.joinpath("f").write_text("x"), _resume_with(tmp, str(tmp / "f" / "ckpt"))), SystemExit,
-         (r"NotADirectoryError: the checkpoint dir .* '.*/f/ckpt' cannot be created: '.*/f' is a file",),
-         ("checkpoint.dir below a regular file", "the checkpoint dir can be created, at start-up")),
-    Case("checkpoint-dir-unwritable", lambda tmp: _resume_with(tmp, _unwritable_dir(tmp)), SystemExit,
-         (r"PermissionError: the checkpoint dir .* cannot be written: creating a file in '.*' failed",),
-         ("checkpoint.dir in a read-only place", "a probe file can be written there, at start-up")),
+    Case(
+        "checkpoint-keep-last-zero",
+        lambda tmp: grpo_config("checkpoint.keep_last=0"),
+        ConfigError,
+        (r"checkpoint\.keep_last", r"must be >= 1"),
+        ("checkpoint.keep_last=0", "at least one checkpoint is kept"),
+    ),
+    Case(
+        "checkpoint-dir-under-a-file",
+        lambda tmp: (tmp.joinpath("f").write_text("x"), _resume_with(tmp, str(tmp / "f" / "ckpt"))),
+        SystemExit,
+        (r"NotADirectoryError: the checkpoint dir .* '.*/f/ckpt' cannot be created: '.*/f' is a file",),
+        ("checkpoint.dir below a regular file", "the checkpoint dir can be created, at start-up"),
+    ),
+    Case(
+        "checkpoint-dir-unwritable",
+        lambda tmp: _resume_with(tmp, _unwritable_dir(tmp)),
+        SystemExit,
+        (r"PermissionError: the checkpoint dir .* cannot be written: creating a file in '.*' failed",),
+        ("checkpoint.dir in a read-only place", "a probe file can be written there, at start-up"),
+    ),
     # ---------------------------------------------------------------------------------------- rewards
-    Case("reward-generator-function",
-         lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', GENERATOR_REWARD)}:fn",))),
-         ConfigError, (r"reward\.fn='.*r\.py:fn' is a generator function \(it yields\)", "return, not yield"),
-         ("a reward function that yields", "the function is a plain one, at start-up")),
-    Case("reward-async-function",
-         lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', ASYNC_REWARD)}:fn",))),
-         ConfigError, (r"reward\.fn='.*r\.py:fn' is an async function",), ("an async reward function", "the same")),
-    Case("reward-unpicklable-result-in-a-worker",
-         lambda tmp: _score_with(tmp, "def fn(r, g):\n    return (x for x in [1.0])\n", workers=1), RewardError,
-         (r"reward function '.*my_reward\.py:fn' returned generator <generator object", r"train\.jsonl:line 1"),
-         ("a reward returning a generator object, in a worker process", "named like any result that is not a number")),
+    Case(
+        "reward-generator-function",
+        lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', GENERATOR_REWARD)}:fn",))),
+        ConfigError,
+        (r"reward\.fn='.*r\.py:fn' is a generator function \(it yields\)", "return, not yield"),
+        ("a reward function that yields", "the function is a plain one, at start-up"),
+    ),
+    Case(
+        "reward-async-function",
+        lambda tmp: RewardScorer(RewardConfig(fn=(f"{pyfile(tmp, 'r.py', ASYNC_REWARD)}:fn",))),
+        ConfigError,
+        (r"reward\.fn='.*r\.py:fn' is an async function",),
+        ("an async reward function", "the same"),
+    ),
+    Case(
+        "reward-unpicklable-result-in-a-worker",
+        lambda tmp: _score_with(tmp, "def fn(r, g):\n    return (x for x in [1.0])\n", workers=1),
+        RewardError,
+        (r"reward function '.*my_reward\.py:fn' returned generator <generator object", r"train\.jsonl:line 1"),
+        ("a reward returning a generator object, in a worker process", "named like any result that is not a number"),
+    ),
     # ------------------------------------------------------------------------------------- algorithm
-    Case("algo-estimator-wrong-signature",
-         lambda tmp: _algorithm(tmp, ESTIMATOR_POSITIONAL, "algo.estimator=@my_algo.py:centered"), ConfigError,
-         (r"algo\.estimator='.*my_algo\.py:centered' does not fit the call the recipe makes, "
-          r"fn\(scores, \*, group_ids, response_mask, \*\*kwargs\) -> \(advantages, returns\)",
-          r"unexpected keyword argument 'response_mask'"),
-         ("an estimator fn(scores, group_ids)", "called once on a synthetic batch at start-up, before the model")),
-    Case("algo-estimator-wrong-shape",
-         lambda tmp: _algorithm(tmp, ESTIMATOR_PER_ROW, "algo.estimator=@my_algo.py:centered"), ConfigError,
-         (r"its advantages must be a float tensor of shape \(16, 3\) \(b t\), got torch\.float32 of shape \(16,\)",),
-         ("an estimator returning one advantage per row", "its results' shapes")),
-    Case("algo-loss-wrong-signature",
-         lambda tmp: _algorithm(tmp, LOSS_POSITIONAL, "algo.policy_loss=@my_algo.py:my_loss"), ConfigError,
-         (r"algo\.policy_loss='.*my_algo\.py:my_loss' does not fit the call the recipe makes, fn\(logprobs, \*, "
-          r"old_logprobs, advantages, response_mask, behaviour_logprobs, is_weights, agg, norms, horizon, seed",
-          r"raised TypeError"),
-         ("a policy loss without the keyword arguments", "called once on a synthetic micro-batch at start-up")),
-    Case("algo-loss-returns-a-float",
-         lambda tmp: _algorithm(tmp, LOSS_FLOAT, "algo.policy_loss=@my_algo.py:my_loss"), ConfigError,
-         (r"its loss must be a scalar tensor that carries the gradient of logprobs, got float",),
-         ("a policy loss returning a float", "a differentiable scalar and a dict of metrics")),
-    Case("algo-reference-misspelt",
-         lambda tmp: _algorithm(tmp, ESTIMATOR_PER_ROW, "algo.estimator=@my_algo.py:centred"), ConfigError,
-         (r"file '.*my_algo\.py' has no attribute 'centred'; did you mean centered\?",),
-         ("algo.estimator=my_algo.py:centred", "the closest names in the file")),
-    Case("algo-passk-with-one-sample",
-         lambda tmp: _algorithm(tmp, "", "algo.estimator=grpo_passk", "rollout.n=1"), ConfigError,
-         (r"algo\.estimator='grpo_passk'", r"needs at least 2 responses per group", r"groups of rollout\.n=1 samples"),
-         ("algo.estimator=grpo_passk rollout.n=1", "the estimator on groups of rollout.n samples")),
+    Case(
+        "algo-estimator-wrong-signature",
+        lambda tmp: _algorithm(tmp, ESTIMATOR_POSITIONAL, "algo.estimator=@my_algo.py:centered"),
+        ConfigError,
+        (
+            r"algo\.estimator='.*my_algo\.py:centered' does not fit the call the recipe makes, "
+            r"fn\(scores, \*, group_ids, response_mask, \*\*kwargs\) -> \(advantages, returns\)",
+            r"unexpected keyword argument 'response_mask'",
+        ),
+        ("an estimator fn(scores, group_ids)", "called once on a synthetic batch at start-up, before the model"),
+    ),
+    Case(
+        "algo-estimator-wrong-shape",
+        lambda tmp: _algorithm(tmp, ESTIMATOR_PER_ROW, "algo.estimator=@my_algo.py:centered"),
+        ConfigError,
+        (r"its advantages must be a float tensor of shape \(16, 3\) \(b t\), got torch\.float32 of shape \(16,\)",),
+        ("an estimator returning one advantage per row", "its results' shapes"),
+    ),
+    Case(
+        "algo-loss-wrong-signature",
+        lambda tmp: _algorithm(tmp, LOSS_POSITIONAL, "algo.policy_loss=@my_algo.py:my_loss"),
+        ConfigError,
+        (
+            r"algo\.policy_loss='.*my_algo\.py:my_loss' does not fit the call the recipe makes, fn\(logprobs, \*, "
+            r"old_logprobs, advantages, response_mask, behaviour_logprobs, is_weights, agg, norms, horizon, seed",
+            r"raised TypeError",
+        ),
+        ("a policy loss without the keyword arguments", "called once on a synthetic micro-batch at start-up"),
+    ),
+    Case(
+        "algo-loss-returns-a-float",
+        lambda tmp: _algorithm(tmp, LOSS_FLOAT, "algo.policy_loss=@my_algo.py:my_loss"),
+        ConfigError,
+        (r"its loss must be a scalar tensor that carries the gradient of logprobs, got float",),
+        ("a policy loss returning a float", "a differentiable scalar and a dict of metrics"),
+    ),
+    Case(
+        "algo-reference-misspelt",
+        lambda tmp: _algorithm(tmp, ESTIMATOR_PER_ROW, "algo.estimator=@my_algo.py:centred"),
+        ConfigError,
+        (r"file '.*my_algo\.py' has no attribute 'centred'; did you mean centered\?",),
+        ("algo.estimator=my_algo.py:centred", "the closest names in the file"),
+    ),
+    Case(
+        "algo-passk-with-one-sample",
+        lambda tmp: _algorithm(tmp, "", "algo.estimator=grpo_passk", "rollout.n=1"),
+        ConfigError,
+        (r"algo\.estimator='grpo_passk'", r"needs at least 2 responses per group", r"groups of rollout\.n=1 samples"),
+        ("algo.estimator=grpo_passk rollout.n=1", "the estimator on groups of rollout.n samples"),
+    ),
 ]
 
 
@@ -275,8 +362,9 @@ def test_the_byte_bound_never_refuses_a_prompt_that_fits(tmp_path):
     per_token = max_token_bytes(TOK)
     assert per_token == len("<|assistant|>")  # the char tokenizer's longest token
     cfg = DataConfig(max_prompt_length=16, truncation="left")
-    examples, report = load_examples([jsonl(tmp_path / "d.jsonl", [{"prompt": "12345" * 100, "answer": "b"}])], cfg,
-                                     TOK)
+    examples, report = load_examples(
+        [jsonl(tmp_path / "d.jsonl", [{"prompt": "12345" * 100, "answer": "b"}])], cfg, TOK
+    )
     assert report.truncated == 1 and examples[0].prompt_ids == tuple(TOK("12345" * 100)["input_ids"][-16:])
     at_bound = "1" * (16 * per_token)
     at_bound_file = jsonl(tmp_path / "e.jsonl", [{"prompt": at_bound, "answer": "b"}])
@@ -288,8 +376,10 @@ def test_the_byte_bound_never_refuses_a_prompt_that_fits(tmp_path):
 
 
 def test_warnings_for_train_as_val_empty_messages_and_too_few_prompts(tmp_path):
-    train = jsonl(tmp_path / "train.jsonl", [ROW, {"prompt": [{"role": "system", "content": ""},
-                                                              {"role": "user", "content": "2+2="}], "answer": "4"}])
+    train = jsonl(
+        tmp_path / "train.jsonl",
+        [ROW, {"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": "2+2="}], "answer": "4"}],
+    )
     _, report = load([train])
     assert (report.empty_contents, report.first_empty_content) == (1, f"{train}:line 2 prompt[0]")
     another_spelling = str(tmp_path / "." / "train.jsonl")

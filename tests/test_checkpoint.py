@@ -40,16 +40,16 @@ from backends.checkpoint.dcp import (
 )
 from backends.models import TinyModelConfig, build_tiny_model
 from backends.training.optim import OptimConfig
-from tests.distributed import run_distributed
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.checkpoint
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=1)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=1
+)
 OTHER_SHAPES = attrs.evolve(TINY, intermediate_size=96)
 OTHER_LAYERS = attrs.evolve(TINY, num_layers=3)
-
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,7 +242,7 @@ def test_crash_before_rename_keeps_previous_checkpoint(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("simulated crash after the shards were written")
 
-    monkeypatch.setattr(ckpt, "_finalize", boom)
+    monkeypatch.setattr(ckpt, "commit_checkpoint", boom)
     with pytest.raises(CheckpointError, match="failed: OSError: simulated crash.*temp dir step_2.tmp-.* was removed"):
         save_checkpoint(tmp_path, 2, {"actor": state}, {"pos": 2})
     monkeypatch.undo()
@@ -276,7 +276,7 @@ state = make_small_state()
 ckpt.save_checkpoint(sys.argv[1], 1, {"actor": state}, {"pos": 1})
 for p in state.module.parameters():
     p.data.add_(1.0)
-ckpt._finalize = lambda *args, **kwargs: os._exit(17)  # killed after the shards, before COMPLETE + rename
+ckpt.commit_checkpoint = lambda *args, **kwargs: os._exit(17)  # killed after the shards, before COMPLETE + rename
 ckpt.save_checkpoint(sys.argv[1], 2, {"actor": state}, {"pos": 2})
 """
 
@@ -284,8 +284,14 @@ ckpt.save_checkpoint(sys.argv[1], 2, {"actor": state}, {"pos": 2})
 def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, "-c", _KILLED_CHILD, str(tmp_path)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_CHILD, str(tmp_path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 17, proc.stderr
     assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
     assert any(p.name.startswith("step_2.tmp-") for p in tmp_path.iterdir())
@@ -408,10 +414,13 @@ def test_metadata_is_never_unpickled_beyond_dcp_classes(saved, tmp_path):
     assert not flag.exists()
 
 
-@pytest.mark.parametrize("other, what", [
-    (OTHER_SHAPES, "shape of model.layers.0.mlp"),
-    (OTHER_LAYERS, "in the model but not in the checkpoint: model.layers.2"),
-])
+@pytest.mark.parametrize(
+    "other, what",
+    [
+        (OTHER_SHAPES, "shape of model.layers.0.mlp"),
+        (OTHER_LAYERS, "in the model but not in the checkpoint: model.layers.2"),
+    ],
+)
 def test_checkpoint_of_another_model(saved, other, what):
     path, _ = saved
     target = make_state(other, seed=3)
@@ -559,8 +568,14 @@ def _fsdp_worker(rank: int, world_size: int, model_dir: str, ckpt_dir: str) -> d
     kl = torch.tensor([0.1, 0.2])
     torch.manual_seed(100 + rank)  # per-rank RNG streams
     random.seed(200 + rank)
-    path = save_checkpoint(ckpt_dir, actor.step, {"actor": actor}, {"step": actor.step, "data_position": 64, "kl": kl},
-                           keep_last=2, config={"world": "any"})
+    path = save_checkpoint(
+        ckpt_dir,
+        actor.step,
+        {"actor": actor},
+        {"step": actor.step, "data_position": 64, "kl": kl},
+        keep_last=2,
+        config={"world": "any"},
+    )
     saved = _full_snapshot(actor)
     draws = (torch.rand(3), random.random())
 
@@ -576,15 +591,27 @@ def _fsdp_worker(rank: int, world_size: int, model_dir: str, ckpt_dir: str) -> d
     after = (_full_snapshot(actor), _full_snapshot(reloaded))
 
     # async save over the dedicated gloo group, renamed once rank 0's write completes
-    pending = save_checkpoint(ckpt_dir, actor.step, {"actor": actor}, {"step": actor.step}, keep_last=2, async_save=True)
+    pending = save_checkpoint(
+        ckpt_dir, actor.step, {"actor": actor}, {"step": actor.step}, keep_last=2, async_save=True
+    )
     actor, _ = update(actor, _batch(7 + rank), _pg_loss)  # training goes on meanwhile
     async_path = pending.wait()
     names = [p.name for p in list_checkpoints(ckpt_dir)]
-    return _np({
-        "path": str(path), "saved": saved, "loaded": loaded, "draws": draws, "redraws": redraws,
-        "extra": extra, "step": states["actor"].step, "after": after, "losses": (m1["loss"], m2["loss"]),
-        "async_path": str(async_path), "names": names,
-    })
+    return _np(
+        {
+            "path": str(path),
+            "saved": saved,
+            "loaded": loaded,
+            "draws": draws,
+            "redraws": redraws,
+            "extra": extra,
+            "step": states["actor"].step,
+            "after": after,
+            "losses": (m1["loss"], m2["loss"]),
+            "async_path": str(async_path),
+            "names": names,
+        }
+    )
 
 
 def _reshard_worker(rank: int, world_size: int, model_dir: str, path: str) -> dict:
@@ -653,7 +680,9 @@ def test_reshard_two_ranks_to_one_plain_model(fsdp_run):
     from backends.models import load_causal_lm
 
     model, _ = load_causal_lm(model_dir)
-    opt = torch.optim.AdamW(model.parameters(), lr=FSDP_OPTIM.lr, eps=FSDP_OPTIM.eps, weight_decay=FSDP_OPTIM.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=FSDP_OPTIM.lr, eps=FSDP_OPTIM.eps, weight_decay=FSDP_OPTIM.weight_decay
+    )
     states, extra = load_checkpoint(results[0]["path"], {"actor": State(model, opt)})
     assert states["actor"].step == 2 and extra["data_position"] == 64
     got = {f"model/{k}": v for k, v in model.state_dict().items()}

@@ -22,20 +22,21 @@ import pytest
 import torch
 
 import backends.checkpoint.dcp as ckpt
+import backends.checkpoint.files as files
 from backends.checkpoint.dcp import CheckpointError, list_checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 from backends.checkpoint.resume import truncate_metrics
 from backends.metrics_log import MetricsLog, read_jsonl
 from backends.models import TinyModelConfig, build_tiny_model
 from tests import forkserver
-from tests.distributed import run_distributed
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64
+)
 TIMINGS: dict[str, float] = {}
-
 
 
 def make_state(seed: int) -> State:
@@ -76,10 +77,10 @@ def _die() -> None:
 
 def inject(point: str) -> None:
     """In the child: arm the crash at ``point``."""
-    import backends.checkpoint.files as files
     from torch.distributed.checkpoint.filesystem import FileSystem
 
     if point == "shard write":  # half of the first write of a DCP shard reaches the file
+
         @contextlib.contextmanager
         def stream(self, path, mode):
             with _DyingFile(str(path), mode) as f:
@@ -87,8 +88,9 @@ def inject(point: str) -> None:
 
         FileSystem.create_stream = stream
     elif point == "after shards, before COMPLETE":
-        ckpt.write_json_atomic = lambda path, data: _die()
+        files.write_json_atomic = lambda path, data: _die()
     elif point == "mid COMPLETE write":
+
         def partial_dump(data, f, **kw):
             f.write(json.dumps(data)[:40])
             f.flush()
@@ -96,18 +98,25 @@ def inject(point: str) -> None:
 
         files.json = type("J", (), {"dump": staticmethod(partial_dump)})
     elif point == "after COMPLETE, before rename":
-        ckpt.fsync_dir = lambda path: _die()
+        files.fsync_dir = lambda path: _die()
     elif point == "re-save: old step moved aside, new not renamed":
-        real_replace, calls = os.replace, []
+        calls = []
 
-        def replace(src, dst):  # dcp's renames: 1: step_N -> step_N.old-*, 2: tmp -> step_N
-            calls.append(src)
-            if len(calls) == 2:
-                _die()
-            real_replace(src, dst)
+        def replace(src, dst):  # commit_checkpoint's dir renames: 1: step_N -> step_N.old-*, 2: tmp -> step_N
+            if Path(src).is_dir():
+                calls.append(src)
+                if len(calls) == 2:
+                    _die()
+            os.replace(src, dst)
 
-        ckpt.os = type("O", (), {"replace": staticmethod(replace)})
+        class _OsDyingOnTheSecondDirRename:
+            def __getattr__(self, name):
+                return getattr(os, name)
+
+        _OsDyingOnTheSecondDirRename.replace = staticmethod(replace)
+        files.os = _OsDyingOnTheSecondDirRename()
     elif point == "retention delete":
+
         def rmtree(path, ignore_errors=False):  # one file of the doomed checkpoint goes, then the crash
             next(Path(path).glob("*.distcp")).unlink()
             _die()
@@ -144,7 +153,8 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint(tmp_path, point):
         _save(root, s, seed=s)
     t0 = time.perf_counter()
     child = forkserver.context().Process(
-        target=_crashing_save, args=(point, str(root), step, step + 10, None if keep_last == "none" else int(keep_last)))
+        target=_crashing_save, args=(point, str(root), step, step + 10, None if keep_last == "none" else int(keep_last))
+    )
     child.start()
     child.join(timeout=300)
     TIMINGS[f"crash: {point}"] = time.perf_counter() - t0
@@ -209,10 +219,13 @@ def test_a_full_disk_during_a_save_is_a_clear_error_and_corrupts_nothing(tmp_pat
     elif where == "rng file":
         monkeypatch.setattr(ckpt, "write_rng_file", _enospc)
     else:
-        monkeypatch.setattr(ckpt, "write_json_atomic", _enospc)
+        monkeypatch.setattr(files, "write_json_atomic", _enospc)
     t0 = time.perf_counter()
-    with pytest.raises(CheckpointError, match=rf"saving checkpoint '{root / 'step_2'}' failed: .*no space left on device"
-                       r".*earlier checkpoints in .* are intact"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"saving checkpoint '{root / 'step_2'}' failed: .*no space left on device"
+        r".*earlier checkpoints in .* are intact",
+    ):
         saved = _save(root, 2, seed=2, async_save=where.endswith("async"))
         if not isinstance(saved, Path):
             saved.wait()
@@ -228,8 +241,12 @@ def test_a_full_disk_when_creating_the_temp_dir(tmp_path, monkeypatch):
     root = tmp_path / "ckpt"
     _save(root, 1, seed=1)
     real_mkdir = Path.mkdir
-    monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: _enospc(self) if ".tmp-" in self.name else real_mkdir(self, *a, **k))
-    with pytest.raises(CheckpointError, match=rf"cannot create a temp dir for step 2 under '{root}': no space left on device"):
+    monkeypatch.setattr(
+        Path, "mkdir", lambda self, *a, **k: _enospc(self) if ".tmp-" in self.name else real_mkdir(self, *a, **k)
+    )
+    with pytest.raises(
+        CheckpointError, match=rf"cannot create a temp dir for step 2 under '{root}': no space left on device"
+    ):
         _save(root, 2, seed=2)
     monkeypatch.undo()
     assert resolve_resume("auto", root) == root / "step_1"
@@ -242,7 +259,7 @@ def _full_disk_worker(rank, world_size, ckpt_dir, failing_rank, where):
         if where == "rng file":
             ckpt.write_rng_file = _enospc
         else:
-            ckpt.write_json_atomic = _enospc
+            files.write_json_atomic = _enospc
     t0 = time.perf_counter()
     try:
         _save(Path(ckpt_dir), 2, seed=2)
@@ -285,7 +302,9 @@ def test_a_full_disk_while_logging_metrics_keeps_the_rows_before(tmp_path, monke
 
     monkeypatch.setattr(metrics_log.os, "write", half_then_enospc)
     t0 = time.perf_counter()
-    with pytest.raises(OSError, match=rf"writing a metrics row to '{tmp_path / 'metrics.jsonl'}' failed: no space left on device"):
+    with pytest.raises(
+        OSError, match=rf"writing a metrics row to '{tmp_path / 'metrics.jsonl'}' failed: no space left on device"
+    ):
         log.log(3, {"reward": 0.3, "note": "x" * 50})
     TIMINGS["ENOSPC: metrics row"] = time.perf_counter() - t0
     monkeypatch.undo()
@@ -310,7 +329,9 @@ def test_a_full_disk_while_cutting_metrics_back_on_resume(tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
 
     monkeypatch.setattr(Path, "write_text", full)
-    with pytest.raises(OSError, match=rf"cutting '{path}' back to step 2 failed: No space left on device; the file is unchanged"):
+    with pytest.raises(
+        OSError, match=rf"cutting '{path}' back to step 2 failed: No space left on device; the file is unchanged"
+    ):
         truncate_metrics(path, 2)
     monkeypatch.undo()
     assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]

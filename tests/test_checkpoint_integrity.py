@@ -19,11 +19,10 @@ from backends.checkpoint.errors import CheckpointCorruptError
 from backends.checkpoint.integrity import damage, describe_items
 from backends.checkpoint.resume import newest_whole_checkpoint
 from backends.checkpoint.rng import read_rng_file
-from tests.distributed import run_distributed
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.faults, pytest.mark.checkpoint]
-
 
 
 def make_state(seed: int) -> State:
@@ -55,7 +54,12 @@ def test_the_marker_records_a_hash_per_tensor_and_file(tmp_path):
     recorded = json.loads((path / "COMPLETE").read_text())["integrity"]
     assert recorded["algorithm"] == "sha256"
     names = set(recorded["items"])
-    assert {"actor/model/0.weight", "actor/optim/state.0.weight.exp_avg", ".metadata", "rng/rank_0.safetensors"} <= names
+    assert {
+        "actor/model/0.weight",
+        "actor/optim/state.0.weight.exp_avg",
+        ".metadata",
+        "rng/rank_0.safetensors",
+    } <= names
     assert damage(path) is None
 
 
@@ -66,8 +70,11 @@ def test_damaged_tensor_bytes_are_named_at_load(tmp_path, payload):
     overwrite(path, "actor/model/0.weight", data)
     target = make_state(1)
     before = {k: v.clone() for k, v in target.module.state_dict().items()}
-    with pytest.raises(CheckpointCorruptError, match=r"tensor 'actor/model/0\.weight' \(bytes \d+\.\.\d+ of '__0_0\.distcp'\) "
-                                                     r"does not match the sha256 recorded when it was saved"):
+    with pytest.raises(
+        CheckpointCorruptError,
+        match=r"tensor 'actor/model/0\.weight' \(bytes \d+\.\.\d+ of '__0_0\.distcp'\) "
+        r"does not match the sha256 recorded when it was saved",
+    ):
         load_checkpoint(path, {"actor": target})
     for k, v in target.module.state_dict().items():  # nothing was read into the model
         assert torch.equal(v, before[k]), k
@@ -96,7 +103,9 @@ def test_resume_auto_passes_over_a_damaged_newest_checkpoint_loudly(tmp_path, ca
 
     (tmp_path / "step_2" / "COMPLETE").write_text("{")
     overwrite(tmp_path / "step_1", "actor/model/2.bias", finite_floats(1))
-    with pytest.raises(CheckpointCorruptError, match=r"every checkpoint in .* is damaged:\n  .*step_3.*\n  .*step_2.*\n  .*step_1"):
+    with pytest.raises(
+        CheckpointCorruptError, match=r"every checkpoint in .* is damaged:\n  .*step_3.*\n  .*step_2.*\n  .*step_1"
+    ):
         newest_whole_checkpoint(tmp_path)
 
 

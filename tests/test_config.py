@@ -29,10 +29,18 @@ class Root:
 
 
 def test_dotted_overrides_parse_by_type():
-    cfg = apply_overrides(Root(), [
-        "actor.optim.lr=1e-5", "actor.optim.betas=0.8,0.95", "actor.optim.warmup_style=cosine",
-        "actor.gradient_checkpointing=true", "steps=20", "name=x=y", "actor.optim.total_steps=none",
-    ])
+    cfg = apply_overrides(
+        Root(),
+        [
+            "actor.optim.lr=1e-5",
+            "actor.optim.betas=0.8,0.95",
+            "actor.optim.warmup_style=cosine",
+            "actor.gradient_checkpointing=true",
+            "steps=20",
+            "name=x=y",
+            "actor.optim.total_steps=none",
+        ],
+    )
     assert cfg.actor.optim.lr == 1e-5 and cfg.actor.optim.betas == (0.8, 0.95)
     assert cfg.actor.optim.warmup_style == "cosine" and cfg.actor.gradient_checkpointing is True
     assert cfg.steps == 20 and cfg.name == "x=y" and cfg.actor.optim.total_steps is None

@@ -12,8 +12,11 @@ from backends.config import config_help, config_markdown, config_rows, field_doc
 from experiments import custom_algorithm, grpo, ppo
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = {"experiments.grpo:Config": grpo.Config, "experiments.ppo:Config": ppo.Config,
-           "experiments.custom_algorithm:Config": custom_algorithm.Config}
+RECIPES = {
+    "experiments.grpo:Config": grpo.Config,
+    "experiments.ppo:Config": ppo.Config,
+    "experiments.custom_algorithm:Config": custom_algorithm.Config,
+}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -34,8 +37,12 @@ def test_docs_come_from_the_comment_after_or_above_a_field():
         c: int = 3  # a plain comment counts too
         d: int = 4
 
-    assert field_docs(Sample) == {"a": "after the field", "b": "above the field, over two lines",
-                                  "c": "a plain comment counts too", "d": ""}
+    assert field_docs(Sample) == {
+        "a": "after the field",
+        "b": "above the field, over two lines",
+        "c": "a plain comment counts too",
+        "d": "",
+    }
     text = config_help(Sample())
     assert "a = 1" in text and "after the field" in text
 
@@ -47,7 +54,9 @@ def test_build_md_holds_the_current_key_table(name):
     match = re.search(rf"<!-- keys: {re.escape(name)} -->\n(.*?)\n<!-- /keys -->", text, re.S)
     assert match, f"BUILD.md has no <!-- keys: {name} --> table"
     assert match.group(1).strip() == config_markdown(RECIPES[name]()).strip(), (
-        f"BUILD.md's key table for {name} is out of date: regenerate it with python -m backends.config --update BUILD.md")
+        f"BUILD.md's key table for {name} is out of date: "
+        f"regenerate it with python -m backends.config --update BUILD.md"
+    )
 
 
 @pytest.mark.parametrize("recipe", [grpo, ppo, custom_algorithm], ids=["grpo", "ppo", "custom_algorithm"])
@@ -59,9 +68,9 @@ def test_help_lists_the_presets_and_whole_registries(recipe, capsys):
 
     assert recipe.main(["--help"]) == {}
     text = capsys.readouterr().out
-    presets = text[text.index("presets (preset=<name>"):]
+    presets = text[text.index("presets (preset=<name>") :]
     assert all(name in presets for name in available_presets(recipe.PRESETS)) and "own_task/tiny" in presets
-    names = text[text.index("the names of the built-ins"):]
+    names = text[text.index("the names of the built-ins") :]
     assert all(re.search(rf"\b{re.escape(name)}\b", names) for name in BUILTIN_REWARDS)
     if recipe is grpo:
         estimators, _ = grpo.group_estimators()

@@ -8,8 +8,8 @@ import attrs
 import pytest
 
 from backends.config import ConfigError, apply_overrides, available_presets, expand_presets, load_preset
-from backends.training.optim import OptimConfig
 from backends.distributed.placement import PlacementConfig
+from backends.training.optim import OptimConfig
 from backends.training.reference import ReferenceConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,10 +34,14 @@ class Cfg:
 def presets(tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "optim").mkdir()
-    (tmp_path / "ref" / "small.yaml").write_text("_at_: reference\nlog_prob_micro_batch_size: 4\nuse_torch_compile: true\n")
+    (tmp_path / "ref" / "small.yaml").write_text(
+        "_at_: reference\nlog_prob_micro_batch_size: 4\nuse_torch_compile: true\n"
+    )
     (tmp_path / "optim" / "adam.yaml").write_text("lr: 3.0e-4\nbetas: [0.8, 0.95]\nclip_grad: 0.5\n")
     (tmp_path / "optim" / "typo.yaml").write_text("lr: 1.0e-3\nclip_gard: 1.0\n")
-    (tmp_path / "root.yaml").write_text("seed: 7\nplacement:\n  mode: split\n  actor_pool: 1\nreference:\n  backend: megatron\n")
+    (tmp_path / "root.yaml").write_text(
+        "seed: 7\nplacement:\n  mode: split\n  actor_pool: 1\nreference:\n  backend: megatron\n"
+    )
     return tmp_path
 
 
@@ -70,14 +74,19 @@ def test_root_preset_sets_several_sections(presets):
 
 
 def test_unknown_preset_lists_the_available_ones(presets):
-    with pytest.raises(ConfigError, match=r"unknown preset 'ref/big'.*available presets: optim/adam, optim/typo, ref/small, root"):
+    with pytest.raises(
+        ConfigError, match=r"unknown preset 'ref/big'.*available presets: optim/adam, optim/typo, ref/small, root"
+    ):
         apply_overrides(Cfg(), ["preset=ref/big"], presets_dir=presets)
     with pytest.raises(ConfigError, match="unknown preset"):  # no escaping the presets dir
         load_preset(presets / "ref", "../root")
 
 
 def test_preset_keys_are_validated_like_cli_keys(presets):
-    with pytest.raises(ConfigError, match=r"preset 'optim/typo' applied at 'actor.optim'.*clip_gard.*did you mean actor.optim.clip_grad"):
+    with pytest.raises(
+        ConfigError,
+        match=r"preset 'optim/typo' applied at 'actor.optim'.*clip_gard.*did you mean actor.optim.clip_grad",
+    ):
         apply_overrides(Cfg(), ["actor.optim=@optim/typo"], presets_dir=presets)
     (presets / "ref" / "bad_value.yaml").write_text("_at_: reference\nbackend: deepspeed\n")
     with pytest.raises(ConfigError, match="preset 'ref/bad_value'.*'deepspeed' is not one of"):
@@ -99,8 +108,9 @@ def test_a_later_override_can_make_a_presets_value_valid(tmp_path):
     assert (cfg.rollout.engine, cfg.rollout.dtype) == ("native", "bfloat16")
     # a wrong later override is reported as itself, not blamed on the preset before it
     with pytest.raises(ConfigError) as err:
-        apply_overrides(grpo.Config(), ["preset=vllm_bf16", "rollout.engine=native", "rollout.n=two"],
-                        presets_dir=tmp_path)
+        apply_overrides(
+            grpo.Config(), ["preset=vllm_bf16", "rollout.engine=native", "rollout.n=two"], presets_dir=tmp_path
+        )
     assert "rollout.n='two' is not an integer" in str(err.value) and "vllm_bf16" not in str(err.value)
 
 
@@ -114,8 +124,18 @@ def test_every_shipped_preset_applies_to_its_recipe():
     from experiments import grpo, ppo
 
     names = available_presets(RECIPE_PRESETS)
-    assert {"ref/dp_ref", "ref/megatron_ref", "ref/ref_in_actor", "optim/fsdp", "optim/megatron", "actor/dp_actor",
-            "placement/split", "placement/colocated", "demo/arithmetic", "demo/ppo_arithmetic"} <= set(names)
+    assert {
+        "ref/dp_ref",
+        "ref/megatron_ref",
+        "ref/ref_in_actor",
+        "optim/fsdp",
+        "optim/megatron",
+        "actor/dp_actor",
+        "placement/split",
+        "placement/colocated",
+        "demo/arithmetic",
+        "demo/ppo_arithmetic",
+    } <= set(names)
     for name in names:
         recipe = grpo if name == "demo/arithmetic" or name.startswith(("gsm8k/", "gpu/")) else ppo
         apply_overrides(recipe.Config(), [f"preset={name}"], presets_dir=RECIPE_PRESETS)
@@ -123,17 +143,20 @@ def test_every_shipped_preset_applies_to_its_recipe():
     gpu = [name for name in names if name.startswith("gpu/")]
     assert {"gpu/qwen2_5_0_5b_1gpu", "gpu/qwen2_5_0_5b_8gpu", "gpu/qwen2_5_7b_8gpu"} <= set(gpu)
     for name in gpu:
-        cfg = apply_overrides(grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", f"preset={name}"],
-                              presets_dir=RECIPE_PRESETS)
+        cfg = apply_overrides(
+            grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", f"preset={name}"], presets_dir=RECIPE_PRESETS
+        )
         assert cfg.reward.fn == ("gsm8k",) and cfg.rollout.n == 5 and cfg.rollout.engine == "vllm"
         assert cfg.actor.fsdp.gradient_checkpointing and cfg.actor.fsdp.use_remove_padding
         assert cfg.rollout.vllm.gpu_memory_utilization is not None  # an explicit share: see the presets' notes
-    seven = apply_overrides(grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", "preset=gpu/qwen2_5_7b_8gpu"],
-                            presets_dir=RECIPE_PRESETS)
+    seven = apply_overrides(
+        grpo.Config(), ["preset=gsm8k/grpo_qwen2_5_0_5b", "preset=gpu/qwen2_5_7b_8gpu"], presets_dir=RECIPE_PRESETS
+    )
     assert seven.model.path == "models/Qwen2.5-7B-Instruct" and seven.rollout.vllm.tensor_parallel_size == 2
     assert seven.actor.fsdp.max_tokens_per_micro_batch == 24000 and seven.actor.fsdp.token_budget_grouping == "balanced"
     cfg = apply_overrides(
-        ppo.Config(), ["preset=ref/dp_ref", "critic.optim=@optim/fsdp", "critic.optim.lr=2e-5"],
+        ppo.Config(),
+        ["preset=ref/dp_ref", "critic.optim=@optim/fsdp", "critic.optim.lr=2e-5"],
         presets_dir=RECIPE_PRESETS,
     )
     assert cfg.reference.backend == "fsdp" and cfg.reference.use_torch_compile is True

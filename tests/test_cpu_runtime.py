@@ -27,8 +27,9 @@ def _run_python(code: str, *args: str, env_updates: dict[str, str] | None = None
     env = {k: v for k, v in os.environ.items() if k not in CACHE_VARS + TORCHRUN_VARS}
     env.update(env_updates or {})
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

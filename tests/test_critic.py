@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from backends.training.fsdp import FSDPConfig, ModelOutputs
 from backends.models import (
     TinyModelConfig,
     build_tiny_classifier,
@@ -23,13 +22,15 @@ from backends.models import (
     write_tiny_reward_model,
     write_tiny_value_model,
 )
+from backends.training.fsdp import FSDPConfig, ModelOutputs
 from backends.training.optim import OptimConfig, build_optimizer, lr_at
 from rlfunc.batch import RolloutBatch, select
 from rlfunc.value_loss import value_loss
 from tests.distributed import run_distributed
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=1)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=1
+)
 # Per-row prompt / response lengths of the global batch (12 rows, 6 per rank). Row 3 has no loss token.
 PROMPT_LENS = [6, 3, 5, 2, 4, 6, 1, 5, 3, 6, 2, 4]
 RESPONSE_LENS = [7, 1, 4, 0, 7, 2, 3, 6, 5, 1, 7, 2]
@@ -70,7 +71,7 @@ def hf_values(model, batch: RolloutBatch) -> torch.Tensor:
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     out = model(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids).logits[..., 0]
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    return out[:, p - 1:p + t - 1]
+    return out[:, p - 1 : p + t - 1]
 
 
 def reference_updates(model_dir, batches, mode: str):
@@ -80,8 +81,14 @@ def reference_updates(model_dir, batches, mode: str):
     optimizer = build_optimizer(model.parameters(), OPTIM)
     losses, norms, clipfracs = [], [], []
     for step, batch in enumerate(batches):
-        loss, metrics = value_loss(hf_values(model, batch), old_values=batch.old_values, returns=batch.returns,
-                                   response_mask=batch.response_mask, clip_range=CLIP, agg=mode)
+        loss, metrics = value_loss(
+            hf_values(model, batch),
+            old_values=batch.old_values,
+            returns=batch.returns,
+            response_mask=batch.response_mask,
+            clip_range=CLIP,
+            agg=mode,
+        )
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)))
         for group in optimizer.param_groups:
@@ -113,9 +120,20 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("critic")
     return {
         "lm": str(write_tiny_model(root / "lm", TINY)),
-        "value": str(write_tiny_value_model(root / "value", TinyModelConfig(
-            hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-            max_position_embeddings=64, seed=4))),
+        "value": str(
+            write_tiny_value_model(
+                root / "value",
+                TinyModelConfig(
+                    hidden_size=64,
+                    num_layers=2,
+                    num_heads=2,
+                    num_kv_heads=1,
+                    intermediate_size=128,
+                    max_position_embeddings=64,
+                    seed=4,
+                ),
+            )
+        ),
     }
 
 
@@ -156,16 +174,27 @@ def _critic_worker(rank, world_size, lm_dir, value_dir):
         seen = []
 
         def spy(outputs, mb, norms, loss_fn=loss_fn, seen=seen):
-            seen.append((outputs.logprobs is None, outputs.entropy is None, tuple(outputs.values.shape),
-                         tuple(mb.response_ids.shape)))
+            seen.append(
+                (
+                    outputs.logprobs is None,
+                    outputs.entropy is None,
+                    tuple(outputs.values.shape),
+                    tuple(mb.response_ids.shape),
+                )
+            )
             return loss_fn(outputs, mb, norms)
 
         metrics = []
         for batch in batches:
             critic, m = update(critic, batch, spy)
             metrics.append(m)
-        out[name] = {"params": _numpy(dict(full_state_dict(critic))), "metrics": metrics, "seen": seen,
-                     "step": critic.step, "role": critic.role}
+        out[name] = {
+            "params": _numpy(dict(full_state_dict(critic))),
+            "metrics": metrics,
+            "seen": seen,
+            "step": critic.step,
+            "role": critic.role,
+        }
 
     # Values, full weights, value-model dirs, zero head.
     local = rank_rows(make_batch(0), rank, world_size)
@@ -261,7 +290,7 @@ def test_compute_values_equal_plain_hf_forward(two_ranks, dirs):
             ids = torch.cat([batch.prompt_ids[i][batch.prompt_mask[i]], batch.response_ids[i][batch.response_mask[i]]])
             row = model(input_ids=ids[None]).logits[0, :, 0]
             n, r = ids.shape[0], RESPONSE_LENS[i]
-            np.testing.assert_allclose(expected[i, :r], row[n - r - 1:n - 1].numpy(), atol=1e-5, rtol=1e-5)
+            np.testing.assert_allclose(expected[i, :r], row[n - r - 1 : n - 1].numpy(), atol=1e-5, rtol=1e-5)
     for rank in range(2):
         got = two_ranks[rank]
         rows = slice(rank * 6, rank * 6 + 6)
@@ -280,8 +309,9 @@ def test_critic_from_value_model_dir(two_ranks, dirs):
     with torch.no_grad():
         expected = torch.where(batch.response_mask, hf_values(model, batch), 0.0).numpy()
     for rank in range(2):
-        np.testing.assert_allclose(two_ranks[rank]["value_dir_values"], expected[rank * 6:rank * 6 + 6],
-                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(
+            two_ranks[rank]["value_dir_values"], expected[rank * 6 : rank * 6 + 6], atol=1e-5, rtol=1e-5
+        )
 
 
 @pytest.mark.distributed
@@ -355,7 +385,9 @@ def test_value_model_without_tokenizer(dirs, tmp_path):
     # an exported critic (save_pretrained, no tokenizer files) loads back; the tokenizer is optional
     from transformers import AutoModelForTokenClassification
 
-    AutoModelForTokenClassification.from_pretrained(dirs["value"], local_files_only=True).save_pretrained(tmp_path / "v")
+    AutoModelForTokenClassification.from_pretrained(dirs["value"], local_files_only=True).save_pretrained(
+        tmp_path / "v"
+    )
     model, tokenizer = load_value_model(tmp_path / "v")
     assert tokenizer is None and model.config.num_labels == 1
 

@@ -25,7 +25,9 @@ def test_overlong_penalty_hand_computed():
 def test_overlong_penalty_equals_verls_formula_within_the_budget(max_len, data, factor):
     buffer = data.draw(st.integers(1, max_len))
     lengths = data.draw(st.lists(st.integers(0, max_len), min_size=1, max_size=16))
-    out = rf.overlong_penalty(torch.tensor(lengths), max_response_length=max_len, buffer_length=buffer, penalty_factor=factor)
+    out = rf.overlong_penalty(
+        torch.tensor(lengths), max_response_length=max_len, buffer_length=buffer, penalty_factor=factor
+    )
     expected_len = max_len - buffer  # verl's DAPORewardManager
     verl = [min(-(n - expected_len) / buffer * factor, 0.0) for n in lengths]
     torch.testing.assert_close(out, torch.tensor(verl, dtype=torch.float32), atol=1e-6, rtol=0)
@@ -42,7 +44,16 @@ def test_informative_groups_hand_computed():
     scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.0, 0.0, 2.0])
     groups = torch.tensor([0, 0, 1, 1, 2, 3, 3, 4])
     # group 0 mixed, group 1 all 1, group 2 a single sample (kept, as verl), group 3 all 0, group 4 single
-    assert rf.informative_groups(scores, group_ids=groups).tolist() == [True, True, False, False, True, False, False, True]
+    assert rf.informative_groups(scores, group_ids=groups).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        True,
+        False,
+        False,
+        True,
+    ]
 
 
 @given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from([0.0, 0.5, 1.0])), min_size=1, max_size=40), st.randoms())
@@ -71,5 +82,5 @@ def test_truncated_responses():
 
 def test_overlong_penalty_is_vmappable():
     lengths = torch.tensor([[3, 9], [10, 1]])
-    fn = lambda x: rf.overlong_penalty(x, max_response_length=10, buffer_length=4)  # noqa: E731
+    fn = lambda x: rf.overlong_penalty(x, max_response_length=10, buffer_length=4)
     torch.testing.assert_close(torch.func.vmap(fn)(lengths), fn(lengths))

@@ -14,7 +14,11 @@ pytestmark = pytest.mark.data
 ROWS = [
     {"prompt": [{"role": "user", "content": "reverse: abc"}], "answer": "cba", "data_source": "rev", "level": 1},
     {"prompt": "reverse: hello", "answer": "olleh", "data_source": "rev", "level": 2},
-    {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}], "answer": "4", "level": 3},
+    {
+        "prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}],
+        "answer": "4",
+        "level": 3,
+    },
 ]
 
 
@@ -79,24 +83,45 @@ def test_a_jinja_template_file_replaces_the_tokenizers(tmp_path, tok):
 
 
 def test_verl_nested_answer_column(tmp_path, tok):
-    row = {"prompt": [{"role": "user", "content": "1+1="}], "reward_model": {"style": "rule", "ground_truth": "2"},
-           "data_source": "openai/gsm8k", "extra_info": {"index": 7}}
-    (example,), _ = load_examples([write_parquet(tmp_path / "v.parquet", [row])], DataConfig(answer_key="reward_model.ground_truth"), tok)
+    row = {
+        "prompt": [{"role": "user", "content": "1+1="}],
+        "reward_model": {"style": "rule", "ground_truth": "2"},
+        "data_source": "openai/gsm8k",
+        "extra_info": {"index": 7},
+    }
+    (example,), _ = load_examples(
+        [write_parquet(tmp_path / "v.parquet", [row])], DataConfig(answer_key="reward_model.ground_truth"), tok
+    )
     assert example.ground_truth == "2" and example.source == "openai/gsm8k"
     assert example.columns["reward_model"]["style"] == "rule" and example.columns["extra_info"] == {"index": 7}
 
 
-@pytest.mark.parametrize(("content", "message"), [
-    ('{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": \n', "d.jsonl:line 2: not valid JSON"),
-    ('{"prompt": "x", "answer": "1"}\n[1, 2]\n', "d.jsonl:line 2: a row must be a JSON object, got list"),
-    ('{"prompt": "x", "answer": "1"}\n\n{"question": "y", "answer": "2"}\n', "d.jsonl:line 3: no column 'prompt'"),
-    ('{"prompt": "x"}\n', "d.jsonl:line 1: no column 'answer' (the row has ['prompt'])"),
-    ('{"prompt": "", "answer": "1"}\n', "d.jsonl:line 1: prompt is an empty string"),
-    ('{"prompt": 7, "answer": "1"}\n', "d.jsonl:line 1: prompt must be a string or a non-empty list of messages, got int"),
-    ('{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}\n', "d.jsonl:line 1: prompt[0] has role 'robot'"),
-    ('{"prompt": [{"content": "x"}], "answer": "1"}\n', "d.jsonl:line 1: prompt[0] must be a {'role': ..., 'content': ...} message"),
-    ('{"prompt": [{"role": "user", "content": 5}], "answer": "1"}\n', "d.jsonl:line 1: prompt[0].content must be a string, got int"),
-])
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"prompt": "x", "answer": "1"}\n{"prompt": "y", "answer": \n', "d.jsonl:line 2: not valid JSON"),
+        ('{"prompt": "x", "answer": "1"}\n[1, 2]\n', "d.jsonl:line 2: a row must be a JSON object, got list"),
+        ('{"prompt": "x", "answer": "1"}\n\n{"question": "y", "answer": "2"}\n', "d.jsonl:line 3: no column 'prompt'"),
+        ('{"prompt": "x"}\n', "d.jsonl:line 1: no column 'answer' (the row has ['prompt'])"),
+        ('{"prompt": "", "answer": "1"}\n', "d.jsonl:line 1: prompt is an empty string"),
+        (
+            '{"prompt": 7, "answer": "1"}\n',
+            "d.jsonl:line 1: prompt must be a string or a non-empty list of messages, got int",
+        ),
+        (
+            '{"prompt": [{"role": "robot", "content": "x"}], "answer": "1"}\n',
+            "d.jsonl:line 1: prompt[0] has role 'robot'",
+        ),
+        (
+            '{"prompt": [{"content": "x"}], "answer": "1"}\n',
+            "d.jsonl:line 1: prompt[0] must be a {'role': ..., 'content': ...} message",
+        ),
+        (
+            '{"prompt": [{"role": "user", "content": 5}], "answer": "1"}\n',
+            "d.jsonl:line 1: prompt[0].content must be a string, got int",
+        ),
+    ],
+)
 def test_a_bad_row_is_an_error_naming_the_file_and_row(tmp_path, tok, content, message):
     path = tmp_path / "d.jsonl"
     path.write_text(content)
@@ -126,7 +151,9 @@ def test_a_saved_dataset_dict_names_its_splits(tmp_path):
     import datasets
 
     saved = tmp_path / "dd"
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:1]), "test": datasets.Dataset.from_list(ROWS[:1])}).save_to_disk(str(saved))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:1]), "test": datasets.Dataset.from_list(ROWS[:1])}
+    ).save_to_disk(str(saved))
     with pytest.raises(DataError, match=r"a DatasetDict with splits \['train', 'test'\]; give one split's dir"):
         list(read_rows(saved))
     assert len(list(read_rows(saved / "train"))) == 1
@@ -135,7 +162,9 @@ def test_a_saved_dataset_dict_names_its_splits(tmp_path):
 def test_overlong_prompts_under_each_truncation_mode(tmp_path, tok):
     rows = [{"prompt": "abcdefghij", "answer": "1"}, {"prompt": "abc", "answer": "2"}]
     files = [write_jsonl(tmp_path / "d.jsonl", rows)]
-    with pytest.raises(DataError, match=r"d.jsonl:line 1: the prompt has 10 tokens, more than data.max_prompt_length=5"):
+    with pytest.raises(
+        DataError, match=r"d.jsonl:line 1: the prompt has 10 tokens, more than data.max_prompt_length=5"
+    ):
         load_examples(files, DataConfig(max_prompt_length=5), tok)
     left, report = load_examples(files, DataConfig(max_prompt_length=5, truncation="left"), tok)
     assert tok.decode(list(left[0].prompt_ids)) == "fghij" and report.truncated == 1

@@ -154,7 +154,9 @@ def _two_ranks(rank: int, world_size: int) -> dict:
 def test_two_gloo_ranks():
     results = run_distributed(_two_ranks, 2)
     for rank, out in enumerate(results):
-        assert out["env"] == DistEnv(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo")
+        assert out["env"] == DistEnv(
+            rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), backend="gloo"
+        )
         assert out["again"] == out["env"]
         assert out["env"].is_main == (rank == 0)
         assert out["mesh"] == (2, ("dp",), rank)

@@ -10,12 +10,12 @@ import rlfunc as rf
 from backends.config import apply_overrides
 from backends.data import PromptStream, load_examples
 from backends.distributed.setup import init_distributed
+from backends.loop.sampling import sample_and_score
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model
 from backends.rewards import RewardScorer
 from backends.rollout.api import build_rollout
 from backends.training.engines import select_engine
 from backends.training.optim import OptimConfig
-from backends.loop.sampling import sample_and_score
 from experiments import grpo
 
 pytestmark = pytest.mark.data
@@ -30,8 +30,10 @@ def starts_with_a_digit(response, ground_truth):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dynamic")
-    model_dir = write_tiny_model(root / "model", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                                   intermediate_size=96, seed=1))
+    model_dir = write_tiny_model(
+        root / "model",
+        TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96, seed=1),
+    )
     (root / "train.jsonl").write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "0"}) + "\n" for i in range(40)))
     (root / "reward.py").write_text(REWARD)
     env = init_distributed(device="cpu")
@@ -41,15 +43,25 @@ def setup(tmp_path_factory):
 
 def sample(setup, *overrides):
     root, model_dir, env, tokenizer = setup
-    cfg = apply_overrides(grpo.Config(), ["prompts_per_step=8", "rollout.n=4", "rollout.max_new_tokens=4",
-                                          f"reward.fn={root / 'reward.py'}:starts_with_a_digit", "reward.workers=0", *overrides])
+    cfg = apply_overrides(
+        grpo.Config(),
+        [
+            "prompts_per_step=8",
+            "rollout.n=4",
+            "rollout.max_new_tokens=4",
+            f"reward.fn={root / 'reward.py'}:starts_with_a_digit",
+            "reward.workers=0",
+            *overrides,
+        ],
+    )
     examples, _ = load_examples([str(root / "train.jsonl")], cfg.data, tokenizer)
     engine = select_engine("fsdp", fsdp=cfg.actor.fsdp)
     actor = engine.build_actor(model_dir, env, OptimConfig())
     rollout = build_rollout(cfg.rollout, model_dir, tokenizer)
     stream = PromptStream(examples, seed=0)
-    batch, rows, stats = sample_and_score(rollout, stream, RewardScorer(cfg.reward), tokenizer, cfg, 1, engine, actor,
-                                          env=env)
+    batch, rows, stats = sample_and_score(
+        rollout, stream, RewardScorer(cfg.reward), tokenizer, cfg, 1, engine, actor, env=env
+    )
     return batch, rows, stats, stream
 
 
@@ -59,7 +71,9 @@ def test_dynamic_sampling_fills_the_batch_with_groups_whose_rewards_differ(setup
     assert len(set(groups)) == 8 and all(groups.count(g) == 4 for g in set(groups))  # the batch is full
     assert rf.informative_groups(batch.scores, group_ids=batch.group_ids).all()  # every group carries signal
     assert stats["sampling/informative_groups"] == 1.0
-    assert stats["sampling/rounds"] > 1 and stats["sampling/prompts_drawn"] == 8 * stats["sampling/rounds"] == stream.drawn
+    assert (
+        stats["sampling/rounds"] > 1 and stats["sampling/prompts_drawn"] == 8 * stats["sampling/rounds"] == stream.drawn
+    )
     for g, example in zip(groups, rows):  # each row still knows its prompt: rows of a group share one example
         assert rows[groups.index(g)] is example
     prompts = {tuple(batch.prompt_ids[i][batch.prompt_mask[i]].tolist()) for i in range(len(rows))}

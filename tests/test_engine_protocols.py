@@ -60,11 +60,13 @@ def _signature_problems(protocol: type, cls: type, *, inherited_ok: tuple[str, .
             continue
         want = list(inspect.signature(getattr(protocol, name)).parameters.values())
         have = list(inspect.signature(getattr(cls, name)).parameters.values())
-        extra = have[len(want):]
-        shape = lambda params: [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in params]  # noqa: E731
+        extra = have[len(want) :]
+        shape = lambda params: [(p.name, p.kind, p.default is inspect.Parameter.empty) for p in params]
         if shape(have[: len(want)]) != shape(want):
-            problems.append(f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} is not "
-                            f"{protocol.__name__}.{name}{inspect.signature(getattr(protocol, name))}")
+            problems.append(
+                f"{cls.__name__}.{name}{inspect.signature(getattr(cls, name))} is not "
+                f"{protocol.__name__}.{name}{inspect.signature(getattr(protocol, name))}"
+            )
         elif any(p.kind != p.KEYWORD_ONLY or p.default is inspect.Parameter.empty for p in extra):
             problems.append(f"{cls.__name__}.{name} adds parameters that are not keyword-only with a default")
     return problems
@@ -83,8 +85,9 @@ def native_instances():
     from backends.models import TinyModelConfig, build_tiny_model
     from backends.rollout.native import NativeRollout
 
-    cfg = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                          max_position_embeddings=32)
+    cfg = TinyModelConfig(
+        hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=32
+    )
     rollout = NativeRollout(model=build_tiny_model(cfg).eval(), pad_token_id=0, eos_token_ids=(1,), max_context=32)
     session = rollout.start_session([[5, 6]], SamplingConfig(n=1), seed=0, max_slots=4)
     yield rollout, session
@@ -99,10 +102,18 @@ def _instances(name: str, native_instances) -> tuple[object, object]:
     spec = ROLLOUT_ENGINES[name]
     from backends.rollout.vllm import VLLMConfig
 
-    state = spec.engine_type(llm=object(), config=VLLMConfig(), pad_token_id=0, eos_token_ids=(1,), max_context=32,
-                             vocab_size=64, can_sleep=False)
-    session = spec.session_type(rollout=state, sampling=SamplingConfig(), seed=0, max_slots=4, prompt_lengths=(2,),
-                                tokens=[[5, 6]])
+    state = spec.engine_type(
+        llm=object(),
+        config=VLLMConfig(),
+        pad_token_id=0,
+        eos_token_ids=(1,),
+        max_context=32,
+        vocab_size=64,
+        can_sleep=False,
+    )
+    session = spec.session_type(
+        rollout=state, sampling=SamplingConfig(), seed=0, max_slots=4, prompt_lengths=(2,), tokens=[[5, 6]]
+    )
     return state, session
 
 
@@ -196,8 +207,10 @@ def name_tests_in(root: Path) -> list[str]:
     for package in ("backends", "experiments"):
         for path in sorted((root / package).rglob("*.py")):
             module = _module_name(path, root)
-            out += [f"{path.relative_to(root)}:{line}: {what}"
-                    for line, _, what in engine_name_tests(path.read_text(), module)]
+            out += [
+                f"{path.relative_to(root)}:{line}: {what}"
+                for line, _, what in engine_name_tests(path.read_text(), module)
+            ]
     return out
 
 
@@ -207,9 +220,13 @@ def test_nothing_outside_an_engines_home_tests_its_name():
 
 
 def test_the_name_scan_finds_what_it_looks_for():
-    planted = ('if cfg.engine == "vllm" or backend in ("fsdp", "x"):\n    pass\n'
-               'ok = isinstance(r, rollout_native.NativeRollout)\nf.register(VLLMRollout, g)\n')
+    planted = (
+        'if cfg.engine == "vllm" or backend in ("fsdp", "x"):\n    pass\n'
+        "ok = isinstance(r, rollout_native.NativeRollout)\nf.register(VLLMRollout, g)\n"
+    )
     found = engine_name_tests(planted, "experiments.recipe")
     assert sorted(engine for _, engine, _ in found) == ["fsdp", "native", "vllm", "vllm"]
+    # vLLM's own module may test its own name, not another's
     assert engine_name_tests(planted.split("\n")[0] + "\n    pass\n", "backends.rollout.vllm_session") == [
-        (1, "fsdp", "compares with 'fsdp'")]  # vLLM's own module may test its own name, not another's
+        (1, "fsdp", "compares with 'fsdp'")
+    ]

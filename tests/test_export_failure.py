@@ -14,8 +14,8 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-
 import transformers.modeling_utils
+
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.hf_export import ExportError, export_hf
 from backends.models import TinyModelConfig, build_tiny_model
@@ -24,9 +24,9 @@ from tests.checkpoint_state import State
 
 pytestmark = pytest.mark.faults
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                       max_position_embeddings=64)
-
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=64
+)
 
 
 @pytest.fixture
@@ -40,8 +40,14 @@ def full_disk(monkeypatch):
 
 def run_paths(tmp_path: Path) -> RunPaths:
     run_dir = tmp_path / "run"
-    return RunPaths(run_dir=run_dir, ckpt_dir=run_dir / "checkpoints", model_path=run_dir / "base_model",
-                    policy_path=run_dir / "base_model", resume_from=None, must_match={})
+    return RunPaths(
+        run_dir=run_dir,
+        ckpt_dir=run_dir / "checkpoints",
+        model_path=run_dir / "base_model",
+        policy_path=run_dir / "base_model",
+        resume_from=None,
+        must_match={},
+    )
 
 
 def test_a_full_disk_is_an_export_error_naming_the_dir_and_the_earlier_export_stays(tmp_path, monkeypatch):
@@ -53,8 +59,11 @@ def test_a_full_disk_is_an_export_error_naming_the_dir_and_the_earlier_export_st
         raise OSError(errno.ENOSPC, "No space left on device", str(filename))
 
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", save_file)
-    with pytest.raises(ExportError, match=rf"exporting the model to '{out}' failed: no space left on device "
-                                          rf"\({tmp_path}/final_model\.tmp-[0-9a-f]+/model\.safetensors\)"):
+    with pytest.raises(
+        ExportError,
+        match=rf"exporting the model to '{out}' failed: no space left on device "
+        rf"\({tmp_path}/final_model\.tmp-[0-9a-f]+/model\.safetensors\)",
+    ):
         export_hf(state, out, overwrite=True)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the earlier export is whole
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final_model"]  # no temp dir left

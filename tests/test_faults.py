@@ -174,8 +174,14 @@ def _launch(args: list[str], *, fault: str = "", restarts: int = 0, when=None, t
     environ = {**env(), "RLFUNC_FAULT": fault} if fault else env()
     lines: list[tuple[float, str]] = []
     t0 = time.time()
-    proc = subprocess.Popen([*launcher, str(GRPO), *args], env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [*launcher, str(GRPO), *args],
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     reader = threading.Thread(target=lambda: lines.extend((time.time(), line) for line in proc.stderr), daemon=True)
     reader.start()
     t_fault = None
@@ -219,9 +225,21 @@ def _launch_forked(args: list[str], *, fault: str = "", when=None, timeout: floa
 def grpo_args(tmp_path_factory):
     data = arithmetic_data(tmp_path_factory.mktemp("arithmetic"), max_operand=9, max_second_operand=9, num_heldout=4)
     # an entropy bonus and a KL term: the weights, log-probs and KL move every step even where all rewards are equal
-    return [*data_args(data, sft_steps=0), *TINY_MODEL, f"steps={STEPS}", "prompts_per_step=4", "rollout.n=2",
-            "algo.kl_loss_coef=0.01", "algo.entropy_coef=0.01", "eval.before_training=false", "eval.max_prompts=2",
-            "export.hf=false", "logger=[jsonl]", f"checkpoint.every={EVERY}", "checkpoint.keep_last=10"]
+    return [
+        *data_args(data, sft_steps=0),
+        *TINY_MODEL,
+        f"steps={STEPS}",
+        "prompts_per_step=4",
+        "rollout.n=2",
+        "algo.kl_loss_coef=0.01",
+        "algo.entropy_coef=0.01",
+        "eval.before_training=false",
+        "eval.max_prompts=2",
+        "export.hf=false",
+        "logger=[jsonl]",
+        f"checkpoint.every={EVERY}",
+        "checkpoint.keep_last=10",
+    ]
 
 
 def _where(root: Path) -> list[str]:
@@ -236,7 +254,7 @@ def _rows(run_dir: Path) -> dict[int, dict]:
 
 
 def _complete(ckpt_dir: Path) -> list[int]:
-    return sorted(int(p.parent.name[len("step_"):]) for p in ckpt_dir.glob("step_*/COMPLETE"))
+    return sorted(int(p.parent.name[len("step_") :]) for p in ckpt_dir.glob("step_*/COMPLETE"))
 
 
 @pytest.fixture(scope="module")
@@ -272,7 +290,9 @@ def _resume(grpo_args, root: Path, uninterrupted: dict, after: int) -> int:
 @pytest.mark.distributed
 def test_sigkill_of_one_rank_fails_fast_and_resume_is_exact(grpo_args, uninterrupted, tmp_path):
     job = _launch([*grpo_args, *_where(tmp_path)], fault="kill:rank=1:step=3:phase=update")
-    print(f"\n(a) SIGKILL rank 1 in step 3's update: exit code {job.returncode}, {job.after_fault:.1f} s after the kill")
+    print(
+        f"\n(a) SIGKILL rank 1 in step 3's update: exit code {job.returncode}, {job.after_fault:.1f} s after the kill"
+    )
     assert job.returncode != 0 and job.after_fault < 60
     assert "Signal 9 (SIGKILL) received by PID" in job.stderr  # torchrun names the killed rank
     assert _complete(tmp_path / "ckpt") == [2] and not (tmp_path / "run" / "summary.json").exists()
@@ -286,8 +306,10 @@ def test_sigkill_of_one_rank_fails_fast_and_resume_is_exact(grpo_args, uninterru
 def test_sigstop_of_one_rank_fires_the_other_ranks_watchdog(grpo_args, tmp_path):
     args = [*grpo_args, *_where(tmp_path), "deadlines.update=5", "deadlines.process_group=120"]
     job = _launch(args, fault="stop:rank=1:step=2:phase=update")
-    print(f"\n(b) SIGSTOP rank 1 in step 2's update: exit code {job.returncode}, {job.after_fault:.1f} s after the stop "
-          f"(torchrun waits 30 s for the frozen rank before its SIGKILL)")
+    print(
+        f"\n(b) SIGSTOP rank 1 in step 2's update: exit code {job.returncode}, {job.after_fault:.1f} s after the stop "
+        f"(torchrun waits 30 s for the frozen rank before its SIGKILL)"
+    )
     assert job.returncode != 0 and job.after_fault < 60
     assert "DEADLINE PASSED on rank 0 of 2 (grpo), step 2: phase 'update'" in job.stderr, job.stderr[-4000:]
     line = next(x for x in job.stderr.splitlines() if "DEADLINE PASSED" in x)
@@ -304,8 +326,15 @@ def test_a_frozen_rank_in_the_sft_stage_fires_the_watchdog(grpo_args, tmp_path):
     """The SFT stage before RL runs under the same "update" deadline: a rank frozen in SFT step -3 (counted up to
     -1, as in the metrics log) is named by the other rank's watchdog."""
     data = Path(next(a for a in grpo_args if a.startswith("data.train_files=")).split("=", 1)[1]).parent
-    args = [*grpo_args, *_where(tmp_path), f"sft.files={data / 'sft.jsonl'}", "sft.steps=6", "sft.batch_size=8",
-            "deadlines.update=5", "deadlines.process_group=120"]
+    args = [
+        *grpo_args,
+        *_where(tmp_path),
+        f"sft.files={data / 'sft.jsonl'}",
+        "sft.steps=6",
+        "sft.batch_size=8",
+        "deadlines.update=5",
+        "deadlines.process_group=120",
+    ]
     job = _launch_forked(args, fault="stop:rank=1:step=-3:phase=update")
     assert job.returncode != 0 and job.after_fault < 60, job.stderr[-4000:]
     line = next((x for x in job.stderr.splitlines() if "DEADLINE PASSED" in x), "")
@@ -320,6 +349,7 @@ def _send_sigterm_after_first_checkpoint(ckpt_dir: Path):
         for pid in ranks:  # a cluster's preemption signals every process of the job
             os.kill(pid, signal.SIGTERM)
         return True
+
     return when
 
 
@@ -328,8 +358,10 @@ def _send_sigterm_after_first_checkpoint(ckpt_dir: Path):
 @pytest.mark.distributed
 def test_sigterm_checkpoints_exits_zero_and_resume_is_exact(grpo_args, uninterrupted, tmp_path):
     job = _launch_forked([*grpo_args, *_where(tmp_path)], when=_send_sigterm_after_first_checkpoint(tmp_path / "ckpt"))
-    print(f"\n(c) SIGTERM to both ranks after step 2's checkpoint: exit code {job.returncode}, "
-          f"{job.after_fault:.1f} s after the signal")
+    print(
+        f"\n(c) SIGTERM to both ranks after step 2's checkpoint: exit code {job.returncode}, "
+        f"{job.after_fault:.1f} s after the signal"
+    )
     assert job.returncode == 0, job.stderr[-4000:]
     stopped = int(job.stderr.split("SIGTERM: stopped after step ")[1].split(";")[0])
     assert 2 <= stopped < STEPS and _complete(tmp_path / "ckpt")[-1] == stopped
@@ -344,14 +376,19 @@ def test_sigterm_checkpoints_exits_zero_and_resume_is_exact(grpo_args, uninterru
 @pytest.mark.distributed
 def test_torchrun_restart_resumes_from_the_last_checkpoint(grpo_args, uninterrupted, tmp_path):
     job = _launch([*grpo_args, *_where(tmp_path), "resume=auto"], fault="crash:rank=1:step=4:phase=update", restarts=1)
-    print(f"\n(d) crash of rank 1 in step 4, torchrun --max-restarts 1: exit code {job.returncode}, the restarted job "
-          f"ended {job.after_fault:.1f} s after the crash ({job.seconds:.1f} s in all)")
+    print(
+        f"\n(d) crash of rank 1 in step 4, torchrun --max-restarts 1: exit code {job.returncode}, the restarted job "
+        f"ended {job.after_fault:.1f} s after the crash ({job.seconds:.1f} s in all)"
+    )
     assert job.returncode == 0, job.stderr[-4000:]
     assert job.stderr.count("injecting fault") == 1  # the first attempt only
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["resumed_from"].endswith(f"step_{EVERY}")  # the crash came before step 4's checkpoint
     compared = _same_metrics(uninterrupted, _rows(tmp_path / "run"), after=EVERY)
-    print(f"(d) restarted from {Path(summary['resumed_from']).name}: {compared} metric values equal the uninterrupted run's")
+    print(
+        f"(d) restarted from {Path(summary['resumed_from']).name}: "
+        f"{compared} metric values equal the uninterrupted run's"
+    )
 
 
 def _ctrl_c_after_first_checkpoint(ckpt_dir: Path):
@@ -362,6 +399,7 @@ def _ctrl_c_after_first_checkpoint(ckpt_dir: Path):
         # and torchrun, their parent and its group's leader, forwards it to them)
         os.killpg(_parent(ranks[0]), signal.SIGINT)
         return True
+
     return when
 
 

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.training.common import trim_micro_batch
 from backends.training.fsdp import FSDPConfig, ModelOutputs, micro_batches
-from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.training.optim import OptimConfig, build_optimizer, lr_at, lr_multiplier, warmup_steps
 from rlfunc.aggregation import aggregate, local_normalizers
 from rlfunc.batch import RolloutBatch, select
@@ -23,8 +23,9 @@ from tests.distributed import run_distributed
 
 # ------------------------------------------------------------------------------------------ fixtures
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=1)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=1
+)
 # Per-row prompt / response lengths of the global batch (12 rows, 6 per rank). Row 3 has no loss token.
 PROMPT_LENS = [6, 3, 5, 2, 4, 6, 1, 5, 3, 6, 2, 4]
 RESPONSE_LENS = [7, 1, 4, 0, 7, 2, 3, 6, 5, 1, 7, 2]
@@ -69,7 +70,7 @@ def hf_logprobs(model, batch: RolloutBatch, with_entropy: bool = False):
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    logp = torch.log_softmax(logits[:, p - 1:p + t - 1].float(), dim=-1)
+    logp = torch.log_softmax(logits[:, p - 1 : p + t - 1].float(), dim=-1)
     chosen = logp.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     if not with_entropy:
         return chosen
@@ -160,14 +161,17 @@ def _parity_worker(rank, world_size, model_dir, optim=OPTIM):
         for batch in batches:
             state, m = update(state, rank_rows(batch, rank, world_size), loss_fn)
             metrics.append(m)
-        out[name] = {"params": _numpy(dict(full_state_dict(state))), "metrics": metrics, "seen": seen,
-                     "step": state.step, "grads": _numpy(grads)}
+        out[name] = {
+            "params": _numpy(dict(full_state_dict(state))),
+            "metrics": metrics,
+            "seen": seen,
+            "step": state.step,
+            "grads": _numpy(grads),
+        }
     local = rank_rows(make_batch(0), rank, world_size)
     norms = global_normalizers(micro_batches(local, micro_batch_size=4))
     out["global_normalizers"] = (float(norms.num_tokens), float(norms.num_seqs))
     return out
-
-
 
 
 def _weights_worker(rank, world_size, model_dir, untied_dir):
@@ -223,8 +227,6 @@ def _weights_worker(rank, world_size, model_dir, untied_dir):
     return out
 
 
-
-
 def _nan_loss(outputs, mb, norms):
     loss, metrics = pg_loss(outputs, mb, norms)
     return loss * float("nan"), metrics
@@ -242,9 +244,16 @@ def _vector_loss(outputs, mb, norms):
 def _ppo_loss(outputs, mb, norms):
     from rlfunc.policy_losses import ppo_policy_loss
 
-    return ppo_policy_loss(outputs.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages,
-                           response_mask=mb.response_mask, clip_low=0.2, clip_high=0.28, agg="token-mean",
-                           norms=norms)
+    return ppo_policy_loss(
+        outputs.logprobs,
+        old_logprobs=mb.old_logprobs,
+        advantages=mb.advantages,
+        response_mask=mb.response_mask,
+        clip_low=0.2,
+        clip_high=0.28,
+        agg="token-mean",
+        norms=norms,
+    )
 
 
 def _local_params(state):
@@ -285,8 +294,9 @@ def _behaviour_worker(rank, world_size, model_dir):
     out["empty_metrics"] = m
     out["empty_unchanged"] = _same(p0, _local_params(state))
     # the optimizer state (allocated at build) is as built: no step counted, no moment moved
-    out["empty_optimizer_state"] = sum(float(s["step"]) + float(_local(s["exp_avg"]).abs().sum())
-                                       for s in state.optimizer.state.values())
+    out["empty_optimizer_state"] = sum(
+        float(s["step"]) + float(_local(s["exp_avg"]).abs().sum()) for s in state.optimizer.state.values()
+    )
     out["empty_step"] = state.step
 
     # NaN loss: step skipped, gradients dropped, the next good update works.
@@ -341,8 +351,11 @@ def _behaviour_worker(rank, world_size, model_dir):
     adv = local.advantages.clone()
     adv[: adv.shape[0] if rank == 0 else 3] = 0.0
     budget = FSDPConfig(max_tokens_per_micro_batch=20)  # rank 0 plans no rows but joins the budget's all-reduce
-    for name, advantages, fsdp_cfg in (("some", adv, FSDPConfig(micro_batch_size=2)), ("some_budget", adv, budget),
-                                       ("all", torch.zeros_like(adv), FSDPConfig(micro_batch_size=2))):
+    for name, advantages, fsdp_cfg in (
+        ("some", adv, FSDPConfig(micro_batch_size=2)),
+        ("some_budget", adv, budget),
+        ("all", torch.zeros_like(adv), FSDPConfig(micro_batch_size=2)),
+    ):
         batch = local.replace(advantages=advantages)
         skip = zero_advantage_rows(batch.advantages, batch.response_mask)
         runs = {}
@@ -357,7 +370,9 @@ def _behaviour_worker(rank, world_size, model_dir):
     # raises, the other one does not wait in a collective.
     out["budget_errors"] = {}
     for grouping in ("sequential", "balanced"):
-        state = build_actor(model_dir, env, OPTIM, FSDPConfig(max_tokens_per_micro_batch=12, token_budget_grouping=grouping))
+        state = build_actor(
+            model_dir, env, OPTIM, FSDPConfig(max_tokens_per_micro_batch=12, token_budget_grouping=grouping)
+        )
         try:
             update(state, local, pg_loss)
             out["budget_errors"][grouping] = None
@@ -382,9 +397,21 @@ def _all_checks_worker(rank, world_size, model_dir, untied_dir):
 
 @pytest.fixture(scope="module")
 def untied_dir(tmp_path_factory):
-    return str(write_tiny_model(tmp_path_factory.mktemp("untied") / "model", TinyModelConfig(
-        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-        max_position_embeddings=64, tie_word_embeddings=False, seed=2)))
+    return str(
+        write_tiny_model(
+            tmp_path_factory.mktemp("untied") / "model",
+            TinyModelConfig(
+                hidden_size=64,
+                num_layers=2,
+                num_heads=2,
+                num_kv_heads=1,
+                intermediate_size=128,
+                max_position_embeddings=64,
+                tie_word_embeddings=False,
+                seed=2,
+            ),
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -412,8 +439,14 @@ def behaviour(two_ranks):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name,mode", [("token-mean", "token-mean"), ("seq-mean-token-mean", "seq-mean-token-mean"),
-                                       ("token-budget", "seq-mean-token-mean")])
+@pytest.mark.parametrize(
+    "name,mode",
+    [
+        ("token-mean", "token-mean"),
+        ("seq-mean-token-mean", "seq-mean-token-mean"),
+        ("token-budget", "seq-mean-token-mean"),
+    ],
+)
 def test_two_rank_accumulated_update_equals_single_process(parity, model_dir, name, mode):
     ref_params, ref_losses, ref_norms, ref_grads = reference_updates(model_dir, [make_batch(0), make_batch(1)], mode)
     ref_params, ref_grads = _numpy(ref_params), _numpy(ref_grads)
@@ -522,7 +555,7 @@ def test_reference_role(weights):
 @pytest.mark.distributed
 def test_lr_schedule_applied_per_step(behaviour):
     # warm-up 2 steps (0, 0.5 lr), then cosine from lr to 0.1 lr over steps 2..5
-    cos = lambda s: max(0.1, 0.45 * math.cos(math.pi * (s - 2) / 3) + 0.55)  # noqa: E731
+    cos = lambda s: max(0.1, 0.45 * math.cos(math.pi * (s - 2) / 3) + 0.55)
     expected = [0.0, 5e-4] + [1e-3 * cos(s) for s in (2, 3, 4)]
     for r in behaviour:
         assert r["lrs"] == pytest.approx(expected, rel=1e-12, abs=1e-15)
@@ -679,24 +712,26 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(behaviour, mod
     assert max(float(np.abs(first[k] - initial[k]).max()) for k in first) > 0  # weight decay moved them
 
 
-
 # ------------------------------------------------------------------ non-finite policy (optim.nonfinite)
 
 
 @pytest.mark.parametrize("policy", ["skip", "error"])
 def test_nonfinite_policy_on_one_process(model_dir, policy, tmp_path):
-    """A NaN loss (a NaN advantages batch is refused earlier, by the batch checks) through the real engine update (one process): ``skip`` leaves the weights as they
-    were and counts the update in the running total ``nonfinite_updates_skipped``; ``error`` raises naming
-    the update and the non-finite value, before any optimizer step. Either way the weights never change."""
+    """A NaN loss (a NaN advantages batch is refused earlier, by the batch checks) through the real engine update (one
+    process): ``skip`` leaves the weights as they were and counts the update in the running total
+    ``nonfinite_updates_skipped``; ``error`` raises naming the update and the non-finite value, before any optimizer
+    step. Either way the weights never change."""
     import attrs
 
     from backends.distributed.setup import init_distributed
     from backends.training.common import NonFiniteUpdateError
     from backends.training.fsdp import build_actor, update
 
-    state = build_actor(model_dir, init_distributed(), attrs.evolve(OPTIM, nonfinite=policy), FSDPConfig(micro_batch_size=4))
+    state = build_actor(
+        model_dir, init_distributed(), attrs.evolve(OPTIM, nonfinite=policy), FSDPConfig(micro_batch_size=4)
+    )
     batch = make_batch(0)
-    params = lambda: [_local(p).detach().clone() for p in state.module.parameters()]  # noqa: E731
+    params = lambda: [_local(p).detach().clone() for p in state.module.parameters()]
     p0 = params()
     if policy == "error":
         with pytest.raises(NonFiniteUpdateError, match=r"actor update 0 .*non-finite loss and grad norm"):

@@ -25,8 +25,9 @@ from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.multiturn]
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=3)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=3
+)
 
 
 class ViewLinear(torch.nn.Linear):
@@ -53,8 +54,10 @@ def multi_turn_batch(rows: int = 8, prompt: int = 4, response: int = 10) -> Roll
         prompt_ids=torch.randint(4, 90, (rows, prompt), generator=g),
         prompt_mask=torch.ones(rows, prompt, dtype=torch.bool),
         response_ids=torch.randint(4, 90, (rows, response), generator=g),
-        response_mask=torch.ones(rows, response, dtype=torch.bool), loss_mask=loss_mask,
-        group_ids=torch.arange(rows) // 4, advantages=torch.randn(rows, response, generator=g),
+        response_mask=torch.ones(rows, response, dtype=torch.bool),
+        loss_mask=loss_mask,
+        group_ids=torch.arange(rows) // 4,
+        advantages=torch.randn(rows, response, generator=g),
     )
 
 
@@ -69,12 +72,16 @@ def _sharded_update(rank: int, world_size: int, model_dir: str) -> dict:
     from backends.training.optim import OptimConfig
 
     env = init_distributed()
-    state = build_actor(model_with_view_head(model_dir), env, OptimConfig(lr=1e-3, clip_grad=1e9),
-                        FSDPConfig(micro_batch_size=2))
+    state = build_actor(
+        model_with_view_head(model_dir), env, OptimConfig(lr=1e-3, clip_grad=1e9), FSDPConfig(micro_batch_size=2)
+    )
     names = {id(p): n for n, p in state.module.named_parameters()}
     grads = {}
-    state.optimizer.register_step_pre_hook(lambda opt, args, kwargs: grads.update(
-        {names[id(p)]: p.grad.full_tensor().numpy().copy() for group in opt.param_groups for p in group["params"]}))
+    state.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: grads.update(
+            {names[id(p)]: p.grad.full_tensor().numpy().copy() for group in opt.param_groups for p in group["params"]}
+        )
+    )
     batch = multi_turn_batch()
     half = batch.prompt_ids.shape[0] // world_size
     with warnings.catch_warnings(record=True) as caught:

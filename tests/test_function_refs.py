@@ -22,7 +22,9 @@ def test_builtin_name_and_alias():
 
 
 def test_rlfunc_registries_resolve_by_name():
-    estimator = resolve_function("grpo", rf.ADVANTAGE_ESTIMATORS, "algo.estimator", aliases=rf.ADVANTAGE_ESTIMATOR_ALIASES)
+    estimator = resolve_function(
+        "grpo", rf.ADVANTAGE_ESTIMATORS, "algo.estimator", aliases=rf.ADVANTAGE_ESTIMATOR_ALIASES
+    )
     assert estimator is rf.ADVANTAGE_ESTIMATORS["grpo"]
     assert resolve_function("vanilla", rf.POLICY_LOSSES, "algo.policy_loss") is rf.POLICY_LOSSES["vanilla"]
 
@@ -34,7 +36,9 @@ def test_module_reference():
 
 
 def test_file_reference(tmp_path):
-    path = _write(tmp_path / "my_estimators.py", """
+    path = _write(
+        tmp_path / "my_estimators.py",
+        """
         import attrs
 
         @attrs.frozen
@@ -43,7 +47,8 @@ def test_file_reference(tmp_path):
 
         def triple(x):
             return Scale().k * x
-    """)
+    """,
+    )
     fn = resolve_function(f"{path}:triple", BUILTINS, "algo.fn")
     assert fn(2) == 6.0
     assert resolve_function(f"{path}:triple", BUILTINS, "algo.fn") is fn  # one module per file
@@ -80,7 +85,9 @@ def test_missing_module():
 def test_module_whose_code_fails_names_the_key(tmp_path, monkeypatch):
     _write(tmp_path / "broken_mod.py", "raise RuntimeError('boom')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"algo.fn='broken_mod:f': importing module 'broken_mod' failed: RuntimeError: boom"):
+    with pytest.raises(
+        ConfigError, match=r"algo.fn='broken_mod:f': importing module 'broken_mod' failed: RuntimeError: boom"
+    ):
         resolve_function("broken_mod:f", BUILTINS, "algo.fn")
 
 

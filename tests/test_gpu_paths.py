@@ -20,8 +20,9 @@ from tests.distributed import run_distributed
 pytestmark = pytest.mark.gpu
 
 GIB = 2**30
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-                       max_position_embeddings=64, seed=2)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96, max_position_embeddings=64, seed=2
+)
 
 
 def test_free_memory_for_the_vllm_engine_counts_the_trainers_cached_blocks():
@@ -70,8 +71,11 @@ def _fp32_actor_worker(rank, world_size, path):
         cfg = FSDPConfig(param_dtype=dtype)
         actor = build_actor(path, env, OptimConfig(lr=1e-3), cfg)
         actor, metrics = update(actor, make_batch(1), pg_loss)
-        out[dtype] = {"chosen": attention_implementation(cfg, env.device),
-                      "loaded": actor.module.config._attn_implementation, "loss": float(metrics["loss"])}
+        out[dtype] = {
+            "chosen": attention_implementation(cfg, env.device),
+            "loaded": actor.module.config._attn_implementation,
+            "loss": float(metrics["loss"]),
+        }
     return out
 
 

@@ -25,8 +25,9 @@ from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.checkpoint
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=1)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=1
+)
 UNTIED_LLAMA = attrs.evolve(TINY, arch="llama", tie_word_embeddings=False, seed=2)
 OPTIM = OptimConfig(lr=1e-2, eps=1e-6)
 
@@ -52,7 +53,7 @@ def hf_logprobs(model, batch: RolloutBatch) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=batch.input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    logp = torch.log_softmax(logits[:, p - 1:p + t - 1].float(), dim=-1)
+    logp = torch.log_softmax(logits[:, p - 1 : p + t - 1].float(), dim=-1)
     chosen = logp.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     return torch.where(batch.response_mask, chosen, 0.0)
 

@@ -142,7 +142,7 @@ def test_vmap_matches_the_loop():
     g = torch.Generator().manual_seed(0)
     trainer, rollout = -torch.rand(3, 4, 5, generator=g), -torch.rand(3, 4, 5, generator=g)
     mask = torch.rand(3, 4, 5, generator=g) > 0.2
-    fn = lambda a, b, c: rollout_is_weights(a, rollout_logprobs=b, response_mask=c, level="sequence", upper=1.3)[0]  # noqa: E731
+    fn = lambda a, b, c: rollout_is_weights(a, rollout_logprobs=b, response_mask=c, level="sequence", upper=1.3)[0]
     close(torch.func.vmap(fn)(trainer, rollout, mask), torch.stack([fn(*x) for x in zip(trainer, rollout, mask)]))
 
 

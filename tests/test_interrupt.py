@@ -37,8 +37,13 @@ print("not reached", flush=True)
 
 
 def start(grace: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(grace=grace)], env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT.format(grace=grace)],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -50,8 +55,12 @@ def test_ctrl_c_sets_the_stop_flag_and_the_grace_ends_a_stuck_step():
     out, err = proc.communicate(timeout=60)
     elapsed = time.monotonic() - t0
     assert proc.returncode == DEADLINE_EXIT_CODE and "not reached" not in out, err[-3000:]
-    assert "SIGINT received" in err and "stopping at the next step boundary (within deadlines.stop_grace=1 s); " \
-                                       "Ctrl-C again stops at once, without a checkpoint" in err
+    assert (
+        "SIGINT received" in err
+        and "stopping at the next step boundary (within deadlines.stop_grace=1 s); "
+        "Ctrl-C again stops at once, without a checkpoint"
+        in err
+    )
     line = next(x for x in err.splitlines() if "STOP GRACE PASSED" in x)
     assert "rank 0 of 1 (unit): SIGINT arrived" in line and "deadlines.stop_grace=1 s" in line
     assert "stuck in phase 'reward' of step 3" in line and "waiting on: the reward workers' results" in line
@@ -78,8 +87,10 @@ def test_sigint_is_a_flag_agreed_at_the_step_boundary_and_stop_gives_ctrl_c_back
         os.kill(os.getpid(), signal.SIGINT)  # the process lives on: only a flag
         assert watchdog.stop_requested() and watchdog.stop_agreed(2)
         note = watchdog.preemption_note(2, "ckpt", resume_args="run_dir=runs/x")
-        assert note == ("SIGINT: stopped after step 2; its checkpoint is ckpt/step_2; exit code 0. Continue with "
-                        "resume=auto (run_dir=runs/x)")
+        assert note == (
+            "SIGINT: stopped after step 2; its checkpoint is ckpt/step_2; exit code 0. Continue with "
+            "resume=auto (run_dir=runs/x)"
+        )
         assert watchdog.current().stop_overdue(time.monotonic() + 3600) is None  # the boundary was reached
         watchdog.stop()
         assert signal.getsignal(signal.SIGINT) is before[0]

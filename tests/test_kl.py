@@ -196,7 +196,8 @@ def test_controller_under_torch_func():
     # grad of the new beta w.r.t. the observed KL: beta * n / (H * target) inside the clip range
     s = adaptive_kl_controller(0.1, target_kl=0.05, horizon=100)
     g = torch.func.grad(lambda kl: update_kl_controller(s, observed_kl=kl, n_steps=10).beta)(
-        torch.tensor(0.055, dtype=torch.float64))
+        torch.tensor(0.055, dtype=torch.float64)
+    )
     close(g, torch.tensor(0.1 * 10 / (100 * 0.05), dtype=torch.float64), tol=1e-12)
 
 
@@ -208,10 +209,18 @@ def test_controller_under_torch_func():
         (lambda: adaptive_kl_controller(-0.1, target_kl=0.1, horizon=10), "init_beta"),
         (lambda: fixed_kl_controller(-1.0), "beta"),
         (lambda: fixed_kl_controller(float("nan")), "finite"),
-        (lambda: update_kl_controller(adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=float("nan"),
-                                      n_steps=4), "observed_kl"),
-        (lambda: update_kl_controller(adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=torch.ones(3),
-                                      n_steps=4), "scalar"),
+        (
+            lambda: update_kl_controller(
+                adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=float("nan"), n_steps=4
+            ),
+            "observed_kl",
+        ),
+        (
+            lambda: update_kl_controller(
+                adaptive_kl_controller(0.1, target_kl=0.1, horizon=10), observed_kl=torch.ones(3), n_steps=4
+            ),
+            "scalar",
+        ),
     ],
 )
 def test_controller_bad_inputs(make, match):
@@ -277,7 +286,7 @@ def test_monte_carlo_estimators_approach_true_kl():
 def test_func_grad_equals_autograd(kind):
     lp0, ref = torch.randn(3, 4), torch.randn(3, 4)
     mask = torch.rand(3, 4) > 0.3
-    fn = lambda lp: kl_loss(lp, ref_logprobs=ref, mask=mask, kind=kind)[0]  # noqa: E731
+    fn = lambda lp: kl_loss(lp, ref_logprobs=ref, mask=mask, kind=kind)[0]
     g_func = torch.func.grad(fn)(lp0)
     lp = lp0.clone().requires_grad_()
     fn(lp).backward()
@@ -290,7 +299,7 @@ def test_vmap_equals_loop(kind):
     mask = torch.rand(4, 6) > 0.3
     per_example = lambda a, b, m: kl_loss(
         a[None], ref_logprobs=b[None], mask=m[None], kind=kind, agg="seq-mean-token-mean"
-    )[0]  # noqa: E731
+    )[0]
     batched = torch.func.vmap(per_example)(lp, ref, mask)
     looped = torch.stack([per_example(lp[i], ref[i], mask[i]) for i in range(4)])
     close(batched, looped)

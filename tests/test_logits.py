@@ -38,7 +38,10 @@ def test_hand_computed():
     labels = torch.tensor([[2, 3]])
     lse = torch.logsumexp(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), 0).float()
     for cs in CHUNKS:
-        close(logprobs_from_logits(logits, labels, chunk_size=cs), torch.stack([torch.tensor(-1.3862944), 4.0 - lse])[None])
+        close(
+            logprobs_from_logits(logits, labels, chunk_size=cs),
+            torch.stack([torch.tensor(-1.3862944), 4.0 - lse])[None],
+        )
         ent = entropy_from_logits(logits, chunk_size=cs)
         p = torch.softmax(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), 0)
         close(ent, torch.tensor([[torch.log(torch.tensor(4.0)), float(-(p * p.log()).sum())]]))
@@ -154,7 +157,10 @@ def test_minus_inf_logits():
     labels = torch.randint(4, 12, (2, 5))
     for cs in (None, 3):
         w = torch.randn(2, 5)
-        for fn in (lambda x: logprobs_from_logits(x, labels, chunk_size=cs), lambda x: entropy_from_logits(x, chunk_size=cs)):
+        for fn in (
+            lambda x: logprobs_from_logits(x, labels, chunk_size=cs),
+            lambda x: entropy_from_logits(x, chunk_size=cs),
+        ):
             value, grad = value_and_grad(fn, logits, w)
             assert torch.isfinite(value).all() and torch.isfinite(grad).all()
             assert (grad[..., :4] == 0).all()
@@ -176,7 +182,9 @@ def test_property_chunked_equals_plain(b, t, v, chunk_size, scale, seed):
     labels = torch.randint(0, v, (b, t), generator=g)
     _compare_paths(logits, labels, chunk_size, 1e-5, 1e-5)
     # probabilities sum to one: logsumexp over all labels is 0
-    all_lp = torch.stack([logprobs_from_logits(logits, torch.full((b, t), k), chunk_size=chunk_size) for k in range(v)], -1)
+    all_lp = torch.stack(
+        [logprobs_from_logits(logits, torch.full((b, t), k), chunk_size=chunk_size) for k in range(v)], -1
+    )
     close(torch.logsumexp(all_lp.double(), -1), torch.zeros(b, t, dtype=torch.float64), 1e-5)
     ent = entropy_from_logits(logits, chunk_size=chunk_size)
     assert (ent >= -1e-5).all() and (ent <= torch.log(torch.tensor(float(v))) + 1e-4).all()
@@ -210,7 +218,9 @@ def test_vmap_equals_loop(chunk_size):
     batched = torch.func.vmap(lambda x: entropy_from_logits(x, chunk_size=chunk_size))(logits)
     close(batched, entropy_from_logits(logits))
     # per-example gradients
-    per_ex = torch.func.vmap(torch.func.grad(lambda x, y: entropy_from_logits(x, chunk_size=chunk_size).sum()))(logits, labels)
+    per_ex = torch.func.vmap(torch.func.grad(lambda x, y: entropy_from_logits(x, chunk_size=chunk_size).sum()))(
+        logits, labels
+    )
     close(per_ex, torch.func.grad(lambda x: entropy_from_logits(x).sum())(logits))
 
 
@@ -249,7 +259,10 @@ def test_chunked_saves_only_the_logits(dtype):
     logits_bytes = x.numel() * x.element_size()
     fp32_bytes = x.numel() * 4
     per_row = b * t * (8 + 4)  # int64 labels + one fp32 per row
-    for fn in (lambda cs: logprobs_from_logits(x, labels, chunk_size=cs), lambda cs: entropy_from_logits(x, chunk_size=cs)):
+    for fn in (
+        lambda cs: logprobs_from_logits(x, labels, chunk_size=cs),
+        lambda cs: entropy_from_logits(x, chunk_size=cs),
+    ):
         chunked = _saved_bytes(lambda: fn(16))
         plain = _saved_bytes(lambda: fn(None))
         assert chunked <= logits_bytes + per_row, (chunked, logits_bytes)
@@ -281,12 +294,14 @@ def _chunked_and_plain_peaks(which: str) -> tuple[int, int, int]:
     x = torch.randn(n, v, dtype=torch.bfloat16).requires_grad_()
     labels = torch.randint(0, v, (n,))
     if which == "logp":
-        fn = lambda cs: logprobs_from_logits(x, labels, chunk_size=cs)  # noqa: E731
+        fn = lambda cs: logprobs_from_logits(x, labels, chunk_size=cs)
     else:
-        fn = lambda cs: entropy_from_logits(x, chunk_size=cs)  # noqa: E731
+        fn = lambda cs: entropy_from_logits(x, chunk_size=cs)
     y = torch.randn(4, 64, requires_grad=True)  # warm-up: one-time allocations are not counted
     for cs in (None, 2):
-        (logprobs_from_logits(y, labels[:4] % 64, chunk_size=cs).sum() + entropy_from_logits(y, chunk_size=cs).sum()).backward()
+        (
+            logprobs_from_logits(y, labels[:4] % 64, chunk_size=cs).sum() + entropy_from_logits(y, chunk_size=cs).sum()
+        ).backward()
 
     def run(cs):
         fn(cs).sum().backward()
@@ -306,7 +321,9 @@ def _can_reset_peak_rss() -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_reset_peak_rss(), reason="needs Linux /proc peak RSS")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _can_reset_peak_rss(), reason="needs Linux /proc peak RSS"
+)
 @pytest.mark.parametrize("which", ["logp", "ent"])
 def test_chunked_peak_memory_is_lower(which):
     """Peak resident memory of forward+backward on (256, 32000) bf16 logits (15.6 MiB).

@@ -12,14 +12,15 @@ from backends.distributed.setup import init_distributed
 from backends.distributed.sharded_state import full_state_dict
 from backends.models import TinyModelConfig, build_tiny_model, write_tiny_model
 from backends.rollout.native import build_native_rollout, sync_weights
-from backends.training.fsdp import build_actor, compute_logprobs, update
 from backends.training.engines import select_engine
+from backends.training.fsdp import build_actor, compute_logprobs, update
 from backends.training.lora import LoraConfig
 from backends.training.optim import OptimConfig
 from tests.test_reference import make_batch, pg_loss
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-                       max_position_embeddings=64, seed=5)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96, max_position_embeddings=64, seed=5
+)
 
 
 @pytest.fixture(scope="module")

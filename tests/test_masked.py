@@ -2,7 +2,8 @@ import chex
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import rlfunc as rf
@@ -48,8 +49,11 @@ def test_float_mask_is_rejected_with_a_clear_error():
         rf.masked_mean(torch.ones(2, 2), torch.ones(2, 3, dtype=torch.bool))
 
 
-arrays = hnp.arrays(np.float32, hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=8),
-                    elements=st.floats(-100, 100, width=32))
+arrays = hnp.arrays(
+    np.float32,
+    hnp.array_shapes(min_dims=2, max_dims=2, min_side=1, max_side=8),
+    elements=st.floats(-100, 100, width=32),
+)
 
 
 @settings(max_examples=50, deadline=None)

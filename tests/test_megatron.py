@@ -18,15 +18,44 @@ import torch
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from rlfunc.aggregation import aggregate
 from tests.distributed import run_distributed
-from tests.test_fsdp_engine import (OPTIM, _max_diff, _nan_loss, _numpy, _ppo_loss, assert_nonfinite_step_skipped,
-                                    hf_logprobs, make_batch, pg_loss, rank_rows, reference_updates)
+from tests.test_fsdp_engine import (
+    OPTIM,
+    _max_diff,
+    _nan_loss,
+    _numpy,
+    _ppo_loss,
+    assert_nonfinite_step_skipped,
+    hf_logprobs,
+    make_batch,
+    pg_loss,
+    rank_rows,
+    reference_updates,
+)
 
 pytestmark = [pytest.mark.megatron, pytest.mark.distributed]
 
-QWEN = TinyModelConfig(arch="qwen2", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                       intermediate_size=192, max_position_embeddings=64, seed=3)
-LLAMA = TinyModelConfig(arch="llama", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
-                        intermediate_size=96, max_position_embeddings=64, tie_word_embeddings=False, rope_theta=5e5, seed=4)
+QWEN = TinyModelConfig(
+    arch="qwen2",
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=192,
+    max_position_embeddings=64,
+    seed=3,
+)
+LLAMA = TinyModelConfig(
+    arch="llama",
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,
+    intermediate_size=96,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    rope_theta=5e5,
+    seed=4,
+)
 LAYOUTS = [(2, 1), (1, 2), (1, 1)]  # (tp, pp) on 2 ranks: TP=2, PP=2, DP=2
 
 
@@ -54,23 +83,30 @@ def _megatron_grads(state, batch):
     """The engine's accumulated, stage/replica-synced gradients, gathered in HF names."""
     from backends.training.common import gather_counts
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.convert import gather_hf_state
     from backends.training.megatron.layout import layout_micro_batch
     from backends.training.megatron.pipeline import run_micro_batch
     from rlfunc.aggregation import local_normalizers
 
     mbs = E._micro_batches(state, batch, 4)  # 12 rows -> 3 micro-batches
-    norms = gather_counts(local_normalizers(batch.response_mask), len(mbs), group=state.dp_group,
-                          group_size=state.dp_size, device=state.env.device)[0]
+    norms = gather_counts(
+        local_normalizers(batch.response_mask),
+        len(mbs),
+        group=state.dp_group,
+        group_size=state.dp_size,
+        device=state.env.device,
+    )[0]
     for mb in mbs:
         inp = layout_micro_batch(mb, state.cfg.layout)
 
         def head(out, mb=mb, inp=inp):
-            return pg_loss(E._head_outputs(state, out, inp, mb, False), mb, norms)
+            return pg_loss(E.head_outputs(state, out, inp, mb, False), mb, norms)
 
-        run_micro_batch(state.module, state.dims, inp, head, hidden_size=state.shape.hidden_size,
-                        dtype=torch.float32, backward=True)
-    E._sync_grads(state)
+        run_micro_batch(
+            state.module, state.dims, inp, head, hidden_size=state.shape.hidden_size, dtype=torch.float32, backward=True
+        )
+    U._sync_grads(state)
     with torch.no_grad():
         saved = {n: p.detach().clone() for n, p in state.module.named_parameters()}
         for p in state.module.parameters():
@@ -91,8 +127,15 @@ def _logits(state, batch):
 
     inp = layout_micro_batch(batch, "bshd")
     with torch.no_grad():
-        out = run_micro_batch(state.module, state.dims, inp, lambda o: o, hidden_size=state.shape.hidden_size,
-                              dtype=torch.float32, backward=False)
+        out = run_micro_batch(
+            state.module,
+            state.dims,
+            inp,
+            lambda o: o,
+            hidden_size=state.shape.hidden_size,
+            dtype=torch.float32,
+            backward=False,
+        )
     if out is None:
         return None
     if state.dims.tp > 1:
@@ -114,7 +157,7 @@ def _hf_aligned_logits(model, batch, inp):
     valid = torch.zeros(inp.input_ids.shape, dtype=torch.bool)
     for i in range(batch.prompt_ids.shape[0]):
         n = int(plen[i]) + batch.response_ids.shape[1]
-        out[i, :n] = logits[i, p - int(plen[i]):]
+        out[i, :n] = logits[i, p - int(plen[i]) :]
         valid[i, : int(plen[i]) + int(batch.response_mask[i].sum())] = True
     return out, valid
 
@@ -122,6 +165,7 @@ def _hf_aligned_logits(model, batch, inp):
 def _parity_worker(rank, world_size, dirs):
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -173,7 +217,7 @@ def _parity_worker(rank, world_size, dirs):
             metrics = []
             for b in (batch, make_batch(1)):
                 b_local = b if tp * pp == 2 else rank_rows(b, rank, world_size)
-                state, m = E.update(state, b_local, pg_loss)
+                state, m = U.update(state, b_local, pg_loss)
                 metrics.append(m)
             r["metrics"] = metrics
             params = _numpy(dict(E.full_state_dict(state)))
@@ -186,9 +230,10 @@ def _parity_worker(rank, world_size, dirs):
 
 def _roles_worker(rank, world_size, dirs):
     """Critic (values, update, export) and reference on TP=2, then PP=2; PPO update vs the FSDP engine."""
-    from backends.training import fsdp as F
     from backends.distributed.setup import init_distributed
+    from backends.training import fsdp as F
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -198,18 +243,22 @@ def _roles_worker(rank, world_size, dirs):
     value_model, _ = load_value_model(model_dir, seed=7)
     attention_mask = batch.attention_mask.long()
     with torch.no_grad():
-        v = value_model(input_ids=batch.input_ids, attention_mask=attention_mask,
-                        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0)).logits[..., 0]
+        v = value_model(
+            input_ids=batch.input_ids,
+            attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        ).logits[..., 0]
     p, t = batch.prompt_ids.shape[1], batch.response_ids.shape[1]
-    want_values = torch.where(batch.response_mask, v[:, p - 1:p + t - 1], 0.0)
+    want_values = torch.where(batch.response_mask, v[:, p - 1 : p + t - 1], 0.0)
     for tp, pp in [(2, 1), (1, 2)]:
         key = f"tp{tp}-pp{pp}"
         critic = E.build_critic(model_dir, env, OPTIM, E.MegatronConfig(tp=tp, pp=pp, micro_batch_size=4), seed=7)
         values = E.compute_values(critic, batch)
         out[f"values-{key}"] = float((values - want_values).abs().max())
-        vb = batch.replace(returns=torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(2)),
-                           old_values=values)
-        critic, m = E.update(critic, vb, E.value_loss_fn())
+        vb = batch.replace(
+            returns=torch.randn(batch.response_ids.shape, generator=torch.Generator().manual_seed(2)), old_values=values
+        )
+        critic, m = U.update(critic, vb, E.value_loss_fn())
         out[f"critic_metrics-{key}"] = m
         E.export_hf(critic, f"{model_dir}-critic-{key}")
         if env.is_main:
@@ -218,7 +267,7 @@ def _roles_worker(rank, world_size, dirs):
         ref = E.build_reference(model_dir, env, E.MegatronConfig(tp=tp, pp=pp), log_prob_micro_batch_size=3)
         out[f"ref_no_grads-{key}"] = all(not q.requires_grad for q in ref.module.parameters())
         try:
-            E.update(ref, batch, pg_loss)
+            U.update(ref, batch, pg_loss)
         except ValueError as e:
             out[f"ref_update_error-{key}"] = str(e)
         destroy_model_parallel()
@@ -229,7 +278,7 @@ def _roles_worker(rank, world_size, dirs):
     ppo_batch = ppo_batch.replace(old_logprobs=E.compute_logprobs(ref, batch).logprobs - 0.05 * batch.advantages.tanh())
     destroy_model_parallel()
     actor = E.build_actor(model_dir, env, OPTIM, E.MegatronConfig(tp=2, micro_batch_size=4))
-    actor, mm = E.update(actor, ppo_batch, _ppo_loss)
+    actor, mm = U.update(actor, ppo_batch, _ppo_loss)
     megatron_params = _numpy(dict(E.full_state_dict(actor)))
     destroy_model_parallel()
     fsdp = F.build_actor(model_dir, env, OPTIM, F.FSDPConfig(micro_batch_size=4))
@@ -335,6 +384,7 @@ def _nonfinite_worker(rank, world_size, model_dir):
     through the engine (TP=2): no step, gradients dropped, the next update steps."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel, init_model_parallel
 
     env = init_distributed()
@@ -343,20 +393,20 @@ def _nonfinite_worker(rank, world_size, model_dir):
     for tp, pp in LAYOUTS:  # the flag crosses the TP group, the PP group, the DP group
         dims = init_model_parallel(tp, pp)
         out[f"tp{tp}-pp{pp}"] = {
-            "nan_loss_on_rank_1": E._nonfinite_on_any_rank((nan if rank == 1 else 1.0, 2.0), dims, env.device),
-            "inf_norm_on_rank_0": E._nonfinite_on_any_rank((1.0, inf if rank == 0 else 2.0), dims, env.device),
-            "finite_everywhere": E._nonfinite_on_any_rank((1.0 + rank, 2.0), dims, env.device),
+            "nan_loss_on_rank_1": U._nonfinite_on_any_rank((nan if rank == 1 else 1.0, 2.0), dims, env.device),
+            "inf_norm_on_rank_0": U._nonfinite_on_any_rank((1.0, inf if rank == 0 else 2.0), dims, env.device),
+            "finite_everywhere": U._nonfinite_on_any_rank((1.0 + rank, 2.0), dims, env.device),
         }
         destroy_model_parallel()
 
     state = E.build_actor(model_dir, env, OPTIM, E.MegatronConfig(tp=2, micro_batch_size=4))
     before = [p.detach().clone() for p in state.module.parameters()]
     batch = make_batch(0)
-    state, m = E.update(state, batch, _nan_loss)
+    state, m = U.update(state, batch, _nan_loss)
     out["nan_metrics"] = m
     out["nan_unchanged"] = all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
     out["nan_grads_dropped"] = all(p.grad is None for p in state.module.parameters())
-    state, m = E.update(state, batch, pg_loss)
+    state, m = U.update(state, batch, pg_loss)
     out["after_nan_metrics"] = m
     out["after_nan_changed"] = not all(torch.equal(a, p) for a, p in zip(before, state.module.parameters()))
     out["after_nan_step"] = state.step
@@ -364,10 +414,12 @@ def _nonfinite_worker(rank, world_size, model_dir):
     # optim.nonfinite=error: raises on every rank, naming the update, before any optimizer step
     import attrs
 
-    state = E.build_actor(model_dir, env, attrs.evolve(OPTIM, nonfinite="error"), E.MegatronConfig(tp=2, micro_batch_size=4))
+    state = E.build_actor(
+        model_dir, env, attrs.evolve(OPTIM, nonfinite="error"), E.MegatronConfig(tp=2, micro_batch_size=4)
+    )
     before = [p.detach().clone() for p in state.module.parameters()]
     try:
-        E.update(state, batch, _nan_loss)
+        U.update(state, batch, _nan_loss)
         out["error"] = None
     except FloatingPointError as e:
         out["error"] = str(e)
@@ -400,12 +452,29 @@ def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         model_shape({"model_type": "gpt2", "n_embd": 64})
     with pytest.raises(ValueError, match="sliding-window"):
-        model_shape({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096, "hidden_size": 64,
-                     "num_attention_heads": 2})
+        model_shape(
+            {
+                "model_type": "qwen2",
+                "use_sliding_window": True,
+                "sliding_window": 4096,
+                "hidden_size": 64,
+                "num_attention_heads": 2,
+            }
+        )
     with pytest.raises(ValueError, match="unsupported architecture model_type='mistral'"):
         model_shape({"model_type": "mistral", "sliding_window": 4096})
-    shape = model_shape(QWEN and {"model_type": "qwen2", "vocab_size": 83, "hidden_size": 128, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 192})
+    shape = model_shape(
+        QWEN
+        and {
+            "model_type": "qwen2",
+            "vocab_size": 83,
+            "hidden_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "intermediate_size": 192,
+        }
+    )
     with pytest.raises(ValueError, match="tp=3 does not divide num_attention_heads=4"):
         check_parallel_sizes(shape, 3, 1)
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
@@ -418,9 +487,19 @@ def test_unsupported_architectures_and_sizes_fail_before_loading(tmp_path):
     (model_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ValueError, match="unsupported architecture model_type='gpt2'"):
         build_actor(model_dir, cfg=MegatronConfig(tp=2))
-    (model_dir / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 83, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 192}))
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 83,
+                "hidden_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 192,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="tp=4 does not divide num_key_value_heads=2"):
         build_actor(model_dir, cfg=MegatronConfig(tp=4))
     with pytest.raises(FileNotFoundError, match="does not exist"):
@@ -448,9 +527,22 @@ def test_grpo_recipe_runs_on_megatron(tmp_path, layout):
     from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
-    out = run(GRPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
-              "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-              "algo.kl_loss_coef=0.01", "actor.backend=megatron", layout, nproc=2)
+    out = run(
+        GRPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data),
+        *TINY_MODEL,
+        "model.tiny.num_kv_heads=2",
+        "model.tiny.num_layers=2",
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "algo.kl_loss_coef=0.01",
+        "actor.backend=megatron",
+        layout,
+        nproc=2,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path / "runs", "grpo")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -473,9 +565,23 @@ def test_ppo_recipe_runs_on_megatron(tmp_path):
     from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
-    out = run(PPO, f"run_root={tmp_path / 'runs'}", *data_args(data), *TINY_MODEL, "model.tiny.num_kv_heads=2",
-              "model.tiny.num_layers=2", "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-              "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "actor.backend=megatron", "actor.tp=2", nproc=2)
+    out = run(
+        PPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data),
+        *TINY_MODEL,
+        "model.tiny.num_kv_heads=2",
+        "model.tiny.num_layers=2",
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "algo.critic_warmup=1",
+        "algo.kl_ctrl=adaptive",
+        "actor.backend=megatron",
+        "actor.tp=2",
+        nproc=2,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path / "runs", "ppo")
     rl = metrics(run_dir)
@@ -497,6 +603,7 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
     """On CUDA the engine runs megatron's own schedule, DDP and DistributedOptimizer (one process)."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -511,11 +618,10 @@ def test_megatron_schedule_and_distributed_optimizer_on_gpu(model_dirs):
             want = hf_logprobs(hf, batch)
         m = batch.response_mask
         assert float((out.logprobs.cpu() - torch.where(m, want, 0.0)).abs().max()) < 1e-4
-        actor, metrics = E.update(actor, batch, pg_loss)
+        actor, metrics = U.update(actor, batch, pg_loss)
         assert metrics["update_skipped"] == 0.0 and np.isfinite(metrics["grad_norm"])
         assert len(dict(E.full_state_dict(actor))) == len(hf.state_dict())
         destroy_model_parallel()
-
 
 
 @pytest.mark.gpu
@@ -524,6 +630,7 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     skips the step and drops the gradients (DDP buffers zeroed), as the FSDP engine does."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
@@ -531,15 +638,14 @@ def test_megatron_optimizer_skips_a_non_finite_step_on_gpu(model_dirs):
     assert actor.uses_megatron_schedule
     batch = make_batch(0)
     before = {k: v.clone() for k, v in E.full_state_dict(actor)}
-    actor, m = E.update(actor, batch, _nan_loss)
+    actor, m = U.update(actor, batch, _nan_loss)
     assert m["update_skipped"] == 1.0 and np.isnan(m["loss"]) and not np.isfinite(m["grad_norm"])
     assert all(torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
     assert all(not bool(b.grad_data.any()) for b in actor.module.buffers)
-    actor, m = E.update(actor, batch, pg_loss)
+    actor, m = U.update(actor, batch, pg_loss)
     assert m["update_skipped"] == 0.0 and np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) and actor.step == 2
     assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(actor))
     destroy_model_parallel()
-
 
 
 @pytest.mark.gpu
@@ -548,12 +654,13 @@ def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(m
     DDP module fills, reduces and zeroes (not those of a second wrapper)."""
     from backends.distributed.setup import init_distributed
     from backends.training.megatron import engine as E
+    from backends.training.megatron import update as U
     from backends.training.megatron.parallel import destroy_model_parallel
 
     env = init_distributed()
     actor = E.build_actor(model_dirs["qwen2"], env, OPTIM, E.MegatronConfig(param_dtype="bfloat16", micro_batch_size=4))
     batch = make_batch(0)
-    actor, _ = E.update(actor, batch, pg_loss)
+    actor, _ = U.update(actor, batch, pg_loss)
     fresh = E.fresh_optimizer(actor, OPTIM)
     assert fresh.module is actor.module and fresh.optimizer is not actor.optimizer and fresh.step == 0
     buffers = {b.grad_data.untyped_storage().data_ptr() for b in fresh.module.buffers}
@@ -561,7 +668,7 @@ def test_fresh_optimizer_keeps_the_ddp_wrapper_and_its_gradient_buffers_on_gpu(m
     assert params and all(p.main_grad.untyped_storage().data_ptr() in buffers for p in params)
     assert fresh.module.module.config.grad_scale_func == fresh.optimizer.scale_loss
     before = {k: v.clone() for k, v in E.full_state_dict(fresh)}
-    fresh, m = E.update(fresh, batch, pg_loss)
+    fresh, m = U.update(fresh, batch, pg_loss)
     assert m["update_skipped"] == 0.0 and np.isfinite(m["grad_norm"]) and m["grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in E.full_state_dict(fresh))
     destroy_model_parallel()
@@ -572,14 +679,14 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
     sampled-token log-probs with the trainer's for the same tokens (both fp32)."""
     import functools
 
+    import rlfunc as rf
     from backends.distributed.setup import init_distributed
+    from backends.models import load_tokenizer
+    from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
     from backends.training.engines import select_engine
     from backends.training.fsdp import FSDPConfig
     from backends.training.megatron.parallel import destroy_model_parallel
-    from backends.models import load_tokenizer
     from backends.training.optim import OptimConfig
-    from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
-    import rlfunc as rf
 
     env = init_distributed()
     engine = select_engine("megatron", fsdp=FSDPConfig(micro_batch_size=8), tp=tp, pp=pp)
@@ -593,13 +700,23 @@ def _rollout_agreement_worker(rank, world_size, model_dir, tp, pp):
         batch = engine.share_batch(actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=step))
         adv = torch.randn(batch.response_ids.shape[0], generator=torch.Generator().manual_seed(step))[:, None]
         batch = batch.replace(old_logprobs=batch.rollout_logprobs, advantages=adv * batch.response_mask)
-        actor, _ = engine.update(actor, batch, lambda out, mb, norms: loss(
-            out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
-            norms=norms))
+        actor, _ = engine.update(
+            actor,
+            batch,
+            lambda out, mb, norms: loss(
+                out.logprobs,
+                old_logprobs=mb.old_logprobs,
+                advantages=mb.advantages,
+                response_mask=mb.response_mask,
+                norms=norms,
+            ),
+        )
         before = {k: v.clone() for k, v in rollout.model.state_dict().items()}
         rollout = sync_weights(rollout, engine.full_state_dict(actor))
         moved.append(max(float((v - before[k]).abs().max()) for k, v in rollout.model.state_dict().items()))
-        fresh = engine.share_batch(actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=10 + step))
+        fresh = engine.share_batch(
+            actor, generate(rollout, prompts, SamplingConfig(n=2, max_new_tokens=5), seed=10 + step)
+        )
         trainer = engine.compute_logprobs(actor, fresh).logprobs
         gaps.append(float(((trainer - fresh.rollout_logprobs).abs() * fresh.response_mask).max()))
     destroy_model_parallel()

@@ -24,16 +24,32 @@ from tests.distributed import run_distributed
 
 pytestmark = [pytest.mark.distributed, pytest.mark.megatron]
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-                       max_position_embeddings=64, initializer_range=0.2, seed=4)
+TINY = TinyModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=96,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    seed=4,
+)
 
 
 def _examples(tokenizer):
     from backends.data import Example
 
     sums = [(a, b) for a, b in zip(range(10, 18), range(3, 11))]
-    return [Example(prompt_ids=tuple(tokenizer.encode(f"{a}+{b}=")), ground_truth=str(a + b), source="default",
-                    columns={}, where=f"train.jsonl:line {i + 1}") for i, (a, b) in enumerate(sums)]
+    return [
+        Example(
+            prompt_ids=tuple(tokenizer.encode(f"{a}+{b}=")),
+            ground_truth=str(a + b),
+            source="default",
+            columns={},
+            where=f"train.jsonl:line {i + 1}",
+        )
+        for i, (a, b) in enumerate(sums)
+    ]
 
 
 class _CountingRollout:
@@ -67,19 +83,27 @@ def _shards_worker(rank, world_size, path):
     tokenizer = load_tokenizer(path)
     rollout = build_native_rollout(path, tokenizer)
     scorer = RewardScorer(RewardConfig(fn=("exact",), workers=0))
-    cfg = attrs.evolve(grpo.Config(), prompts_per_step=4, seed=3,
-                       rollout=attrs.evolve(grpo.Config().rollout, n=2, max_new_tokens=5))
+    cfg = attrs.evolve(
+        grpo.Config(), prompts_per_step=4, seed=3, rollout=attrs.evolve(grpo.Config().rollout, n=2, max_new_tokens=5)
+    )
     sampled: list[int] = []
     rollout = _CountingRollout(rollout, sampled)
     out = {}
-    for name, engine, state in (("megatron", select_engine("megatron", tp=2), types.SimpleNamespace(dims=dims)),
-                                ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env))):
+    for name, engine, state in (
+        ("megatron", select_engine("megatron", tp=2), types.SimpleNamespace(dims=dims)),
+        ("fsdp", select_engine("fsdp"), types.SimpleNamespace(env=env)),
+    ):
         sampled.clear()
         stream = PromptStream(_examples(tokenizer), seed=cfg.seed)
-        batch, rows, _ = sample_and_score(rollout, stream, scorer, tokenizer, cfg, 1, engine, state,
-                                          env=types.SimpleNamespace(group=None))
-        out[name] = {"batch": batch, "rows": [r.where for r in rows], "sampled": list(sampled),
-                     "shard": engine.sample_shard(state)}
+        batch, rows, _ = sample_and_score(
+            rollout, stream, scorer, tokenizer, cfg, 1, engine, state, env=types.SimpleNamespace(group=None)
+        )
+        out[name] = {
+            "batch": batch,
+            "rows": [r.where for r in rows],
+            "sampled": list(sampled),
+            "shard": engine.sample_shard(state),
+        }
     fsdp_shards = [None] * world_size
     dist.all_gather_object(fsdp_shards, (out["fsdp"]["batch"], out["fsdp"]["rows"]))
     out["fsdp_shards"] = fsdp_shards

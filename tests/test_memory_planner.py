@@ -19,12 +19,20 @@ import attrs
 import pytest
 import torch
 
+from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.training.hf_forward import forward_micro_batch
 from backends.training.hf_modules import enable_checkpointing
 from backends.training.memory_planner import (
-    ModelShape, Parallelism, Workload, colocated_step, estimate, kv_bytes_per_token, largest_micro_batch, main, suggest,
+    ModelShape,
+    Parallelism,
+    Workload,
+    colocated_step,
+    estimate,
+    kv_bytes_per_token,
+    largest_micro_batch,
+    main,
+    suggest,
 )
-from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from rlfunc.batch import RolloutBatch
 from tests.forkserver import call_in_child
 from tests.test_fsdp_engine import make_batch
@@ -32,10 +40,19 @@ from tests.test_fsdp_engine import make_batch
 pytestmark = pytest.mark.packing
 
 CONFIGS = {
-    "qwen2-gqa": TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                                 max_position_embeddings=128),
-    "llama-untied": TinyModelConfig(arch="llama", hidden_size=128, num_layers=3, num_heads=4, num_kv_heads=2,
-                                    intermediate_size=256, tie_word_embeddings=False, max_position_embeddings=128),
+    "qwen2-gqa": TinyModelConfig(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=128
+    ),
+    "llama-untied": TinyModelConfig(
+        arch="llama",
+        hidden_size=128,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=256,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
 }
 
 
@@ -56,8 +73,10 @@ def _storage_bytes(tensors) -> int:
 def _full_batch(rows: int, p: int, t: int, vocab: int) -> RolloutBatch:
     g = torch.Generator().manual_seed(0)
     return RolloutBatch(
-        prompt_ids=torch.randint(4, vocab, (rows, p), generator=g), prompt_mask=torch.ones(rows, p, dtype=torch.bool),
-        response_ids=torch.randint(4, vocab, (rows, t), generator=g), response_mask=torch.ones(rows, t, dtype=torch.bool),
+        prompt_ids=torch.randint(4, vocab, (rows, p), generator=g),
+        prompt_mask=torch.ones(rows, p, dtype=torch.bool),
+        response_ids=torch.randint(4, vocab, (rows, t), generator=g),
+        response_mask=torch.ones(rows, t, dtype=torch.bool),
         group_ids=torch.arange(rows),
     )
 
@@ -78,7 +97,7 @@ def measured_activation_bytes(model, batch: RolloutBatch, *, packed: bool = Fals
     def layer_inputs(module, args, kwargs):
         if getattr(module, "gradient_checkpointing", False):
             for x in list(args) + list(kwargs.values()):
-                for y in (x if isinstance(x, tuple) else (x,)):
+                for y in x if isinstance(x, tuple) else (x,):
                     keep(y)
 
     handles = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True) for layer in model.model.layers]
@@ -126,16 +145,27 @@ def test_activations_match_saved_tensors(dirs, name, dtype, checkpointing):
         enable_checkpointing(model)  # the engine's own switch (the HF method name differs across versions)
     rows, p, t = 4, 8, 40
     measured = measured_activation_bytes(model, _full_batch(rows, p, t, len(tok)))
-    est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
-                   Workload(compute_dtype=dtype, micro_batch_rows=rows, seq_len=p + t, response_len=t + 1,
-                            gradient_checkpointing=checkpointing))
+    est = estimate(
+        ModelShape.from_pretrained(dirs[name]),
+        Parallelism(),
+        Workload(
+            compute_dtype=dtype,
+            micro_batch_rows=rows,
+            seq_len=p + t,
+            response_len=t + 1,
+            gradient_checkpointing=checkpointing,
+        ),
+    )
     # the recompute of one layer happens in backward, after what is measured here
     predicted = est.activations + est.logits - est.recompute
     tolerance = 0.15 if checkpointing else 0.10
     assert predicted == pytest.approx(measured, rel=tolerance), f"predicted {predicted}, measured {measured}"
     if checkpointing:
-        plain = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
-                         Workload(compute_dtype=dtype, micro_batch_rows=rows, seq_len=p + t, response_len=t + 1))
+        plain = estimate(
+            ModelShape.from_pretrained(dirs[name]),
+            Parallelism(),
+            Workload(compute_dtype=dtype, micro_batch_rows=rows, seq_len=p + t, response_len=t + 1),
+        )
         assert est.activations < plain.activations
 
 
@@ -151,9 +181,11 @@ def test_packed_activations_match_saved_tensors(dirs, name):
     model.train()
 
     enable_packed_attention(model)
-    est_of = lambda packed: estimate(  # noqa: E731
-        ModelShape.from_pretrained(dirs[name]), Parallelism(),
-        Workload(micro_batch_rows=1, seq_len=packed.num_tokens, response_len=int(packed.labels.numel()), padded=False))
+    est_of = lambda packed: estimate(
+        ModelShape.from_pretrained(dirs[name]),
+        Parallelism(),
+        Workload(micro_batch_rows=1, seq_len=packed.num_tokens, response_len=int(packed.labels.numel()), padded=False),
+    )
     batch = _full_batch(6, 5, 7, len(tok))
     packed = pack_rows(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     est = est_of(packed)
@@ -176,8 +208,11 @@ def test_kv_cache_matches_the_rollout_engine(dirs):
         decoder = Decoder(model, rows=6, total_len=40, prepack=False)
         measured = _storage_bytes(decoder.k_cache + decoder.v_cache)
         assert decoder.k_cache[0].dtype == decoder.v_cache[0].dtype == decoder.att_dtype == torch.float32
-        est = estimate(ModelShape.from_pretrained(dirs[name]), Parallelism(),
-                       Workload(compute_dtype="bfloat16", kv_seqs=6, kv_len=40, kv_dtype="float32"))
+        est = estimate(
+            ModelShape.from_pretrained(dirs[name]),
+            Parallelism(),
+            Workload(compute_dtype="bfloat16", kv_seqs=6, kv_len=40, kv_dtype="float32"),
+        )
         assert est.kv_cache == measured
 
 
@@ -187,14 +222,25 @@ def test_suggest_fits_the_budget(dirs):
     budget = 64 * 2**20
     s = suggest(shape, Parallelism(), work, budget, headroom=0.0)
     assert s.micro_batch_rows >= 1 and not s.gradient_checkpointing
-    fits = lambda rows, gc: estimate(shape, Parallelism(), Workload(seq_len=256, micro_batch_rows=rows,  # noqa: E731
-                                                                     gradient_checkpointing=gc)).total <= budget
+    fits = (
+        lambda rows, gc: estimate(
+            shape,
+            Parallelism(),
+            Workload(
+                seq_len=256,
+                micro_batch_rows=rows,
+                gradient_checkpointing=gc,
+            ),
+        ).total
+        <= budget
+    )
     assert fits(s.micro_batch_rows, False) and not fits(s.micro_batch_rows + 1, False)
     assert s.max_tokens_per_micro_batch == s.micro_batch_rows * 256
     # a budget that holds the training state but not one row's activations: checkpointing
     one_row = estimate(shape, Parallelism(), Workload(seq_len=1024, micro_batch_rows=1))
-    tight = suggest(shape, Parallelism(), Workload(seq_len=1024), one_row.total - one_row.activations // 2,
-                    headroom=0.0)
+    tight = suggest(
+        shape, Parallelism(), Workload(seq_len=1024), one_row.total - one_row.activations // 2, headroom=0.0
+    )
     assert tight.gradient_checkpointing and tight.micro_batch_rows >= 1
     with_kv = suggest(shape, Parallelism(), Workload(seq_len=256, kv_len=512), budget, headroom=0.0)
     per_seq = estimate(shape, Parallelism(), Workload(kv_seqs=1, kv_len=512)).kv_cache
@@ -203,11 +249,36 @@ def test_suggest_fits_the_budget(dirs):
 
 
 def test_cli_prints_a_table(dirs, capsys):
-    main(["--model", dirs["qwen2-gqa"], "--dp", "2", "--dtype", "float32", "--micro-batch", "2", "--seq-len", "64",
-          "--budget-gib", "0.01", "--kv-len", "64"])
+    main(
+        [
+            "--model",
+            dirs["qwen2-gqa"],
+            "--dp",
+            "2",
+            "--dtype",
+            "float32",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "64",
+            "--budget-gib",
+            "0.01",
+            "--kv-len",
+            "64",
+        ]
+    )
     out = capsys.readouterr().out
-    for word in ("parameters", "gradients", "optimizer", "activations", "logits", "kv_cache", "total",
-                 "micro_batch_size=", "rollout KV cache"):
+    for word in (
+        "parameters",
+        "gradients",
+        "optimizer",
+        "activations",
+        "logits",
+        "kv_cache",
+        "total",
+        "micro_batch_size=",
+        "rollout KV cache",
+    ):
         assert word in out
     main(["--tiny"])
     assert "2.9" in capsys.readouterr().out  # the tiny model: about 2.9M parameters
@@ -228,8 +299,24 @@ def test_a_config_json_file_is_enough(dirs, tmp_path, capsys):
     assert ModelShape.from_pretrained(path) == ModelShape.from_pretrained(dirs["qwen2-gqa"])
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelShape.from_pretrained(str(tmp_path / "missing.json"))
-    main(["--model", path, "--dp", "2", "--micro-batch", "2", "--seq-len", "64", "--device-gib", "0.05",
-          "--vllm-util", "0.5", "--vllm-tp", "1"])
+    main(
+        [
+            "--model",
+            path,
+            "--dp",
+            "2",
+            "--micro-batch",
+            "2",
+            "--seq-len",
+            "64",
+            "--device-gib",
+            "0.05",
+            "--vllm-util",
+            "0.5",
+            "--vllm-tp",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert "colocated with vLLM" in out and "KV cache for" in out
 
@@ -247,7 +334,9 @@ def test_critic_holds_a_value_head(dirs):
         critic.train()
         rows, p, t = 4, 8, 40
         measured = measured_activation_bytes(critic, _full_batch(rows, p, t, shape.vocab_size), role="critic")
-        est = estimate(shape, Parallelism(), Workload(role="critic", micro_batch_rows=rows, seq_len=p + t, response_len=t + 1))
+        est = estimate(
+            shape, Parallelism(), Workload(role="critic", micro_batch_rows=rows, seq_len=p + t, response_len=t + 1)
+        )
         assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
 
 
@@ -271,19 +360,29 @@ def _status(key: str) -> int:
 
 
 def _peak_batch(rows: int, p: int, t: int) -> RolloutBatch:
-    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))  # noqa: E731
-    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)  # noqa: E731
-    return RolloutBatch(prompt_ids=ids(p), prompt_mask=ones(p), response_ids=ids(t), response_mask=ones(t),
-                        group_ids=torch.arange(rows))
+    ids = lambda n: torch.randint(4, 32000, (rows, n), generator=torch.Generator().manual_seed(0))
+    ones = lambda n: torch.ones(rows, n, dtype=torch.bool)
+    return RolloutBatch(
+        prompt_ids=ids(p), prompt_mask=ones(p), response_ids=ids(t), response_mask=ones(t), group_ids=torch.arange(rows)
+    )
 
 
 def _peak_model():
     """A model whose vocabulary (32,000) is much wider than the model (64), as in real models."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=32000,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+        )
+    )
 
 
 def _forward_peak(dtype: str) -> int:
@@ -330,10 +429,20 @@ def test_reference_forward_peak_matches_a_log_prob_pass(dtype):
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
     measured = call_in_child(_forward_peak, dtype)
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=True)
-    est = estimate(ModelShape.from_hf_config(cfg), Parallelism(),
-                   Workload(role="reference", compute_dtype=dtype, micro_batch_rows=8, seq_len=208, response_len=200))
+    cfg = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
+    est = estimate(
+        ModelShape.from_hf_config(cfg),
+        Parallelism(),
+        Workload(role="reference", compute_dtype=dtype, micro_batch_rows=8, seq_len=208, response_len=200),
+    )
     assert est.activations == 0
     assert est.logits == pytest.approx(measured, rel=0.05)
 
@@ -343,16 +452,19 @@ def test_colocated_step_phases(dirs):
     parallel, device = Parallelism(dp=2), 2**30
     work = Workload(compute_dtype="bfloat16", micro_batch_rows=2, seq_len=64, gradient_checkpointing=True)
     est = estimate(shape, parallel, work)
-    step = colocated_step(shape, parallel, work, device_bytes=device, vllm_utilization=0.5, resident_bytes=1000,
-                          forward_bytes=500)
+    step = colocated_step(
+        shape, parallel, work, device_bytes=device, vllm_utilization=0.5, resident_bytes=1000, forward_bytes=500
+    )
     resident = est.parameters + est.optimizer + 1000  # gradients are freed after the update
     assert step.update == est.total + 1000
     assert step.logprob == resident + 500 and step.rollout == resident + device // 2
     assert step.vllm_weights == shape.num_params * 2 and step.peak == step.rollout
     assert step.kv_tokens == (device // 2 - step.vllm_weights) // kv_bytes_per_token(shape)
     # one token's cache as the planner's own KV term counts it; a KV head is replicated past tp = heads
-    assert kv_bytes_per_token(shape) == estimate(shape, Parallelism(), Workload(compute_dtype="bfloat16", kv_seqs=1,
-                                                                                 kv_len=1)).kv_cache
+    assert (
+        kv_bytes_per_token(shape)
+        == estimate(shape, Parallelism(), Workload(compute_dtype="bfloat16", kv_seqs=1, kv_len=1)).kv_cache
+    )
     assert kv_bytes_per_token(shape, tp=2) == kv_bytes_per_token(shape) // 2 == kv_bytes_per_token(shape, tp=4)
     # the default share, 90% of what is free at build: the AdamW moments are already there (allocated with the
     # optimizer), so the rollout phase never goes past 90% of the device plus a tenth of the trainer's state
@@ -366,7 +478,7 @@ def test_largest_micro_batch_keeps_the_checkpointing_setting(dirs):
     for gc in (False, True):
         work = Workload(seq_len=256, gradient_checkpointing=gc)
         rows = largest_micro_batch(shape, Parallelism(), work, 64 * 2**20)
-        fits = lambda r: estimate(shape, Parallelism(), attrs.evolve(work, micro_batch_rows=r)).total <= 64 * 2**20  # noqa: E731
+        fits = lambda r: estimate(shape, Parallelism(), attrs.evolve(work, micro_batch_rows=r)).total <= 64 * 2**20
         assert rows >= 1 and fits(rows) and not fits(rows + 1)
 
 
@@ -384,13 +496,26 @@ def test_update_peak_of_the_logits_chunked_and_whole(with_entropy):
     if not os.path.exists("/proc/self/clear_refs"):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak resident size")
 
-    cfg = Qwen2Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=32000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     shape = ModelShape.from_hf_config(cfg)
     whole, chunked = call_in_child(_update_peak, None, with_entropy), call_in_child(_update_peak, 64, with_entropy)
-    assert chunked < (0.55 if with_entropy else 0.7) * whole  # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6
+    # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6
+    assert chunked < (0.55 if with_entropy else 0.7) * whole
     for rows, peak in ((None, whole), (64, chunked)):
-        est = estimate(shape, Parallelism(), Workload(micro_batch_rows=8, seq_len=208, response_len=200,
-                                                      with_entropy=with_entropy, logits_chunk_rows=rows))
+        est = estimate(
+            shape,
+            Parallelism(),
+            Workload(
+                micro_batch_rows=8, seq_len=208, response_len=200, with_entropy=with_entropy, logits_chunk_rows=rows
+            ),
+        )
         predicted = est.activations + est.logits + est.logits_backward
         assert 0.8 * predicted <= peak <= 1.45 * predicted, f"chunk rows {rows}: predicted {predicted}, measured {peak}"

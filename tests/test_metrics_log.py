@@ -10,8 +10,13 @@ from backends.metrics_log import MetricsLog, read_jsonl, write_generations
 
 
 def test_jsonl_tensorboard_and_console(tmp_path, capsys):
-    log = MetricsLog(tmp_path, loggers=("console", "jsonl", "tensorboard"), console_keys=("reward_mean",), console_every=2,
-                     always_keys=("val/mean@4",))
+    log = MetricsLog(
+        tmp_path,
+        loggers=("console", "jsonl", "tensorboard"),
+        console_keys=("reward_mean",),
+        console_every=2,
+        always_keys=("val/mean@4",),
+    )
     for step in range(1, 5):
         log.log(step, {"reward_mean": step / 10, "loss": float("nan")})
     log.log(4, {"val/mean@4": 0.5})
@@ -48,8 +53,12 @@ def test_wandb_offline(tmp_path, monkeypatch):
 
 
 def test_generation_dumps_are_written_whole(tmp_path):
-    path = write_generations(tmp_path / "generations" / "step_3.jsonl", [{"prompt": "a", "response": "b", "score": 1.0}])
-    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"prompt": "a", "response": "b", "score": 1.0}]
+    path = write_generations(
+        tmp_path / "generations" / "step_3.jsonl", [{"prompt": "a", "response": "b", "score": 1.0}]
+    )
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"prompt": "a", "response": "b", "score": 1.0}
+    ]
     assert not list(path.parent.glob("*.tmp"))
 
 
@@ -59,10 +68,28 @@ def test_the_plot_leaves_out_constant_curves_and_shows_sft_and_multi_turn(tmp_pa
     from backends.metrics_log import plot_curves, plot_panels
 
     rows = [{"step": -2, "sft_loss": 2.5}, {"step": -1, "sft_loss": 1.9}]
-    rows += [{"step": s, "reward_mean": 0.1 * s, "clip_frac": 0.0, "kl": 0.01, "multi_turn/turns": 1.0 + 0.2 * s,
-              "multi_turn/tool_call_validity": 0.8 + 0.05 * s, "update_skipped": False} for s in range(1, 4)]
-    keys = ["sft_loss", "reward_mean", "val/mean@4", "kl", "entropy", "clip_frac", "multi_turn/turns",
-            "multi_turn/tool_call_validity"]
+    rows += [
+        {
+            "step": s,
+            "reward_mean": 0.1 * s,
+            "clip_frac": 0.0,
+            "kl": 0.01,
+            "multi_turn/turns": 1.0 + 0.2 * s,
+            "multi_turn/tool_call_validity": 0.8 + 0.05 * s,
+            "update_skipped": False,
+        }
+        for s in range(1, 4)
+    ]
+    keys = [
+        "sft_loss",
+        "reward_mean",
+        "val/mean@4",
+        "kl",
+        "entropy",
+        "clip_frac",
+        "multi_turn/turns",
+        "multi_turn/tool_call_validity",
+    ]
     assert plot_panels(rows, keys) == ["sft_loss", "reward_mean", "multi_turn/turns", "multi_turn/tool_call_validity"]
     plot_curves(rows, keys, tmp_path / "curve.png", title="GRPO")
     assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,9 @@ from backends.models import (
     write_tiny_model,
 )
 
-TINY = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64)
+TINY = dict(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64
+)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])

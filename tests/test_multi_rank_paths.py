@@ -23,8 +23,9 @@ from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.distributed
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=97,
-                       max_position_embeddings=64, seed=3)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=97, max_position_embeddings=64, seed=3
+)
 
 
 # ------------------------------------------------------------------ checkpoint loading into offloaded shards
@@ -38,7 +39,11 @@ def _offloaded_shards_worker(rank, world_size, path):
     from torch.distributed.fsdp import fully_shard
 
     from backends.training.sharded_loading import (
-        checkpoint_plan, empty_causal_lm, fill_shards, materialize, safetensors_files,
+        checkpoint_plan,
+        empty_causal_lm,
+        fill_shards,
+        materialize,
+        safetensors_files,
     )
 
     model = empty_causal_lm(path, torch.float32)
@@ -60,8 +65,11 @@ def _offloaded_shards_worker(rank, world_size, path):
         fill_shards(model, plan, mesh, comm_device=torch.device("cpu"))
     finally:
         dist.scatter = real_scatter
-    return {"scatters": len(scattered), "devices": sorted(set(scattered)),
-            "shards_on": sorted({p.to_local().device.type for p in model.parameters()})}
+    return {
+        "scatters": len(scattered),
+        "devices": sorted(set(scattered)),
+        "shards_on": sorted({p.to_local().device.type for p in model.parameters()}),
+    }
 
 
 def test_offloaded_shards_are_filled_through_the_communication_device(tmp_path):
@@ -83,8 +91,9 @@ def _broadcast_worker(rank, world_size):
 
     weights = {f"model.layers.{i}.mlp.up_proj.weight": torch.full((4, 8), float(i)) for i in range(3)}
     if rank == 0:
-        stats = [broadcast_weights(iter(weights.items()), group=None, src=0, bucket_bytes=64, version=v)
-                 for v in (4, 5)]
+        stats = [
+            broadcast_weights(iter(weights.items()), group=None, src=0, bucket_bytes=64, version=v) for v in (4, 5)
+        ]
         return {"buckets": [s.buckets for s in stats], "tensors": [s.tensors for s in stats]}
     with broadcast_weights(None, group=None, src=0, bucket_bytes=64, version=0, device="meta") as meta_stream:
         on_meta = [(n, t.device.type, tuple(t.shape)) for n, t in meta_stream]
@@ -125,11 +134,25 @@ def _evaluation_worker(rank, world_size, tp):
     requests = []
     real_generate = model.generate
     model.generate = lambda reqs, params, **kw: requests.append(len(reqs)) or real_generate(reqs, params, **kw)
-    rollout = VLLMRollout(llm=model, config=VLLMConfig(tensor_parallel_size=tp), pad_token_id=tok.pad_token_id,
-                          eos_token_ids=(eos,), max_context=64, vocab_size=len(tok), can_sleep=False,
-                          tp_group=dist.group.WORLD if tp > 1 else None)
-    examples = [Example(prompt_ids=tuple(tok.encode("12+34=")), ground_truth="46", source="default", columns={},
-                        where="val.jsonl:line 1")]
+    rollout = VLLMRollout(
+        llm=model,
+        config=VLLMConfig(tensor_parallel_size=tp),
+        pad_token_id=tok.pad_token_id,
+        eos_token_ids=(eos,),
+        max_context=64,
+        vocab_size=len(tok),
+        can_sleep=False,
+        tp_group=dist.group.WORLD if tp > 1 else None,
+    )
+    examples = [
+        Example(
+            prompt_ids=tuple(tok.encode("12+34=")),
+            ground_truth="46",
+            source="default",
+            columns={},
+            where="val.jsonl:line 1",
+        )
+    ]
     scorer = RewardScorer(RewardConfig(fn=(f"{__name__}:varied_score",), workers=0))
     env = types.SimpleNamespace(rank=rank, world_size=world_size, group=None)
     metrics = evaluate(rollout, tok, examples, scorer, EvalConfig(n=4), env, max_new_tokens=6)

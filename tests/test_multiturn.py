@@ -20,19 +20,26 @@ from backends.config import ConfigError
 from backends.data import Example, prompt_token_ids
 from backends.models import CHAT_TOKENS, TinyModelConfig, build_char_tokenizer, write_tiny_model
 from backends.rollout.agent_loop import EnvironmentStepError, run_episodes, sample
-from backends.rollout.api import build_rollout, RolloutConfig
+from backends.rollout.api import RolloutConfig, build_rollout
 from backends.rollout.common import SamplingConfig, answer_texts
 from backends.rollout.environments import (
-    MultiTurnConfig, Observation, ToolEnvironment, argument_errors, environment_factory, observation_token_ids,
-    parse_tool_calls, tool_schema,
+    MultiTurnConfig,
+    Observation,
+    ToolEnvironment,
+    argument_errors,
+    environment_factory,
+    observation_token_ids,
+    parse_tool_calls,
+    tool_schema,
 )
 from backends.training.sft import SFTConfig, load_sft_examples, nll_loss, sft_batch
 from experiments.tasks import calculator
 
 pytestmark = pytest.mark.multiturn
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-                       initializer_range=0.2)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96, initializer_range=0.2
+)
 
 
 def add(a: int, b: int) -> int:
@@ -72,10 +79,12 @@ def undocumented(x: int) -> int:
 
 
 def test_parse_tool_calls_valid_malformed_and_string_arguments():
-    text = ('think <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> then '
-            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
-            '<tool_call>{not json}</tool_call><tool_call>["add"]</tool_call>'
-            '<tool_call>{"name": "add", "arguments": 5}</tool_call>')
+    text = (
+        'think <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> then '
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
+        '<tool_call>{not json}</tool_call><tool_call>["add"]</tool_call>'
+        '<tool_call>{"name": "add", "arguments": 5}</tool_call>'
+    )
     calls = parse_tool_calls(text)
     assert calls[:2] == [("add", {"a": 1, "b": 2}), ("add", {"a": 3, "b": 4})]
     assert "not valid JSON" in calls[2] and '{"name": ..., "arguments"' in calls[3] and "JSON object" in calls[4]
@@ -110,8 +119,10 @@ def test_tool_schema_and_argument_checks():
     schema = tool_schema(add)
     assert schema["function"]["name"] == "add" and schema["function"]["parameters"]["required"] == ["a", "b"]
     assert argument_errors(schema, {"a": 1, "b": 2}) == []
-    assert argument_errors(schema, {"a": True, "b": 2.5}) == ["argument 'a' must be integer, got true",
-                                                              "argument 'b' must be integer, got 2.5"]
+    assert argument_errors(schema, {"a": True, "b": 2.5}) == [
+        "argument 'a' must be integer, got true",
+        "argument 'b' must be integer, got 2.5",
+    ]
     with pytest.raises(ConfigError, match="undocumented.*docstring"):
         tool_schema(undocumented)
 
@@ -175,8 +186,14 @@ def native(tmp_path_factory):
     tok = build_char_tokenizer()
     path = write_tiny_model(tmp_path_factory.mktemp("mt"), TINY, tok)
     rollout = build_rollout(RolloutConfig(), path, tok)
-    rollout = attrs.evolve(rollout, eos_token_ids=(tok.eos_token_id, *tok.convert_tokens_to_ids(list("0123456789abcdefghijklmnopqrstuvwxyz")),
-                                                   *rare_byte_ids(tok)))
+    rollout = attrs.evolve(
+        rollout,
+        eos_token_ids=(
+            tok.eos_token_id,
+            *tok.convert_tokens_to_ids(list("0123456789abcdefghijklmnopqrstuvwxyz")),
+            *rare_byte_ids(tok),
+        ),
+    )
     return tok, path, rollout
 
 
@@ -187,8 +204,16 @@ def rare_byte_ids(tok) -> range:
 
 
 def _examples(tok, texts=("1+2=", "12+34=", "7*8=")):
-    return [Example(prompt_ids=tuple(prompt_token_ids([{"role": "user", "content": t}], tok)),
-                    ground_truth="3", source="s", columns={}, where=f"test.jsonl:{i + 1}") for i, t in enumerate(texts)]
+    return [
+        Example(
+            prompt_ids=tuple(prompt_token_ids([{"role": "user", "content": t}], tok)),
+            ground_truth="3",
+            source="s",
+            columns={},
+            where=f"test.jsonl:{i + 1}",
+        )
+        for i, t in enumerate(texts)
+    ]
 
 
 def _check_token_in_token_out(tok, batch, envs, examples, n, eos):
@@ -206,8 +231,8 @@ def _check_token_in_token_out(tok, batch, envs, examples, n, eos):
         for turn, seen in enumerate(env.seen):
             if turn:  # the observation that answered the previous turn
                 obs = observation_token_ids([{"role": "tool", "content": f"t{turn}"}], tok)
-                assert ids[at:at + len(obs)] == obs and own[at:at + len(obs)] == [False] * len(obs)
-                assert turns[at:at + len(obs)] == [turn] * len(obs)
+                assert ids[at : at + len(obs)] == obs and own[at : at + len(obs)] == [False] * len(obs)
+                assert turns[at : at + len(obs)] == [turn] * len(obs)
                 at += len(obs)
             end = at
             while end < length and own[end]:
@@ -223,8 +248,18 @@ def _check_token_in_token_out(tok, batch, envs, examples, n, eos):
         assert batch.prompt_ids[r][batch.prompt_mask[r]].tolist() == prompt
 
 
-def _run(native, seed=0, *, max_total_tokens=64, max_new_tokens=6, factory=None, n=2, on_error="error", timeout=5.0,
-         workers=8):
+def _run(
+    native,
+    seed=0,
+    *,
+    max_total_tokens=64,
+    max_new_tokens=6,
+    factory=None,
+    n=2,
+    on_error="error",
+    timeout=5.0,
+    workers=8,
+):
     tok, _, rollout = native
     envs = []
 
@@ -232,11 +267,19 @@ def _run(native, seed=0, *, max_total_tokens=64, max_new_tokens=6, factory=None,
         envs.append(ScriptedEnv() if factory is None else factory(example))
         return envs[-1]
 
-    cfg = MultiTurnConfig(max_turns=3, max_total_tokens=max_total_tokens, on_error=on_error, call_timeout_s=timeout,
-                          workers=workers)
+    cfg = MultiTurnConfig(
+        max_turns=3, max_total_tokens=max_total_tokens, on_error=on_error, call_timeout_s=timeout, workers=workers
+    )
     examples = _examples(tok)
-    episodes = run_episodes(rollout, examples, tok, SamplingConfig(n=n, temperature=1.0, max_new_tokens=max_new_tokens),
-                            cfg, make, seed=seed)
+    episodes = run_episodes(
+        rollout,
+        examples,
+        tok,
+        SamplingConfig(n=n, temperature=1.0, max_new_tokens=max_new_tokens),
+        cfg,
+        make,
+        seed=seed,
+    )
     return episodes, envs, examples
 
 
@@ -250,9 +293,13 @@ def test_native_trajectories_are_token_in_token_out_and_reproducible(native):
     for r, (rewards, env) in enumerate(zip(episodes.turn_rewards, envs)):
         assert rewards == [0.25] * len(env.seen)
         assert float(batch.token_rewards[r].sum()) == pytest.approx(0.25 * len(env.seen))
-        assert (batch.token_rewards[r] != 0).sum() == len(env.seen) and not (batch.token_rewards[r] * ~batch.loss_mask[r]).any()
+        assert (batch.token_rewards[r] != 0).sum() == len(env.seen) and not (
+            batch.token_rewards[r] * ~batch.loss_mask[r]
+        ).any()
     again, _, _ = _run(native)
-    assert torch.equal(again.batch.response_ids, batch.response_ids) and torch.equal(again.batch.loss_mask, batch.loss_mask)
+    assert torch.equal(again.batch.response_ids, batch.response_ids) and torch.equal(
+        again.batch.loss_mask, batch.loss_mask
+    )
     other, _, _ = _run(native, seed=1)
     assert not torch.equal(other.batch.response_ids, batch.response_ids)
 
@@ -302,10 +349,14 @@ def test_environment_that_raises_or_hangs(native):
     assert met > 0 and episodes.metrics["multi_turn/errors"] == met and all(t == 1 for t in episodes.turns)
     try:
         episodes, _, _ = _run(native, factory=lambda e: Hanging(), on_error="end", timeout=0.5)
-        assert not answered and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(episodes.finished)
+        assert not answered and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(
+            episodes.finished
+        )
         # one worker, every step hangs: the steps queued behind the first time out too, without waiting for it
         episodes, _, _ = _run(native, factory=lambda e: Hanging(), on_error="end", timeout=0.2, workers=1)
-        assert not answered and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(episodes.finished)
+        assert not answered and episodes.metrics["multi_turn/timeouts"] == sum(episodes.finished) / len(
+            episodes.finished
+        )
         with pytest.raises(EnvironmentStepError, match="did not answer within rollout.multi_turn.call_timeout_s=0.5"):
             _run(native, factory=lambda e: Hanging(), timeout=0.5)
         assert not answered
@@ -357,8 +408,8 @@ def test_masked_tokens_change_nothing_in_the_gradient(native):
     own = torch.zeros_like(mask)
     for r in range(b):
         n = int(batch.response_mask[r].sum())
-        ids[r, :n], ids[r, n:n + len(tail)] = batch.response_ids[r, :n], tail
-        mask[r, :n + len(tail)] = True
+        ids[r, :n], ids[r, n : n + len(tail)] = batch.response_ids[r, :n], tail
+        mask[r, : n + len(tail)] = True
         own[r, :n] = batch.loss_mask[r, :n]
     gen = torch.Generator().manual_seed(0)
     adv = torch.randn(b, t + len(tail), generator=gen)
@@ -368,7 +419,7 @@ def test_masked_tokens_change_nothing_in_the_gradient(native):
         model.zero_grad()
         full = torch.cat([batch.prompt_ids, response_ids], 1)
         attn = torch.cat([batch.prompt_mask, mask], 1)
-        logits = model(input_ids=full, attention_mask=attn.long()).logits[:, batch.prompt_ids.shape[1] - 1:-1]
+        logits = model(input_ids=full, attention_mask=attn.long()).logits[:, batch.prompt_ids.shape[1] - 1 : -1]
         logp = torch.log_softmax(logits.float(), -1).gather(-1, response_ids[..., None]).squeeze(-1)
         loss, _ = rf.ppo_policy_loss(logp, old_logprobs=old_logprobs, advantages=advantages, response_mask=own)
         loss.backward()
@@ -430,7 +481,7 @@ def test_calculator_task_files_and_tool(tmp_path):
         a, b = map(int, messages[0]["content"].rstrip("=").split("*"))
         correct += messages[-1]["content"] == str(a * b)
         if len(messages) == 4:
-            (name, args), = parse_tool_calls(messages[1]["content"])
+            ((name, args),) = parse_tool_calls(messages[1]["content"])
             assert name == "multiply" and messages[2]["content"] == str(args["a"] * args["b"])
     assert 0.2 < correct / len(sft) < 0.55
 
@@ -448,7 +499,9 @@ def _trainer_agreement(rank, world_size, model_dir):
     tok = build_char_tokenizer()
     actor = build_actor(model_dir, env, OptimConfig(lr=1e-3, total_training_steps=1), FSDPConfig(micro_batch_size=3))
     rollout = build_native_rollout(model_dir, tok)
-    rollout = attrs.evolve(rollout, eos_token_ids=(tok.eos_token_id, *tok.convert_tokens_to_ids(list("0123456789abcdefghij"))))
+    rollout = attrs.evolve(
+        rollout, eos_token_ids=(tok.eos_token_id, *tok.convert_tokens_to_ids(list("0123456789abcdefghij")))
+    )
     envs = []
 
     def make(example):
@@ -456,13 +509,24 @@ def _trainer_agreement(rank, world_size, model_dir):
         return envs[-1]
 
     examples = _examples(tok, ("1+2=", "12+34=") if rank == 0 else ("5*5=", "40-2=", "9="))
-    episodes = run_episodes(rollout, examples, tok, SamplingConfig(n=2, max_new_tokens=6),
-                            MultiTurnConfig(max_turns=3, max_total_tokens=48), make, seed=rank)
+    episodes = run_episodes(
+        rollout,
+        examples,
+        tok,
+        SamplingConfig(n=2, max_new_tokens=6),
+        MultiTurnConfig(max_turns=3, max_total_tokens=48),
+        make,
+        seed=rank,
+    )
     batch = episodes.batch
     _check_token_in_token_out(tok, batch, envs, examples, n=2, eos=set(rollout.eos_token_ids))
     trainer = compute_logprobs(actor, batch).logprobs
     own = batch.loss_mask
-    return float((trainer - batch.rollout_logprobs).abs()[own].max()), max(episodes.turns), int((~own & batch.response_mask).sum())
+    return (
+        float((trainer - batch.rollout_logprobs).abs()[own].max()),
+        max(episodes.turns),
+        int((~own & batch.response_mask).sum()),
+    )
 
 
 @pytest.mark.distributed
@@ -481,8 +545,9 @@ MALFORMED_TURNS = {
     "missing closing brace": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}</tool_call>',
     "missing closing brace and marker": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}',
     "closing marker without an opening one": '{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
-    "a second opening before the close":
-        '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+    "a second opening before the close": (
+        '<tool_call>{"name": "add"<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+    ),
     "extra text after the JSON": '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}}</tool_call>',
     "arguments string cut short": '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2"}</tool_call>',
     "empty call": "<tool_call></tool_call>",

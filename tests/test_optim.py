@@ -22,8 +22,9 @@ def test_state_is_allocated_at_build_and_the_steps_are_unchanged():
         state = eager.state[p]
         assert torch.equal(p.detach(), start.detach()) and p.grad is None
         assert float(state["step"]) == 0.0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
-    lazy = torch.optim.AdamW(lazy_params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             fused=True)
+    lazy = torch.optim.AdamW(
+        lazy_params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         grads = [torch.randn(p.shape, generator=g) for p in eager_params]

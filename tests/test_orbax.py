@@ -18,17 +18,24 @@ import torch
 
 pytest.importorskip("orbax.checkpoint")
 
+from backends.checkpoint.orbax import (  # noqa: E402
+    load_orbax,
+    read_orbax,
+    save_orbax,
+    to_numpy,
+    to_torch,
+    tree_to_torch,
+)
 from backends.models import TinyModelConfig, build_tiny_model  # noqa: E402
 from backends.training.optim import OptimConfig  # noqa: E402
-from backends.checkpoint.orbax import load_orbax, read_orbax, save_orbax, to_numpy, to_torch, tree_to_torch  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
 from tests.checkpoint_state import State
+from tests.distributed import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.checkpoint
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=1)
-
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=1
+)
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,7 +135,9 @@ def test_bad_input(tmp_path):
     with pytest.raises(FileExistsError, match="already exists.*overwrite=True"):
         save_orbax(state, path)
     save_orbax(make_state(seed=2), path, overwrite=True)
-    assert torch.equal(load_orbax(make_state(), path).module.model.norm.weight, make_state(seed=2).module.model.norm.weight)
+    assert torch.equal(
+        load_orbax(make_state(), path).module.model.norm.weight, make_state(seed=2).module.model.norm.weight
+    )
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_orbax(make_state(), tmp_path / "nothing")
     with ocp.PyTreeCheckpointer() as ck:
@@ -136,7 +145,11 @@ def test_bad_input(tmp_path):
     with pytest.raises(ValueError, match="not an rlfunc train state"):
         load_orbax(make_state(), tmp_path / "foreign")
     other = State(build_tiny_model(attrs.evolve(TINY, intermediate_size=96)), None)
-    with pytest.raises(ValueError, match=r"another model:\n  shape of model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), model \(64, 96\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"another model:\n  shape of model.layers.0.mlp.down_proj.weight: "
+        r"checkpoint \(64, 128\), model \(64, 96\)",
+    ):
         load_orbax(other, path)
     save_orbax(State(state.module, None), tmp_path / "no_optim")
     with pytest.raises(ValueError, match="no optimizer state"):
@@ -193,8 +206,12 @@ def _orbax_worker(rank: int, world_size: int, model_dir: str, root: str) -> dict
     orbax_path = save_orbax(actor, f"{root}/orbax")
     from_dcp = load_checkpoint(dcp_path, {"actor": build_actor(model_dir, env, optim)})[0]["actor"]
     from_orbax = load_orbax(build_actor(model_dir, env, optim), orbax_path)
-    return {"orbax_path": str(orbax_path), "dcp": _full(from_dcp), "orbax": _full(from_orbax),
-            "steps": (from_dcp.step, from_orbax.step)}
+    return {
+        "orbax_path": str(orbax_path),
+        "dcp": _full(from_dcp),
+        "orbax": _full(from_orbax),
+        "steps": (from_dcp.step, from_orbax.step),
+    }
 
 
 @pytest.mark.distributed
@@ -210,7 +227,9 @@ def test_fsdp_orbax_equals_dcp(tmp_path):
             assert r["dcp"][k].dtype == r["orbax"][k].dtype and np.array_equal(r["dcp"][k], r["orbax"][k]), k
     tree, _ = read_orbax(results[0]["orbax_path"])
     flat = {f"params.{k}": v for k, v in tree_to_torch(tree)[0].items()}
-    flat.update({f"opt_state.{key}.{fqn}": v for fqn, entries in tree_to_torch(tree)[1].items() for key, v in entries.items()})
+    flat.update(
+        {f"opt_state.{key}.{fqn}": v for fqn, entries in tree_to_torch(tree)[1].items() for key, v in entries.items()}
+    )
     assert flat.keys() == results[0]["dcp"].keys()
     for k, v in flat.items():
         assert np.array_equal(to_numpy(v), results[0]["dcp"][k]), k

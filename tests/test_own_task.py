@@ -37,7 +37,12 @@ def write_task(root, *, parquet: bool, sft_examples: int = 4000, wrong: float = 
     pool = words()
     rng.shuffle(pool)
     val, train = pool[:heldout], pool[heldout:]
-    row = lambda w: {"prompt": [{"role": "user", "content": f"rev {w}"}], "answer": w[::-1], "word": w, "data_source": "rev"}  # noqa: E731
+    row = lambda w: {
+        "prompt": [{"role": "user", "content": f"rev {w}"}],
+        "answer": w[::-1],
+        "word": w,
+        "data_source": "rev",
+    }
     root.mkdir(parents=True, exist_ok=True)
     suffix = "parquet" if parquet else "jsonl"
     for name, part in (("train", train), ("val", val)):
@@ -56,8 +61,12 @@ def write_task(root, *, parquet: bool, sft_examples: int = 4000, wrong: float = 
         sft.append({"prompt": [{"role": "user", "content": f"rev {w}"}], "response": answer})
     (root / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sft))
     (root / "my_reward.py").write_text(REWARD_FILE)
-    return [f"data.train_files={root / f'train.{suffix}'}", f"data.val_files={root / f'val.{suffix}'}",
-            f"reward.fn={root / 'my_reward.py'}:reversed_word", f"sft.files={root / 'sft.jsonl'}"]
+    return [
+        f"data.train_files={root / f'train.{suffix}'}",
+        f"data.val_files={root / f'val.{suffix}'}",
+        f"reward.fn={root / 'my_reward.py'}:reversed_word",
+        f"sft.files={root / 'sft.jsonl'}",
+    ]
 
 
 #: the command line of the learning runs: a user's whole configuration, the own-task preset of the tiny model and
@@ -76,7 +85,7 @@ def test_the_own_task_preset_fits_the_tiny_model_and_the_readme_names_it():
     assert not cfg.model.path and cfg.actor.optim.lr >= 1e-4 and cfg.sft.optim.lr >= 1e-3 and cfg.rollout.n >= 2
     assert [cfg.model.tiny.hidden_size, cfg.prompts_per_step, cfg.steps] == [128, 32, 120]
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("## Your own task"):readme.index("## The idea")]
+    section = readme[readme.index("## Your own task") : readme.index("## The idea")]
     assert "preset=own_task/tiny" in section and "sft.files=" in section
 
 

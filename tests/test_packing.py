@@ -13,19 +13,23 @@ import attrs
 import numpy as np
 import pytest
 import torch
-from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
-from backends.training.fsdp import FSDPConfig, micro_batch_groups
-from backends.training.hf_forward import forward_micro_batch
-from backends.training.hf_modules import enable_checkpointing
 from backends.models import TinyModelConfig, load_causal_lm, load_value_model, write_tiny_model
 from backends.packing import model_kwargs, pack_rows, pad_layout, unpack
 from backends.training import packed_attention
-from backends.training.packed_attention import VARLEN_SDPA, enable_packed_attention, only_backends, varlen_sdpa_attention
+from backends.training.fsdp import FSDPConfig, micro_batch_groups
+from backends.training.hf_forward import forward_micro_batch
+from backends.training.hf_modules import enable_checkpointing
+from backends.training.packed_attention import (
+    VARLEN_SDPA,
+    enable_packed_attention,
+    only_backends,
+    varlen_sdpa_attention,
+)
 from rlfunc.aggregation import aggregate
-from rlfunc.tree import tree_map
 from rlfunc.balancing import (
     balanced_partition,
     greedy_partition,
@@ -34,13 +38,15 @@ from rlfunc.balancing import (
     spread,
     token_budget_balanced_partition,
 )
+from rlfunc.tree import tree_map
 from tests.distributed import run_distributed
 from tests.test_fsdp_engine import OPTIM, _max_diff, _numpy, make_batch, pg_loss, rank_rows, reference_updates
 
 pytestmark = pytest.mark.packing
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=1)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=1
+)
 
 
 @pytest.fixture(scope="module")
@@ -301,13 +307,18 @@ def test_varlen_attention_block_equals_per_sequence_sdpa(dtype):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, h, 9, 8, generator=g) for h in (4, 2, 2))
     cu = torch.tensor([0, 3, 3, 7, 9, 9], dtype=torch.int32)
-    out, _ = varlen_sdpa_attention(types.SimpleNamespace(training=False), q.to(dtype), k.to(dtype), v.to(dtype),
-                                   None, cu_seq_lens_q=cu)
-    ref = torch.cat([
-        F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, s:e].repeat_interleave(2, 1),
-                                       v[:, :, s:e].repeat_interleave(2, 1), is_causal=True)
-        for s, e in [(0, 3), (3, 7), (7, 9)]
-    ], dim=2).transpose(1, 2)
+    out, _ = varlen_sdpa_attention(
+        types.SimpleNamespace(training=False), q.to(dtype), k.to(dtype), v.to(dtype), None, cu_seq_lens_q=cu
+    )
+    ref = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q[:, :, s:e], k[:, :, s:e].repeat_interleave(2, 1), v[:, :, s:e].repeat_interleave(2, 1), is_causal=True
+            )
+            for s, e in [(0, 3), (3, 7), (7, 9)]
+        ],
+        dim=2,
+    ).transpose(1, 2)
     assert out.dtype == dtype and out.shape == ref.shape
     assert float((out.float() - ref).abs().max()) < (1e-6 if dtype == torch.float32 else 3e-2)
 
@@ -356,8 +367,9 @@ def _ragged_layout(prompt_lens, response_lens, group, share):
 def _forced_attention(q, k, v, layout, scale, backend):
     """Causal attention of each packed token over its own sequence by one forced backend."""
     with only_backends(backend):
-        out, _ = varlen_sdpa_attention(types.SimpleNamespace(training=False), q, k, v, None, scaling=scale,
-                                       packed_layout=layout)
+        out, _ = varlen_sdpa_attention(
+            types.SimpleNamespace(training=False), q, k, v, None, scaling=scale, packed_layout=layout
+        )
     return out
 
 
@@ -377,8 +389,10 @@ def test_pytorch_backends_match_float64_reference(rows, group, share, heads, bac
     h, kv = heads
     gen = torch.Generator().manual_seed(T)
     # (1 heads T d) views of T-major tensors, as HF's projections hand them over
-    q, k, v = (torch.randn(1, T, n, 16, generator=gen, dtype=torch.float64).transpose(1, 2).requires_grad_()
-               for n in (h, kv, kv))
+    q, k, v = (
+        torch.randn(1, T, n, 16, generator=gen, dtype=torch.float64).transpose(1, 2).requires_grad_()
+        for n in (h, kv, kv)
+    )
     ref = _forced_attention(q, k, v, layout, 0.3, "sdpa")
     grad_out = torch.randn(ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected = [ref, *torch.autograd.grad(ref, (q, k, v), grad_out)]
@@ -396,6 +410,7 @@ def _chosen_backends(monkeypatch) -> list[str]:
     """The names of the backends that run from now on (each wrapped to record itself)."""
     chosen: list[str] = []
     for name, backend in packed_attention.BACKENDS.items():
+
         def run(*args, _name=name, _run=backend.run):
             chosen.append(_name)
             return _run(*args)
@@ -487,8 +502,11 @@ def test_karmarkar_karp_by_hand():
 
 
 @settings(max_examples=100, deadline=None)
-@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=50), budget=st.integers(40, 120),
-       min_parts=st.integers(1, 6))
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=50),
+    budget=st.integers(40, 120),
+    min_parts=st.integers(1, 6),
+)
 def test_token_budget_balanced_partition(lengths, budget, min_parts):
     parts = token_budget_balanced_partition(lengths, budget, min_parts=min_parts)
     assert _is_partition(parts, len(lengths))
@@ -525,8 +543,15 @@ def test_balanced_micro_batch_groups_fit_the_budget():
 def _packing_worker(rank, world_size, model_dir):
     from backends.distributed.setup import init_distributed
     from backends.training.fsdp import (
-        balance_across_ranks, build_actor, build_critic, build_reference, compute_logprobs, compute_values,
-        full_state_dict, update, value_loss_fn,
+        balance_across_ranks,
+        build_actor,
+        build_critic,
+        build_reference,
+        compute_logprobs,
+        compute_values,
+        full_state_dict,
+        update,
+        value_loss_fn,
     )
 
     env = init_distributed()
@@ -537,23 +562,27 @@ def _packing_worker(rank, world_size, model_dir):
         "packed": FSDPConfig(micro_batch_size=4, use_remove_padding=True),
         "budget-balanced": FSDPConfig(max_tokens_per_micro_batch=14, token_budget_grouping="balanced"),
         "dp-balanced": FSDPConfig(micro_batch_size=4, balance_dp=True),
-        "all": FSDPConfig(max_tokens_per_micro_batch=14, token_budget_grouping="balanced", balance_dp=True,
-                          use_remove_padding=True, gradient_checkpointing=True),
+        "all": FSDPConfig(
+            max_tokens_per_micro_batch=14,
+            token_budget_grouping="balanced",
+            balance_dp=True,
+            use_remove_padding=True,
+            gradient_checkpointing=True,
+        ),
     }
     out = {}
     for name, cfg in configs.items():
         state = build_actor(model_dir, env, OPTIM, cfg)
         counts = []
         for batch in batches:
-            state, m = update(state, rank_rows(batch, rank, world_size),
-                              lambda o, mb, n: pg_loss(o, mb, n, mode))
+            state, m = update(state, rank_rows(batch, rank, world_size), lambda o, mb, n: pg_loss(o, mb, n, mode))
             counts.append(m["num_micro_batches"])
         out[name] = {"params": _numpy(dict(full_state_dict(state))), "micro_batches": counts}
 
     local = rank_rows(make_batch(0), rank, world_size)
     state = build_actor(model_dir, env, OPTIM, FSDPConfig(micro_batch_size=4))
     balanced = balance_across_ranks(local, state)
-    tokens = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())  # noqa: E731
+    tokens = lambda b: int(b.prompt_mask.sum() + b.response_mask.sum())
     out["tokens_before"], out["tokens_after"] = tokens(local), tokens(balanced)
     out["rows_after"] = int(balanced.prompt_ids.shape[0])
     out["group_ids_after"] = balanced.group_ids.tolist()
@@ -566,13 +595,18 @@ def _packing_worker(rank, world_size, model_dir):
         ref = compute_logprobs(build_reference(model_dir, env, cfg), local)
         critic = build_critic(model_dir, env, OPTIM, cfg)
         values = compute_values(critic, local)
-        target = local.replace(returns=torch.randn(local.response_ids.shape, generator=torch.Generator().manual_seed(7)),
-                               old_values=values)
+        target = local.replace(
+            returns=torch.randn(local.response_ids.shape, generator=torch.Generator().manual_seed(7)), old_values=values
+        )
         for _ in range(2):
             critic, cm = update(critic, target, value_loss_fn(clip_range=0.5))
         out[f"forward-{packed}"] = {
-            "logprobs": _numpy(lp.logprobs), "entropy": _numpy(lp.entropy), "ref": _numpy(ref.logprobs),
-            "values": _numpy(values), "critic_params": _numpy(dict(full_state_dict(critic))), "critic_loss": cm["loss"],
+            "logprobs": _numpy(lp.logprobs),
+            "entropy": _numpy(lp.entropy),
+            "ref": _numpy(ref.logprobs),
+            "values": _numpy(values),
+            "critic_params": _numpy(dict(full_state_dict(critic))),
+            "critic_loss": cm["loss"],
         }
     return out
 

@@ -181,8 +181,17 @@ def test_redistribute_between_pools_of_different_sizes_is_exact():
 # ---------------------------------------------------------------------------------- equal updates
 
 TINY = [
-    "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", *TINY_MODEL, "algo.ppo_mini_batch_size=2",
-    "algo.ppo_epochs=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "actor.optim.lr=3e-4", "critic.optim.lr=1e-3",
+    "steps=3",
+    "prompts_per_step=4",
+    "rollout.n=4",
+    "eval.max_prompts=8",
+    *TINY_MODEL,
+    "algo.ppo_mini_batch_size=2",
+    "algo.ppo_epochs=2",
+    "algo.critic_warmup=1",
+    "algo.kl_ctrl=adaptive",
+    "actor.optim.lr=3e-4",
+    "critic.optim.lr=1e-3",
 ]
 
 
@@ -206,8 +215,15 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     from safetensors.torch import load_file
 
     colocated = _run_recipe(tmp_path / "colocated", data_dir, 2, "export.orbax=true")
-    split = _run_recipe(tmp_path / "split", data_dir, 4, "placement.mode=split", "placement.actor_pool=2", "placement.critic_pool=2",
-                        "export.orbax=true")
+    split = _run_recipe(
+        tmp_path / "split",
+        data_dir,
+        4,
+        "placement.mode=split",
+        "placement.actor_pool=2",
+        "placement.critic_pool=2",
+        "export.orbax=true",
+    )
     from backends.checkpoint.orbax import _flatten, read_orbax
 
     (tree_c, meta_c), (tree_s, meta_s) = read_orbax(colocated / "actor_orbax"), read_orbax(split / "actor_orbax")
@@ -216,7 +232,9 @@ def test_split_and_colocated_make_the_same_updates(tmp_path):
     assert meta_s["optimizer_state"] == "saved" and meta_s["param_shapes"] == meta_c["param_shapes"]
     assert int(tree_s["step"]) == int(tree_c["step"]) > 0
     for key in flat_c:
-        torch.testing.assert_close(torch.as_tensor(flat_s[key]), torch.as_tensor(flat_c[key]), atol=1e-6, rtol=0, msg=key)
+        torch.testing.assert_close(
+            torch.as_tensor(flat_s[key]), torch.as_tensor(flat_c[key]), atol=1e-6, rtol=0, msg=key
+        )
     for role in ("final_model", "final_critic"):
         a, b = load_file(colocated / role / "model.safetensors"), load_file(split / role / "model.safetensors")
         assert a.keys() == b.keys()

@@ -131,7 +131,7 @@ def test_sapo_hand_computed_gate():
     )
     close(loss, per_token.mean())
     # d/dlogp [-(4/tau) sigma(tau (r-1)) A] = -4 sigma'(tau (r-1)) r A
-    dsig = lambda x: sig(torch.tensor(x)) * (1 - sig(torch.tensor(x)))  # noqa: E731
+    dsig = lambda x: sig(torch.tensor(x)) * (1 - sig(torch.tensor(x)))
     expected = torch.stack([-4 * dsig(0.0), -4 * dsig(1.0) * 2.0, 4 * dsig(-1.0) * 0.5 * 2.0]) / 3
     close(grad, expected.reshape(1, 3))
 
@@ -296,7 +296,7 @@ def test_padding_with_nan_changes_nothing(name):
         fn = functools.partial(clip_cov_policy_loss, clip_cov_ratio=1.0, clip_cov_lb=-10.0, clip_cov_ub=10.0)
     logprobs, old, advantages, mask, weights = make_batch(5, 4, 6)
     b, t = mask.shape
-    pad = lambda x, v: torch.cat(  # noqa: E731
+    pad = lambda x, v: torch.cat(
         [torch.cat([x, torch.full((b, 3), v, dtype=x.dtype)], 1), torch.full((2, t + 3), v, dtype=x.dtype)], 0
     )
     nan = float("nan")
@@ -593,8 +593,15 @@ def test_vanilla_defaults_are_verls(index, case):
     norms, horizon = golden_norms(case["global_info"], inp["response_mask"])
     ours = {k: v for k, v in case["ours"].items() if k != "dual_clip"}
     loss, grad, metrics = loss_and_grad(
-        get_policy_loss("vanilla"), inp["log_prob"], inp["old_log_prob"], inp["advantages"], inp["response_mask"],
-        agg=case["agg"], norms=norms, horizon=horizon, is_weights=inp["is_weights"] if case["is_weights"] else None,
+        get_policy_loss("vanilla"),
+        inp["log_prob"],
+        inp["old_log_prob"],
+        inp["advantages"],
+        inp["response_mask"],
+        agg=case["agg"],
+        norms=norms,
+        horizon=horizon,
+        is_weights=inp["is_weights"] if case["is_weights"] else None,
         **ours,
     )
     close(loss, _TENSORS[f"case{index}/loss"])

@@ -28,8 +28,12 @@ def _change_the_process(rank, world_size, marker):
 
 
 def _look_at_the_process(rank, world_size):
-    return (os.getpid(), dcp.save_checkpoint is not _enospc, distributed._PROJECT_PACKAGES,
-            os.environ.get("RLFUNC_TEST_POOL_MARKER"))
+    return (
+        os.getpid(),
+        dcp.save_checkpoint is not _enospc,
+        distributed._PROJECT_PACKAGES,
+        os.environ.get("RLFUNC_TEST_POOL_MARKER"),
+    )
 
 
 def _fail_on_rank_1(rank, world_size):

@@ -11,17 +11,23 @@ import pytest
 import torch
 
 from backends.distributed.setup import init_distributed
-from backends.training.fsdp import (
-    FSDPConfig, build_actor, build_reference, compile_layers, compute_logprobs, update,
-)
 from backends.models import TinyModelConfig, write_tiny_model
+from backends.training.fsdp import (
+    FSDPConfig,
+    build_actor,
+    build_reference,
+    compile_layers,
+    compute_logprobs,
+    update,
+)
 from backends.training.optim import OptimConfig
 from backends.training.reference import ReferenceConfig, build_reference_role
 from rlfunc.aggregation import aggregate
 from rlfunc.batch import RolloutBatch
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-                       max_position_embeddings=64, seed=3)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96, max_position_embeddings=64, seed=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +47,12 @@ def make_batch(seed: int = 0) -> RolloutBatch:
     prompt_mask = torch.arange(p).flip(0)[None, :] < prompt_lens[:, None]
     response_mask = torch.arange(t)[None, :] < response_lens[:, None]
     return RolloutBatch(
-        prompt_ids=torch.randint(4, 60, (4, p), generator=g), prompt_mask=prompt_mask,
-        response_ids=torch.randint(4, 60, (4, t), generator=g), response_mask=response_mask,
-        group_ids=torch.arange(4), advantages=torch.randn(4, t, generator=g),
+        prompt_ids=torch.randint(4, 60, (4, p), generator=g),
+        prompt_mask=prompt_mask,
+        response_ids=torch.randint(4, 60, (4, t), generator=g),
+        response_mask=response_mask,
+        group_ids=torch.arange(4),
+        advantages=torch.randn(4, t, generator=g),
     )
 
 
@@ -56,8 +65,9 @@ def test_log_prob_micro_batch_size_is_the_reference_default(model_dir, env):
     ref = build_reference_role(ReferenceConfig(log_prob_micro_batch_size=1), model_dir, env, FSDPConfig())
     assert ref.log_prob_micro_batch_size == 1
     whole = build_reference(model_dir, env, FSDPConfig(micro_batch_size=8))
-    torch.testing.assert_close(compute_logprobs(ref, batch).logprobs, compute_logprobs(whole, batch).logprobs,
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        compute_logprobs(ref, batch).logprobs, compute_logprobs(whole, batch).logprobs, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.slow  # an Inductor compilation on CPU
@@ -121,8 +131,9 @@ def test_lora_reference_is_the_base_model_without_a_second_copy(model_dir, env):
     batch = make_batch(4)
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     actor = build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0), lora=lora)
-    ref = build_reference_role(ReferenceConfig(ref_in_actor=True, log_prob_micro_batch_size=2), model_dir, env,
-                               FSDPConfig(), actor=actor)
+    ref = build_reference_role(
+        ReferenceConfig(ref_in_actor=True, log_prob_micro_batch_size=2), model_dir, env, FSDPConfig(), actor=actor
+    )
     # no second set of weights: the reference is the actor's module; only the adapter is trainable
     assert ref.module is actor.module and ref.optimizer is None and ref.adapter_disabled
     trainable = [n for n, p in actor.module.named_parameters() if p.requires_grad]

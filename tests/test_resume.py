@@ -21,11 +21,26 @@ STEPS, KILL_AFTER = 6, 2
 #: a tiny model, task and SFT stage on which some rewards are already 1, checkpointing every step ({data}: the
 #: arithmetic files of the ``data_dir`` fixture)
 COMMON = [
-    f"steps={STEPS}", "sft.files={data}/sft.jsonl", "sft.steps=30", "sft.batch_size=32", "sft.optim.lr=1e-2",
-    "data.train_files={data}/train.jsonl", "data.val_files={data}/val.jsonl", "data.max_prompt_length=16", "reward.fn=arithmetic",
-    "prompts_per_step=4", "rollout.n=4", "rollout.max_new_tokens=6", "eval.n=1",
-    "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.hidden_size=64", "model.tiny.intermediate_size=96",
-    "model.tiny.num_layers=1", "checkpoint.every=1", "checkpoint.keep_last=10",
+    f"steps={STEPS}",
+    "sft.files={data}/sft.jsonl",
+    "sft.steps=30",
+    "sft.batch_size=32",
+    "sft.optim.lr=1e-2",
+    "data.train_files={data}/train.jsonl",
+    "data.val_files={data}/val.jsonl",
+    "data.max_prompt_length=16",
+    "reward.fn=arithmetic",
+    "prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_new_tokens=6",
+    "eval.n=1",
+    "model.tiny.num_heads=2",
+    "model.tiny.num_kv_heads=1",
+    "model.tiny.hidden_size=64",
+    "model.tiny.intermediate_size=96",
+    "model.tiny.num_layers=1",
+    "checkpoint.every=1",
+    "checkpoint.keep_last=10",
 ]
 
 
@@ -48,16 +63,36 @@ class Recipe:
 RECIPES = {
     "ppo": Recipe(
         PPO,
-        [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
-         "algo.horizon=100", "algo.kl_loss_coef=0.001", "export.hf=false"],
+        [
+            *COMMON,
+            "algo.ppo_mini_batch_size=2",
+            "algo.critic_warmup=1",
+            "algo.kl_ctrl=adaptive",
+            "algo.target_kl=0.001",
+            "algo.horizon=100",
+            "algo.kl_loss_coef=0.001",
+            "export.hf=false",
+        ],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
     ),
     # the actor and the critic on megatron with 2 tensor-parallel ranks (one data-parallel replica)
     "ppo-megatron-tp2": Recipe(
         PPO,
-        _with([*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive",
-               "algo.target_kl=0.001", "algo.horizon=100", "algo.kl_loss_coef=0.001", "export.hf=false"],
-              "model.tiny.num_kv_heads=2", "actor.backend=megatron", "actor.tp=2"),
+        _with(
+            [
+                *COMMON,
+                "algo.ppo_mini_batch_size=2",
+                "algo.critic_warmup=1",
+                "algo.kl_ctrl=adaptive",
+                "algo.target_kl=0.001",
+                "algo.horizon=100",
+                "algo.kl_loss_coef=0.001",
+                "export.hf=false",
+            ],
+            "model.tiny.num_kv_heads=2",
+            "actor.backend=megatron",
+            "actor.tp=2",
+        ),
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
         min_ranks=2,
         states=("actor.tp0.pp0", "actor.tp1.pp0", "critic.tp0.pp0", "critic.tp1.pp0"),
@@ -66,8 +101,17 @@ RECIPES = {
     # loading its own roles (and the KL controller, which lives on the critic pool, kept exact)
     "ppo-split": Recipe(
         PPO,
-        [*COMMON, "algo.ppo_mini_batch_size=2", "algo.critic_warmup=1", "algo.kl_ctrl=adaptive", "algo.target_kl=0.001",
-         "algo.horizon=100", "algo.kl_loss_coef=0.001", "export.hf=false", "placement.mode=split"],
+        [
+            *COMMON,
+            "algo.ppo_mini_batch_size=2",
+            "algo.critic_warmup=1",
+            "algo.kl_ctrl=adaptive",
+            "algo.target_kl=0.001",
+            "algo.horizon=100",
+            "algo.kl_loss_coef=0.001",
+            "export.hf=false",
+            "placement.mode=split",
+        ],
         frozenset({"reward_mean", "loss", "grad_norm", "critic/loss", "kl_coef", "kl_loss", "entropy"}),
         min_ranks=2,
     ),
@@ -83,9 +127,13 @@ RECIPES = {
     **{
         f"grpo-megatron-{layout}": Recipe(
             GRPO,
-            _with([*COMMON, "algo.kl_loss_coef=0.01", "algo.ppo_mini_batch_size=2"], "model.tiny.num_layers=2",
-                  "model.tiny.num_kv_heads=2",
-                  "actor.backend=megatron", f"actor.{layout[:2]}=2"),
+            _with(
+                [*COMMON, "algo.kl_loss_coef=0.01", "algo.ppo_mini_batch_size=2"],
+                "model.tiny.num_layers=2",
+                "model.tiny.num_kv_heads=2",
+                "actor.backend=megatron",
+                f"actor.{layout[:2]}=2",
+            ),
             frozenset({"reward_mean", "loss", "grad_norm", "kl_loss", "entropy", "clip_frac"}),
             min_ranks=2,
             states=("actor.tp0.pp0", "actor.tp0.pp1") if layout == "pp2" else ("actor.tp0.pp0", "actor.tp1.pp0"),
@@ -131,8 +179,14 @@ def recipe(request) -> Recipe:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    return arithmetic_data(tmp_path_factory.mktemp("arithmetic"), max_operand=4, max_second_operand=4, num_heldout=5,
-                           sft_examples=960, wrong_answer_fraction=0.0)
+    return arithmetic_data(
+        tmp_path_factory.mktemp("arithmetic"),
+        max_operand=4,
+        max_second_operand=4,
+        num_heldout=5,
+        sft_examples=960,
+        wrong_answer_fraction=0.0,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,13 +203,15 @@ def test_sigkill_and_resume_is_exact(recipe, data_dir, uninterrupted, tmp_path):
     deadline = time.time() + 300
     try:
         while not _complete(ckpt_dir, KILL_AFTER):
-            assert job.poll() is None, f"the run ended before step {KILL_AFTER}'s checkpoint: {job.output('err')[-4000:]}"
+            assert job.poll() is None, (
+                f"the run ended before step {KILL_AFTER}'s checkpoint: {job.output('err')[-4000:]}"
+            )
             assert time.time() < deadline, "no checkpoint appeared in time"
             time.sleep(0.02)
     finally:
         job.kill()  # both ranks, mid-run, as a machine failure would
     # a kill mid-save leaves a step_<N>.tmp-<hex> dir: only step_<N> dirs with their marker count
-    steps = [int(p.name[len("step_"):]) for p in ckpt_dir.glob("step_*") if p.name[len("step_"):].isdigit()]
+    steps = [int(p.name[len("step_") :]) for p in ckpt_dir.glob("step_*") if p.name[len("step_") :].isdigit()]
     newest = max(step for step in steps if _complete(ckpt_dir, step))
     assert newest < STEPS and not (run_dir / "summary.json").exists(), "the run finished before it was killed"
     # every rank's part is in the checkpoint, under its own name (split: each pool's roles; megatron: each shard)

@@ -29,8 +29,9 @@ from backends.training.reward_model import (
 from rlfunc.batch import RolloutBatch, select
 from tests.distributed import run_distributed
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, seed=3)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64, seed=3
+)
 # left-padded prompts, right-padded responses of different lengths; row 3 has an empty response
 PROMPT_LENS = [6, 3, 5, 2, 4, 6, 1, 5]
 RESPONSE_LENS = [7, 1, 4, 0, 7, 2, 3, 6]
@@ -89,8 +90,13 @@ def test_scores_equal_hf_convention_with_pad_token_filled(rm, hf_rm):
     # HF's own batched pooling (rightmost token != pad_token_id) after writing pad ids into the padding
     batch = make_batch(1)
     pad = hf_rm.config.pad_token_id
-    input_ids = torch.cat([batch.prompt_ids.masked_fill(~batch.prompt_mask, pad),
-                           batch.response_ids.masked_fill(~batch.response_mask, pad)], dim=1)
+    input_ids = torch.cat(
+        [
+            batch.prompt_ids.masked_fill(~batch.prompt_mask, pad),
+            batch.response_ids.masked_fill(~batch.response_mask, pad),
+        ],
+        dim=1,
+    )
     attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
@@ -231,8 +237,13 @@ def _sharded_worker(rank, world_size, rm_dir):
     rows = [0, 1, 2, 3, 4] if rank == 0 else [5, 6, 7]
     got = score(sharded, select(make_batch(0), rows))
     again = score(sharded, select(make_batch(0), rows))
-    return {"scores": got.numpy().copy(), "again": again.numpy().copy(), "rows": rows, "sharded": len(local_shapes) > 0,
-            "types": sorted({type(p).__name__ for p in sharded.module.parameters()})}
+    return {
+        "scores": got.numpy().copy(),
+        "again": again.numpy().copy(),
+        "rows": rows,
+        "sharded": len(local_shapes) > 0,
+        "types": sorted({type(p).__name__ for p in sharded.module.parameters()}),
+    }
 
 
 @pytest.mark.distributed

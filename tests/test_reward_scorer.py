@@ -71,8 +71,13 @@ def user_file(tmp_path_factory):
 
 
 def example(gt="cba", source="rev", row=1, **columns):
-    return Example(prompt_ids=(1, 2), ground_truth=gt, source=source, columns={"data_source": source, **columns},
-                   where=f"train.jsonl:line {row}")
+    return Example(
+        prompt_ids=(1, 2),
+        ground_truth=gt,
+        source=source,
+        columns={"data_source": source, **columns},
+        where=f"train.jsonl:line {row}",
+    )
 
 
 def test_builtins_by_name():
@@ -102,10 +107,16 @@ def test_user_function_gets_the_columns_it_names_and_extras_are_logged(user_file
 
 
 def test_several_functions_are_weighted_and_sources_are_routed(user_file):
-    cfg = RewardConfig(fn=(f"{user_file}:reverse_score", f"{user_file}:length_penalty"), weights=(1.0, 2.0),
-                       by_source=("math=exact",), workers=0)
+    cfg = RewardConfig(
+        fn=(f"{user_file}:reverse_score", f"{user_file}:length_penalty"),
+        weights=(1.0, 2.0),
+        by_source=("math=exact",),
+        workers=0,
+    )
     scorer = RewardScorer(cfg)
-    result = scorer.score(["cba", "4", "5"], [example(), example(gt="4", source="math"), example(gt="4", source="math")])
+    result = scorer.score(
+        ["cba", "4", "5"], [example(), example(gt="4", source="math"), example(gt="4", source="math")]
+    )
     assert result.scores.tolist() == pytest.approx([1.0 + 2.0 * (-0.3 + 0.5), 1.0, 0.0])
     assert result.parts["exact"] == [None, 1.0, 0.0] and result.parts["length_penalty"][1:] == [None, None]
     scorer.check_sources(["rev", "math", "anything"])  # reward.fn covers the rest
@@ -114,13 +125,16 @@ def test_several_functions_are_weighted_and_sources_are_routed(user_file):
         routed_only.check_sources(["math", "gsm"])
 
 
-@pytest.mark.parametrize(("cfg", "message"), [
-    (RewardConfig(), "reward.fn is empty: name a built-in reward"),
-    (RewardConfig(fn=("exact",), weights=(1.0, 2.0)), "reward.weights has 2 entries for 1 reward.fn entries"),
-    (RewardConfig(fn=("gsm9k",)), "reward.fn='gsm9k' is not a built-in name; did you mean gsm8k"),
-    (RewardConfig(fn=("nowhere.py:f",)), "no file"),
-    (RewardConfig(by_source=("math",)), "reward.by_source entry 'math' must look like source=function"),
-])
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (RewardConfig(), "reward.fn is empty: name a built-in reward"),
+        (RewardConfig(fn=("exact",), weights=(1.0, 2.0)), "reward.weights has 2 entries for 1 reward.fn entries"),
+        (RewardConfig(fn=("gsm9k",)), "reward.fn='gsm9k' is not a built-in name; did you mean gsm8k"),
+        (RewardConfig(fn=("nowhere.py:f",)), "no file"),
+        (RewardConfig(by_source=("math",)), "reward.by_source entry 'math' must look like source=function"),
+    ],
+)
 def test_bad_config_fails_at_start_up(cfg, message):
     with pytest.raises(ConfigError, match=message):
         RewardScorer(cfg)
@@ -180,16 +194,21 @@ def test_a_hung_worker_is_replaced(user_file, monkeypatch):
         scorer.close()
     strict = RewardScorer(RewardConfig(fn=(f"{user_file}:stuck",), workers=1, timeout_s=0.2))
     try:
-        with pytest.raises(RewardError, match="'.*stuck' did not return within reward.timeout_s=0.2 \\(its worker was stopped\\)"):
+        with pytest.raises(
+            RewardError, match="'.*stuck' did not return within reward.timeout_s=0.2 \\(its worker was stopped\\)"
+        ):
             strict.score(["stuck"], [example()])
     finally:
         strict.close()
 
 
-@pytest.mark.parametrize(("response", "message"), [
-    ("nan", "returned nan on train.jsonl:line 1; a reward must be finite"),
-    ("text", "returned str 'text' on train.jsonl:line 1; a reward is a number or a dict with a 'score' number"),
-])
+@pytest.mark.parametrize(
+    ("response", "message"),
+    [
+        ("nan", "returned nan on train.jsonl:line 1; a reward must be finite"),
+        ("text", "returned str 'text' on train.jsonl:line 1; a reward is a number or a dict with a 'score' number"),
+    ],
+)
 def test_nan_or_a_wrong_type_is_always_an_error(user_file, response, message):
     scorer = RewardScorer(RewardConfig(fn=(f"{user_file}:not_a_number",), workers=0, on_error="zero"))
     with pytest.raises(RewardError, match=message):

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.faults
 
 ROOT = Path(__file__).resolve().parents[1]
 
-USER_FILE = '''
+USER_FILE = """
 import os
 import signal
 import sys
@@ -56,7 +56,7 @@ def waits_to_be_killed(response, ground_truth, pid_file=""):
 
 def always_dies(response, ground_truth):
     os._exit(1)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +72,7 @@ def example(row: int = 1, **columns) -> Example:
 
 def kill_when_written(pid_file: Path) -> threading.Thread:
     """Kill (SIGKILL) the process whose pid appears in ``pid_file``, from this process: a kill from outside."""
+
     def run() -> None:
         for _ in range(600):
             if pid_file.exists() and pid_file.read_text():
@@ -84,11 +85,22 @@ def kill_when_written(pid_file: Path) -> threading.Thread:
     return thread
 
 
-@pytest.mark.parametrize(("fn", "response", "message"), [
-    ("exits", "exit", r"called sys\.exit\(3\)"),
-    ("hard_exit", "die", r"ended its worker process: its worker process \(pid \d+\) exited with code 7 \(os\._exit"),
-    ("waits_to_be_killed", "kill me", r"ended its worker process: its worker process \(pid \d+\) was killed by SIGKILL"),
-])
+@pytest.mark.parametrize(
+    ("fn", "response", "message"),
+    [
+        ("exits", "exit", r"called sys\.exit\(3\)"),
+        (
+            "hard_exit",
+            "die",
+            r"ended its worker process: its worker process \(pid \d+\) exited with code 7 \(os\._exit",
+        ),
+        (
+            "waits_to_be_killed",
+            "kill me",
+            r"ended its worker process: its worker process \(pid \d+\) was killed by SIGKILL",
+        ),
+    ],
+)
 def test_a_dead_worker_is_named_at_once(user_file, tmp_path, fn, response, message):
     pid_file = tmp_path / "pid"
     scorer = RewardScorer(RewardConfig(fn=(f"{user_file}:{fn}",), workers=2))  # reward.timeout_s: 60 s
@@ -98,7 +110,9 @@ def test_a_dead_worker_is_named_at_once(user_file, tmp_path, fn, response, messa
             kill_when_written(pid_file)
         rows = [example(row=r, pid_file=str(pid_file)) for r in range(1, 9)]
         t0 = time.monotonic()
-        with pytest.raises(RewardError, match=rf"reward function '.*my_reward\.py:{fn}' {message}.* on train\.jsonl:line 3"):
+        with pytest.raises(
+            RewardError, match=rf"reward function '.*my_reward\.py:{fn}' {message}.* on train\.jsonl:line 3"
+        ):
             scorer.score(["ok", "ok", response, "ok", "ok", "ok", "ok", "ok"], rows)
         assert time.monotonic() - t0 < 10.0
         assert scorer.score(["ok", "ok"], rows[:2]).scores.tolist() == [1.0, 1.0]  # a new worker took its place
@@ -116,7 +130,9 @@ def test_on_error_zero_goes_on_says_so_and_stays_bounded(user_file, capfd):
         assert result.scores.tolist() == [1.0, 0.0, 1.0, 1.0, 0.0, 1.0] and result.errors == 2
         assert elapsed < 15.0
         err = capfd.readouterr().err
-        assert "WARNING reward.on_error=zero: 2 call(s) scored 0 because their worker process died or hung; first" in err
+        assert (
+            "WARNING reward.on_error=zero: 2 call(s) scored 0 because their worker process died or hung; first" in err
+        )
         assert "my_reward.py:hard_exit' ended its worker process" in err and "on train.jsonl:line 2" in err
     finally:
         scorer.close()
@@ -126,8 +142,10 @@ def test_on_error_zero_goes_on_says_so_and_stays_bounded(user_file, capfd):
         result = killer.score(["a"] * 64, [example(row=r) for r in range(64)])
         assert result.errors == 64 and result.scores.abs().sum() == 0
         assert time.monotonic() - t0 < 30.0  # eight worker starts (four per worker), not 64
-        assert ("8 call(s) scored 0 because their worker process died or hung, and 56 more were not run: 8 worker "
-                "process(es) died or hung in this batch") in capfd.readouterr().err
+        assert (
+            "8 call(s) scored 0 because their worker process died or hung, and 56 more were not run: 8 worker "
+            "process(es) died or hung in this batch"
+        ) in capfd.readouterr().err
     finally:
         killer.close()
 
@@ -175,8 +193,9 @@ def alive(pid: int) -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_and_the_resource_tracker_die_with_a_killed_trainer(user_file):
     script = CHILD.format(root=str(ROOT), fn=f"{user_file}:exits")
-    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     try:
         assert child.stdout.readline().strip() == "scored"
         below = descendants(child.pid)

@@ -224,8 +224,13 @@ def test_value_loss_with_verls_keyword_names_raises_naming_ours():
 def test_policy_loss_with_verls_keyword_names_raises_naming_ours(fn):
     x = _inputs()
     with pytest.raises(TypeError, match=r"old_log_prob= -> old_logprobs.*loss_agg_mode= -> agg"):
-        fn(x["logprobs"], old_log_prob=x["old_logprobs"], advantages=x["advantages"], response_mask=x["mask"],
-           loss_agg_mode="token-mean")
+        fn(
+            x["logprobs"],
+            old_log_prob=x["old_logprobs"],
+            advantages=x["advantages"],
+            response_mask=x["mask"],
+            loss_agg_mode="token-mean",
+        )
 
 
 def test_every_policy_loss_takes_the_uniform_call():
@@ -233,9 +238,18 @@ def test_every_policy_loss_takes_the_uniform_call():
     x = _inputs()
     norms = rf.local_normalizers(x["mask"])
     for name, fn in rf.POLICY_LOSSES.items():
-        loss, metrics = fn(x["logprobs"], old_logprobs=x["old_logprobs"], advantages=x["advantages"],
-                           response_mask=x["mask"], behaviour_logprobs=x["old_logprobs"] - 0.1, is_weights=None,
-                           agg="token-mean", norms=norms, horizon=T, seed=3)
+        loss, metrics = fn(
+            x["logprobs"],
+            old_logprobs=x["old_logprobs"],
+            advantages=x["advantages"],
+            response_mask=x["mask"],
+            behaviour_logprobs=x["old_logprobs"] - 0.1,
+            is_weights=None,
+            agg="token-mean",
+            norms=norms,
+            horizon=T,
+            seed=3,
+        )
         assert loss.dim() == 0 and torch.isfinite(loss), name
 
 

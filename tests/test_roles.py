@@ -51,22 +51,34 @@ def _engine(name: str, calls: list) -> TrainEngine:
 
 def _placement(mode: str, pools_here: tuple[str, ...]) -> Placement:
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    return Placement(mode=mode, world=env, pools={"actor": (0,), "critic": (0,) if mode == "colocated" else (1,)},
-                     meshes={}, envs={pool: env for pool in pools_here})
+    return Placement(
+        mode=mode,
+        world=env,
+        pools={"actor": (0,), "critic": (0,) if mode == "colocated" else (1,)},
+        meshes={},
+        envs={pool: env for pool in pools_here},
+    )
 
 
 def _batch(rows: int = 4) -> rf.RolloutBatch:
     return rf.RolloutBatch(
-        prompt_ids=torch.ones(rows, 2, dtype=torch.long), prompt_mask=torch.ones(rows, 2, dtype=torch.bool),
-        response_ids=torch.ones(rows, 3, dtype=torch.long), response_mask=torch.ones(rows, 3, dtype=torch.bool),
+        prompt_ids=torch.ones(rows, 2, dtype=torch.long),
+        prompt_mask=torch.ones(rows, 2, dtype=torch.bool),
+        response_ids=torch.ones(rows, 3, dtype=torch.long),
+        response_mask=torch.ones(rows, 3, dtype=torch.bool),
         group_ids=torch.arange(rows),
     )
 
 
 def test_colocated_roles_do_every_phase_on_this_rank():
     calls = []
-    roles = Roles(_placement("colocated", ("actor", "critic")), _engine("actor", calls), _engine("critic", calls),
-                  actor=0, critic=10)
+    roles = Roles(
+        _placement("colocated", ("actor", "critic")),
+        _engine("actor", calls),
+        _engine("critic", calls),
+        actor=0,
+        critic=10,
+    )
     batch = roles.old_logprobs(_batch())
     assert torch.equal(batch.old_logprobs, torch.full((4, 3), -1.0))
     critic_batch = roles.compute_values(roles.reference_logprobs(roles.to_critic(batch)))  # no reference: unchanged
@@ -80,7 +92,15 @@ def test_colocated_roles_do_every_phase_on_this_rank():
     assert roles.run_on("actor", "rollout", lambda x: x + 1, 1) == 2
     assert dict(roles.actor_weights())["w"].item() == 4.0
     times = roles.step_times()
-    assert set(times) == {"old_logprob", "to_critic_pool", "values", "to_actor_pool", "critic_update", "actor_update", "rollout"}
+    assert set(times) == {
+        "old_logprob",
+        "to_critic_pool",
+        "values",
+        "to_actor_pool",
+        "critic_update",
+        "actor_update",
+        "rollout",
+    }
     assert roles.step_times() == {}  # reset for the next step
     assert roles.checkpoint_states() == {"actor_shard0": 4, "critic_shard0": 14}
     roles.load_checkpoint_states({"actor_shard0": 40, "critic_shard0": 140})

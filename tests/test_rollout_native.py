@@ -29,7 +29,12 @@ from rlfunc.logits import logprobs_from_logits
 from rlfunc.tree import tree_map
 
 TINY = dict(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=64,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
 )
 QWEN2_ONLY = pytest.mark.parametrize("setup", ["qwen2"], indirect=True)  # architecture-independent checks
@@ -126,8 +131,14 @@ def test_engine_on_cuda_returns_a_host_batch_with_the_trainers_logprobs(setup):
     _, path, model, tok, _ = setup
     rollout = build_native_rollout(path, device="cuda")
     batch = generate(rollout, _prompts(tok), SamplingConfig(n=2, max_new_tokens=8, temperature=1.0), seed=0)
-    tensors = [batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, batch.group_ids,
-               batch.rollout_logprobs]
+    tensors = [
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.response_ids,
+        batch.response_mask,
+        batch.group_ids,
+        batch.rollout_logprobs,
+    ]
     assert {t.device.type for t in tensors} == {"cpu"}
     want = trainer_logprobs(copy.deepcopy(model).cuda(), tree_map(lambda x: x.cuda(), batch))
     gap = (batch.rollout_logprobs - want.cpu()).abs().masked_fill(~batch.response_mask, 0.0).max()
@@ -145,7 +156,9 @@ def test_rows_without_eos_run_to_max_new_tokens(setup):
 @QWEN2_ONLY
 def test_group_ids(setup):
     _, _, _, tok, rollout = setup
-    batch = generate(rollout, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=3), group_ids=torch.tensor([10, 42]))
+    batch = generate(
+        rollout, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=3), group_ids=torch.tensor([10, 42])
+    )
     assert batch.group_ids.tolist() == [10, 10, 42, 42]
     with pytest.raises(ValueError, match=r"group_ids must be an integer tensor of shape \(2,\)"):
         generate(rollout, _prompts(tok)[:2], SamplingConfig(n=2, max_new_tokens=3), group_ids=torch.tensor([1, 2, 3]))
@@ -202,8 +215,10 @@ def test_compaction_does_not_change_results(setup, many_eos, temperature):
     samples: each row draws its own uniform every step, whichever rows share its working batch."""
     _, _, _, tok, _ = setup
     sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=12)
-    outs = [generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling, seed=9)
-            for f in (None, 0.0, 0.5, 1.0)]
+    outs = [
+        generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling, seed=9)
+        for f in (None, 0.0, 0.5, 1.0)
+    ]
     assert (~outs[0].response_mask).any()  # some rows finished early, so compaction ran
     for other in outs[1:]:
         assert torch.equal(outs[0].response_ids, other.response_ids)
@@ -293,7 +308,7 @@ def test_prepacked_linear_equals_f_linear(setup, dtype, monkeypatch):
     x = torch.randn(4, w.shape[1], generator=gen).to(dtype)
     residual = torch.randn(4, w.shape[0], generator=gen).to(dtype)
     close = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    product = (x.float() @ w.float().T)
+    product = x.float() @ w.float().T
     with torch.inference_mode():
         torch.testing.assert_close(layer.gate(x).float(), product, **close)
         torch.testing.assert_close(layer.gate.silu(x).float(), torch.nn.functional.silu(product), **close)
@@ -305,10 +320,17 @@ def test_decode_backend_values():
     with an error naming the key and what to use instead; anything else is refused too."""
     model = object()
     for value in ("auto", "torch"):
-        assert NativeRollout(model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8,
-                             decode_backend=value).decode_backend == value
-    with pytest.raises(ConfigError, match=r"NativeRollout.decode_backend='kernel': the CPU kernels were removed.*"
-                                          r"use decode_backend='auto'"):
+        assert (
+            NativeRollout(
+                model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend=value
+            ).decode_backend
+            == value
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"NativeRollout.decode_backend='kernel': the CPU kernels were removed.*"
+        r"use decode_backend='auto'",
+    ):
         NativeRollout(model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend="kernel")
     with pytest.raises(ConfigError, match="decode_backend must be 'auto' or 'torch', got 'cuda'"):
         NativeRollout(model=model, pad_token_id=0, eos_token_ids=(1,), max_context=8, decode_backend="cuda")
@@ -371,7 +393,9 @@ def test_sample_tokens_distribution():
         freq = _empirical(logits, SamplingConfig(temperature=temperature))
         torch.testing.assert_close(freq, torch.softmax(logits[0] / temperature, -1), rtol=0, atol=0.01)
     freq = _empirical(logits, SamplingConfig(top_k=2))
-    torch.testing.assert_close(freq, torch.softmax(torch.tensor([2.0, 1.0, *[-float("inf")] * 4]), -1), rtol=0, atol=0.01)
+    torch.testing.assert_close(
+        freq, torch.softmax(torch.tensor([2.0, 1.0, *[-float("inf")] * 4]), -1), rtol=0, atol=0.01
+    )
     # top-p: probs ~ [.561,.206,.125,.076,.028,.004]; mass before the 3rd token .767 < .8, before the 4th .892
     probs = torch.softmax(logits[0], -1)
     freq = _empirical(logits, SamplingConfig(top_p=0.8))
@@ -435,13 +459,17 @@ def test_workspace_is_reused_until_the_weights_change(setup):
     caches = {k: [t.data_ptr() for t in v] for k, v in rollout.workspace._buffers.items()}
     weights = rollout.workspace.weights(rollout.model, 4, rollout.prepack_cpu_weights)
     again = generate(rollout, long, greedy, seed=1)
-    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(first.rollout_logprobs, again.rollout_logprobs)
+    assert torch.equal(first.response_ids, again.response_ids) and torch.equal(
+        first.rollout_logprobs, again.rollout_logprobs
+    )
     assert {k: [t.data_ptr() for t in v] for k, v in rollout.workspace._buffers.items()} == caches
     assert rollout.workspace.weights(rollout.model, 4, rollout.prepack_cpu_weights) is weights
     # shorter prompts in caches that hold a longer call's keys and values: as from a fresh engine
     reused = generate(rollout, short, greedy, seed=2)
     fresh = generate(build_native_rollout(path), short, greedy, seed=2)
-    assert torch.equal(reused.response_ids, fresh.response_ids) and torch.equal(reused.rollout_logprobs, fresh.rollout_logprobs)
+    assert torch.equal(reused.response_ids, fresh.response_ids) and torch.equal(
+        reused.rollout_logprobs, fresh.rollout_logprobs
+    )
     # an in-place change of a parameter rebuilds the decoder's weights
     with torch.no_grad():
         rollout.model.model.layers[0].mlp.up_proj.weight.mul_(-3.0)

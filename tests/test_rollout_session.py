@@ -1,4 +1,4 @@
-"""backends.rollout.native sessions: multi-turn rollouts that continue each row's KV cache across turns.
+"""backends.rollout.native_session: multi-turn rollouts that continue each row's KV cache across turns.
 
 The trainer must see exactly the tokens the sampler produced, so every check here reads a row's whole
 token history back from the session and recomputes it with one plain fp32 HF forward (teacher forced):
@@ -15,21 +15,18 @@ import torch
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.rollout import decoder as rollout_decoder
-from backends.rollout import native
-from backends.rollout.native import (
-    SamplingConfig,
-    TurnOutput,
-    build_native_rollout,
-    continue_session,
-    end_session,
-    generate,
-    start_session,
-)
+from backends.rollout import native_session
+from backends.rollout.native import SamplingConfig, TurnOutput, build_native_rollout, generate
+from backends.rollout.native_session import continue_session, end_session, start_session
 
 pytestmark = pytest.mark.multiturn
 
 TINY = dict(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=96,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
 )
 TEXTS = ["1+2=", "12+34=", "7"]  # different lengths: the prompts are left-padded
@@ -128,8 +125,9 @@ def test_greedy_one_turn_equals_generate(setup):
     for row in range(3):
         length = int(batch.response_mask[row].sum())
         assert out.tokens[row] == batch.response_ids[row, :length].tolist()
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), batch.rollout_logprobs[row, :length],
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(out.logprobs[row]), batch.rollout_logprobs[row, :length], rtol=0, atol=1e-5
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -176,7 +174,7 @@ def test_forced_tokens_go_in_as_one_chunk(setup, monkeypatch):
     chunked, chunked_outs = _run(rollout, _prompts(tok), SAMPLINGS[0], SCHEDULE)
     assert calls["extend"] == len(SCHEDULE) - 1  # every call but the first has something to feed
     stepped_calls = dict(calls)
-    monkeypatch.setattr(native, "_fits_a_chunk", lambda session, plan: False)
+    monkeypatch.setattr(native_session, "_fits_a_chunk", lambda session, plan: False)
     stepwise, stepwise_outs = _run(rollout, _prompts(tok), SAMPLINGS[0], SCHEDULE)
     assert calls["extend"] == stepped_calls["extend"] and calls["step"] - stepped_calls["step"] > stepped_calls["step"]
     assert chunked.tokens == stepwise.tokens
@@ -210,8 +208,7 @@ def test_generate_between_turns_leaves_the_session_alone(setup):
     session = start_session(rollout, prompts, sampling, seed=1, max_slots=40)
     session, first = continue_session(session, [[]] * 6, active=[True] * 6, max_new_tokens=[8] * 6)
     others = [tok.encode(t) for t in ["9-8=", "55+66=", "3"]]
-    generate(attrs.evolve(rollout, compact_fraction=1.0), others,
-             attrs.evolve(sampling, max_new_tokens=40))
+    generate(attrs.evolve(rollout, compact_fraction=1.0), others, attrs.evolve(sampling, max_new_tokens=40))
     forced = [[20, 21]] * 6
     session, second = continue_session(session, forced, active=[True] * 6, max_new_tokens=[8] * 6)
     _check_rows(model, session, prompts, sampling.n, [first, second], [[[]] * 6, forced])

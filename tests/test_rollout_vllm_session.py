@@ -29,18 +29,23 @@ from backends.models import (  # noqa: E402
 )
 from backends.rollout.common import SamplingConfig, TurnOutput  # noqa: E402
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm  # noqa: E402
-from backends.rollout.vllm_sleep import SleepState  # noqa: E402
 from backends.rollout.vllm_session import (  # noqa: E402
     VLLMSession,
     continue_session,
     end_session,
     start_session,
 )
+from backends.rollout.vllm_sleep import SleepState  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.multiturn]
 
 TINY = TinyModelConfig(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=320,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=320,
     initializer_range=0.2,  # sharper, position-dependent distributions than the default 0.02
 )
 # longer than one CPU KV block (128 tokens), so later turns find the prompt in vLLM's prefix cache
@@ -191,7 +196,10 @@ def test_a_first_turn_samples_what_generate_samples(setup):
     lengths = batch.response_mask.sum(-1).tolist()
     assert out.tokens == [row[:n] for row, n in zip(batch.response_ids.tolist(), lengths)]
     torch.testing.assert_close(
-        torch.tensor([lp for row in out.logprobs for lp in row]), batch.rollout_logprobs[batch.response_mask], atol=1e-5, rtol=0
+        torch.tensor([lp for row in out.logprobs for lp in row]),
+        batch.rollout_logprobs[batch.response_mask],
+        atol=1e-5,
+        rtol=0,
     )
 
 
@@ -207,7 +215,9 @@ def test_the_same_seed_reproduces_the_session(setup):
     assert a_sessions[-1].tokens == b_sessions[-1].tokens
     for x, y in zip(a, b):
         assert x.tokens == y.tokens and x.sampled == y.sampled and x.finished == y.finished
-        torch.testing.assert_close(torch.tensor(sum(x.logprobs, [])), torch.tensor(sum(y.logprobs, [])), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(sum(x.logprobs, [])), torch.tensor(sum(y.logprobs, [])), atol=1e-5, rtol=0
+        )
     assert a_sessions[-1].tokens != c_sessions[-1].tokens
 
 
@@ -215,7 +225,9 @@ def test_a_row_samples_the_same_whatever_else_is_active(setup):
     _, tok, rollout = setup
     alone = start_session(rollout, prompts_of(tok), SamplingConfig(n=2), seed=13, max_slots=40)
     everyone = alone
-    alone, one = continue_session(alone, [[]] * 6, active=[False, False, False, True, False, False], max_new_tokens=[8] * 6)
+    alone, one = continue_session(
+        alone, [[]] * 6, active=[False, False, False, True, False, False], max_new_tokens=[8] * 6
+    )
     everyone, all_ = continue_session(everyone, [[]] * 6, active=[True] * 6, max_new_tokens=[8] * 6)
     assert one.tokens[3] == all_.tokens[3] and one.tokens[0] == []
     assert all_.tokens[0] != all_.tokens[1]  # the two rows of a prompt sample different streams
@@ -228,21 +240,30 @@ def test_a_row_samples_the_same_whatever_else_is_active(setup):
 def test_context_and_slot_limits_raise_naming_them(setup):
     _, tok, rollout = setup
     session = start_session(rollout, prompts_of(tok), SamplingConfig(n=1), seed=0, max_slots=10)
-    with pytest.raises(ValueError, match=r"row 1 has added 0 tokens; 4 forced plus up to 7 sampled would exceed the "
-                                         r"session's max_slots=10"):
+    with pytest.raises(
+        ValueError,
+        match=r"row 1 has added 0 tokens; 4 forced plus up to 7 sampled would exceed the "
+        r"session's max_slots=10",
+    ):
         continue_session(session, [[], [5] * 4, []], active=[True] * 3, max_new_tokens=[2, 7, 2])
     session, out = continue_session(session, [[], [5] * 4, []], active=[True] * 3, max_new_tokens=[2, 6, 2])
     added = len(out.tokens[1])  # 4 forced, then 1 to 6 sampled (an EOS may end the turn early)
-    with pytest.raises(ValueError, match=rf"row 1 has added {added} tokens; 0 forced plus up to {11 - added} sampled "
-                                         r"would exceed the session's max_slots=10"):
+    with pytest.raises(
+        ValueError,
+        match=rf"row 1 has added {added} tokens; 0 forced plus up to {11 - added} sampled "
+        r"would exceed the session's max_slots=10",
+    ):
         continue_session(session, [[]] * 3, active=[False, True, False], max_new_tokens=[0, 11 - added, 0])
     session, out = continue_session(session, [[]] * 3, active=[False, True, False], max_new_tokens=[0, 10 - added, 0])
     assert len(session.tokens[1]) - session.prompt_lengths[1] <= 10
 
     # the context bounds prompt + max_slots, so no turn can run past it
     longest = max(map(len, prompts_of(tok)))
-    with pytest.raises(ValueError, match=rf"prompt 2 has {longest} tokens; with max_slots={321 - longest} the session "
-                                         rf"needs 321 positions, more than the context of max_context=320"):
+    with pytest.raises(
+        ValueError,
+        match=rf"prompt 2 has {longest} tokens; with max_slots={321 - longest} the session "
+        rf"needs 321 positions, more than the context of max_context=320",
+    ):
         start_session(rollout, prompts_of(tok), SamplingConfig(n=1), seed=0, max_slots=321 - longest)
     start_session(rollout, prompts_of(tok), SamplingConfig(n=1), seed=0, max_slots=320 - longest)
     with pytest.raises(ValueError, match=r"max_slots must be an int in \[1, 320\) \(the rollout's max_context is 320"):
@@ -283,7 +304,8 @@ def test_bad_input_gives_clear_errors(setup):
 def _tp_worker(out_dir: str) -> None:
     """Under torchrun, 2 ranks: one tensor-parallel engine; each rank runs its own session (rank 1 has one
     active row in a turn and none in another) and checks its rows against an HF forward."""
-    from backends.distributed.setup import barrier, init_distributed, shutdown
+    from backends.distributed.collectives import barrier
+    from backends.distributed.setup import init_distributed, shutdown
 
     env = init_distributed()
     rank = env.rank
@@ -296,10 +318,15 @@ def _tp_worker(out_dir: str) -> None:
     texts = TEXTS[:2] if rank == 0 else TEXTS[2:]
     session = start_session(rollout, prompts_of(tok, texts), SamplingConfig(n=2), seed=rank, max_slots=40)
     rows = session.num_rows
-    turns = [([[]] * rows, [True] * rows, [6] * rows),
-             ([[5, 6] if rank == 0 or r == 0 else [] for r in range(rows)], [rank == 0 or r == 0 for r in range(rows)],
-              [6] * rows),
-             ([[7] if rank == 0 else [] for r in range(rows)], [rank == 0] * rows, [6] * rows)]
+    turns = [
+        ([[]] * rows, [True] * rows, [6] * rows),
+        (
+            [[5, 6] if rank == 0 or r == 0 else [] for r in range(rows)],
+            [rank == 0 or r == 0 for r in range(rows)],
+            [6] * rows,
+        ),
+        ([[7] if rank == 0 else [] for r in range(rows)], [rank == 0] * rows, [6] * rows),
+    ]
     outs = []
     for forced, active, limits in turns:
         session, out = continue_session(session, forced, active=active, max_new_tokens=limits)
@@ -319,9 +346,17 @@ def _tp_worker(out_dir: str) -> None:
         refused = str(e)
     session, after = continue_session(session, [[]] * rows, active=[True] * rows, max_new_tokens=[2] * rows)
     end_session(session)
-    result = {"rank": rank, "gap": gap, "added": [[len(o.tokens[r]) for r in range(rows)] for o in outs],
-              "inactive_empty": all(o.tokens[r] == [] for o, (_, act, _) in zip(outs, turns) for r in range(rows) if not act[r]),
-              "refused": refused, "after": [len(t) for t in after.tokens], "cached": session.cached_tokens}
+    result = {
+        "rank": rank,
+        "gap": gap,
+        "added": [[len(o.tokens[r]) for r in range(rows)] for o in outs],
+        "inactive_empty": all(
+            o.tokens[r] == [] for o, (_, act, _) in zip(outs, turns) for r in range(rows) if not act[r]
+        ),
+        "refused": refused,
+        "after": [len(t) for t in after.tokens],
+        "cached": session.cached_tokens,
+    }
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
     shutdown_vllm(rollout)
     shutdown(env)
@@ -375,10 +410,19 @@ def test_agent_loop_on_vllm_is_token_in_token_out(setup):
         envs.append(ScriptedEnv())
         return envs[-1]
 
-    examples = [Example(prompt_ids=tuple(p), ground_truth=None, source="s", columns={}, where=f"row {i}")
-                for i, p in enumerate(prompts_of(tok))]
-    episodes = run_episodes(rollout, examples, tok, SamplingConfig(n=2, max_new_tokens=10),
-                            MultiTurnConfig(max_turns=3, max_total_tokens=200), make, seed=5)
+    examples = [
+        Example(prompt_ids=tuple(p), ground_truth=None, source="s", columns={}, where=f"row {i}")
+        for i, p in enumerate(prompts_of(tok))
+    ]
+    episodes = run_episodes(
+        rollout,
+        examples,
+        tok,
+        SamplingConfig(n=2, max_new_tokens=10),
+        MultiTurnConfig(max_turns=3, max_total_tokens=200),
+        make,
+        seed=5,
+    )
     batch = episodes.batch
     _check_token_in_token_out(tok, batch, envs, examples, n=2, eos=set(rollout.eos_token_ids))
     assert max(episodes.turns) > 1 and (batch.response_mask & ~batch.loss_mask).any()
@@ -386,7 +430,7 @@ def test_agent_loop_on_vllm_is_token_in_token_out(setup):
     for r in range(batch.response_ids.shape[0]):
         prompt = batch.prompt_ids[r][batch.prompt_mask[r]].tolist()
         response = batch.response_ids[r][batch.response_mask[r]].tolist()
-        reference = hf_logprobs(model, prompt + response)[len(prompt):]
+        reference = hf_logprobs(model, prompt + response)[len(prompt) :]
         own = batch.loss_mask[r][batch.response_mask[r]]
         recorded = batch.rollout_logprobs[r][batch.response_mask[r]]
         worst = max(worst, float((torch.tensor(reference) - recorded).abs()[own].max()))

@@ -30,7 +30,8 @@ def _keep_signal_handlers():
 
 
 def existing_run(tmp_path: Path, *, finished: bool) -> dict[Path, bytes]:
-    """A run dir as a run leaves it (config, metrics, base model, and with ``finished`` its summary); every file's bytes."""
+    """A run dir as a run leaves it (config, metrics, base model, and with ``finished`` its summary); every file's
+    bytes."""
     run = tmp_path / "run"
     (run / "base_model").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"name": "earlier", "seed": 3}))
@@ -65,12 +66,22 @@ def test_a_fresh_start_in_a_new_dir_writes_nothing_before_its_checks(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize(("resume", "says"), [("never", "continue it with resume=auto"),
-                                               ("auto", "it has no checkpoint to continue from")])
+@pytest.mark.parametrize(
+    ("resume", "says"), [("never", "continue it with resume=auto"), ("auto", "it has no checkpoint to continue from")]
+)
 def test_a_finished_run_is_not_overwritten_by_a_fresh_start(tmp_path, resume, says):
     files = existing_run(tmp_path, finished=True)
-    with pytest.raises(ConfigError, match=rf"run_dir='.*/run' holds a finished run \(its summary\.json\): a fresh start "
-                                          rf"would overwrite its records; {says}.*, or give another run_dir"):
-        grpo.main([f"run_dir={tmp_path / 'run'}", f"data.train_files=[{data_file(tmp_path)}]", "reward.fn=[exact]",
-                   f"resume={resume}"])
+    with pytest.raises(
+        ConfigError,
+        match=rf"run_dir='.*/run' holds a finished run \(its summary\.json\): a fresh start "
+        rf"would overwrite its records; {says}.*, or give another run_dir",
+    ):
+        grpo.main(
+            [
+                f"run_dir={tmp_path / 'run'}",
+                f"data.train_files=[{data_file(tmp_path)}]",
+                "reward.fn=[exact]",
+                f"resume={resume}",
+            ]
+        )
     assert unchanged(files, tmp_path / "run")

@@ -19,23 +19,93 @@ VERL_FSDP = {
     # get_constant_schedule_with_warmup(num_warmup_steps=4)
     "constant_warmup": [0.0, 0.25, 0.5, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],
     # get_cosine_schedule_with_warmup(num_warmup_steps=3, num_training_steps=12, min_lr_ratio=0.1)
-    "cosine": [0.0, 0.3333333333333333, 0.6666666666666666, 1.0, 0.9728616793536589, 0.8947199994035402, 0.7750000000000001, 0.6281416799501187, 0.4718583200498814, 0.3250000000000002, 0.20528000059645996, 0.12713832064634129, 0.10000000000000003],
+    "cosine": [
+        0.0,
+        0.3333333333333333,
+        0.6666666666666666,
+        1.0,
+        0.9728616793536589,
+        0.8947199994035402,
+        0.7750000000000001,
+        0.6281416799501187,
+        0.4718583200498814,
+        0.3250000000000002,
+        0.20528000059645996,
+        0.12713832064634129,
+        0.10000000000000003,
+    ],
     # (num_warmup_steps=0, num_training_steps=10)
-    "cosine_no_warmup": [1.0, 0.9755282581475768, 0.9045084971874737, 0.7938926261462366, 0.6545084971874737, 0.5, 0.34549150281252633, 0.2061073738537635, 0.09549150281252633, 0.024471741852423234, 0.0],
+    "cosine_no_warmup": [
+        1.0,
+        0.9755282581475768,
+        0.9045084971874737,
+        0.7938926261462366,
+        0.6545084971874737,
+        0.5,
+        0.34549150281252633,
+        0.2061073738537635,
+        0.09549150281252633,
+        0.024471741852423234,
+        0.0,
+    ],
     # (num_warmup_steps=2, num_training_steps=10, num_cycles=1.0, min_lr_ratio=0.2)
-    "cosine_cycles": [0.0, 0.5, 1.0, 0.882842712474619, 0.6, 0.31715728752538097, 0.2, 0.3171572875253809, 0.5999999999999999, 0.882842712474619, 1.0],
+    "cosine_cycles": [
+        0.0,
+        0.5,
+        1.0,
+        0.882842712474619,
+        0.6,
+        0.31715728752538097,
+        0.2,
+        0.3171572875253809,
+        0.5999999999999999,
+        0.882842712474619,
+        1.0,
+    ],
     # (num_warmup_steps=3, num_training_steps=12, min_lr_ratio=0.1, zero_indexed_step=False)
-    "cosine_one_indexed": [0.3333333333333333, 0.6666666666666666, 1.0, 0.9728616793536589, 0.8947199994035402, 0.7750000000000001, 0.6281416799501187, 0.4718583200498814, 0.3250000000000002, 0.20528000059645996, 0.12713832064634129, 0.10000000000000003, 0.12713832064634123],
+    "cosine_one_indexed": [
+        0.3333333333333333,
+        0.6666666666666666,
+        1.0,
+        0.9728616793536589,
+        0.8947199994035402,
+        0.7750000000000001,
+        0.6281416799501187,
+        0.4718583200498814,
+        0.3250000000000002,
+        0.20528000059645996,
+        0.12713832064634129,
+        0.10000000000000003,
+        0.12713832064634123,
+    ],
     # (num_warmup_steps=4, num_training_steps=12, init_lr_ratio=0.25)
-    "cosine_init": [0.25, 0.4375, 0.625, 0.8125, 1.0, 0.9619397662556434, 0.8535533905932737, 0.6913417161825449, 0.5, 0.30865828381745514, 0.14644660940672627, 0.03806023374435663, 0.0],
+    "cosine_init": [
+        0.25,
+        0.4375,
+        0.625,
+        0.8125,
+        1.0,
+        0.9619397662556434,
+        0.8535533905932737,
+        0.6913417161825449,
+        0.5,
+        0.30865828381745514,
+        0.14644660940672627,
+        0.03806023374435663,
+        0.0,
+    ],
 }
 
 OURS = {
     "constant_warmup": LRSchedule(lr=1.0, style="constant", warmup_steps=4),
     "cosine": LRSchedule(lr=1.0, style="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1),
     "cosine_no_warmup": LRSchedule(lr=1.0, style="cosine", total_steps=10),
-    "cosine_cycles": LRSchedule(lr=1.0, style="cosine", warmup_steps=2, total_steps=10, num_cycles=1.0, min_lr_ratio=0.2),
-    "cosine_one_indexed": LRSchedule(lr=1.0, style="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1, zero_indexed_step=False),
+    "cosine_cycles": LRSchedule(
+        lr=1.0, style="cosine", warmup_steps=2, total_steps=10, num_cycles=1.0, min_lr_ratio=0.2
+    ),
+    "cosine_one_indexed": LRSchedule(
+        lr=1.0, style="cosine", warmup_steps=3, total_steps=12, min_lr_ratio=0.1, zero_indexed_step=False
+    ),
     "cosine_init": LRSchedule(lr=1.0, style="cosine", warmup_steps=4, total_steps=12, warmup_init_ratio=0.25),
 }
 
@@ -86,7 +156,9 @@ def test_from_verl_fsdp_config():
     assert sched.style == "constant" and sched.warmup_steps == 4
     assert [sched.__call__(s) / 1e-6 for s in range(13)] == pytest.approx(VERL_FSDP["constant_warmup"])
     # defaults of fsdp.yaml: constant, no warm-up, total steps injected later
-    sched = LRSchedule.from_verl_fsdp({"lr": 1e-3, "total_training_steps": -1, "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0})
+    sched = LRSchedule.from_verl_fsdp(
+        {"lr": 1e-3, "total_training_steps": -1, "lr_warmup_steps": -1, "lr_warmup_steps_ratio": 0.0}
+    )
     assert sched(0) == sched(100) == 1e-3
     with pytest.raises(ValueError, match="constant or cosine"):
         LRSchedule.from_verl_fsdp({**optim, "lr_scheduler_type": "linear"})
@@ -117,14 +189,32 @@ def _megatron_reference(style, s, lr=1.0, min_lr=0.1, init=0.2, warmup=2, decay=
             coeff = 1.0
         else:
             r = (s - start) / wsd_steps
-            coeff = {"linear": 1 - r, "cosine": 0.5 * (math.cos(math.pi * r) + 1), "exponential": 2 * 0.5**r - 1, "minus_sqrt": 1 - math.sqrt(r)}[wsd_style]
+            coeff = {
+                "linear": 1 - r,
+                "cosine": 0.5 * (math.cos(math.pi * r) + 1),
+                "exponential": 2 * 0.5**r - 1,
+                "minus_sqrt": 1 - math.sqrt(r),
+            }[wsd_style]
     return min_lr + coeff * (lr - min_lr)
 
 
 def test_megatron_hand_values():
     linear = LRSchedule(lr=1.0, style="linear", warmup_steps=2, total_steps=10, min_lr_ratio=0.1, warmup_init_ratio=0.2)
     # warm-up 0.2 -> 1 over 2 steps, then linear 1 -> 0.1 over 8 steps
-    assert [round(linear(s), 10) for s in range(12)] == [0.2, 0.6, 1.0, 0.8875, 0.775, 0.6625, 0.55, 0.4375, 0.325, 0.2125, 0.1, 0.1]
+    assert [round(linear(s), 10) for s in range(12)] == [
+        0.2,
+        0.6,
+        1.0,
+        0.8875,
+        0.775,
+        0.6625,
+        0.55,
+        0.4375,
+        0.325,
+        0.2125,
+        0.1,
+        0.1,
+    ]
     cosine = attrs.evolve(linear, style="cosine")
     assert cosine(6) == pytest.approx(0.55)  # half-way: (1 + 0.1) / 2
     isqrt = attrs.evolve(linear, style="inverse-square-root", total_steps=None)

@@ -14,7 +14,12 @@ PAD = 0
 
 
 def _examples() -> list[SFTExample]:
-    return [SFTExample([5, 6, 7], [8, 9]), SFTExample([4], [3, 2, 1]), SFTExample([7, 7], [1]), SFTExample([2, 3], [4, 5])]
+    return [
+        SFTExample([5, 6, 7], [8, 9]),
+        SFTExample([4], [3, 2, 1]),
+        SFTExample([7, 7], [1]),
+        SFTExample([2, 3], [4, 5]),
+    ]
 
 
 def test_batch_left_pads_prompts_and_right_pads_responses():
@@ -36,8 +41,13 @@ def test_nll_loss_is_the_token_mean_over_the_global_count():
         logprobs = torch.tensor([[-1.0, -2.0, -9.0], [-3.0, -4.0, -5.0]])
 
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    mb = rf.RolloutBatch(prompt_ids=torch.ones(2, 1, dtype=torch.long), prompt_mask=torch.ones(2, 1, dtype=torch.bool),
-                         response_ids=torch.zeros(2, 3, dtype=torch.long), response_mask=mask, group_ids=torch.arange(2))
+    mb = rf.RolloutBatch(
+        prompt_ids=torch.ones(2, 1, dtype=torch.long),
+        prompt_mask=torch.ones(2, 1, dtype=torch.bool),
+        response_ids=torch.zeros(2, 3, dtype=torch.long),
+        response_mask=mask,
+        group_ids=torch.arange(2),
+    )
     loss, _ = nll_loss(Out(), mb, rf.local_normalizers(mask))
     assert loss.item() == pytest.approx((1 + 2 + 3 + 4 + 5) / 5)
 
@@ -55,8 +65,15 @@ def test_each_rank_trains_on_its_share_and_losses_are_logged_before_step_one():
             logged.append((step, row))
 
     cfg = SFTConfig(steps=3, batch_size=4)
-    out = run_sft(0, lambda step: _examples(), cfg, pad_token_id=PAD, data_parallel=(1, 2), update_fn=fake_update,
-                  metrics_log=Log())
+    out = run_sft(
+        0,
+        lambda step: _examples(),
+        cfg,
+        pad_token_id=PAD,
+        data_parallel=(1, 2),
+        update_fn=fake_update,
+        metrics_log=Log(),
+    )
     assert out == 3
     assert seen == [[3, 4]] * 3  # examples 1 and 3 of each step's four
     assert logged == [(-3, {"sft_loss": 0.0}), (-1, {"sft_loss": 2.0})]  # every 20th step and the last
@@ -64,8 +81,14 @@ def test_each_rank_trains_on_its_share_and_losses_are_logged_before_step_one():
 
 def test_a_batch_of_the_wrong_size_is_an_error():
     with pytest.raises(ValueError, match="gave 4 examples, the stage's batch_size is 8"):
-        run_sft(0, lambda step: _examples(), SFTConfig(steps=1, batch_size=8), pad_token_id=PAD, data_parallel=(0, 1),
-                update_fn=lambda s, b, f: (s, {"loss": 0.0}))
+        run_sft(
+            0,
+            lambda step: _examples(),
+            SFTConfig(steps=1, batch_size=8),
+            pad_token_id=PAD,
+            data_parallel=(0, 1),
+            update_fn=lambda s, b, f: (s, {"loss": 0.0}),
+        )
 
 
 def test_optimizer_is_scheduled_over_the_stage():
@@ -82,8 +105,11 @@ def test_nll_falls_with_a_real_engine(tmp_path):
 
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
-    write_tiny_model(tmp_path / "model", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                         intermediate_size=96), tokenizer)
+    write_tiny_model(
+        tmp_path / "model",
+        TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96),
+        tokenizer,
+    )
     texts = [("12+3=", "15"), ("40+7=", "47"), ("9+9=", "18"), ("71+2=", "73")]
     examples = [SFTExample(tokenizer.encode(p), tokenizer.encode(a) + [tokenizer.eos_token_id]) for p, a in texts]
     batch = sft_batch(examples, tokenizer.pad_token_id)
@@ -97,8 +123,14 @@ def test_nll_falls_with_a_real_engine(tmp_path):
             return float(-(logprobs * batch.response_mask).sum() / batch.response_mask.sum())
 
         before = nll(state)
-        state = run_sft(state, lambda step: examples, cfg, pad_token_id=tokenizer.pad_token_id, data_parallel=(0, 1),
-                        update_fn=update)
+        state = run_sft(
+            state,
+            lambda step: examples,
+            cfg,
+            pad_token_id=tokenizer.pad_token_id,
+            data_parallel=(0, 1),
+            update_fn=update,
+        )
         after = nll(state)
     finally:
         shutdown(env)

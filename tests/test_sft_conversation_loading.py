@@ -18,18 +18,24 @@ from experiments.tasks import calculator
 pytestmark = pytest.mark.multiturn
 
 #: role names as plain text: no cut falls beside a special token
-PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                  "{% if add_generation_prompt %}assistant: {% endif %}")
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 #: the generation prompt differs from how an assistant turn starts: earlier tokens change
-CHANGING_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
-                     "{% if add_generation_prompt %}assistant:{% endif %}")
+CHANGING_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def by_renders(messages: list[dict], tok, template: str | None, tools) -> tuple[list[int], list[int], list[bool]]:
     """(prompt ids, response ids, loss mask) from one apply_chat_template call per rendering."""
+
     def ids(msgs, gen):
-        out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, chat_template=template,
-                                      tools=tools)
+        out = tok.apply_chat_template(
+            msgs, tokenize=True, add_generation_prompt=gen, chat_template=template, tools=tools
+        )
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
@@ -44,8 +50,11 @@ def by_renders(messages: list[dict], tok, template: str | None, tools) -> tuple[
 
 
 def write_conversations(path, count: int = 300) -> list[list[dict]]:
-    rows = list(calculator.sft_conversations([(100 + i, 300 + 2 * i) for i in range(50)], count, direct=0.2,
-                                             wrong_operand=0.25, wrong_copy=0.25, seed=1))
+    rows = list(
+        calculator.sft_conversations(
+            [(100 + i, 300 + 2 * i) for i in range(50)], count, direct=0.2, wrong_operand=0.25, wrong_copy=0.25, seed=1
+        )
+    )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return [r["messages"] for r in rows]
 
@@ -59,8 +68,12 @@ def test_conversations_tokenised_once_equal_every_rendering_tokenised(tmp_path, 
     if template == "plain":
         (tmp_path / "plain.jinja").write_text(PLAIN_TEMPLATE)
         text, template = PLAIN_TEMPLATE, str(tmp_path / "plain.jinja")
-    examples = load_sft_examples(SFTConfig(files=(str(tmp_path / "sft.jsonl"),), messages_key="messages"), tok,
-                                 chat_template=template, tools=tools)
+    examples = load_sft_examples(
+        SFTConfig(files=(str(tmp_path / "sft.jsonl"),), messages_key="messages"),
+        tok,
+        chat_template=template,
+        tools=tools,
+    )
     assert len(examples) == len(chats)
     for example, chat in zip(examples, chats):
         prompt, response, mask = by_renders(chat, tok, text, tools)
@@ -74,7 +87,13 @@ def test_a_template_that_changes_earlier_tokens_is_an_error_naming_the_row(tmp_p
     (tmp_path / "t.jinja").write_text(CHANGING_TEMPLATE)
     chat = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
     (tmp_path / "sft.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
-    with pytest.raises(DataError, match=r"sft\.jsonl:line 1: the chat template renders message 1's conversation "
-                                        r"so that an earlier part changes"):
-        load_sft_examples(SFTConfig(files=(str(tmp_path / "sft.jsonl"),), messages_key="messages"), tok,
-                          chat_template=str(tmp_path / "t.jinja"))
+    with pytest.raises(
+        DataError,
+        match=r"sft\.jsonl:line 1: the chat template renders message 1's conversation "
+        r"so that an earlier part changes",
+    ):
+        load_sft_examples(
+            SFTConfig(files=(str(tmp_path / "sft.jsonl"),), messages_key="messages"),
+            tok,
+            chat_template=str(tmp_path / "t.jinja"),
+        )

@@ -27,8 +27,7 @@ pytestmark = pytest.mark.loading
 
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0, eps=1e-5)
 # hidden 64 over 2 ranks; vocab (89 tokens) and the kv projections (32 rows) split unevenly over 3
-BASE = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96,
-            max_position_embeddings=64)
+BASE = dict(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=96, max_position_embeddings=64)
 #: name -> (arch, tied embeddings, max_shard_size of save_pretrained: None = one file)
 CASES = {
     "qwen2-tied": ("qwen2", True, None),
@@ -63,7 +62,8 @@ def make_batch(rank: int, world_size: int, seed: int = 0) -> RolloutBatch:
         prompt_mask=torch.arange(p).flip(0)[None, :] < torch.tensor(prompt_lens)[:, None],
         response_ids=torch.randint(4, 80, (b, t), generator=g),
         response_mask=torch.arange(t)[None, :] < torch.tensor(response_lens)[:, None],
-        group_ids=torch.arange(b), advantages=torch.randn(b, t, generator=g),
+        group_ids=torch.arange(b),
+        advantages=torch.randn(b, t, generator=g),
     )
     n = b // world_size
     return select(batch, slice(rank * n, (rank + 1) * n))
@@ -149,7 +149,7 @@ def test_plain_world_size_one_module_moves_to_the_mesh_device(env):
     """At world size 1 in fp32 the module stays unsharded: it is moved to the mesh's device, which
     ``fully_shard`` would otherwise have done (on a GPU, an unmoved module stayed on the CPU)."""
     from backends.distributed.setup import device_mesh
-    from backends.training.fsdp import shard_module
+    from backends.training.fsdp_sharding import shard_module
     from backends.training.sharded_loading import mesh_device
 
     mesh = device_mesh(env)
@@ -197,18 +197,25 @@ def _gpu_roles_worker(rank, world_size, path):
     env = init_distributed(device="cuda")
     fp32 = FSDPConfig(param_dtype="float32")
     actor, reference = build_actor(path, env, OPTIM, fp32), build_reference(path, env, fp32)
-    out = {"devices": [sorted({t.device.type for t in [*s.module.parameters(), *s.module.buffers()]})
-                       for s in (actor, reference)]}
+    out = {
+        "devices": [
+            sorted({t.device.type for t in [*s.module.parameters(), *s.module.buffers()]}) for s in (actor, reference)
+        ]
+    }
     batch = make_batch(0, 1)
-    out["logprob_gap"] = float((compute_logprobs(actor, batch).logprobs - compute_logprobs(reference, batch).logprobs).abs().max())
+    out["logprob_gap"] = float(
+        (compute_logprobs(actor, batch).logprobs - compute_logprobs(reference, batch).logprobs).abs().max()
+    )
     offloaded = build_actor(path, env, OPTIM, attrs.evolve(fp32, offload=True))
     out["offloaded_on"] = next(offloaded.module.parameters()).to_local().device.type
     out["offloaded_buffers_on"] = sorted({b.device.type for b in offloaded.module.buffers()})
     _, m_off = update(offloaded, batch, pg_loss)
     _, m_res = update(actor, batch, pg_loss)
     out["losses"] = (m_off["loss"], m_res["loss"])
-    out["weight_gap"] = max(float((a.cpu() - b.cpu()).abs().max())
-                            for (_, a), (_, b) in zip(full_state_dict(offloaded), full_state_dict(actor)))
+    out["weight_gap"] = max(
+        float((a.cpu() - b.cpu()).abs().max())
+        for (_, a), (_, b) in zip(full_state_dict(offloaded), full_state_dict(actor))
+    )
     return out
 
 
@@ -232,15 +239,15 @@ def _same_tensors(a: dict, b: dict) -> list[str]:
 
 
 class _CountReads:
-    """Counts, while active, whole-model loads (the engine's ``load_model``) and the tensors the sharded
+    """Counts, while active, whole-model loads (``fsdp_sharding.load_model``) and the tensors the sharded
     loader reads from safetensors files (``get_tensor``; reading headers does not count)."""
 
     def __enter__(self):
-        import backends.training.fsdp as fsdp
+        import backends.training.fsdp_sharding as fsdp_sharding
         import backends.training.sharded_loading as loading
 
         self.loads = self.tensors = 0
-        self._saved = loading.safe_open, fsdp.load_model
+        self._saved = loading.safe_open, fsdp_sharding.load_model
         safe_open, load_model = self._saved
         counter = self
 
@@ -269,14 +276,14 @@ class _CountReads:
             counter.loads += 1
             return load_model(*args, **kwargs)
 
-        loading.safe_open, fsdp.load_model = Counted, counted_load_model
+        loading.safe_open, fsdp_sharding.load_model = Counted, counted_load_model
         return self
 
     def __exit__(self, *exc):
-        import backends.training.fsdp as fsdp
+        import backends.training.fsdp_sharding as fsdp_sharding
         import backends.training.sharded_loading as loading
 
-        loading.safe_open, fsdp.load_model = self._saved
+        loading.safe_open, fsdp_sharding.load_model = self._saved
 
 
 def _compare_actor(path, env, mesh, rank, world_size, fsdp_cfg):
@@ -286,11 +293,14 @@ def _compare_actor(path, env, mesh, rank, world_size, fsdp_cfg):
     with _CountReads() as reads:
         new = build_actor(path, env, OPTIM, fsdp_cfg, mesh=mesh)
     old = build_actor(path, env, OPTIM, old_cfg, mesh=mesh)
-    out = {"weights": _same_tensors(dict(full_state_dict(new)), dict(full_state_dict(old))),
-           "reads": (reads.loads, reads.tensors), "num_params": len(list(new.module.parameters())),
-           "buffers": _same_tensors(dict(new.module.named_buffers()), dict(old.module.named_buffers())),
-           "sharded": {type(p).__name__ for p in new.module.parameters()},
-           "requires_grad": all(p.requires_grad for p in new.module.parameters())}
+    out = {
+        "weights": _same_tensors(dict(full_state_dict(new)), dict(full_state_dict(old))),
+        "reads": (reads.loads, reads.tensors),
+        "num_params": len(list(new.module.parameters())),
+        "buffers": _same_tensors(dict(new.module.named_buffers()), dict(old.module.named_buffers())),
+        "sharded": {type(p).__name__ for p in new.module.parameters()},
+        "requires_grad": all(p.requires_grad for p in new.module.parameters()),
+    }
     module = new.module
     out["tied"] = module.lm_head.weight is module.model.embed_tokens.weight
     batch = make_batch(rank, world_size)
@@ -310,12 +320,15 @@ def _compare_reference(path, env, mesh, rank, world_size, fsdp_cfg):
         new = build_reference(path, env, fsdp_cfg, mesh=mesh)
     old = build_reference(path, env, old_cfg, mesh=mesh)
     batch = make_batch(rank, world_size, seed=1)
-    return {"weights": _same_tensors(dict(full_state_dict(new)), dict(full_state_dict(old))),
-            "reads": (reads.loads, reads.tensors), "num_params": len(list(new.module.parameters())),
-            "buffers": _same_tensors(dict(new.module.named_buffers()), dict(old.module.named_buffers())),
-            "frozen": not any(p.requires_grad for p in new.module.parameters()),
-            "dtype": {p.dtype for p in new.module.parameters()},
-            "logprobs": torch.equal(compute_logprobs(new, batch).logprobs, compute_logprobs(old, batch).logprobs)}
+    return {
+        "weights": _same_tensors(dict(full_state_dict(new)), dict(full_state_dict(old))),
+        "reads": (reads.loads, reads.tensors),
+        "num_params": len(list(new.module.parameters())),
+        "buffers": _same_tensors(dict(new.module.named_buffers()), dict(old.module.named_buffers())),
+        "frozen": not any(p.requires_grad for p in new.module.parameters()),
+        "dtype": {p.dtype for p in new.module.parameters()},
+        "logprobs": torch.equal(compute_logprobs(new, batch).logprobs, compute_logprobs(old, batch).logprobs),
+    }
 
 
 def _two_rank_worker(rank, world_size, checkpoints):
@@ -325,14 +338,20 @@ def _two_rank_worker(rank, world_size, checkpoints):
     mesh = device_mesh(env)
     out = {}
     for name, path in checkpoints.items():
-        out[name] = {"actor": _compare_actor(path, env, mesh, rank, world_size, FSDPConfig(micro_batch_size=2)),
-                     "reference": _compare_reference(path, env, mesh, rank, world_size, FSDPConfig())}
+        out[name] = {
+            "actor": _compare_actor(path, env, mesh, rank, world_size, FSDPConfig(micro_batch_size=2)),
+            "reference": _compare_reference(path, env, mesh, rank, world_size, FSDPConfig()),
+        }
     # the engine's changes before sharding (checkpointing, packed attention) and a bf16 reference
     path = checkpoints["qwen2-untied-split"]
-    out["checkpointed-packed"] = {"actor": _compare_actor(
-        path, env, mesh, rank, world_size, FSDPConfig(gradient_checkpointing=True, use_remove_padding=True))}
-    out["bf16-reference"] = {"reference": _compare_reference(
-        path, env, mesh, rank, world_size, FSDPConfig(param_dtype="bfloat16"))}
+    out["checkpointed-packed"] = {
+        "actor": _compare_actor(
+            path, env, mesh, rank, world_size, FSDPConfig(gradient_checkpointing=True, use_remove_padding=True)
+        )
+    }
+    out["bf16-reference"] = {
+        "reference": _compare_reference(path, env, mesh, rank, world_size, FSDPConfig(param_dtype="bfloat16"))
+    }
     return out
 
 
@@ -347,8 +366,14 @@ def _pool_worker(rank, world_size, path):
     mesh = DeviceMesh("cpu", torch.tensor([1, 2]), mesh_dim_names=("dp",))  # collective over the world
     if rank == 0:
         return None
-    env = DistEnv(rank=rank - 1, world_size=2, local_rank=world.local_rank, device=world.device,
-                  backend=world.backend, group=mesh.get_group())
+    env = DistEnv(
+        rank=rank - 1,
+        world_size=2,
+        local_rank=world.local_rank,
+        device=world.device,
+        backend=world.backend,
+        group=mesh.get_group(),
+    )
     return {"actor": _compare_actor(path, env, mesh, rank - 1, 2, FSDPConfig(micro_batch_size=2))}
 
 

@@ -20,8 +20,14 @@ from transformers import AutoTokenizer
 
 from backends.checkpoint.hf_export import export_hf
 from backends.models import (
-    CHAT_TOKENS, SPECIAL_TOKENS, TinyModelConfig, build_char_tokenizer, build_tiny_model, load_tokenizer,
-    write_tiny_model, write_tiny_reward_model,
+    CHAT_TOKENS,
+    SPECIAL_TOKENS,
+    TinyModelConfig,
+    build_char_tokenizer,
+    build_tiny_model,
+    load_tokenizer,
+    write_tiny_model,
+    write_tiny_reward_model,
 )
 from experiments.tasks import calculator
 
@@ -49,16 +55,23 @@ def written(tmp_path_factory) -> dict:
     # the recipes export the tokenizer they loaded (final_model/, sft_model/): a Qwen2Tokenizer saved again
     for name in ("tiny qwen2", "tiny qwen2 with words"):
         src, path = dirs[name]
-        exported = export_hf(Holder(build_tiny_model(TinyModelConfig(**TINY), src)), root / f"{name} export".replace(" ", "_"),
-                             tokenizer=load_tokenizer(path))
+        exported = export_hf(
+            Holder(build_tiny_model(TinyModelConfig(**TINY), src)),
+            root / f"{name} export".replace(" ", "_"),
+            tokenizer=load_tokenizer(path),
+        )
         dirs[f"{name}, exported"] = (src, exported)
-    return {name: (src, AutoTokenizer.from_pretrained(path, local_files_only=True)) for name, (src, path) in dirs.items()}
+    return {
+        name: (src, AutoTokenizer.from_pretrained(path, local_files_only=True)) for name, (src, path) in dirs.items()
+    }
 
 
 def texts(words: tuple[str, ...] = ()) -> st.SearchStrategy[str]:
     """Any text, with special tokens, chat tokens and words among it."""
-    pieces = st.one_of(st.text(st.characters(exclude_categories=("Cs",)), max_size=12),
-                       st.sampled_from(SPECIAL_TOKENS + CHAT_TOKENS + words + (" ", "\n", "  ", "\t")))
+    pieces = st.one_of(
+        st.text(st.characters(exclude_categories=("Cs",)), max_size=12),
+        st.sampled_from(SPECIAL_TOKENS + CHAT_TOKENS + words + (" ", "\n", "  ", "\t")),
+    )
     return st.lists(pieces, max_size=8).map("".join)
 
 
@@ -68,8 +81,17 @@ def test_the_qwen2_dir_loads_as_qwen2s_own_tokenizer(written):
     assert type(written["tiny llama"][1]).__name__ == "TokenizersBackend"
 
 
-@pytest.mark.parametrize("name", ["tiny qwen2", "tiny llama", "tiny qwen2 with words", "reward model",
-                                  "tiny qwen2, exported", "tiny qwen2 with words, exported"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "tiny qwen2",
+        "tiny llama",
+        "tiny qwen2 with words",
+        "reward model",
+        "tiny qwen2, exported",
+        "tiny qwen2 with words, exported",
+    ],
+)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_every_written_tokenizer_round_trips_any_text(written, name, data):
@@ -87,8 +109,9 @@ def test_the_issue_s_prompts_keep_their_spaces(written):
     _, loaded = written["tiny qwen2"]
     for text in ("Which is largest: 71 50 23?", "error: the tool call is not valid JSON", "café ~ naïve"):
         assert loaded.decode(loaded.encode(text)) == text
-    chat = loaded.apply_chat_template([{"role": "user", "content": "Which is largest: 71 50 23?"}],
-                                      add_generation_prompt=True, tokenize=False)
+    chat = loaded.apply_chat_template(
+        [{"role": "user", "content": "Which is largest: 71 50 23?"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|user|>Which is largest: 71 50 23?<eos><|assistant|>"
     assert loaded.decode(loaded.encode(chat), skip_special_tokens=True) == "Which is largest: 71 50 23?"
 

@@ -71,8 +71,15 @@ def test_no_policy_loss_reads_the_observation_tokens(traj, name):
         logprobs = torch.where(mask, v["logprobs"] * 0.1, fill).requires_grad_()
         old = torch.where(mask, v["old"] * 0.1 + logprobs.detach(), -fill)
         adv = torch.where(mask, v["adv"], 3 * fill)
-        loss, _ = loss_fn(logprobs, old_logprobs=old, advantages=adv, response_mask=mask, norms=norms,
-                          agg="token-mean", horizon=mask.shape[1])
+        loss, _ = loss_fn(
+            logprobs,
+            old_logprobs=old,
+            advantages=adv,
+            response_mask=mask,
+            norms=norms,
+            agg="token-mean",
+            horizon=mask.shape[1],
+        )
         (grad,) = torch.autograd.grad(loss, logprobs)
         return loss.detach(), grad
 
@@ -91,8 +98,14 @@ def test_the_kl_loss_ignores_the_holes(traj, kind):
     squeezed_lp, dense = _squeeze(v["logprobs"], mask)
     squeezed_ref, _ = _squeeze(v["ref"], mask)
     holes, _ = rf.kl_loss(v["logprobs"], ref_logprobs=v["ref"], mask=mask, kind=kind, agg="token-mean", norms=norms)
-    packed, _ = rf.kl_loss(squeezed_lp, ref_logprobs=squeezed_ref, mask=dense, kind=kind, agg="token-mean",
-                           norms=rf.local_normalizers(dense))
+    packed, _ = rf.kl_loss(
+        squeezed_lp,
+        ref_logprobs=squeezed_ref,
+        mask=dense,
+        kind=kind,
+        agg="token-mean",
+        norms=rf.local_normalizers(dense),
+    )
     torch.testing.assert_close(holes, packed)
 
 

@@ -96,7 +96,7 @@ def test_clipped_loss_is_pessimistic_and_matches_the_textbook_form(seed, clip):
 def test_padding_with_nan_changes_nothing():
     values, old_values, returns, mask = make_batch(5, 4, 6)
     b, t = mask.shape
-    pad = lambda x, v: torch.cat(  # noqa: E731
+    pad = lambda x, v: torch.cat(
         [torch.cat([x, torch.full((b, 3), v, dtype=x.dtype)], 1), torch.full((2, t + 3), v, dtype=x.dtype)], 0
     )
     nan = float("nan")

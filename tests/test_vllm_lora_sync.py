@@ -24,8 +24,20 @@ from backends.distributed.setup import init_distributed  # noqa: E402
 from backends.distributed.sharded_state import full_state_dict  # noqa: E402
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
-from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, score_logprobs, shutdown_vllm, sync_weights  # noqa: E402
-from backends.rollout.vllm_lora import adapter_bytes, adapter_engine_config, lora_engine_kwargs, sync_adapter  # noqa: E402
+from backends.rollout.vllm import (  # noqa: E402
+    VLLMConfig,
+    build_vllm_rollout,
+    generate,
+    score_logprobs,
+    shutdown_vllm,
+    sync_weights,
+)
+from backends.rollout.vllm_lora import (  # noqa: E402
+    adapter_bytes,
+    adapter_engine_config,
+    lora_engine_kwargs,
+    sync_adapter,
+)
 from backends.training.engines import select_engine  # noqa: E402
 from backends.training.fsdp import build_actor, update  # noqa: E402
 from backends.training.lora import LoraConfig, adapter_state_dict  # noqa: E402
@@ -34,8 +46,16 @@ from tests.test_reference import make_batch, pg_loss  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.loading]
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                       max_position_embeddings=64, initializer_range=0.2, seed=3)
+TINY = TinyModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    seed=3,
+)
 LORA = LoraConfig(rank=8, alpha=16.0)  # every linear layer of the block (q, k, v, o, gate, up, down)
 TEXTS = ["1+2=", "12+34=", "7+80=", "99+99="]
 
@@ -58,15 +78,18 @@ def setup(tmp_path_factory):
 
 
 def sync(rollout, adapter, version):
-    return sync_adapter(rollout, adapter, rank=LORA.rank, alpha=LORA.alpha, target_modules=LORA.target_modules,
-                        version=version)
+    return sync_adapter(
+        rollout, adapter, rank=LORA.rank, alpha=LORA.alpha, target_modules=LORA.target_modules, version=version
+    )
 
 
 def test_adapter_sync_matches_merged_weights_and_replaces_the_previous_adapter(setup):
     tok, actor, rollout = setup
     adapter = adapter_state_dict(actor)
-    assert adapter and all(n.startswith("base_model.model.model.layers.") and n.endswith((".lora_A.weight", ".lora_B.weight"))
-                           for n in adapter)
+    assert adapter and all(
+        n.startswith("base_model.model.model.layers.") and n.endswith((".lora_A.weight", ".lora_B.weight"))
+        for n in adapter
+    )
     assert len(adapter) == 2 * 7 * TINY.num_layers
     merged = dict(full_state_dict(actor))
     batch = generate(rollout, [tok.encode(t) for t in TEXTS], SamplingConfig(n=2, max_new_tokens=10, seed=1))
@@ -95,15 +118,17 @@ def test_adapter_sync_matches_merged_weights_and_replaces_the_previous_adapter(s
     scale = LORA.alpha / LORA.rank
     for name, a in adapter.items():  # W + scale * (2B) @ A = the merged weights + scale * B @ A
         if name.endswith("lora_A.weight"):
-            layer = name[len("base_model.model."): -len(".lora_A.weight")]
+            layer = name[len("base_model.model.") : -len(".lora_A.weight")]
             b = adapter[name.replace("lora_A", "lora_B")]
             merged_doubled[f"{layer}.weight"] = merged[f"{layer}.weight"] + scale * b @ a
     loaded = sync_weights(loaded, merged_doubled.items())
     torch.testing.assert_close(score_logprobs(loaded, batch), with_doubled, atol=1e-4, rtol=0)
 
     sent, full = adapter_bytes(adapter), sum(t.numel() * t.element_size() for t in merged.values())
-    print(f"\nbytes per sync (fp32, tiny model, rank {LORA.rank}): adapter {sent:,} vs merged full weights {full:,} "
-          f"({full / sent:.1f}x)")
+    print(
+        f"\nbytes per sync (fp32, tiny model, rank {LORA.rank}): adapter {sent:,} vs merged full weights {full:,} "
+        f"({full / sent:.1f}x)"
+    )
     assert sent < full
 
 
@@ -118,11 +143,17 @@ def test_a_bad_adapter_is_refused_and_the_previous_one_stays_active(setup):
         "NaN or Inf": {**adapter, name: adapter[name].clone().fill_(float("nan"))},
         "has shape": {**adapter, name: adapter[name][:, :4]},
         "has lora_A but not lora_B": {n: t for n, t in adapter.items() if n != name},
-        "not a layer of the model": {**adapter, "base_model.model.model.layers.7.mlp.down_proj.lora_A.weight": adapter[name].T,
-                                     "base_model.model.model.layers.7.mlp.down_proj.lora_B.weight": adapter[name]},
+        "not a layer of the model": {
+            **adapter,
+            "base_model.model.model.layers.7.mlp.down_proj.lora_A.weight": adapter[name].T,
+            "base_model.model.model.layers.7.mlp.down_proj.lora_B.weight": adapter[name],
+        },
         "not a peft LoRA factor name": {**adapter, "model.layers.0.mlp.down_proj.weight": adapter[name]},
-        "no factors for 2 target layer": {n: t for n, t in adapter.items() if ".layers.1.mlp.down_proj." not in n
-                                          and ".layers.0.mlp.up_proj." not in n},
+        "no factors for 2 target layer": {
+            n: t
+            for n, t in adapter.items()
+            if ".layers.1.mlp.down_proj." not in n and ".layers.0.mlp.up_proj." not in n
+        },
     }
     for message, tensors in bad.items():
         with pytest.raises(ValueError, match=message):
@@ -152,7 +183,9 @@ def test_engine_lora_settings_and_the_recipe_refuses_adapter_sync_without_a_lora
         lora_engine_kwargs(VLLMConfig(lora_sync="adapter"), can_sleep=False)
     with pytest.raises(ValueError):
         VLLMConfig(lora_sync="full")
-    assert adapter_engine_config(VLLMConfig(lora_sync="adapter"), 16) == VLLMConfig(lora_sync="adapter", max_lora_rank=16, sleep_level=1)
+    assert adapter_engine_config(VLLMConfig(lora_sync="adapter"), 16) == VLLMConfig(
+        lora_sync="adapter", max_lora_rank=16, sleep_level=1
+    )
 
     cfg = Config()
     lora_actor = attrs.evolve(cfg.actor, lora=LoraConfig(rank=16, alpha=32.0))
@@ -160,7 +193,9 @@ def test_engine_lora_settings_and_the_recipe_refuses_adapter_sync_without_a_lora
     with pytest.raises(ConfigError, match=r"actor.lora.rank > 0.*rollout.engine=vllm"):
         check_lora_sync(attrs.evolve(cfg, rollout=on_vllm))  # no LoRA actor
     with pytest.raises(ConfigError, match="rollout.vllm.lora_sync=adapter"):
-        check_lora_sync(attrs.evolve(cfg, actor=lora_actor, rollout=attrs.evolve(cfg.rollout, vllm=VLLMConfig(lora_sync="adapter"))))
+        check_lora_sync(
+            attrs.evolve(cfg, actor=lora_actor, rollout=attrs.evolve(cfg.rollout, vllm=VLLMConfig(lora_sync="adapter")))
+        )
     resolved = check_lora_sync(attrs.evolve(cfg, actor=lora_actor, rollout=on_vllm))
     assert resolved.rollout.vllm.max_lora_rank == 16 and resolved.rollout.vllm.sleep_level == 1
     assert check_adapter_sync(cfg.rollout, cfg.actor.lora) is cfg.rollout
@@ -174,11 +209,26 @@ def test_grpo_with_adapter_sync_trains_as_with_merged_weights(tmp_path):
 
     data = arithmetic_data(tmp_path / "data")
     reward = tmp_path / "odd_digits.py"  # a reward the untrained tiny model earns sometimes: the adapter moves
-    reward.write_text("def score(response, ground_truth, **kw):\n    return float(sum(c in '13579' for c in response))\n")
-    args = [*TINY_MODEL, f"data.train_files={data / 'train.jsonl'}", f"data.val_files={data / 'val.jsonl'}",
-            "data.max_prompt_length=16", f"reward.fn={reward}:score", "rollout.max_new_tokens=6", "eval.n=1",
-            "eval.before_training=false", "steps=3", "prompts_per_step=4", "rollout.n=4", "rollout.engine=vllm",
-            "actor.lora.rank=8", "actor.lora.alpha=16", "actor.optim.lr=5e-2"]
+    reward.write_text(
+        "def score(response, ground_truth, **kw):\n    return float(sum(c in '13579' for c in response))\n"
+    )
+    args = [
+        *TINY_MODEL,
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        "data.max_prompt_length=16",
+        f"reward.fn={reward}:score",
+        "rollout.max_new_tokens=6",
+        "eval.n=1",
+        "eval.before_training=false",
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "rollout.engine=vllm",
+        "actor.lora.rank=8",
+        "actor.lora.alpha=16",
+        "actor.optim.lr=5e-2",
+    ]
     runs = {}
     for mode in ("merged", "adapter"):
         out = run(GRPO, *args, f"run_root={tmp_path / mode}", f"rollout.vllm.lora_sync={mode}")

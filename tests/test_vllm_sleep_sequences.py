@@ -19,7 +19,13 @@ pytest.importorskip("vllm", reason="SamplingParams and LoRARequest come from vll
 from backends.models import TinyModelConfig, build_tiny_model  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
 from backends.rollout.vllm import (  # noqa: E402
-    VLLMConfig, VLLMRollout, generate, release_memory, sleep, sync_weights, wake_up,
+    VLLMConfig,
+    VLLMRollout,
+    generate,
+    release_memory,
+    sleep,
+    sync_weights,
+    wake_up,
 )
 from backends.rollout.vllm_lora import sync_adapter  # noqa: E402
 from backends.rollout.vllm_sleep import SleepState  # noqa: E402
@@ -27,8 +33,9 @@ from tests.vllm_sleep_model import SleepRuleBroken, StrictSleepModel  # noqa: E4
 
 pytestmark = pytest.mark.vllm
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                       max_position_embeddings=64)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=64
+)
 PROMPTS = [[5, 6, 7], [8, 9]]
 SAMPLING = SamplingConfig(n=2, max_new_tokens=3, seed=11)
 
@@ -42,8 +49,16 @@ def engine(weights: dict, **config) -> tuple[VLLMRollout, StrictSleepModel]:
     """A rollout over the strict model, as build_vllm_rollout makes it on a GPU (sleep mode available)."""
     model = StrictSleepModel(vocab_size=TINY_VOCAB(weights), eos_token_ids=(1,))
     targets = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in weights.items()}
-    rollout = VLLMRollout(llm=model, config=VLLMConfig(**config), pad_token_id=0, eos_token_ids=(1,), max_context=32,
-                          vocab_size=TINY_VOCAB(weights), can_sleep=True, weight_targets=targets)
+    rollout = VLLMRollout(
+        llm=model,
+        config=VLLMConfig(**config),
+        pad_token_id=0,
+        eos_token_ids=(1,),
+        max_context=32,
+        vocab_size=TINY_VOCAB(weights),
+        can_sleep=True,
+        weight_targets=targets,
+    )
     return rollout, model
 
 
@@ -175,8 +190,10 @@ def test_a_resumed_run_syncs_into_an_awake_engine(weights):
 
 def adapter(scale: float) -> dict[str, torch.Tensor]:
     prefix = "base_model.model.model.layers.0.self_attn.q_proj"
-    return {f"{prefix}.lora_A.weight": torch.full((8, 64), scale),
-            f"{prefix}.lora_B.weight": torch.full((64, 8), scale)}
+    return {
+        f"{prefix}.lora_A.weight": torch.full((8, 64), scale),
+        f"{prefix}.lora_B.weight": torch.full((64, 8), scale),
+    }
 
 
 def sync_lora(rollout: VLLMRollout, scale: float, version: int) -> VLLMRollout:

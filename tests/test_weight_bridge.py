@@ -20,15 +20,17 @@ from backends.training.engines import select_engine
 from backends.training.fsdp import FSDPConfig
 from backends.training.lora import LoraConfig
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                       max_position_embeddings=32)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=32
+)
 CPU_ACTOR = types.SimpleNamespace(env=types.SimpleNamespace(device=torch.device("cpu")))  # what the check reads
 
 
 def _native(dtype: torch.dtype = torch.float32, seed: int = 0) -> NativeRollout:
     torch.manual_seed(seed)
-    return NativeRollout(model=build_tiny_model(TINY).to(dtype).eval(), pad_token_id=0, eos_token_ids=(1,),
-                         max_context=32)
+    return NativeRollout(
+        model=build_tiny_model(TINY).to(dtype).eval(), pad_token_id=0, eos_token_ids=(1,), max_context=32
+    )
 
 
 def test_the_bridge_sends_what_the_rollout_engine_keeps():
@@ -60,10 +62,18 @@ def test_rollout_logprobs_stand_in_only_where_both_engines_compute_the_same_numb
     bridge, fsdp = weight_bridge(RolloutConfig()), select_engine("fsdp")
     assert bridge.logprobs_agree(fsdp, CPU_ACTOR, _native())  # fp32 FSDP and the fp32 native engine
     assert not bridge.logprobs_agree(fsdp, CPU_ACTOR, _native(torch.bfloat16))
-    assert not bridge.logprobs_agree(select_engine("fsdp", fsdp=FSDPConfig(param_dtype="bfloat16")), CPU_ACTOR,
-                                     _native())
+    assert not bridge.logprobs_agree(
+        select_engine("fsdp", fsdp=FSDPConfig(param_dtype="bfloat16")), CPU_ACTOR, _native()
+    )
     assert not bridge.logprobs_agree(select_engine("megatron"), CPU_ACTOR, _native())
-    vllm = VLLMRollout(llm=object(), config=VLLMConfig(), pad_token_id=0, eos_token_ids=(1,), max_context=32,
-                       vocab_size=64, can_sleep=False)
+    vllm = VLLMRollout(
+        llm=object(),
+        config=VLLMConfig(),
+        pad_token_id=0,
+        eos_token_ids=(1,),
+        max_context=32,
+        vocab_size=64,
+        can_sleep=False,
+    )
     assert not bridge.logprobs_agree(fsdp, CPU_ACTOR, vllm)
     assert attrs.evolve(bridge, bucket_mb=1.0).bucket_mb == 1.0

@@ -29,8 +29,9 @@ from tests.distributed import run_distributed
 pytestmark = pytest.mark.loading
 
 # intermediate_size 97: gate/up projections of 97 rows split 49 + 48 over two ranks
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=97,
-                       max_position_embeddings=64, seed=3)
+TINY = TinyModelConfig(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=97, max_position_embeddings=64, seed=3
+)
 UNTIED_LLAMA = attrs.evolve(TINY, arch="llama", tie_word_embeddings=False)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -167,8 +168,9 @@ def _rollout_runs(actor, model_dir) -> dict:
         checkpoint = build_native_rollout(model_dir, dtype=dtype)
         # before buckets the recipes passed the fp32 stream and the engine cast it
         old = sync_weights(build_native_rollout(model_dir, dtype=dtype), _one_by_one(actor.module))
-        new = sync_weights(build_native_rollout(model_dir, dtype=dtype),
-                           full_state_dict(actor, dtype=dtype, bucket_mb=1e-3))
+        new = sync_weights(
+            build_native_rollout(model_dir, dtype=dtype), full_state_dict(actor, dtype=dtype, bucket_mb=1e-3)
+        )
         old_sd, new_sd, ckpt_sd = (r.model.state_dict() for r in (old, new, checkpoint))
         old_batch, new_batch = (generate(r, PROMPTS, sampling) for r in (old, new))
         out[dtype_name] = {
@@ -204,8 +206,11 @@ def _lora_streams(model_dir, env, rank) -> dict:
         reference = list(merged_lora(_one_by_one(actor.module, dtype), scaling))
         with counted_collectives() as (calls, _):
             got = list(full_state_dict(actor, dtype=dtype, bucket_mb=1e-2))
-        out[dtype_name] = {"differences": _differences(got, reference), "names": [n for n, _ in got],
-                           "buckets": len(calls)}
+        out[dtype_name] = {
+            "differences": _differences(got, reference),
+            "names": [n for n, _ in got],
+            "buckets": len(calls),
+        }
     return out
 
 
@@ -222,8 +227,10 @@ def _odd_shapes(env) -> dict:
     reference = list(_one_by_one(module, torch.bfloat16))
     return {
         "local_rows": local_rows,
-        "differences": {mb: _differences(list(full_state_dict(module, dtype=torch.bfloat16, bucket_mb=mb)), reference)
-                        for mb in (1e-6, 1e-4, DEFAULT_BUCKET_MB)},
+        "differences": {
+            mb: _differences(list(full_state_dict(module, dtype=torch.bfloat16, bucket_mb=mb)), reference)
+            for mb in (1e-6, 1e-4, DEFAULT_BUCKET_MB)
+        },
     }
 
 
@@ -254,8 +261,14 @@ def _pool_worker(rank: int, world_size: int, model_dir) -> dict:
     mesh = DeviceMesh("cpu", torch.tensor(pool), mesh_dim_names=("dp",))  # collective over the world
     if rank not in pool:
         return {}
-    env = DistEnv(rank=pool.index(rank), world_size=len(pool), local_rank=world.local_rank, device=world.device,
-                  backend=world.backend, group=mesh.get_group())
+    env = DistEnv(
+        rank=pool.index(rank),
+        world_size=len(pool),
+        local_rank=world.local_rank,
+        device=world.device,
+        backend=world.backend,
+        group=mesh.get_group(),
+    )
     actor = _trained_actor(model_dir, env, rank, mesh=mesh)
     reference = list(_one_by_one(actor.module, torch.bfloat16))
     with counted_collectives() as (calls, ops):
@@ -298,8 +311,9 @@ def test_one_collective_per_bucket(two_ranks, model):
         buckets = {label: result[(dtype, label)] for label in ("many", "one", "below_largest")}
         for label, r in buckets.items():
             assert len(r["calls"]) == r["ops"] == r["expected_buckets"], (dtype, label)
-            assert all(ranks == (0, 1) and sent * 2 == gathered and d == torch_dtype
-                       for ranks, sent, gathered, d in r["calls"]), (dtype, label)
+            assert all(
+                ranks == (0, 1) and sent * 2 == gathered and d == torch_dtype for ranks, sent, gathered, d in r["calls"]
+            ), (dtype, label)
         assert buckets["one"]["ops"] == 1
         assert 1 < buckets["many"]["ops"] < per_tensor
         # a tensor larger than the bucket still travels, alone

@@ -22,7 +22,12 @@ from backends.rollout.common import SamplingConfig
 pytestmark = pytest.mark.faults
 
 TINY = TinyModelConfig(
-    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=64,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=128,
+    max_position_embeddings=64,
     initializer_range=0.2,
 )
 TEXTS = ["1+2=", "12+34=", "7+80=", "99+99="]
@@ -64,16 +69,30 @@ def _faults(new: list) -> dict:
         "producer raises after 3 tensors": (lambda: _raising_after(new, 3), ProducerFailed, "after 3 tensors"),
         "producer raises before the last tensor": (lambda: _raising_after(new, last), ProducerFailed, "failed after"),
         "wrong shape in the last tensor": (
-            lambda: _replaced(new, last, lambda n, t: (n, t[..., :-1].clone())), ValueError,
+            lambda: _replaced(new, last, lambda n, t: (n, t[..., :-1].clone())),
+            ValueError,
             rf"{new[last][0]!r} has shape .*, the rollout model expects",
         ),
-        "NaN in a late tensor": (lambda: _replaced(new, last - 1, _with_nan), ValueError,
-                                 rf"{new[last - 1][0]!r} holds NaN or Inf"),
-        "Inf in a late tensor": (lambda: _replaced(new, last, _with_inf), ValueError, rf"{new[last][0]!r} holds NaN or Inf"),
-        "unknown name late": (lambda: _replaced(new, last, lambda n, t: ("model.layers.0.mlp.up_proj.weights", t)),
-                              KeyError, r"no parameter 'model.layers.0.mlp.up_proj.weights'.*did you mean"),
-        "integer tensor": (lambda: _replaced(new, last, lambda n, t: (n, t.to(torch.int32))), TypeError,
-                           rf"{new[last][0]!r} has dtype torch.int32"),
+        "NaN in a late tensor": (
+            lambda: _replaced(new, last - 1, _with_nan),
+            ValueError,
+            rf"{new[last - 1][0]!r} holds NaN or Inf",
+        ),
+        "Inf in a late tensor": (
+            lambda: _replaced(new, last, _with_inf),
+            ValueError,
+            rf"{new[last][0]!r} holds NaN or Inf",
+        ),
+        "unknown name late": (
+            lambda: _replaced(new, last, lambda n, t: ("model.layers.0.mlp.up_proj.weights", t)),
+            KeyError,
+            r"no parameter 'model.layers.0.mlp.up_proj.weights'.*did you mean",
+        ),
+        "integer tensor": (
+            lambda: _replaced(new, last, lambda n, t: (n, t.to(torch.int32))),
+            TypeError,
+            rf"{new[last][0]!r} has dtype torch.int32",
+        ),
         "stream ends early": (lambda: new[:-2], ValueError, "parameters were not received"),
     }
 
@@ -128,8 +147,9 @@ def test_native_good_sync_after_failed_ones(native_setup):
         rollout_native.sync_weights(rollout, _raising_after(new, 5))
     synced = rollout_native.sync_weights(rollout, iter(new))
     assert synced.weights_version == rollout.weights_version + 1
-    expected = rollout_native.generate(rollout_native.build_native_rollout(build_tiny_model(attrs.evolve(TINY, seed=11))),
-                                       prompts, SAMPLING)
+    expected = rollout_native.generate(
+        rollout_native.build_native_rollout(build_tiny_model(attrs.evolve(TINY, seed=11))), prompts, SAMPLING
+    )
     got = rollout_native.generate(synced, prompts, SAMPLING)
     assert torch.equal(got.response_ids, expected.response_ids)
     assert torch.equal(got.rollout_logprobs, expected.rollout_logprobs)
@@ -253,7 +273,8 @@ def test_bucketed_check_holds_back_the_bucket_with_a_bad_tensor():
         for name, _ in bucketed_weights(iter(tensors), None, strict=True, bucket_bytes=2048):
             seen.append(name)
     assert seen == [tensors[0][0], tensors[1][0]]  # bucket 1 (tensors 2, 3) was held back whole
-    assert [n for n, _ in bucketed_weights(iter(tensors[:3]), None, strict=True, bucket_bytes=2048)] == \
-        [n for n, _ in tensors[:3]]
+    assert [n for n, _ in bucketed_weights(iter(tensors[:3]), None, strict=True, bucket_bytes=2048)] == [
+        n for n, _ in tensors[:3]
+    ]
     with pytest.raises(KeyError, match="not a Hugging Face parameter name"):
         list(bucketed_weights(iter([("layers.0.weight", torch.ones(1))]), None, strict=True))

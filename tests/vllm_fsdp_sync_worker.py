@@ -18,15 +18,22 @@ from pathlib import Path
 import attrs
 import torch
 
-from backends.distributed.setup import all_reduce_sum, barrier, init_distributed, shutdown
-from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict
+from backends.distributed.collectives import all_reduce_sum, barrier
+from backends.distributed.setup import init_distributed, shutdown
 from backends.models import TinyModelConfig, write_tiny_model
 from backends.rollout.native import SamplingConfig
 from backends.rollout.vllm import VLLMConfig, build_vllm_rollout, generate, shutdown_vllm, sync_weights
+from backends.training.fsdp import FSDPConfig, build_actor, compute_logprobs, full_state_dict
 
-TINY = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2,  # kv heads split over TP=2
-                       intermediate_size=128,
-                       max_position_embeddings=64, initializer_range=0.2)
+TINY = TinyModelConfig(
+    hidden_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=2,  # kv heads split over TP=2
+    intermediate_size=128,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+)
 
 
 def sync_and_check(out_dir: Path, tp: int) -> None:
@@ -50,8 +57,13 @@ def sync_and_check(out_dir: Path, tp: int) -> None:
     gap = (trainer - batch.rollout_logprobs)[batch.response_mask].abs().max().item()
     total = all_reduce_sum(torch.tensor(1.5, device=env.device)).item()
     result = {
-        "rank": env.rank, "max_gap": gap, "gap_before_sync": gap_before, "changed": gap_before > 1e-2,
-        "tokens": int(batch.response_mask.sum()), "sync_s": sync_s, "all_reduce_after_vllm": total,
+        "rank": env.rank,
+        "max_gap": gap,
+        "gap_before_sync": gap_before,
+        "changed": gap_before > 1e-2,
+        "tokens": int(batch.response_mask.sum()),
+        "sync_s": sync_s,
+        "all_reduce_after_vllm": total,
         "prompt_rows_ok": batch.prompt_ids[0, -3:].tolist() == prompts[0][-3:],  # this rank's prompts came back
     }
     if tp > 1:  # a prompt too long on rank 1 only: both ranks raise, neither reaches the shared engine alone
@@ -60,7 +72,9 @@ def sync_and_check(out_dir: Path, tp: int) -> None:
             result["refused"] = None
         except ValueError as e:
             result["refused"] = str(e)
-        result["generates_after_refusal"] = bool(generate(rollout, prompts, sampling, seed=env.rank).response_mask.any())
+        result["generates_after_refusal"] = bool(
+            generate(rollout, prompts, sampling, seed=env.rank).response_mask.any()
+        )
     (out_dir / f"rank{env.rank}.json").write_text(json.dumps(result))
     shutdown_vllm(rollout)
     shutdown(env)

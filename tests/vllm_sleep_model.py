@@ -123,7 +123,8 @@ class StrictSleepModel:
         if self.sleeping_tags:
             raise SleepRuleBroken(
                 f"R1: sleep with {sorted(self.sleeping_tags)} already asleep: Executor.sleep ignores it (weights "
-                "asleep) or CuMemAllocator.sleep unmaps the asleep allocations again (cumem.py at 010c211)")
+                "asleep) or CuMemAllocator.sleep unmaps the asleep allocations again (cumem.py at 010c211)"
+            )
         self.offloaded = {"weights": self.pools["weights"]} if level == 1 else {}
         self.lora_backup = list(self.lora_slot_content) if level == 1 else None
         self.pools = {"weights": None, "kv_cache": None}
@@ -144,7 +145,8 @@ class StrictSleepModel:
         if mapped:
             raise SleepRuleBroken(
                 f"R2: wake_up(tags={tags}) with {mapped} mapped already: vLLM 0.32 wakes nothing (Executor.wake_up), "
-                "CuMemAllocator.wake_up at 010c211 maps those allocations a second time (a CUDA error)")
+                "CuMemAllocator.wake_up at 010c211 maps those allocations a second time (a CUDA error)"
+            )
         for tag in wanted:
             if tag == "weights":
                 self.pools["weights"] = self.offloaded.pop("weights", None)
@@ -162,8 +164,10 @@ class StrictSleepModel:
         if name != "reload_weights":
             return [None]
         if "weights" in self.sleeping_tags:
-            raise SleepRuleBroken("R3: reload_weights with the weights pool asleep: the loaders write into "
-                                  "unmapped memory (GPUWorker.load_model allocated it in the 'weights' pool)")
+            raise SleepRuleBroken(
+                "R3: reload_weights with the weights pool asleep: the loaders write into "
+                "unmapped memory (GPUWorker.load_model allocated it in the 'weights' pool)"
+            )
         received = 0
         try:
             for name_, tensor in kwargs["weights_iterator"]:
@@ -192,8 +196,10 @@ class StrictSleepModel:
 
     def _load_lora(self, request: Any) -> None:
         if "weights" in self.sleeping_tags:
-            raise SleepRuleBroken(f"R4: add_lora({request.lora_int_id}) with the weights pool asleep: activate_adapter "
-                                  "copies the factors into slot buffers of the 'weights' pool, which is unmapped")
+            raise SleepRuleBroken(
+                f"R4: add_lora({request.lora_int_id}) with the weights pool asleep: activate_adapter "
+                "copies the factors into slot buffers of the 'weights' pool, which is unmapped"
+            )
         if not (Path(request.lora_path) / "adapter_model.safetensors").is_file():
             raise ValueError(f"R4: no adapter at {request.lora_path} (WorkerLoRAManager._load_adapter)")
         self.registered[request.lora_int_id] = request
@@ -215,19 +221,24 @@ class StrictSleepModel:
         if self.sleeping_tags:
             raise SleepRuleBroken(
                 f"R5: generate with {sorted(self.sleeping_tags)} asleep: the scheduler stays paused until every pool "
-                "is awake (EngineCore.wake_up, 0.32: the call never returns), or the kernels read unmapped memory")
+                "is awake (EngineCore.wake_up, 0.32: the call never returns), or the kernels read unmapped memory"
+            )
         weights = self.pools["weights"]
         if weights is None or weights == "mix":
-            raise SleepRuleBroken(f"R5: generate from weights that hold {'nothing' if weights is None else 'a mix'}: "
-                                  "a level-2 sleep discarded them or a load stopped part-way, and none completed since")
+            raise SleepRuleBroken(
+                f"R5: generate from weights that hold {'nothing' if weights is None else 'a mix'}: "
+                "a level-2 sleep discarded them or a load stopped part-way, and none completed since"
+            )
         adapter = None
         if lora_request is not None:
             if lora_request.lora_int_id not in self.lora_slots:  # the model runner loads it on demand
                 self._load_lora(lora_request)
             slot = self.lora_slots.index(lora_request.lora_int_id)
             if self.lora_slot_content[slot] != lora_request.lora_int_id:
-                raise SleepRuleBroken(f"R5: adapter {lora_request.lora_int_id} is active but its slot memory was "
-                                      "discarded by a level-2 sleep (activate_adapter does not copy it again)")
+                raise SleepRuleBroken(
+                    f"R5: adapter {lora_request.lora_int_id} is active but its slot memory was "
+                    "discarded by a level-2 sleep (activate_adapter does not copy it again)"
+                )
             adapter = lora_request.lora_int_id
         return [self._output(r["prompt_token_ids"], p, f"{weights}/{adapter}") for r, p in zip(requests, params)]
 

@@ -21,8 +21,16 @@ import torch.distributed as dist
 
 from backends.distributed.collectives import world_size
 
-__all__ = ["gloo_group", "gloo_barrier", "broadcast_hex", "all_ok", "all_state_meta", "all_merged", "first_message",
-           "quiet_no_dist"]
+__all__ = [
+    "gloo_group",
+    "gloo_barrier",
+    "broadcast_hex",
+    "all_ok",
+    "all_state_meta",
+    "all_merged",
+    "first_message",
+    "quiet_no_dist",
+]
 
 #: [the default group the side-group was made for, the side-group]; made again when the default group is
 #: another one (a process that destroyed its group and made a new one)

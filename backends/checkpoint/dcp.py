@@ -88,7 +88,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from backends.checkpoint.coordination import all_ok, all_state_meta, broadcast_hex, gloo_barrier, gloo_group, quiet_no_dist
+from backends.checkpoint.coordination import (
+    all_ok,
+    all_state_meta,
+    broadcast_hex,
+    gloo_barrier,
+    gloo_group,
+    quiet_no_dist,
+)
 from backends.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -104,13 +111,10 @@ from backends.checkpoint.files import (
     checkpoint_info,
     checkpoint_writer,
     clean_stale_dirs,
-    fsync_dir,
+    commit_checkpoint,
     latest_checkpoint,
     list_checkpoints,
-    remove_dir,
-    write_json_atomic,
 )
-from backends.checkpoint.integrity import record_integrity, verify_integrity
 from backends.checkpoint.fingerprint import (
     config_diff,
     config_hash,
@@ -121,6 +125,7 @@ from backends.checkpoint.fingerprint import (
     model_fingerprint,
     state_dict_fingerprint,
 )
+from backends.checkpoint.integrity import record_integrity, verify_integrity
 from backends.checkpoint.rng import capture_rng_state, read_rng_file, restore_rng_state, write_rng_file
 from backends.checkpoint.safe_reader import safe_reader, tensor_only_planner
 from backends.distributed.collectives import world_rank, world_size
@@ -210,7 +215,7 @@ class PendingCheckpoint:
         try:
             if future.exception() is None:
                 self._marker["integrity"] = record_integrity(self._tmp, saved_by=1)
-                _finalize(self._tmp, self.path, self._marker, self._keep_last)
+                commit_checkpoint(self._tmp, self.path, self._marker, self._keep_last)
         except BaseException as e:  # noqa: BLE001 - reported by wait()
             self._error = e
         finally:
@@ -255,7 +260,11 @@ def resolve_resume(resume: str | os.PathLike | bool | None, ckpt_dir: str | os.P
     - ``None`` / False / ``""`` / ``"never"`` / ``"none"`` / ``"off"``: None;
     - a path: that checkpoint (validated: a clear error if it is missing or incomplete).
     """
-    if resume is None or resume is False or (isinstance(resume, str) and resume.lower() in ("", "never", "none", "off", "false")):
+    if (
+        resume is None
+        or resume is False
+        or (isinstance(resume, str) and resume.lower() in ("", "never", "none", "off", "false"))
+    ):
         return None
     if resume is True or (isinstance(resume, str) and resume.lower() == "auto"):
         if ckpt_dir is None:
@@ -266,23 +275,6 @@ def resolve_resume(resume: str | os.PathLike | bool | None, ckpt_dir: str | os.P
 
 
 # --------------------------------------------------------------------------------------------- save
-
-
-def _finalize(tmp: Path, final: Path, marker: dict, keep_last: int | None) -> None:
-    """Rank 0: write COMPLETE into the temp dir, rename it into place, apply retention."""
-    write_json_atomic(tmp / MARKER, marker)
-    fsync_dir(tmp)
-    if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
-        aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex}")
-        os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync_dir(final.parent)
-    if keep_last is not None:
-        for old in list_checkpoints(final.parent)[:-keep_last]:
-            remove_dir(old)
 
 
 def _failure_reason(error: BaseException | None) -> str:
@@ -305,8 +297,11 @@ def _save_error(final: Path, tmp: Path, error: BaseException | None) -> Checkpoi
     if world_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     complete = (final / MARKER).is_file() and not tmp.exists()
-    outcome = ("the checkpoint itself is complete" if complete else
-               f"its temp dir {tmp.name} was removed; earlier checkpoints in {str(final.parent)!r} are intact")
+    outcome = (
+        "the checkpoint itself is complete"
+        if complete
+        else f"its temp dir {tmp.name} was removed; earlier checkpoints in {str(final.parent)!r} are intact"
+    )
     return CheckpointError(f"saving checkpoint {str(final)!r} failed: {_failure_reason(error)}; {outcome}")
 
 
@@ -335,7 +330,7 @@ def _finalize_on_rank0(tmp: Path, final: Path, marker: dict, keep_last: int | No
     error = None
     if world_rank() == 0:
         try:
-            _finalize(tmp, final, marker, keep_last)
+            commit_checkpoint(tmp, final, marker, keep_last)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             error = e
     if not all_ok(error is None):  # also the barrier: the renamed checkpoint is visible to everyone
@@ -393,7 +388,9 @@ def _collect_state(name: str, state: Any, flat: dict[str, Tensor]) -> dict[str, 
     fp = state_dict_fingerprint(msd)
     return {
         "step": int(getattr(state, "step", 0)),
-        "nonfinite_updates_skipped": int(getattr(state, "nonfinite_updates_skipped", 0)),  # optim.nonfinite=skip's total
+        "nonfinite_updates_skipped": int(
+            getattr(state, "nonfinite_updates_skipped", 0)
+        ),  # optim.nonfinite=skip's total
         "fingerprint": fp["sha256"],
         "params": fp["params"],
         "model_type": getattr(getattr(state.module, "config", None), "model_type", None),
@@ -420,7 +417,9 @@ def _marker(step: int, state_meta: dict, flat_config: dict, skeleton: Any, save_
     }
 
 
-def _save_async(flat: dict[str, Tensor], writer_and_errors: tuple, final: Path, tmp: Path, marker: dict, keep_last: int | None) -> PendingCheckpoint:
+def _save_async(
+    flat: dict[str, Tensor], writer_and_errors: tuple, final: Path, tmp: Path, marker: dict, keep_last: int | None
+) -> PendingCheckpoint:
     """Start DCP's background write over the side-group; rank 0 finalises when it completes."""
     import torch.distributed.checkpoint as dcp
 
@@ -487,7 +486,9 @@ def save_checkpoint(
 # --------------------------------------------------------------------------------------------- load
 
 
-def _validate_against(info: CheckpointInfo, states: Mapping[str, Any], config: Any | None, fingerprints: dict[str, dict]) -> None:
+def _validate_against(
+    info: CheckpointInfo, states: Mapping[str, Any], config: Any | None, fingerprints: dict[str, dict]
+) -> None:
     marker = info.marker
     saved_states = marker["states"]
     missing = [n for n in states if n not in saved_states]
@@ -536,7 +537,9 @@ def _validate_state(info: CheckpointInfo, name: str, state: Any, saved: dict, cu
             )
 
 
-def _load_targets(states: Mapping[str, Any], model_sds: dict, saved_states: dict, flat: dict[str, Tensor]) -> dict[str, tuple[dict, dict]]:
+def _load_targets(
+    states: Mapping[str, Any], model_sds: dict, saved_states: dict, flat: dict[str, Tensor]
+) -> dict[str, tuple[dict, dict]]:
     """Put every tensor to load into ``flat`` (the states' own tensors, filled in place); return each
     state's ``(model, optimizer)`` state dicts, the optimizer's non-tensor values already restored."""
     plans: dict[str, tuple[dict, dict]] = {}
@@ -571,8 +574,8 @@ def _extra_targets(available: Mapping[str, Any], flat: dict[str, Tensor]) -> dic
             md = available[key]
             if isinstance(md, BytesStorageMetadata):
                 raise CheckpointCorruptError(f"checkpoint item {key!r} is not a tensor")
-            extra_tensors[key[len("extra/"):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            flat[key] = extra_tensors[key[len("extra/"):]]
+            extra_tensors[key[len("extra/") :]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            flat[key] = extra_tensors[key[len("extra/") :]]
     return extra_tensors
 
 
@@ -585,15 +588,21 @@ def _apply_loaded(states: Mapping[str, Any], plans: dict[str, tuple[dict, dict]]
         msd, osd = plans[name]
         optimizers = [state.optimizer] if osd else []
         set_state_dict(
-            state.module, optimizers, model_state_dict=msd, optim_state_dict=osd if osd else {},
+            state.module,
+            optimizers,
+            model_state_dict=msd,
+            optim_state_dict=osd if osd else {},
             options=StateDictOptions(flatten_optimizer_state_dict=True),
         )
         if getattr(state, "optimizer", None) is not None and saved_states[name]["optimizer"] == "empty":
             state.optimizer.state.clear()  # never stepped when saved: restore that, not a zero-step state
         saved_step = int(saved_states[name]["step"])
         if hasattr(state, "replace"):
-            counted = {"nonfinite_updates_skipped": int(saved_states[name].get("nonfinite_updates_skipped", 0))
-                       } if hasattr(state, "nonfinite_updates_skipped") else {}
+            counted = (
+                {"nonfinite_updates_skipped": int(saved_states[name].get("nonfinite_updates_skipped", 0))}
+                if hasattr(state, "nonfinite_updates_skipped")
+                else {}
+            )
             new_states[name] = state.replace(step=saved_step, **counted)
         elif attrs.has(type(state)):
             new_states[name] = attrs.evolve(state, step=saved_step)
@@ -657,8 +666,10 @@ def load_checkpoint(
         raise CheckpointCorruptError(f"cannot read the DCP metadata of {str(info.path)!r}: {e}") from None
     available = metadata.state_dict_metadata
     if not verify_integrity(info.path, info.marker):
-        warnings.warn(f"checkpoint {str(info.path)!r} records no hashes (written by an older rlfunc): its bytes are "
-                      "not verified", stacklevel=2)
+        warnings.warn(
+            f"checkpoint {str(info.path)!r} records no hashes (written by an older rlfunc): its bytes are not verified",
+            stacklevel=2,
+        )
 
     flat: dict[str, Tensor] = {}
     plans = _load_targets(states, model_sds, saved_states, flat)

@@ -27,6 +27,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MARKER",
     "CheckpointInfo",
+    "commit_checkpoint",
     "step_of",
     "list_checkpoints",
     "latest_checkpoint",
@@ -125,6 +126,24 @@ def latest_checkpoint(ckpt_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+def commit_checkpoint(tmp: Path, final: Path, marker: dict, keep_last: int | None) -> None:
+    """Rank 0, once every rank's files are in ``tmp``: write COMPLETE into it, rename it to ``final`` (an
+    existing ``final``, a re-saved step, is moved aside first), then keep only the newest ``keep_last``."""
+    write_json_atomic(tmp / MARKER, marker)
+    fsync_dir(tmp)
+    if final.exists():  # re-saving a step (e.g. after resuming from an older checkpoint)
+        aside = final.with_name(f"{final.name}.old-{uuid.uuid4().hex}")
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if keep_last is not None:
+        for old in list_checkpoints(final.parent)[:-keep_last]:
+            remove_dir(old)
+
+
 def checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
     """Validate a checkpoint dir's files and read its marker; clear errors for a missing / corrupt one."""
     path = Path(path)
@@ -151,10 +170,13 @@ def checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         raise CheckpointCorruptError(f"{str(marker_file)!r} is not an rlfunc checkpoint marker (format {FORMAT!r})")
     if marker.get("version") != FORMAT_VERSION:
         raise CheckpointCorruptError(
-            f"{str(path)!r} has checkpoint format version {marker.get('version')}; this code reads version {FORMAT_VERSION}"
+            f"{str(path)!r} has checkpoint format version {marker.get('version')}; "
+            f"this code reads version {FORMAT_VERSION}"
         )
     if not (path / ".metadata").is_file():
-        raise CheckpointCorruptError(f"{str(path)!r} has a {MARKER} marker but no DCP .metadata file: the checkpoint is damaged")
+        raise CheckpointCorruptError(
+            f"{str(path)!r} has a {MARKER} marker but no DCP .metadata file: the checkpoint is damaged"
+        )
     return CheckpointInfo(
         path=path,
         step=int(marker["step"]),
@@ -202,4 +224,3 @@ def checkpoint_writer(path: Path) -> tuple[Any, list[OSError]]:
     writer = FileSystemWriter(str(path))
     writer.fs = RecordingFileSystem()
     return writer, errors
-

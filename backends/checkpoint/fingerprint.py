@@ -92,7 +92,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def state_dict_fingerprint(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """``{"sha256", "params": [[name, shape, dtype], ...]}`` of a state dict's tensors (see :func:`model_fingerprint`)."""
+    """``{"sha256", "params": [[name, shape, dtype], ...]}`` of a state dict's tensors (see
+    :func:`model_fingerprint`)."""
     params = [
         [name, list(value.shape), _dtype_name(value.dtype)]
         for name, value in state_dict.items()
@@ -116,11 +117,24 @@ def model_fingerprint(module: torch.nn.Module) -> dict[str, Any]:
 
 
 #: HF config entries that do not change the model's function (runtime switches, bookkeeping)
-_VOLATILE_CONFIG_KEYS = frozenset({
-    "use_cache", "dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures",
-    "attn_implementation", "_attn_implementation", "_attn_implementation_autoset", "_commit_hash",
-    "output_attentions", "output_hidden_states", "return_dict", "gradient_checkpointing",
-})
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "use_cache",
+        "dtype",
+        "torch_dtype",
+        "transformers_version",
+        "_name_or_path",
+        "architectures",
+        "attn_implementation",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_commit_hash",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+        "gradient_checkpointing",
+    }
+)
 
 
 def model_config_json(module: torch.nn.Module) -> dict[str, Any] | None:
@@ -140,14 +154,17 @@ def fingerprint_diff(saved: list, current: list, limit: int = 6) -> list[str]:
     unexpected = sorted(set(b) - set(a))
     shapes = sorted(n for n in set(a) & set(b) if list(a[n]) != list(b[n]))
     if missing:
-        lines.append(f"{len(missing)} parameter(s) in the checkpoint but not in the model: {', '.join(missing[:limit])}"
-                     + (" ..." if len(missing) > limit else ""))
+        lines.append(
+            f"{len(missing)} parameter(s) in the checkpoint but not in the model: {', '.join(missing[:limit])}"
+            + (" ..." if len(missing) > limit else "")
+        )
     if unexpected:
-        lines.append(f"{len(unexpected)} parameter(s) in the model but not in the checkpoint: {', '.join(unexpected[:limit])}"
-                     + (" ..." if len(unexpected) > limit else ""))
+        lines.append(
+            f"{len(unexpected)} parameter(s) in the model but not in the checkpoint: {', '.join(unexpected[:limit])}"
+            + (" ..." if len(unexpected) > limit else "")
+        )
     for n in shapes[:limit]:
         lines.append(f"shape of {n}: checkpoint {tuple(a[n])}, model {tuple(b[n])}")
     if len(shapes) > limit:
         lines.append(f"... and {len(shapes) - limit} more shape mismatches")
     return lines
-

@@ -103,7 +103,15 @@ def export_hf(
     failure = None
     if rank == 0:
         try:
-            _write(module, tensors, out, tokenizer=tokenizer, dtype=dtype, overwrite=overwrite, max_shard_size=max_shard_size)
+            _write(
+                module,
+                tensors,
+                out,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                overwrite=overwrite,
+                max_shard_size=max_shard_size,
+            )
         except Exception as e:  # noqa: BLE001 - every rank raises it below, not only the writer
             failure = e
     cause = _cause(failure) if failure is not None else None
@@ -145,8 +153,16 @@ def _share_tied(skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> 
             tensors[n] = tensors[present[0]]
 
 
-def _write(module: torch.nn.Module, tensors: dict, out: Path, *, tokenizer: Any, dtype: torch.dtype | None,
-           overwrite: bool, max_shard_size: str | int) -> None:
+def _write(
+    module: torch.nn.Module,
+    tensors: dict,
+    out: Path,
+    *,
+    tokenizer: Any,
+    dtype: torch.dtype | None,
+    overwrite: bool,
+    max_shard_size: str | int,
+) -> None:
     if callable(getattr(module, "get_base_model", None)):  # a LoRA (peft) model: the merged base model is written
         module = module.get_base_model()
     cls = hf_model_class(module)
@@ -164,7 +180,10 @@ def _write(module: torch.nn.Module, tensors: dict, out: Path, *, tokenizer: Any,
     # transformers writes only on global rank 0 once torch.distributed is up; the writer was chosen by
     # the caller (the first rank of the state's own group, e.g. a critic pool that excludes rank 0)
     skeleton.should_save_on_this_rank = lambda is_main_process: is_main_process
-    if getattr(module, "generation_config", None) is not None and getattr(skeleton, "generation_config", None) is not None:
+    if (
+        getattr(module, "generation_config", None) is not None
+        and getattr(skeleton, "generation_config", None) is not None
+    ):
         skeleton.generation_config = copy.deepcopy(module.generation_config)
 
     tmp = out.with_name(f"{out.name}.tmp-{uuid.uuid4().hex}")

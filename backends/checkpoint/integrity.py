@@ -45,9 +45,9 @@ def _sha256(path: Path, offset: int = 0, length: int | None = None) -> str:
 
 
 def describe_items(root: Path, world_size: int) -> list[tuple[str, str, int, int | None]]:
-    """``(name, file, offset, length)`` of everything a checkpoint dir's hashes cover, in a fixed order: each
-    tensor chunk of the DCP index (``name`` is its key, plus ``[offsets]`` for one of several shards), then the index file
-    and each rank's RNG file whole (``length`` None)."""
+    """``(name, file, offset, length)`` of everything a checkpoint dir's hashes cover, in a fixed order: each tensor
+    chunk of the DCP index (``name`` is its key, plus ``[offsets]`` for one of several shards), then the index file and
+    each rank's RNG file whole (``length`` None)."""
     from backends.checkpoint.safe_reader import MetadataUnpickler
 
     metadata = MetadataUnpickler(io.BytesIO((root / ".metadata").read_bytes())).load()
@@ -70,8 +70,11 @@ def describe_items(root: Path, world_size: int) -> list[tuple[str, str, int, int
 def hash_share(root: Path, world_size: int, rank: int = 0, share_of: int = 1) -> dict[str, list]:
     """``{name: [file, offset, length, sha256]}`` for this rank's share of :func:`describe_items`
     (``share_of`` ranks split them; ``share_of=1``: all of them)."""
-    return {name: [file, offset, length, _sha256(root / file, offset, length)]
-            for i, (name, file, offset, length) in enumerate(describe_items(root, world_size)) if i % share_of == rank}
+    return {
+        name: [file, offset, length, _sha256(root / file, offset, length)]
+        for i, (name, file, offset, length) in enumerate(describe_items(root, world_size))
+        if i % share_of == rank
+    }
 
 
 def check_share(root: Path, recorded: dict[str, list], rank: int = 0, share_of: int = 1) -> str | None:
@@ -82,15 +85,22 @@ def check_share(root: Path, recorded: dict[str, list], rank: int = 0, share_of: 
         if i % share_of != rank:
             continue
         path = root / file
-        what = f"file {file!r}" if length is None else f"tensor {name!r} (bytes {offset}..{offset + length} of {file!r})"
+        what = (
+            f"file {file!r}" if length is None else f"tensor {name!r} (bytes {offset}..{offset + length} of {file!r})"
+        )
         if not path.is_file():
             return f"checkpoint {str(root)!r} is damaged: {file!r} is missing ({what} was saved in it)"
         size = path.stat().st_size
         if length is not None and size < offset + length:
-            return f"checkpoint {str(root)!r} is damaged: {file!r} is cut off ({size} bytes; {what} needs {offset + length})"
+            return (
+                f"checkpoint {str(root)!r} is damaged: "
+                f"{file!r} is cut off ({size} bytes; {what} needs {offset + length})"
+            )
         if _sha256(path, offset, length) != want:
-            return (f"checkpoint {str(root)!r} is damaged: {what} does not match the {ALGORITHM} recorded when it was "
-                    "saved (its bytes changed on disk)")
+            return (
+                f"checkpoint {str(root)!r} is damaged: {what} does not match the {ALGORITHM} recorded when it was "
+                "saved (its bytes changed on disk)"
+            )
     return None
 
 

@@ -246,10 +246,14 @@ def load_orbax(state: Any, path: str | os.PathLike) -> Any:
         missing = sorted(set(saved) - set(current))
         unexpected = sorted(set(current) - set(saved))
         shapes = sorted(k for k in set(saved) & set(current) if saved[k] != current[k])
-        details = [f"in the checkpoint only: {', '.join(missing[:6])}" if missing else "",
-                   f"in the model only: {', '.join(unexpected[:6])}" if unexpected else "",
-                   *(f"shape of {k}: checkpoint {tuple(saved[k])}, model {tuple(current[k])}" for k in shapes[:6])]
-        raise ValueError(f"orbax checkpoint {str(path)!r} is of another model:\n  " + "\n  ".join(d for d in details if d))
+        details = [
+            f"in the checkpoint only: {', '.join(missing[:6])}" if missing else "",
+            f"in the model only: {', '.join(unexpected[:6])}" if unexpected else "",
+            *(f"shape of {k}: checkpoint {tuple(saved[k])}, model {tuple(current[k])}" for k in shapes[:6]),
+        ]
+        raise ValueError(
+            f"orbax checkpoint {str(path)!r} is of another model:\n  " + "\n  ".join(d for d in details if d)
+        )
     optimizer = getattr(state, "optimizer", None)
     if optimizer is not None:
         if meta["optimizer_state"] == "none":
@@ -268,15 +272,26 @@ def load_orbax(state: Any, path: str | os.PathLike) -> Any:
     if load_optim:
         groups = []
         for saved_group, group in zip(meta["param_groups"], optimizer.param_groups):
-            groups.append({k: (tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v)
-                           for k, v in saved_group.items()})
+            groups.append(
+                {
+                    k: (tuple(v) if isinstance(group.get(k), tuple) and isinstance(v, list) else v)
+                    for k, v in saved_group.items()
+                }
+            )
         osd = {"state": optim, "param_groups": groups}
     # every rank holds the full tensors and keeps its own shard of them
     options = StateDictOptions(full_state_dict=True)
     reshard(state.module)
-    tuple_keys = [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups] if load_optim else []
-    set_state_dict(state.module, [optimizer] if load_optim else [], model_state_dict=msd,
-                   optim_state_dict=osd if load_optim else {}, options=options)
+    tuple_keys = (
+        [{k for k, v in g.items() if isinstance(v, tuple)} for g in optimizer.param_groups] if load_optim else []
+    )
+    set_state_dict(
+        state.module,
+        [optimizer] if load_optim else [],
+        model_state_dict=msd,
+        optim_state_dict=osd if load_optim else {},
+        options=options,
+    )
     for group, keys in zip(optimizer.param_groups if load_optim else [], tuple_keys):
         for k in keys:  # DCP's full-state-dict path rebuilds tuples (Adam's betas) as lists
             if isinstance(group.get(k), list):
@@ -287,5 +302,3 @@ def load_orbax(state: Any, path: str | os.PathLike) -> Any:
         return state.replace(step=step)
     state.step = step
     return state
-
-

@@ -36,12 +36,18 @@ import torch.distributed as dist
 from backends.checkpoint.dcp import resolve_resume, wait_for_pending_save
 from backends.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from backends.checkpoint.files import checkpoint_info, list_checkpoints
-from backends.checkpoint.integrity import damage
 from backends.checkpoint.fingerprint import config_diff, flatten_config
+from backends.checkpoint.integrity import damage
 from backends.distributed.collectives import broadcast_object
 
-__all__ = ["CheckpointConfig", "check_writable", "checkpoint_dir", "resume_point", "newest_whole_checkpoint",
-           "truncate_metrics"]
+__all__ = [
+    "CheckpointConfig",
+    "check_writable",
+    "checkpoint_dir",
+    "resume_point",
+    "newest_whole_checkpoint",
+    "truncate_metrics",
+]
 
 
 @attrs.frozen
@@ -83,8 +89,9 @@ def resume_point(
             run_dir = str(Path(run_root) / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
         if error is None and cfg.every:  # a save that cannot be written is known now, not after the first steps
             try:
-                check_writable(checkpoint_dir(cfg, run_dir),
-                               "the checkpoint dir (checkpoint.dir, default <run_dir>/checkpoints)")
+                check_writable(
+                    checkpoint_dir(cfg, run_dir), "the checkpoint dir (checkpoint.dir, default <run_dir>/checkpoints)"
+                )
             except OSError as e:
                 error = f"{type(e).__name__}: {e}"
     error, resume_from, run_dir = broadcast_object((error, resume_from, run_dir))
@@ -103,13 +110,16 @@ def newest_whole_checkpoint(ckpt_dir: str | Path) -> Path | None:
         problem = damage(path)
         if problem is None:
             for note in damaged:
-                sys.stderr.write(f"[rlfunc] WARNING resume=auto: passing over a damaged checkpoint: {note}; resuming "
-                                 f"from {str(path)!r} instead\n")
+                sys.stderr.write(
+                    f"[rlfunc] WARNING resume=auto: passing over a damaged checkpoint: {note}; resuming "
+                    f"from {str(path)!r} instead\n"
+                )
             return path
         damaged.append(problem)
     if damaged:
-        raise CheckpointCorruptError(f"resume=auto: every checkpoint in {str(ckpt_dir)!r} is damaged:\n  "
-                                     + "\n  ".join(damaged))
+        raise CheckpointCorruptError(
+            f"resume=auto: every checkpoint in {str(ckpt_dir)!r} is damaged:\n  " + "\n  ".join(damaged)
+        )
     return None
 
 
@@ -120,13 +130,15 @@ def check_writable(path: str | os.PathLike, what: str) -> None:
     path = Path(path).absolute()
     ancestor = next(p for p in (path, *path.parents) if p.exists())
     if not ancestor.is_dir():
-        raise NotADirectoryError(f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is a file, not a "
-                                 "directory")
+        raise NotADirectoryError(
+            f"{what} {str(path)!r} cannot be created: {str(ancestor)!r} is a file, not a directory"
+        )
     try:
         fd, probe = tempfile.mkstemp(prefix=".rlfunc-write-probe-", dir=ancestor)
     except OSError as e:
-        raise PermissionError(f"{what} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed "
-                              f"({e.strerror or e})") from None
+        raise PermissionError(
+            f"{what} {str(path)!r} cannot be written: creating a file in {str(ancestor)!r} failed ({e.strerror or e})"
+        ) from None
     os.close(fd)
     os.unlink(probe)
 
@@ -153,5 +165,8 @@ def truncate_metrics(path: Path, step: int | None) -> None:
         os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise OSError(e.errno, f"cutting {str(path)!r} back to step {step} failed: {e.strerror or e}; the file is "
-                      "unchanged", str(path)) from e
+        raise OSError(
+            e.errno,
+            f"cutting {str(path)!r} back to step {step} failed: {e.strerror or e}; the file is unchanged",
+            str(path),
+        ) from e

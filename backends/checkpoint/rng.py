@@ -84,6 +84,8 @@ def read_rng_file(root: Path, rank: int) -> tuple[dict[str, Tensor], dict[str, A
             meta = json.loads((f.metadata() or {})["rng"])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a cut-off or overwritten file surfaces as whatever safetensors or json raises
-        raise CheckpointCorruptError(f"the RNG file {str(path)!r} of rank {rank} cannot be read "
-                                     f"({type(e).__name__}: {e}): the checkpoint is damaged") from None
+        raise CheckpointCorruptError(
+            f"the RNG file {str(path)!r} of rank {rank} cannot be read "
+            f"({type(e).__name__}: {e}): the checkpoint is damaged"
+        ) from None
     return tensors, meta

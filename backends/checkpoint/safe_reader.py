@@ -39,7 +39,9 @@ class MetadataUnpickler(pickle.Unpickler):
         if "." not in name:
             if (module, name) in self._ALLOWED:
                 return super().find_class(module, name)
-            if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            if module == "torch" and isinstance(
+                getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+            ):
                 return getattr(torch, name)
             if module.startswith("torch.distributed.checkpoint."):
                 obj = super().find_class(module, name)
@@ -75,7 +77,9 @@ def check_data_files(path: Path, metadata: Any) -> None:
     for name, end in sorted(ends.items()):
         file = path / name
         if not file.is_file():
-            raise CheckpointCorruptError(f"checkpoint {str(path)!r} lacks its data file {name!r}: the checkpoint is damaged")
+            raise CheckpointCorruptError(
+                f"checkpoint {str(path)!r} lacks its data file {name!r}: the checkpoint is damaged"
+            )
         size = file.stat().st_size
         if size < end:
             raise CheckpointCorruptError(
@@ -90,7 +94,8 @@ def tensor_only_planner() -> Any:
     class TensorOnlyLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: Any) -> None:
             raise CheckpointCorruptError(
-                f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor; refusing to unpickle it"
+                f"checkpoint item {read_item.dest_index.fqn!r} is a pickled object, not a tensor; "
+                f"refusing to unpickle it"
             )
 
     return TensorOnlyLoadPlanner()

@@ -62,7 +62,9 @@ def _planned(spec: str, restart: str, rank: str) -> Fault | None:
 
 def planned() -> Fault | None:
     """This process's fault, or None (none set, another rank's, or a restarted attempt)."""
-    return _planned(os.environ.get(ENV, ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), os.environ.get("RANK", ""))
+    return _planned(
+        os.environ.get(ENV, ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", ""), os.environ.get("RANK", "")
+    )
 
 
 _fired: set[Fault] = set()
@@ -74,7 +76,9 @@ def inject(phase: str, step: int | None) -> None:
     if fault is None or fault.phase != phase or (fault.step is not None and fault.step != step) or fault in _fired:
         return
     _fired.add(fault)
-    sys.stderr.write(f"[rlfunc] injecting fault {fault.action!r} at phase {phase!r} of step {step} (pid {os.getpid()})\n")
+    sys.stderr.write(
+        f"[rlfunc] injecting fault {fault.action!r} at phase {phase!r} of step {step} (pid {os.getpid()})\n"
+    )
     sys.stderr.flush()
     if fault.action == "crash":
         raise InjectedFault(f"injected crash at phase {phase!r} of step {step}")

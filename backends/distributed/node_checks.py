@@ -48,27 +48,36 @@ def check_gloo_interface(env: Mapping[str, str] | None = None, hostname: str | N
         return  # one node: every rank reaches the others over the loopback
     hostname = socket.gethostname() if hostname is None else hostname
     where = f"node {hostname} (rank {env.get('RANK', '?')} of a {world}-rank run over several nodes)"
-    fix = ("set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on (`ip -brief addr`; e.g. eth0 or "
-           "ib0) on every node, or map the hostname to that interface's address in /etc/hosts")
+    fix = (
+        "set GLOO_SOCKET_IFNAME to the interface the nodes reach each other on (`ip -brief addr`; e.g. eth0 or "
+        "ib0) on every node, or map the hostname to that interface's address in /etc/hosts"
+    )
     names = env.get("GLOO_SOCKET_IFNAME")
     if names:
         present = {name for _, name in socket.if_nameindex()}
         for name in names.split(","):
             if name not in present:
-                raise NodeSetupError(f"{where}: GLOO_SOCKET_IFNAME={names} names {name!r}, which this node does not "
-                                     f"have (it has {sorted(present)}): {fix}")
+                raise NodeSetupError(
+                    f"{where}: GLOO_SOCKET_IFNAME={names} names {name!r}, which this node does not "
+                    f"have (it has {sorted(present)}): {fix}"
+                )
             if name == "lo" or name.startswith("lo:"):
-                raise NodeSetupError(f"{where}: GLOO_SOCKET_IFNAME={names} is the loopback, which other nodes cannot "
-                                     f"reach: {fix}")
+                raise NodeSetupError(
+                    f"{where}: GLOO_SOCKET_IFNAME={names} is the loopback, which other nodes cannot reach: {fix}"
+                )
         return
     try:
         addresses = sorted({info[4][0] for info in socket.getaddrinfo(hostname, None)})
     except OSError as e:
-        raise NodeSetupError(f"{where}: the hostname does not resolve ({e}), so gloo would bind to the loopback "
-                             f"address, which other nodes cannot reach: {fix}") from None
+        raise NodeSetupError(
+            f"{where}: the hostname does not resolve ({e}), so gloo would bind to the loopback "
+            f"address, which other nodes cannot reach: {fix}"
+        ) from None
     if all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses):
-        raise NodeSetupError(f"{where}: the hostname resolves to {', '.join(addresses)}, a loopback address, and gloo "
-                             f"binds to it: the other nodes cannot reach this one and the run would hang: {fix}")
+        raise NodeSetupError(
+            f"{where}: the hostname resolves to {', '.join(addresses)}, a loopback address, and gloo "
+            f"binds to it: the other nodes cannot reach this one and the run would hang: {fix}"
+        )
 
 
 def check_shared_paths(run_dir: Path, paths: Mapping[str, Path], *, group: object = None) -> None:
@@ -102,7 +111,11 @@ def check_shared_paths(run_dir: Path, paths: Mapping[str, Path], *, group: objec
         if shown:
             by_node.setdefault((host, shown), []).append(rank)
     if by_node:
-        lines = [f"node {host} (ranks {', '.join(map(str, ranks))}) does not see {'; '.join(shown)}"
-                 for (host, shown), ranks in by_node.items()]
-        raise NodeSetupError("every node must see the run dir, the model and the data at the same paths (a shared "
-                             "filesystem: NFS, Lustre, ...), and other nodes do: " + " | ".join(lines))
+        lines = [
+            f"node {host} (ranks {', '.join(map(str, ranks))}) does not see {'; '.join(shown)}"
+            for (host, shown), ranks in by_node.items()
+        ]
+        raise NodeSetupError(
+            "every node must see the run dir, the model and the data at the same paths (a shared "
+            "filesystem: NFS, Lustre, ...), and other nodes do: " + " | ".join(lines)
+        )

@@ -6,11 +6,11 @@ batch therefore carries the ``version`` of the weights that sampled it (the numb
 them) and the ``step`` it is meant for; the trainer, at its own version, computes the batch's staleness
 (``trainer version - sample version``) and :class:`StalenessBound` decides whether it may train on it.
 
-**Messages.** Point-to-point, on a tag of their own (so they do not mix with other point-to-point traffic
-of the group): a header of five int64 (magic, kind, byte count, version, step), then the payload as
-``torch.save`` bytes in a uint8 tensor. The payload is a dict of tensors and plain values (numbers,
-strings, None, lists / tuples / dicts of those), checked on the sender so a bad value fails where it
-was made (tensors travel on the CPU: under ``cpu:gloo,cuda:nccl`` the channel is gloo's); the receiver loads it with ``torch.load(weights_only=True)``, which cannot run code.
+**Messages.** Point-to-point, on a tag of their own (so they do not mix with other point-to-point traffic of the group):
+a header of five int64 (magic, kind, byte count, version, step), then the payload as ``torch.save`` bytes in a uint8
+tensor. The payload is a dict of tensors and plain values (numbers, strings, None, lists / tuples / dicts of those),
+checked on the sender so a bad value fails where it was made (tensors travel on the CPU: under ``cpu:gloo,cuda:nccl``
+the channel is gloo's); the receiver loads it with ``torch.load(weights_only=True)``, which cannot run code.
 :class:`SampleSender` sends with ``isend`` and keeps each pending work and its buffers alive until
 :meth:`SampleSender.flush` (or a later send) sees it done, so the rollout rank goes on generating.
 
@@ -174,8 +174,12 @@ class SampleReceiver:
             raise ChannelClosed(f"rank {src} closed its sample channel to rank {dist.get_rank()}")
         timeout = self.timeout if timeout_s is None else _seconds(timeout_s, "recv_samples")
         header = torch.empty(5, dtype=torch.int64)
-        _wait(dist.irecv(header, src=src, group=self.group, tag=self.tag), timeout, peer=src,
-              what="waiting for a batch header from")
+        _wait(
+            dist.irecv(header, src=src, group=self.group, tag=self.tag),
+            timeout,
+            peer=src,
+            what="waiting for a batch header from",
+        )
         magic, kind, nbytes, version, step = (int(x) for x in header.tolist())
         if magic != MAGIC or kind not in (_BATCH, _CLOSE) or nbytes < 0:
             raise ChannelError(f"sample channel: malformed header {header.tolist()} from rank {src} (tag {self.tag})")
@@ -184,8 +188,12 @@ class SampleReceiver:
             raise ChannelClosed(f"rank {src} closed its sample channel to rank {dist.get_rank()}")
         data = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
-            _wait(dist.irecv(data, src=src, group=self.group, tag=self.tag), timeout, peer=src,
-                  what=f"waiting for the {nbytes} bytes of the batch of step {step} from")
+            _wait(
+                dist.irecv(data, src=src, group=self.group, tag=self.tag),
+                timeout,
+                peer=src,
+                what=f"waiting for the {nbytes} bytes of the batch of step {step} from",
+            )
         try:
             payload = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True, map_location="cpu")
         except Exception as e:  # noqa: BLE001 - any unpickling failure is a malformed message

@@ -19,10 +19,8 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from backends.distributed.node_checks import check_gloo_interface
-
 # The collectives live in backends.distributed.collectives; they are re-imported here so the names recipes
-# and engines import from this module keep working.
+# and engines import from this module keep working (tests/test_distributed_setup.py holds it to that).
 from backends.distributed.collectives import (  # noqa: F401 - re-exported
     all_reduce_max,
     all_reduce_sum,
@@ -34,6 +32,7 @@ from backends.distributed.collectives import (  # noqa: F401 - re-exported
     world_rank,
     world_size,
 )
+from backends.distributed.node_checks import check_gloo_interface
 
 __all__ = [
     "DistEnv",
@@ -138,7 +137,9 @@ def init_distributed(*, device: str | None = None, timeout_s: float = 1800.0) ->
         rank, world = 0, 1
     else:
         raise RuntimeError(f"RANK and WORLD_SIZE must be set together (RANK={rank}, WORLD_SIZE={world})")
-    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev, backend=backend)
+    return DistEnv(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev, backend=backend
+    )
 
 
 def _attempt_store(world: int, timeout: timedelta) -> Any:
@@ -148,8 +149,9 @@ def _attempt_store(world: int, timeout: timedelta) -> Any:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restart is None:
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=world, is_master=False, timeout=timeout
+    )
     return dist.PrefixStore(f"rlfunc/attempt_{restart}", store)
 
 

@@ -85,8 +85,7 @@ def _full_tensors(
     # DTensor, so ties are found through the module's parameters, not the state dict's values.
     canonical: dict[int, str] = {}
     tied_to = {
-        name: canonical.setdefault(id(param), name)
-        for name, param in module.named_parameters(remove_duplicate=False)
+        name: canonical.setdefault(id(param), name) for name, param in module.named_parameters(remove_duplicate=False)
     }
     uses: dict[str, int] = {}
     first: dict[str, Tensor] = {}  # each distinct tensor once, in the order of its first name
@@ -150,8 +149,11 @@ def _gathered(values: list[Tensor], dtype: torch.dtype | None, bucket_bytes: int
         target = dtype if dtype is not None and value.is_floating_point() else value.dtype
         nbytes = 0 if shard is None else shard.mesh.size() * shard.numel * target.itemsize
         if bucket and not (
-            shard is not None and shard.mesh == bucket[0].mesh and shard.local.device == bucket[0].local.device
-            and target == bucket_dtype and filled + nbytes <= bucket_bytes
+            shard is not None
+            and shard.mesh == bucket[0].mesh
+            and shard.local.device == bucket[0].local.device
+            and target == bucket_dtype
+            and filled + nbytes <= bucket_bytes
         ):
             yield from _gather_bucket(bucket, bucket_dtype)
             bucket, filled = [], 0
@@ -208,7 +210,7 @@ def lora_scaling(module: nn.Module) -> float:
     if len(configs) != 1:
         raise ValueError(f"merging needs exactly one LoRA adapter, the model has {sorted(configs)}")
     cfg = next(iter(configs.values()))
-    return cfg.lora_alpha / (cfg.r ** 0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
+    return cfg.lora_alpha / (cfg.r**0.5 if getattr(cfg, "use_rslora", False) else cfg.r)
 
 
 def merged_lora(named: Iterator[tuple[str, Tensor]], scaling: float) -> Iterator[tuple[str, Tensor]]:
@@ -220,7 +222,7 @@ def merged_lora(named: Iterator[tuple[str, Tensor]], scaling: float) -> Iterator
     """
     pending: dict[str, dict[str, Tensor]] = {}
     for name, tensor in named:
-        name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+        name = name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
         for part, kind in ((".base_layer.", "W"), (".lora_A.", "A"), (".lora_B.", "B")):
             if part in name:
                 layer, _, rest = name.partition(part)

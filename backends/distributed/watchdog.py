@@ -45,8 +45,19 @@ import torch
 from backends.distributed import faults
 from backends.distributed.collectives import all_reduce_max
 
-__all__ = ["DeadlineConfig", "Watchdog", "DEADLINE_EXIT_CODE", "start", "stop", "phase", "waiting_on",
-           "stop_requested", "stop_agreed", "preemption_note", "current"]
+__all__ = [
+    "DeadlineConfig",
+    "Watchdog",
+    "DEADLINE_EXIT_CODE",
+    "start",
+    "stop",
+    "phase",
+    "waiting_on",
+    "stop_requested",
+    "stop_agreed",
+    "preemption_note",
+    "current",
+]
 
 #: the exit code of a process whose deadline passed (like timeout(1))
 DEADLINE_EXIT_CODE = 124
@@ -97,8 +108,16 @@ class _Phase:
 class Watchdog:
     """One rank's deadlines: :meth:`phase` opens a phase, a daemon thread checks them (see the module doc)."""
 
-    def __init__(self, deadlines: DeadlineConfig, *, rank: int = 0, world_size: int = 1, role: str = "",
-                 poll_s: float = 1.0, stream: Any = None) -> None:
+    def __init__(
+        self,
+        deadlines: DeadlineConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        role: str = "",
+        poll_s: float = 1.0,
+        stream: Any = None,
+    ) -> None:
         self.deadlines, self.rank, self.world_size, self.role = deadlines, rank, world_size, role
         self.poll_s, self.stream = poll_s, stream
         self._open: list[_Phase] = []
@@ -120,8 +139,14 @@ class Watchdog:
         with self._lock:
             if step is None and self._open:
                 step = self._open[-1].step  # a nested phase belongs to its parent's step
-            entry = _Phase(kind, step, op or kind, float(getattr(self.deadlines, kind)), time.monotonic(),
-                           threading.current_thread().name)
+            entry = _Phase(
+                kind,
+                step,
+                op or kind,
+                float(getattr(self.deadlines, kind)),
+                time.monotonic(),
+                threading.current_thread().name,
+            )
             self._open.append(entry)
         self._rearm_backstop()
         try:
@@ -150,9 +175,11 @@ class Watchdog:
         waited = time.monotonic() - late.started
         where = f"rank {self.rank} of {self.world_size}" + (f" ({self.role})" if self.role else "")
         step = f"step {late.step}" if late.step is not None else "no step"
-        return (f"DEADLINE PASSED on {where}, {step}: phase {late.kind!r} has run {waited:.1f} s, past "
-                f"deadlines.{late.kind}={late.deadline_s:g} s; waiting on: {late.op} (thread {late.thread}). "
-                f"Every thread's stack follows; the process exits with code {DEADLINE_EXIT_CODE}.")
+        return (
+            f"DEADLINE PASSED on {where}, {step}: phase {late.kind!r} has run {waited:.1f} s, past "
+            f"deadlines.{late.kind}={late.deadline_s:g} s; waiting on: {late.op} (thread {late.thread}). "
+            f"Every thread's stack follows; the process exits with code {DEADLINE_EXIT_CODE}."
+        )
 
     def stop_overdue(self, now: float | None = None) -> str | None:
         """The report of a rank that got a stop signal ``deadlines.stop_grace`` seconds ago and has not reached
@@ -164,12 +191,17 @@ class Watchdog:
         with self._lock:
             inner = self._open[-1] if self._open else None
         where = f"rank {self.rank} of {self.world_size}" + (f" ({self.role})" if self.role else "")
-        stuck = ("between phases" if inner is None else
-                 f"in phase {inner.kind!r} of {f'step {inner.step}' if inner.step is not None else 'no step'} for "
-                 f"{now - inner.started:.1f} s, waiting on: {inner.op} (thread {inner.thread})")
-        return (f"STOP GRACE PASSED on {where}: {_stop_signal['name']} arrived {now - since:.1f} s ago and the step did "
-                f"not reach its end within deadlines.stop_grace={grace:g} s; stuck {stuck}. Every thread's stack "
-                f"follows; the process exits with code {DEADLINE_EXIT_CODE}, without a checkpoint.")
+        stuck = (
+            "between phases"
+            if inner is None
+            else f"in phase {inner.kind!r} of {f'step {inner.step}' if inner.step is not None else 'no step'} for "
+            f"{now - inner.started:.1f} s, waiting on: {inner.op} (thread {inner.thread})"
+        )
+        return (
+            f"STOP GRACE PASSED on {where}: {_stop_signal['name']} arrived {now - since:.1f} s ago and the step did "
+            f"not reach its end within deadlines.stop_grace={grace:g} s; stuck {stuck}. Every thread's stack "
+            f"follows; the process exits with code {DEADLINE_EXIT_CODE}, without a checkpoint."
+        )
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.poll_s):
@@ -270,7 +302,9 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
     grace = _current.deadlines.stop_grace if _current is not None else 0
     within = f" (within deadlines.stop_grace={grace:g} s)" if grace else ""
     again = "; Ctrl-C again stops at once, without a checkpoint" if signum == signal.SIGINT else ""
-    sys.stderr.write(f"[rlfunc] {name} received (pid {os.getpid()}): stopping at the next step boundary{within}{again}\n")
+    sys.stderr.write(
+        f"[rlfunc] {name} received (pid {os.getpid()}): stopping at the next step boundary{within}{again}\n"
+    )
 
 
 def stop_requested() -> bool:
@@ -294,7 +328,11 @@ def preemption_note(step: int, ckpt_dir: Any = None, resume_args: str = "the sam
     ``resume_args``: the keys that find it again)."""
     what = _stop_signal["name"] or "SIGTERM"
     if ckpt_dir is None:
-        return (f"{what}: stopped after step {step} WITHOUT a checkpoint (checkpoint.every=0): a restart begins "
-                f"again from step 1; set checkpoint.every=N to keep the progress of an interrupted run")
-    return (f"{what}: stopped after step {step}; its checkpoint is {ckpt_dir}/step_{step}; exit code 0. "
-            f"Continue with resume=auto ({resume_args})")
+        return (
+            f"{what}: stopped after step {step} WITHOUT a checkpoint (checkpoint.every=0): a restart begins "
+            f"again from step 1; set checkpoint.every=N to keep the progress of an interrupted run"
+        )
+    return (
+        f"{what}: stopped after step {step}; its checkpoint is {ckpt_dir}/step_{step}; exit code 0. "
+        f"Continue with resume=auto ({resume_args})"
+    )

@@ -137,7 +137,8 @@ def _bcast_bytes(buffer: Tensor, group: Any, src: int, what: str) -> None:
 def _lost(src: int, what: str, error: BaseException) -> str:
     return (
         f"weight broadcast from source rank {src} failed on rank {dist.get_rank()} while moving {what}: a rank of the "
-        f"group is gone or stuck (a dead peer closes its connections; the process-group timeout bounds the rest): {error}"
+        f"group is gone or stuck "
+        f"(a dead peer closes its connections; the process-group timeout bounds the rest): {error}"
     )
 
 
@@ -156,8 +157,14 @@ class _Bucket:
 def _identity(tensor: Tensor) -> tuple:
     """The same data: one storage, viewed the same way. ``full_state_dict`` yields a tied weight as one tensor
     object; a module's ``state_dict`` yields two tensor objects over one storage; both match."""
-    return (tensor.device, tensor.dtype, tensor.untyped_storage().data_ptr(), tensor.storage_offset(),
-            tuple(tensor.shape), tuple(tensor.stride()))
+    return (
+        tensor.device,
+        tensor.dtype,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 class _Sender:
@@ -170,7 +177,9 @@ class _Sender:
         self.names = self.tensors = self.bytes = self.buckets = 0
 
     def run(self, named_tensors: Iterable[tuple[str, Tensor]]) -> BroadcastStats:
-        _bcast_header({"kind": "start", "protocol": PROTOCOL, "version": self.version}, self.group, self.src, "the start header")
+        _bcast_header(
+            {"kind": "start", "protocol": PROTOCOL, "version": self.version}, self.group, self.src, "the start header"
+        )
         bucket = _Bucket()
         try:
             for name, tensor in named_tensors:
@@ -181,8 +190,9 @@ class _Sender:
             self._send_header({"kind": "abort", "error": f"{type(e).__name__}: {e}"}, "the abort header")
             raise
         self._flush(bucket, done=True)
-        return BroadcastStats(version=self.version, names=self.names, tensors=self.tensors, bytes=self.bytes,
-                              buckets=self.buckets)
+        return BroadcastStats(
+            version=self.version, names=self.names, tensors=self.tensors, bytes=self.bytes, buckets=self.buckets
+        )
 
     def _add(self, bucket: _Bucket, name: str, tensor: Tensor) -> _Bucket:
         if not isinstance(tensor, Tensor):
@@ -198,8 +208,9 @@ class _Sender:
             self.released.append(seen[0])  # the key's earlier tensor died (its memory reused); its name can go
         self.sent[key] = (name, weakref.ref(tensor))
         nbytes = tensor.numel() * tensor.element_size()
-        if bucket.parts and (tensor.dtype != bucket.dtype or tensor.device != bucket.device
-                             or bucket.nbytes + nbytes > self.bucket_bytes):
+        if bucket.parts and (
+            tensor.dtype != bucket.dtype or tensor.device != bucket.device or bucket.nbytes + nbytes > self.bucket_bytes
+        ):
             self._flush(bucket, done=False)
             bucket = _Bucket()
         bucket.dtype, bucket.device = tensor.dtype, tensor.device
@@ -224,7 +235,11 @@ class _Sender:
         released = self.released + [self.sent.pop(key)[0] for key in dead]
         self.released = []
         header = {
-            "kind": "bucket", "done": done, "entries": bucket.entries, "aliases": bucket.aliases, "released": released,
+            "kind": "bucket",
+            "done": done,
+            "entries": bucket.entries,
+            "aliases": bucket.aliases,
+            "released": released,
             "dtype": str(bucket.dtype).removeprefix("torch.") if flat is not None else None,
             "device": flat.device.type if flat is not None else None,
         }
@@ -314,7 +329,8 @@ class WeightStream:
                     for name, of in header["aliases"]:
                         if of not in kept:
                             raise WeightBroadcastError(
-                                f"weight broadcast from rank {self.src}: alias {name!r} of {of!r}, which this rank does not hold"
+                                f"weight broadcast from rank {self.src}: alias {name!r} of {of!r}, "
+                                f"which this rank does not hold"
                             )
                         yield name, kept[of]
                 for name in header["released"]:
@@ -339,6 +355,6 @@ class WeightStream:
         flat = buffer.view(dtype)
         out, offset = [], 0
         for (name, _), shape, numel in zip(header["entries"], shapes, numels):
-            out.append((name, flat[offset:offset + numel].view(shape)))
+            out.append((name, flat[offset : offset + numel].view(shape)))
             offset += numel
         return out

@@ -10,13 +10,24 @@ from typing import Any
 #: name -> the module of this package that defines it. Imported on first use, so that a reward worker process
 #: (backends.rewards.workers) imports only what its functions need, not torch with the scorer.
 _HOMES = {
-    "BUILTIN_REWARDS": "builtins", "builtin_reward": "builtins", "math_reward": "builtins",
-    "RewardConfig": "scorer", "RewardError": "scorer", "RewardResult": "scorer", "RewardScorer": "scorer",
+    "BUILTIN_REWARDS": "builtins",
+    "builtin_reward": "builtins",
+    "math_reward": "builtins",
+    "RewardConfig": "scorer",
+    "RewardError": "scorer",
+    "RewardResult": "scorer",
+    "RewardScorer": "scorer",
     "resolve_reward": "scorer",
 }
 
 __all__ = [
-    "BUILTIN_REWARDS", "RewardConfig", "RewardError", "RewardResult", "RewardScorer", "builtin_reward", "math_reward",
+    "BUILTIN_REWARDS",
+    "RewardConfig",
+    "RewardError",
+    "RewardResult",
+    "RewardScorer",
+    "builtin_reward",
+    "math_reward",
     "resolve_reward",
 ]
 

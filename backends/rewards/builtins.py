@@ -53,15 +53,17 @@ def _boxed(response: str, ground_truth: Any) -> float:
     return boxed_reward(response, str(ground_truth))
 
 
-BUILTIN_REWARDS: Mapping[str, Callable[..., float]] = MappingProxyType({
-    "exact": exact_reward,  # the stripped response equals the stripped ground truth
-    "arithmetic": _arithmetic,  # the integer answer of the a+b= task
-    "gsm8k": _gsm8k,  # verl's GSM8K scorer: the number after "#### "
-    "gsm8k_flexible": _gsm8k_flexible,  # GSM8K, the last number anywhere
-    "boxed": _boxed,  # the last \boxed{} equals the ground truth as a normalised string
-    "math": math_reward,  # math-verify's symbolic equality
-    "format": format_reward,  # the response matches reward.format_pattern (bound by builtin_reward)
-})
+BUILTIN_REWARDS: Mapping[str, Callable[..., float]] = MappingProxyType(
+    {
+        "exact": exact_reward,  # the stripped response equals the stripped ground truth
+        "arithmetic": _arithmetic,  # the integer answer of the a+b= task
+        "gsm8k": _gsm8k,  # verl's GSM8K scorer: the number after "#### "
+        "gsm8k_flexible": _gsm8k_flexible,  # GSM8K, the last number anywhere
+        "boxed": _boxed,  # the last \boxed{} equals the ground truth as a normalised string
+        "math": math_reward,  # math-verify's symbolic equality
+        "format": format_reward,  # the response matches reward.format_pattern (bound by builtin_reward)
+    }
+)
 
 
 def builtin_reward(name: str, *, format_pattern: str) -> Callable[..., float]:

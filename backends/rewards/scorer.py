@@ -7,12 +7,11 @@ per sample as ``fn(response, ground_truth, **columns)``, where ``columns`` are t
 (those the function names as parameters, or all of them when it takes ``**kwargs``), and returns a number
 or a dict with a ``score`` and extra numbers, which are logged.
 
-Every function is resolved when the scorer is built (a misspelt name fails at start-up). User functions
-run in worker processes (``reward.workers``, :mod:`backends.rewards.workers`), each call under
-``reward.timeout_s``: a call that raises, runs out of time or ends its worker process (named at once, with how
-it ended) is an error naming the function and the row, or, with ``reward.on_error=zero``, a zero that
-``reward/errors`` counts (a worker lost is said on the console too). A result that is not a finite number (in float32, where scores are
-kept) is always an error.
+Every function is resolved when the scorer is built (a misspelt name fails at start-up). User functions run in worker
+processes (``reward.workers``, :mod:`backends.rewards.workers`), each call under ``reward.timeout_s``: a call that
+raises, runs out of time or ends its worker process (named at once, with how it ended) is an error naming the function
+and the row, or, with ``reward.on_error=zero``, a zero that ``reward/errors`` counts (a worker lost is said on the
+console too). A result that is not a finite number (in float32, where scores are kept) is always an error.
 """
 
 from __future__ import annotations
@@ -50,12 +49,16 @@ class RewardConfig:
     #: format) or references package.module:function / path/to/file.py:function
     fn: tuple[str, ...] = ()
     weights: tuple[float, ...] = ()  #: one weight per reward.fn entry; empty: 1 each
-    by_source: tuple[str, ...] = ()  #: source=function entries: rows of that data_source use that function instead of reward.fn
+    #: source=function entries: rows of that data_source use that function instead of reward.fn
+    by_source: tuple[str, ...] = ()
     format_pattern: str = r".*"  #: the regex the built-in `format` reward needs the whole response to match
     max_score: float = 1.0  #: the best score; a sample "succeeds" when its score reaches it (success_rate, eval)
-    workers: int = -1  #: worker processes for the calls; 0: in this process; -1: 0 if every function is built in, else 2
-    timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))  #: limit of one call (in a worker, or in-process on the main thread)
-    on_error: Literal["error", "zero"] = "error"  #: a call that raises or times out: stop with an error, or score 0 and count it
+    #: worker processes for the calls; 0: in this process; -1: 0 if every function is built in, else 2
+    workers: int = -1
+    #: limit of one call (in a worker, or in-process on the main thread)
+    timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.gt(0))
+    #: a call that raises or times out: stop with an error, or score 0 and count it
+    on_error: Literal["error", "zero"] = "error"
     #: DAPO's overlong shaping: a linear penalty over the last overlong_buffer_len tokens of the response
     #: budget, reaching -overlong_penalty_factor at the budget; 0 turns it off
     overlong_buffer_len: int = attrs.field(default=0, validator=attrs.validators.ge(0))
@@ -82,28 +85,37 @@ def _describe(spec: str, key: str, format_pattern: str) -> _Function:
     fn = resolve_reward(spec, key=key, format_pattern=format_pattern)
     kind = _not_a_plain_function(fn)
     if kind:  # it would hand back a generator / coroutine per call, which no worker can send back
-        raise ConfigError(f"{key}={spec!r} is {kind}; a reward function returns its score: a number, or a dict with a "
-                          "'score' number (return, not yield; no async)")
+        raise ConfigError(
+            f"{key}={spec!r} is {kind}; a reward function returns its score: a number, or a dict with a "
+            "'score' number (return, not yield; no async)"
+        )
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):  # a builtin without a signature: give it every column
         return _Function(label=_label(spec), spec=spec, fn=fn, params=None)
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) < 2 and not any(p.kind == p.VAR_POSITIONAL for p in parameters):
-        raise ConfigError(f"{key}={spec!r}: a reward function is called as fn(response, ground_truth, **columns); "
-                          f"this one takes {len(positional)} positional argument(s)")
+        raise ConfigError(
+            f"{key}={spec!r}: a reward function is called as fn(response, ground_truth, **columns); "
+            f"this one takes {len(positional)} positional argument(s)"
+        )
     if any(p.kind == p.VAR_KEYWORD for p in parameters):
         return _Function(label=_label(spec), spec=spec, fn=fn, params=None)
-    names = frozenset(p.name for p in parameters if p.kind != p.VAR_POSITIONAL) - {positional[0].name, positional[1].name}
+    names = frozenset(p.name for p in parameters if p.kind != p.VAR_POSITIONAL) - {
+        positional[0].name,
+        positional[1].name,
+    }
     return _Function(label=_label(spec), spec=spec, fn=fn, params=names)
 
 
 def _not_a_plain_function(fn: Callable[..., Any]) -> str:
     """What ``fn`` is when a call of it does not return its result ("a generator function", ...), else ""."""
     target = getattr(fn, "__call__", fn) if not inspect.isfunction(fn) and not inspect.ismethod(fn) else fn
-    for test, kind in ((inspect.isasyncgenfunction, "an async generator function (it yields)"),
-                       (inspect.isgeneratorfunction, "a generator function (it yields)"),
-                       (inspect.iscoroutinefunction, "an async function")):
+    for test, kind in (
+        (inspect.isasyncgenfunction, "an async generator function (it yields)"),
+        (inspect.isgeneratorfunction, "a generator function (it yields)"),
+        (inspect.iscoroutinefunction, "an async function"),
+    ):
         if test(fn) or test(target):
             return kind
     return ""
@@ -138,12 +150,15 @@ class RewardScorer:
 
     def __init__(self, cfg: RewardConfig) -> None:
         if not cfg.fn and not cfg.by_source:
-            raise ConfigError("reward.fn is empty: name a built-in reward (" + ", ".join(BUILTIN_REWARDS)
-                              + ") or your own function, package.module:function or path/to/file.py:function")
+            raise ConfigError(
+                "reward.fn is empty: name a built-in reward ("
+                + ", ".join(BUILTIN_REWARDS)
+                + ") or your own function, package.module:function or path/to/file.py:function"
+            )
         if cfg.weights and len(cfg.weights) != len(cfg.fn):
             raise ConfigError(f"reward.weights has {len(cfg.weights)} entries for {len(cfg.fn)} reward.fn entries")
         self.cfg = cfg
-        describe = lambda spec, key: _describe(spec, key, cfg.format_pattern)  # noqa: E731
+        describe = lambda spec, key: _describe(spec, key, cfg.format_pattern)
         self.default = [(describe(s, "reward.fn"), w) for s, w in zip(cfg.fn, cfg.weights or [1.0] * len(cfg.fn))]
         self.routes: dict[str, _Function] = {}
         for entry in cfg.by_source:
@@ -168,8 +183,10 @@ class RewardScorer:
             return
         missing = sorted(set(sources) - set(self.routes))
         if missing:
-            raise ConfigError(f"no reward function for data_source {', '.join(map(repr, missing))}: reward.fn is empty "
-                              f"and reward.by_source routes only {', '.join(self.routes)}")
+            raise ConfigError(
+                f"no reward function for data_source {', '.join(map(repr, missing))}: reward.fn is empty "
+                f"and reward.by_source routes only {', '.join(self.routes)}"
+            )
 
     def plan(self, source: str) -> list[tuple[_Function, float]]:
         """The functions (and weights) that score a row of ``source``."""
@@ -178,13 +195,18 @@ class RewardScorer:
     def score(self, responses: Sequence[str], examples: Sequence[Example]) -> RewardResult:
         """Scores of ``responses[i]`` as an answer to ``examples[i]``."""
         if len(responses) != len(examples):
-            raise ValueError(f"RewardScorer.score: {len(responses)} responses for {len(examples)} examples; "
-                             "give one response per example, in the same order")
+            raise ValueError(
+                f"RewardScorer.score: {len(responses)} responses for {len(examples)} examples; "
+                "give one response per example, in the same order"
+            )
         calls, weights = [], []  # (sample, function, args), and the function's weight for that sample
         for i, (response, example) in enumerate(zip(responses, examples)):
             for function, weight in self.plan(example.source):
-                columns = dict(example.columns) if function.params is None else {
-                    k: v for k, v in example.columns.items() if k in function.params}
+                columns = (
+                    dict(example.columns)
+                    if function.params is None
+                    else {k: v for k, v in example.columns.items() if k in function.params}
+                )
                 calls.append((i, function, (response, example.ground_truth, columns)))
                 weights.append(weight)
         raw = self._run(calls, examples)
@@ -204,10 +226,14 @@ class RewardScorer:
             for key, extra in more.items():
                 extras.setdefault(f"{function.label}/{key}", [None] * len(responses))[i] = extra
         for i, total in enumerate(totals):
-            if not abs(total) <= FLOAT32_MAX:  # each score fits, but their weighted sum does not (or a weight is not finite)
-                raise RewardError(f"the weighted sum of the reward functions on {examples[i].where} is {total:g} "
-                                  f"(reward.weights={list(self.cfg.weights)}): beyond float32's range, where scores "
-                                  f"are kept (|score| <= {FLOAT32_MAX:.4g})")
+            if (
+                not abs(total) <= FLOAT32_MAX
+            ):  # each score fits, but their weighted sum does not (or a weight is not finite)
+                raise RewardError(
+                    f"the weighted sum of the reward functions on {examples[i].where} is {total:g} "
+                    f"(reward.weights={list(self.cfg.weights)}): beyond float32's range, where scores "
+                    f"are kept (|score| <= {FLOAT32_MAX:.4g})"
+                )
         return RewardResult(scores=torch.tensor(totals, dtype=torch.float32), parts=parts, extras=extras, errors=errors)
 
     # ------------------------------------------------------------------------------------ running calls
@@ -220,8 +246,10 @@ class RewardScorer:
     def _failed(self, function: _Function, example: Example, what: str) -> "_Failure":
         if self.cfg.on_error == "zero":
             return _Failure(what)
-        raise RewardError(f"reward function {function.spec!r} {what} on {example.where} "
-                          "(reward.on_error=zero scores such calls 0 and counts them)")
+        raise RewardError(
+            f"reward function {function.spec!r} {what} on {example.where} "
+            "(reward.on_error=zero scores such calls 0 and counts them)"
+        )
 
     def _in_process(self, function: _Function, args: tuple, example: Example) -> Any:
         response, ground_truth, columns = args
@@ -239,14 +267,19 @@ class RewardScorer:
         if self._pool is None:
             self._pool = WorkerPool(self.workers, sorted({f.spec for f in self._functions()}), self.cfg.format_pattern)
         # on_error=error stops at the first worker lost: the run ends with its error anyway
-        outcomes = self._pool.run([(f.spec, args) for _, f, args in calls], self.cfg.timeout_s,
-                                  max_deaths=1 if self.cfg.on_error == "error" else None)
+        outcomes = self._pool.run(
+            [(f.spec, args) for _, f, args in calls],
+            self.cfg.timeout_s,
+            max_deaths=1 if self.cfg.on_error == "error" else None,
+        )
         out, lost, skipped = [], [], []
         for (i, function, _), (status, value) in zip(calls, outcomes):
             if status == "ok":
                 out.append(value)
                 continue
-            if status == "not-a-score":  # what could not travel back (a generator, a lock, ...): named like any non-score
+            if (
+                status == "not-a-score"
+            ):  # what could not travel back (a generator, a lock, ...): named like any non-score
                 out.append(_NotAScore(*value))
                 continue
             what = {"died": f"ended its worker process: {value}", "skipped": f"was {value}"}.get(status, value)
@@ -257,8 +290,10 @@ class RewardScorer:
             out.append(self._failed(function, examples[i], what))
         if lost:  # on_error=zero: the step goes on, and the console says why some scores are 0
             rest = f", and {len(skipped)} more were {skipped[0]}" if skipped else ""
-            sys.stderr.write(f"[rlfunc] WARNING reward.on_error=zero: {len(lost)} call(s) scored 0 because their worker "
-                             f"process died or hung{rest}; first: {lost[0]}\n")
+            sys.stderr.write(
+                f"[rlfunc] WARNING reward.on_error=zero: {len(lost)} call(s) scored 0 because their worker "
+                f"process died or hung{rest}; first: {lost[0]}\n"
+            )
         return out
 
     def close(self) -> None:
@@ -278,21 +313,28 @@ def _checked_score(value: Any, function: _Function, where: str) -> tuple[float, 
     extras: dict[str, float] = {}
     if isinstance(value, Mapping):
         if "score" not in value:
-            raise RewardError(f"reward function {function.spec!r} returned a dict without 'score' on {where} "
-                              f"(keys: {sorted(value)})")
+            raise RewardError(
+                f"reward function {function.spec!r} returned a dict without 'score' on {where} (keys: {sorted(value)})"
+            )
         extras = {k: float(v) for k, v in value.items() if k != "score" and isinstance(v, numbers.Real)}
         value = value["score"]
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, _NotAScore):
-        raise RewardError(f"reward function {function.spec!r} returned {value.type_name} {value.text} on {where}; "
-                          "a reward is a number or a dict with a 'score' number")
+        raise RewardError(
+            f"reward function {function.spec!r} returned {value.type_name} {value.text} on {where}; "
+            "a reward is a number or a dict with a 'score' number"
+        )
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise RewardError(f"reward function {function.spec!r} returned {type(value).__name__} {value!r:.60} on {where}; "
-                          "a reward is a number or a dict with a 'score' number")
+        raise RewardError(
+            f"reward function {function.spec!r} returned {type(value).__name__} {value!r:.60} on {where}; "
+            "a reward is a number or a dict with a 'score' number"
+        )
     if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
-        raise RewardError(f"reward function {function.spec!r} returned {value} on {where}; a reward must be finite "
-                          f"in float32, where scores are kept (|score| <= {FLOAT32_MAX:.4g})")
+        raise RewardError(
+            f"reward function {function.spec!r} returned {value} on {where}; a reward must be finite "
+            f"in float32, where scores are kept (|score| <= {FLOAT32_MAX:.4g})"
+        )
     return float(value), extras
 
 

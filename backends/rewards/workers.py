@@ -89,8 +89,11 @@ class _Worker:
         main = threading.current_thread() is threading.main_thread()
         # the parent's import path, so that package.module:function references resolve as they did here
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)}
-        self.process = subprocess.Popen([sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()), str(int(main))],
-                                        pass_fds=(theirs.fileno(),), env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()), str(int(main))],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
         theirs.close()
         self.conn = Connection(mine.detach())
         self.conn.send((list(specs), format_pattern))
@@ -125,7 +128,9 @@ class WorkerPool:
         self.size, self.specs, self.format_pattern = size, list(specs), format_pattern
         self._workers: list[_Worker] = []
 
-    def run(self, calls: Sequence[tuple[str, tuple]], timeout_s: float, *, max_deaths: int | None = None) -> list[Outcome]:
+    def run(
+        self, calls: Sequence[tuple[str, tuple]], timeout_s: float, *, max_deaths: int | None = None
+    ) -> list[Outcome]:
         """The outcome of each ``(spec, args)`` call, in order. A call's time counts from when a worker takes it.
         After ``max_deaths`` deaths or hangs (default: four per worker) the calls not yet started are skipped:
         a function that kills every worker it runs in would otherwise cost a worker start per call."""
@@ -187,12 +192,17 @@ class WorkerPool:
             if worker.conn.closed:
                 continue
             if worker.call is not None and now > worker.call[1]:
-                losses += self._lost(worker, outcomes, ("hung", f"did not return within reward.timeout_s={timeout_s:g} "
-                                                                "(its worker was stopped)"))
+                losses += self._lost(
+                    worker,
+                    outcomes,
+                    ("hung", f"did not return within reward.timeout_s={timeout_s:g} (its worker was stopped)"),
+                )
             elif not worker.ready and now > worker.started + START_TIMEOUT_S:
                 self.close()
-                raise RuntimeError(f"a reward worker process did not start within {START_TIMEOUT_S:g} s (importing the "
-                                   "reward functions hangs?)")
+                raise RuntimeError(
+                    f"a reward worker process did not start within {START_TIMEOUT_S:g} s (importing the "
+                    "reward functions hangs?)"
+                )
         return losses
 
     def _receive(self, worker: _Worker, outcomes: list) -> bool:
@@ -219,8 +229,10 @@ class WorkerPool:
         if not worker.ready:
             code = worker.exitcode()
             self.close()
-            raise RuntimeError(f"a reward worker process ended while starting (exit code {code}): importing the "
-                               "reward functions failed or ended the process")
+            raise RuntimeError(
+                f"a reward worker process ended while starting (exit code {code}): importing the "
+                "reward functions failed or ended the process"
+            )
         lost = worker.call is not None
         if lost:
             outcomes[worker.call[0]] = outcome

@@ -29,8 +29,8 @@ import attrs
 import torch
 
 from backends.data import Example
-from backends.rollout.engine import RolloutEngine
 from backends.rollout.common import SamplingConfig, assemble_batch, left_pad
+from backends.rollout.engine import RolloutEngine
 from backends.rollout.environments import Environment, MultiTurnConfig, Observation, observation_token_ids
 from rlfunc.batch import RolloutBatch
 from rlfunc.turns import turn_rewards_to_tokens
@@ -49,7 +49,8 @@ class Episodes:
     batch: RolloutBatch  #: see the module doc
     turn_rewards: list[list[float]]  #: each trajectory's per-turn environment rewards
     turns: list[int]  #: model turns per trajectory
-    finished: list[bool]  #: the environment ended the trajectory (done, or a turn it did not answer) before a budget cut it
+    #: the environment ended the trajectory (done, or a turn it did not answer) before a budget cut it
+    finished: list[bool]
     #: per trajectory, averaged over the batch: multi_turn/turns, multi_turn/finished and the environments'
     #: own metrics as multi_turn/<name> (tool_calls, tool_call_errors, errors, timeouts), plus
     #: multi_turn/tool_call_validity (the share of tool calls that ran)
@@ -57,26 +58,50 @@ class Episodes:
 
 
 def sample(
-    rollout: RolloutEngine, examples: Sequence[Example], tokenizer: Any, sampling: SamplingConfig, *, seed: int,
-    multi_turn: MultiTurnConfig = MultiTurnConfig(), environments: Callable[[Example], Environment] | None = None,
-    group_ids: torch.Tensor | None = None, chat_template: str = "auto",
+    rollout: RolloutEngine,
+    examples: Sequence[Example],
+    tokenizer: Any,
+    sampling: SamplingConfig,
+    *,
+    seed: int,
+    multi_turn: MultiTurnConfig = MultiTurnConfig(),
+    environments: Callable[[Example], Environment] | None = None,
+    group_ids: torch.Tensor | None = None,
+    chat_template: str = "auto",
 ) -> Episodes:
     """``sampling.n`` samples of each example: one response (``multi_turn.max_turns`` 1), or a multi-turn
     trajectory through ``environments(example)`` (:func:`run_episodes`)."""
     if multi_turn.max_turns == 1:
         batch = rollout.generate([list(e.prompt_ids) for e in examples], sampling, seed=seed, group_ids=group_ids)
         rows = len(examples) * sampling.n
-        return Episodes(batch=batch, turn_rewards=[[] for _ in range(rows)], turns=[1] * rows, finished=[True] * rows,
-                        metrics={})
+        return Episodes(
+            batch=batch, turn_rewards=[[] for _ in range(rows)], turns=[1] * rows, finished=[True] * rows, metrics={}
+        )
     if environments is None:
         raise ValueError("multi-turn sampling (rollout.multi_turn.max_turns > 1) needs an environment factory")
-    return run_episodes(rollout, examples, tokenizer, sampling, multi_turn, environments, seed=seed,
-                        chat_template=chat_template, group_ids=group_ids)
+    return run_episodes(
+        rollout,
+        examples,
+        tokenizer,
+        sampling,
+        multi_turn,
+        environments,
+        seed=seed,
+        chat_template=chat_template,
+        group_ids=group_ids,
+    )
 
 
 def run_episodes(
-    rollout: RolloutEngine, examples: Sequence[Example], tokenizer: Any, sampling: SamplingConfig, cfg: MultiTurnConfig,
-    factory: Callable[[Example], Environment], *, seed: int, chat_template: str = "auto",
+    rollout: RolloutEngine,
+    examples: Sequence[Example],
+    tokenizer: Any,
+    sampling: SamplingConfig,
+    cfg: MultiTurnConfig,
+    factory: Callable[[Example], Environment],
+    *,
+    seed: int,
+    chat_template: str = "auto",
     group_ids: torch.Tensor | None = None,
 ) -> Episodes:
     """Trajectories of ``examples`` (``sampling.n`` each, rows in ``generate``'s order); see the module doc.
@@ -91,8 +116,9 @@ def run_episodes(
     budget = [cfg.max_total_tokens - len(list(e.prompt_ids)) for e in rows]
     if min(budget) < 1:
         worst = rows[budget.index(min(budget))]
-        raise ValueError(f"the prompt of {worst.where} fills rollout.multi_turn.max_total_tokens={cfg.max_total_tokens} "
-                         "on its own")
+        raise ValueError(
+            f"the prompt of {worst.where} fills rollout.multi_turn.max_total_tokens={cfg.max_total_tokens} on its own"
+        )
     envs = [factory(e) for e in rows]
     # the native engine advances every row one cache slot per step, so a batch's turns can take up to
     # max_turns x the budget slots; both engines need the prompt plus the slots to fit their context
@@ -107,13 +133,16 @@ def run_episodes(
             active = [state.live[r] and budget[r] > len(forced[r]) for r in range(len(rows))]
             state.cut([r for r in range(len(rows)) if state.live[r] and not active[r]])
             forced = [f if is_active else [] for f, is_active in zip(forced, active)]
-            limits = [min(budget[r] - len(forced[r]), sampling.max_new_tokens) if active[r] else 0 for r in range(len(rows))]
+            limits = [
+                min(budget[r] - len(forced[r]), sampling.max_new_tokens) if active[r] else 0 for r in range(len(rows))
+            ]
             session, out = session.continue_turn(forced, active=active, max_new_tokens=limits)
             state.record(out, turn, active)
             forced = [[] for _ in rows]
             for r in range(len(rows)):
                 budget[r] -= len(out.tokens[r])
-            state.cut([r for r in range(len(rows)) if active[r] and not out.finished[r]])  # a token limit ended the turn
+            # a token limit ended the turn
+            state.cut([r for r in range(len(rows)) if active[r] and not out.finished[r]])
             answered = [r for r in range(len(rows)) if active[r] and out.finished[r]]
             for r, obs in _step_environments(pool, envs, answered, state, tokenizer, cfg, rows).items():
                 state.observe(r, obs)
@@ -129,8 +158,15 @@ def run_episodes(
     return state.episodes(prompts, sampling, rollout.pad_token_id, group_ids)
 
 
-def _step_environments(pool: Any, envs: list[Environment], rows: list[int], state: "_Rows", tokenizer: Any,
-                       cfg: MultiTurnConfig, examples: list[Example]) -> dict[int, Observation]:
+def _step_environments(
+    pool: Any,
+    envs: list[Environment],
+    rows: list[int],
+    state: "_Rows",
+    tokenizer: Any,
+    cfg: MultiTurnConfig,
+    examples: list[Example],
+) -> dict[int, Observation]:
     """Every environment whose model turn ended answers it, concurrently, each within ``cfg.call_timeout_s`` of
     starting. A step still queued behind hung ones times out too, once the whole batch could have run
     (``call_timeout_s`` per round of ``cfg.workers`` steps, plus one), so this never waits without bound."""
@@ -146,10 +182,14 @@ def _step_environments(pool: Any, envs: list[Environment], rows: list[int], stat
     answers: dict[int, Observation] = {}
     pending = set(futures)
     while pending:
-        deadlines = {f: started[futures[f]] + cfg.call_timeout_s if futures[f] in started else queue_deadline
-                     for f in pending}
-        done, _ = concurrent.futures.wait(pending, timeout=max(0.0, min(deadlines.values()) - time.monotonic()),
-                                          return_when=concurrent.futures.FIRST_COMPLETED)
+        deadlines = {
+            f: started[futures[f]] + cfg.call_timeout_s if futures[f] in started else queue_deadline for f in pending
+        }
+        done, _ = concurrent.futures.wait(
+            pending,
+            timeout=max(0.0, min(deadlines.values()) - time.monotonic()),
+            return_when=concurrent.futures.FIRST_COMPLETED,
+        )
         now = time.monotonic()
         for f in list(pending):
             r = futures[f]
@@ -160,21 +200,28 @@ def _step_environments(pool: Any, envs: list[Environment], rows: list[int], stat
                     answers[r] = _failed(cfg, examples[r], f"raised {type(e).__name__}: {e}", "errors")
             elif now >= deadlines[f]:
                 f.cancel()  # a queued step never starts; a running one is left to finish on its own
-                answers[r] = _failed(cfg, examples[r], f"did not answer within rollout.multi_turn.call_timeout_s="
-                                                         f"{cfg.call_timeout_s:g}", "timeouts")
+                answers[r] = _failed(
+                    cfg,
+                    examples[r],
+                    f"did not answer within rollout.multi_turn.call_timeout_s={cfg.call_timeout_s:g}",
+                    "timeouts",
+                )
             else:
                 continue
             pending.discard(f)
             if not isinstance(answers[r], Observation):
-                raise EnvironmentStepError(f"the environment of {examples[r].where} returned "
-                                           f"{type(answers[r]).__name__}, not an Observation")
+                raise EnvironmentStepError(
+                    f"the environment of {examples[r].where} returned {type(answers[r]).__name__}, not an Observation"
+                )
     return answers
 
 
 def _failed(cfg: MultiTurnConfig, example: Example, what: str, metric: str) -> Observation:
     if cfg.on_error == "error":
-        raise EnvironmentStepError(f"the environment of {example.where} {what} (rollout.multi_turn.on_error=end ends such "
-                                "trajectories and counts them instead)")
+        raise EnvironmentStepError(
+            f"the environment of {example.where} {what} (rollout.multi_turn.on_error=end ends such "
+            "trajectories and counts them instead)"
+        )
     return Observation(done=True, metrics={metric: 1.0})
 
 
@@ -223,8 +270,9 @@ class _Rows:
         for key, value in obs.metrics.items():
             self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
 
-    def episodes(self, prompts: list[list[int]], sampling: SamplingConfig, pad: int,
-                 group_ids: torch.Tensor | None) -> Episodes:
+    def episodes(
+        self, prompts: list[list[int]], sampling: SamplingConfig, pad: int, group_ids: torch.Tensor | None
+    ) -> Episodes:
         b, t = len(self.tokens), max(1, max(len(x) for x in self.tokens))
         response_ids = torch.full((b, t), pad, dtype=torch.long)
         response_mask = torch.zeros((b, t), dtype=torch.bool)
@@ -242,12 +290,17 @@ class _Rows:
         k = max(1, max(len(x) for x in self.turn_rewards))
         rewards = torch.tensor([x + [0.0] * (k - len(x)) for x in self.turn_rewards], dtype=torch.float32)
         token_rewards = turn_rewards_to_tokens(rewards, turn_ids=turn_ids, loss_mask=loss_mask)
-        batch = assemble_batch(prompt_ids, prompt_mask, response_ids, response_mask, logprobs, n=sampling.n,
-                               group_ids=group_ids).replace(loss_mask=loss_mask, turn_ids=turn_ids, token_rewards=token_rewards)
+        batch = assemble_batch(
+            prompt_ids, prompt_mask, response_ids, response_mask, logprobs, n=sampling.n, group_ids=group_ids
+        ).replace(loss_mask=loss_mask, turn_ids=turn_ids, token_rewards=token_rewards)
         totals = {"errors": 0.0, "timeouts": 0.0, **self.metrics}
         metrics = {f"multi_turn/{key}": value / b for key, value in totals.items()}
         metrics["multi_turn/turns"] = sum(self.turns) / b
         metrics["multi_turn/finished"] = sum(self.finished) / b
         if "tool_calls" in totals:
-            metrics["multi_turn/tool_call_validity"] = 1.0 - totals.get("tool_call_errors", 0.0) / max(totals["tool_calls"], 1.0)
-        return Episodes(batch=batch, turn_rewards=self.turn_rewards, turns=self.turns, finished=self.finished, metrics=metrics)
+            metrics["multi_turn/tool_call_validity"] = 1.0 - totals.get("tool_call_errors", 0.0) / max(
+                totals["tool_calls"], 1.0
+            )
+        return Episodes(
+            batch=batch, turn_rewards=self.turn_rewards, turns=self.turns, finished=self.finished, metrics=metrics
+        )

@@ -28,8 +28,15 @@ from backends.rollout.environments import MultiTurnConfig
 from backends.rollout.vllm import VLLMConfig
 
 __all__ = [
-    "MultiTurnConfig", "ROLLOUT_ENGINES", "RolloutConfig", "SamplingConfig", "TurnOutput", "build_rollout",
-    "decode_responses", "refuse_on_a_pool", "rollout_engine_spec",
+    "MultiTurnConfig",
+    "ROLLOUT_ENGINES",
+    "RolloutConfig",
+    "SamplingConfig",
+    "TurnOutput",
+    "build_rollout",
+    "decode_responses",
+    "refuse_on_a_pool",
+    "rollout_engine_spec",
 ]
 
 #: name -> registration (``rollout.engine``)
@@ -47,7 +54,8 @@ class RolloutConfig(SamplingConfig):
     #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on
     #: GPU, 16 on CPU (where gloo moves small buffers faster)
     sync_bucket_mb: float | None = None
-    multi_turn: MultiTurnConfig = MultiTurnConfig()  #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
+    #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
+    multi_turn: MultiTurnConfig = MultiTurnConfig()
 
     @dtype.validator
     def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
@@ -68,13 +76,21 @@ def rollout_engine_spec(cfg: RolloutConfig) -> RolloutEngineSpec:
     """The registration of the engine ``cfg.engine`` names; an unknown name is an error listing the known ones."""
     spec = ROLLOUT_ENGINES.get(cfg.engine)
     if spec is None:
-        raise ValueError(f"unknown rollout engine {cfg.engine!r} (rollout.engine); known engines: "
-                         f"{', '.join(ROLLOUT_ENGINES)}")
+        raise ValueError(
+            f"unknown rollout engine {cfg.engine!r} (rollout.engine); known engines: {', '.join(ROLLOUT_ENGINES)}"
+        )
     return spec
 
 
-def build_rollout(cfg: RolloutConfig, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0,
-                  max_context: int | None = None, device: str | torch.device | None = None) -> RolloutEngine:
+def build_rollout(
+    cfg: RolloutConfig,
+    model_path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    seed: int = 0,
+    max_context: int | None = None,
+    device: str | torch.device | None = None,
+) -> RolloutEngine:
     """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun).
 
     ``max_context``: the longest prompt plus response the recipe samples (its ``data.max_prompt_length +
@@ -82,8 +98,7 @@ def build_rollout(cfg: RolloutConfig, model_path: str | os.PathLike, tokenizer: 
     ``device``: where an engine that runs in torch places itself (the trainer's device: ``cuda:LOCAL_RANK`` on a
     GPU node); vLLM places itself.
     """
-    return rollout_engine_spec(cfg).build(cfg, model_path, tokenizer, seed=seed, max_context=max_context,
-                                          device=device)
+    return rollout_engine_spec(cfg).build(cfg, model_path, tokenizer, seed=seed, max_context=max_context, device=device)
 
 
 def refuse_on_a_pool(cfg: RolloutConfig, placement: str, *, setting: str, colocated: str) -> None:
@@ -96,4 +111,5 @@ def refuse_on_a_pool(cfg: RolloutConfig, placement: str, *, setting: str, coloca
         raise ConfigError(
             f"rollout.engine={cfg.engine} with {placement}: {reason}. What works: rollout.engine={fits} with {setting} "
             f"(an engine that samples on a pool of the ranks), or rollout.engine={cfg.engine} with {colocated} (on "
-            "every rank, colocated with the trainer)")
+            "every rank, colocated with the trainer)"
+        )

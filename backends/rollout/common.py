@@ -147,7 +147,8 @@ def check_group_ids(group_ids: Tensor | None, num_prompts: int) -> Tensor | None
     group_ids = torch.as_tensor(group_ids)
     if group_ids.shape != (num_prompts,) or group_ids.is_floating_point() or group_ids.dtype == torch.bool:
         raise ValueError(
-            f"group_ids must be an integer tensor of shape ({num_prompts},), got {group_ids.dtype} {tuple(group_ids.shape)}"
+            f"group_ids must be an integer tensor of shape ({num_prompts},), "
+            f"got {group_ids.dtype} {tuple(group_ids.shape)}"
         )
     return group_ids
 
@@ -164,8 +165,14 @@ def left_pad(prompts: list[list[int]], pad_token_id: int) -> tuple[Tensor, Tenso
 
 
 def assemble_batch(
-    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor, rollout_logprobs: Tensor,
-    *, n: int, group_ids: Tensor | None,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    rollout_logprobs: Tensor,
+    *,
+    n: int,
+    group_ids: Tensor | None,
 ) -> RolloutBatch:
     """The validated batch: per-prompt ``(num_prompts p)`` tensors repeated for the ``n`` rows of each;
     ``group_ids`` per prompt (default: the prompt's index)."""
@@ -226,7 +233,9 @@ def decode_responses(tokenizer: Any, batch: RolloutBatch, *, skip_special_tokens
     """The text of each row's response (masked tokens only; EOS and other specials dropped by default)."""
     lengths = batch.response_mask.sum(-1).tolist()
     ids = batch.response_ids.tolist()
-    return [tokenizer.decode(row[:length], skip_special_tokens=skip_special_tokens) for row, length in zip(ids, lengths)]
+    return [
+        tokenizer.decode(row[:length], skip_special_tokens=skip_special_tokens) for row, length in zip(ids, lengths)
+    ]
 
 
 def answer_texts(tokenizer: Any, batch: RolloutBatch) -> list[str]:
@@ -237,4 +246,6 @@ def answer_texts(tokenizer: Any, batch: RolloutBatch) -> list[str]:
     own = batch.response_mask if batch.loss_mask is None else batch.loss_mask
     last = torch.where(own, batch.turn_ids, -1).amax(-1, keepdim=True)
     answer = own & (batch.turn_ids == last)
-    return [tokenizer.decode(ids[keep].tolist(), skip_special_tokens=True) for ids, keep in zip(batch.response_ids, answer)]
+    return [
+        tokenizer.decode(ids[keep].tolist(), skip_special_tokens=True) for ids, keep in zip(batch.response_ids, answer)
+    ]

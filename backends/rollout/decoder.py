@@ -20,8 +20,15 @@ from torch import Tensor
 
 from backends.rollout.kv_cache import KVCache, apply_rope
 
-__all__ = ["PREPACK_MIN_FP32_WEIGHT", "Decoder", "Layer", "Linear", "Workspace", "decoder_layers",
-           "onednn_linear_works"]
+__all__ = [
+    "PREPACK_MIN_FP32_WEIGHT",
+    "Decoder",
+    "Layer",
+    "Linear",
+    "Workspace",
+    "decoder_layers",
+    "onednn_linear_works",
+]
 
 
 #: fp32 weights with fewer elements run through ``F.linear`` (MKL), not prepacked oneDNN: for small
@@ -164,8 +171,9 @@ class Workspace:
             )
         return self._weights[rows_hint, prepack]
 
-    def buffers(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                count: int) -> list[Tensor]:
+    def buffers(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, count: int
+    ) -> list[Tensor]:
         """``count`` uninitialised tensors of ``shape``: on the CPU the same ones as the last call with these
         arguments (new ones are views of one ``torch.empty((count, *shape))``), elsewhere new ones."""
         if torch.device(device).type != "cpu":
@@ -197,8 +205,16 @@ class Decoder:
     may run in between); :meth:`release` drops them.
     """
 
-    def __init__(self, model: Any, rows: int, total_len: int, prepack: bool, workspace: Workspace | None = None,
-                 *, own_cache: bool = False) -> None:
+    def __init__(
+        self,
+        model: Any,
+        rows: int,
+        total_len: int,
+        prepack: bool,
+        workspace: Workspace | None = None,
+        *,
+        own_cache: bool = False,
+    ) -> None:
         workspace = workspace if workspace is not None else Workspace()
         cfg = model.config
         self.num_heads = cfg.num_attention_heads
@@ -231,9 +247,17 @@ class Decoder:
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
         # to it, so no slot is read before it is written
         self.cache = KVCache.allocate(
-            rows=rows, total_len=total_len, num_heads=self.num_heads, num_kv=self.num_kv, head_dim=self.head_dim,
-            layers=len(self.layers), att_dtype=self.att_dtype, device=self.device, rope=(self.cos, self.sin),
-            scale=self.scale, buffers=buffers,
+            rows=rows,
+            total_len=total_len,
+            num_heads=self.num_heads,
+            num_kv=self.num_kv,
+            head_dim=self.head_dim,
+            layers=len(self.layers),
+            att_dtype=self.att_dtype,
+            device=self.device,
+            rope=(self.cos, self.sin),
+            scale=self.scale,
+            buffers=buffers,
         )
 
     @property
@@ -287,8 +311,9 @@ class Decoder:
             x = self._mlp(x, lw)
         return self._logits(x)
 
-    def step(self, tokens: Tensor, positions: Tensor, slot: int, masked: Tensor | None = None,
-             rows: Tensor | None = None) -> Tensor:
+    def step(
+        self, tokens: Tensor, positions: Tensor, slot: int, masked: Tensor | None = None, rows: Tensor | None = None
+    ) -> Tensor:
         """One new token per working row: ``tokens (b)`` at RoPE ``positions (b)``, written to cache ``slot``.
         Returns the logits ``(b v)``.
 

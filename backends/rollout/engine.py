@@ -32,8 +32,9 @@ __all__ = ["RolloutEngine", "RolloutEngineSpec", "Session"]
 class Session(Protocol):
     """A multi-turn session: rows whose context continues across turns; only the newest value continues."""
 
-    def continue_turn(self, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
-                      max_new_tokens: Sequence[int]) -> tuple["Session", TurnOutput]:
+    def continue_turn(
+        self, forced: Sequence[Sequence[int]], *, active: Sequence[bool], max_new_tokens: Sequence[int]
+    ) -> tuple["Session", TurnOutput]:
         """Feed each active row its ``forced`` tokens, then sample its next turn (up to EOS or its
         ``max_new_tokens``): the new session and what the call added (token in, token out)."""
         ...
@@ -52,13 +53,20 @@ class RolloutEngine(Protocol):
     max_context: int  #: prompt + response tokens must fit in this many positions
     weights_version: int  #: counts weight syncs
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), *,
-                 group_ids: Tensor | None = None, seed: int | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig = SamplingConfig(),
+        *,
+        group_ids: Tensor | None = None,
+        seed: int | None = None,
+    ) -> RolloutBatch:
         """``sampling.n`` responses per prompt as a :class:`rlfunc.RolloutBatch` (raw sampled-token log-probs)."""
         ...
 
-    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
-                      max_slots: int) -> Session:
+    def start_session(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> Session:
         """A multi-turn session over ``prompts`` (``sampling.n`` rows each, in ``generate``'s order);
         ``max_slots``: the most tokens the session adds to a row after its prompt."""
         ...
@@ -67,8 +75,9 @@ class RolloutEngine(Protocol):
         """Full HF-named tensors into the engine (checked; see the engine); the new state."""
         ...
 
-    def sync_adapter(self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float,
-                     target_modules: Sequence[str], version: int) -> "RolloutEngine":
+    def sync_adapter(
+        self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float, target_modules: Sequence[str], version: int
+    ) -> "RolloutEngine":
         """A LoRA adapter's factors alone (peft names), the base weights staying as built; an engine without
         adapters refuses (its spec says ``adapter_sync`` is never on)."""
         ...

@@ -30,8 +30,17 @@ from backends.config import ConfigError, resolve_function
 from backends.data import Example, prompt_token_ids
 
 __all__ = [
-    "Environment", "MultiTurnConfig", "Observation", "ToolEnvironment", "argument_errors", "environment_factory",
-    "load_tools", "observation_token_ids", "parse_tool_calls", "tool_schema", "tool_schemas",
+    "Environment",
+    "MultiTurnConfig",
+    "Observation",
+    "ToolEnvironment",
+    "argument_errors",
+    "environment_factory",
+    "load_tools",
+    "observation_token_ids",
+    "parse_tool_calls",
+    "tool_schema",
+    "tool_schemas",
 ]
 
 #: the markers of a tool call (Hermes / Qwen2.5 chat templates; one token each in the tiny char tokenizer)
@@ -42,22 +51,28 @@ TOOL_CALL_MARKER = re.compile(r"</?tool_call>")
 class MultiTurnConfig:
     """Multi-turn rollouts (``rollout.multi_turn.*``): turns, budgets, the environment and its tools."""
 
-    max_turns: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: model turns per trajectory; 1: single-turn sampling, no environment
-    max_total_tokens: int = attrs.field(default=1024, validator=attrs.validators.ge(2))  #: budget of one trajectory: prompt, every turn and every observation
+    #: model turns per trajectory; 1: single-turn sampling, no environment
+    max_turns: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    #: budget of one trajectory: prompt, every turn and every observation
+    max_total_tokens: int = attrs.field(default=1024, validator=attrs.validators.ge(2))
     #: tools: the built-in tool-calling environment over multi_turn.tools; else a reference package.module:factory /
     #: path/to/file.py:factory, called with a data row (backends.data.Example) and returning an Environment
     environment: str = "tools"
     tools: tuple[str, ...] = ()  #: tool functions by reference (package.module:function / path/to/file.py:function)
-    call_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))  #: limit of one tool call or environment step
-    workers: int = attrs.field(default=8, validator=attrs.validators.ge(1))  #: environment steps of different trajectories run at once
-    on_error: str = attrs.field(default="error", validator=attrs.validators.in_(("error", "end")))  #: an environment that raises or hangs: stop with an error naming the row, or end that trajectory and count it
+    #: limit of one tool call or environment step
+    call_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0))
+    #: environment steps of different trajectories run at once
+    workers: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    #: an environment that raises or hangs: stop with an error naming the row, or end that trajectory and count it
+    on_error: str = attrs.field(default="error", validator=attrs.validators.in_(("error", "end")))
 
 
 @attrs.frozen
 class Observation:
     """What an environment answers a model turn with."""
 
-    messages: tuple[Mapping[str, str], ...] = attrs.field(default=(), converter=tuple)  #: chat messages back to the model
+    #: chat messages back to the model
+    messages: tuple[Mapping[str, str], ...] = attrs.field(default=(), converter=tuple)
     reward: float = 0.0  #: this turn's reward (added to the trajectory's outcome reward)
     done: bool = False  #: no further turn
     metrics: Mapping[str, float] = attrs.field(factory=dict)  #: numbers to log (summed over the batch's turns)
@@ -80,13 +95,15 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]] | str]:
     for marker in TOOL_CALL_MARKER.finditer(text):
         if marker.group() == "<tool_call>":
             if opened is not None:
-                calls.append(f"the tool call is not closed with </tool_call> before the next <tool_call>: "
-                             f"{text[opened:marker.start()].strip()[:200]}")
+                calls.append(
+                    f"the tool call is not closed with </tool_call> before the next <tool_call>: "
+                    f"{text[opened : marker.start()].strip()[:200]}"
+                )
             opened = marker.end()
         elif opened is None:
-            calls.append(f"</tool_call> without an opening <tool_call>: ...{text[:marker.start()].strip()[-200:]}")
+            calls.append(f"</tool_call> without an opening <tool_call>: ...{text[: marker.start()].strip()[-200:]}")
         else:
-            calls.append(_parse_call(text[opened:marker.start()]))
+            calls.append(_parse_call(text[opened : marker.start()]))
             opened = None
     if opened is not None:
         calls.append(f"the tool call is not closed with </tool_call>: {text[opened:].strip()[:200]}")
@@ -118,8 +135,10 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     try:
         return get_json_schema(fn)
     except Exception as e:  # transformers raises its own parsing errors
-        raise ConfigError(f"tool {getattr(fn, '__name__', fn)!r} has no usable JSON schema: {e} (a tool needs type hints "
-                          "and a docstring with an Args: line per argument)") from None
+        raise ConfigError(
+            f"tool {getattr(fn, '__name__', fn)!r} has no usable JSON schema: {e} (a tool needs type hints "
+            "and a docstring with an Args: line per argument)"
+        ) from None
 
 
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -166,8 +185,10 @@ class ToolEnvironment:
             return Observation(done=True, metrics={"tool_calls": 0.0, "tool_call_errors": 0.0})
         results = [self._call(call) for call in calls]
         errors = sum(1.0 for ok, _ in results if not ok)
-        return Observation(messages=tuple({"role": "tool", "content": text} for _, text in results),
-                           metrics={"tool_calls": float(len(calls)), "tool_call_errors": errors})
+        return Observation(
+            messages=tuple({"role": "tool", "content": text} for _, text in results),
+            metrics={"tool_calls": float(len(calls)), "tool_call_errors": errors},
+        )
 
     def _call(self, call: tuple[str, dict[str, Any]] | str) -> tuple[bool, str]:
         if isinstance(call, str):
@@ -216,8 +237,10 @@ def environment_factory(cfg: MultiTurnConfig) -> Callable[[Example], Environment
     """``factory(example) -> Environment`` from the config; resolved at start-up, so a bad reference fails there."""
     if cfg.environment == "tools":
         if not cfg.tools:
-            raise ConfigError("rollout.multi_turn.environment=tools needs rollout.multi_turn.tools (your tool functions "
-                              "as package.module:function or path/to/file.py:function)")
+            raise ConfigError(
+                "rollout.multi_turn.environment=tools needs rollout.multi_turn.tools (your tool functions "
+                "as package.module:function or path/to/file.py:function)"
+            )
         tools = load_tools(cfg.tools)
         return lambda example: ToolEnvironment(tools, timeout_s=cfg.call_timeout_s)
     return resolve_function(cfg.environment, {}, "rollout.multi_turn.environment")
@@ -226,7 +249,9 @@ def environment_factory(cfg: MultiTurnConfig) -> Callable[[Example], Environment
 # ------------------------------------------------------------------------------------------ tokens
 
 
-def observation_token_ids(messages: Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto") -> list[int]:
+def observation_token_ids(
+    messages: Sequence[Mapping[str, str]], tokenizer: Any, *, chat_template: str = "auto"
+) -> list[int]:
     """The tokens that follow a model turn when ``messages`` answer it, up to the next generation prompt.
 
     Rendered by the chat template as the difference between a conversation with and without the messages,
@@ -237,9 +262,11 @@ def observation_token_ids(messages: Sequence[Mapping[str, str]], tokenizer: Any,
     base = _template_ids(anchor, tokenizer, chat_template, generation_prompt=False)
     full = _template_ids(anchor + [dict(m) for m in messages], tokenizer, chat_template, generation_prompt=True)
     if full[: len(base)] != base:
-        raise ValueError("the chat template renders a conversation's start differently once messages follow it; "
-                         "observation tokens cannot be cut from it")
-    return full[len(base):]
+        raise ValueError(
+            "the chat template renders a conversation's start differently once messages follow it; "
+            "observation tokens cannot be cut from it"
+        )
+    return full[len(base) :]
 
 
 def _template_ids(messages: list[dict], tokenizer: Any, chat_template: str, *, generation_prompt: bool) -> list[int]:

@@ -37,22 +37,34 @@ __all__ = ["EvalConfig", "evaluate"]
 class EvalConfig:
     """When and how the held-out prompts are evaluated (verl's ``val_kwargs``)."""
 
-    every: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: evaluate every N RL steps; 0: only before and after training
+    #: evaluate every N RL steps; 0: only before and after training
+    every: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     files: tuple[str, ...] = ()  #: held-out data files; empty: data.val_files
     n: int = attrs.field(default=4, validator=attrs.validators.ge(1))  #: samples per prompt for mean@n
-    temperature: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))  #: sampling temperature of the mean@n samples
+    #: sampling temperature of the mean@n samples
+    temperature: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
     top_p: float = 1.0  #: nucleus mass of the mean@n samples
     top_k: int = 0  #: top-k of the mean@n samples (0: off)
     greedy: bool = True  #: also report greedy@1 (one temperature-0 answer per prompt)
-    max_prompts: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: use the first N held-out prompts (0: all)
+    #: use the first N held-out prompts (0: all)
+    max_prompts: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     before_training: bool = True  #: evaluate once before the first RL step
 
 
 @torch.no_grad()
 def evaluate(
-    rollout: Any, tokenizer: Any, examples: Sequence[Example], scorer: RewardScorer, cfg: EvalConfig, env: Any, *,
-    max_new_tokens: int, seed: int = 10_007, multi_turn: MultiTurnConfig = MultiTurnConfig(),
-    environments: Callable[[Example], Any] | None = None, chat_template: str = "auto",
+    rollout: Any,
+    tokenizer: Any,
+    examples: Sequence[Example],
+    scorer: RewardScorer,
+    cfg: EvalConfig,
+    env: Any,
+    *,
+    max_new_tokens: int,
+    seed: int = 10_007,
+    multi_turn: MultiTurnConfig = MultiTurnConfig(),
+    environments: Callable[[Example], Any] | None = None,
+    chat_template: str = "auto",
 ) -> dict[str, float]:
     """The metrics of the module docstring over ``examples`` (see there)."""
     examples = list(examples[: cfg.max_prompts] if cfg.max_prompts else examples)
@@ -61,8 +73,9 @@ def evaluate(
     padding = not mine and bool(examples)  # sampled so the engine's peers are not left waiting; not counted
     if padding:
         mine = examples[:1]
-    sampled = SamplingConfig(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                             max_new_tokens=max_new_tokens)
+    sampled = SamplingConfig(
+        n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_new_tokens=max_new_tokens
+    )
     # per source: [successes, score sum, samples] sampled, then [successes, prompts] greedy
     sums = torch.zeros(len(sources), 5, dtype=torch.float64)
     index = {s: i for i, s in enumerate(sources)}
@@ -70,8 +83,16 @@ def evaluate(
     for sampling, column in passes:
         if not mine:
             continue
-        batch = sample(rollout, mine, tokenizer, sampling, seed=seed + env.rank, multi_turn=multi_turn,
-                       environments=environments, chat_template=chat_template).batch
+        batch = sample(
+            rollout,
+            mine,
+            tokenizer,
+            sampling,
+            seed=seed + env.rank,
+            multi_turn=multi_turn,
+            environments=environments,
+            chat_template=chat_template,
+        ).batch
         if padding:
             continue
         rows = [mine[g] for g in batch.group_ids.tolist()]

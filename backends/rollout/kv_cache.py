@@ -41,8 +41,17 @@ class KVCache:
     ``key_bias`` masks slots per row, so a step may write a dummy token for some rows (:meth:`mask_slot`):
     what multi-turn rollouts need."""
 
-    def __init__(self, k: list[Tensor], v: list[Tensor], *, num_heads: int, att_dtype: torch.dtype,
-                 rope: tuple[Tensor, Tensor], scale: float, device: torch.device) -> None:
+    def __init__(
+        self,
+        k: list[Tensor],
+        v: list[Tensor],
+        *,
+        num_heads: int,
+        att_dtype: torch.dtype,
+        rope: tuple[Tensor, Tensor],
+        scale: float,
+        device: torch.device,
+    ) -> None:
         self.k, self.v = k, v
         self.num_heads, self.att_dtype, self.scale = num_heads, att_dtype, scale
         self.cos, self.sin = rope
@@ -51,9 +60,21 @@ class KVCache:
         self._step: tuple | None = None
 
     @classmethod
-    def allocate(cls, *, rows: int, total_len: int, num_heads: int, num_kv: int, head_dim: int, layers: int,
-                 att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor], scale: float,
-                 buffers: Buffers) -> KVCache:
+    def allocate(
+        cls,
+        *,
+        rows: int,
+        total_len: int,
+        num_heads: int,
+        num_kv: int,
+        head_dim: int,
+        layers: int,
+        att_dtype: torch.dtype,
+        device: torch.device,
+        rope: tuple[Tensor, Tensor],
+        scale: float,
+        buffers: Buffers,
+    ) -> KVCache:
         """Uninitialised caches for ``rows`` rows of ``total_len`` slots, from ``buffers``; ``rope`` is the
         ``(cos, sin_signed)`` tables of every position."""
         shape = (rows, num_kv, total_len, head_dim)

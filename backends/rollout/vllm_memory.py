@@ -51,8 +51,9 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def plan_gpu_memory(config: Any, hf_cfg: Any, path: Path, context: int, *, free_bytes: int, total_bytes: int,
-                    params: int | None = None) -> float:
+def plan_gpu_memory(
+    config: Any, hf_cfg: Any, path: Path, context: int, *, free_bytes: int, total_bytes: int, params: int | None = None
+) -> float:
     """The ``gpu_memory_utilization`` to build with, or an error naming the numbers when the engine cannot fit.
 
     vLLM may use ``utilization x total`` bytes of the device and refuses to start when less is free. Its

@@ -17,8 +17,15 @@ import torch
 from backends.rollout.common import SamplingConfig
 from backends.rollout.vllm_sleep import SLEEP_POOLS, wake_pools
 
-__all__ = ["VLLMSamplingConfig", "as_sampling_config", "build_requests", "gather_tp_inputs", "run_requests",
-           "to_sampling_params", "wake_up"]
+__all__ = [
+    "VLLMSamplingConfig",
+    "as_sampling_config",
+    "build_requests",
+    "gather_tp_inputs",
+    "run_requests",
+    "to_sampling_params",
+    "wake_up",
+]
 
 
 @attrs.frozen
@@ -126,8 +133,9 @@ def gather_tp_inputs(rollout: Any, inputs: Any, error: Exception | None, *, call
     return [g[0] for g in gathered], torch.distributed.get_rank(group)
 
 
-def build_requests(prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int],
-                   seed: int) -> tuple[list, list]:
+def build_requests(
+    prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int
+) -> tuple[list, list]:
     """One request per prompt with its ``SamplingParams``, each seeded from ``seed`` and its index."""
     # one seed per prompt (vLLM seeds sample j of a request with seed + j): distinct streams for every row, and a
     # row's samples do not depend on the other rows of the engine's batch (a TP group submits its ranks' prompts
@@ -144,10 +152,14 @@ def run_requests(rollout: Any, requests: list, params: list) -> list:
     """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
     engine is awake; refused while a level-2 sleep has dropped the weights."""
     if rollout.sync_failure:
-        raise RuntimeError(f"the vLLM engine's last weight sync failed part-way ({rollout.sync_failure[0]}): "
-                           "call sync_weights with a complete set of weights before generating")
+        raise RuntimeError(
+            f"the vLLM engine's last weight sync failed part-way ({rollout.sync_failure[0]}): "
+            "call sync_weights with a complete set of weights before generating"
+        )
     if rollout.weights_dropped:
-        raise RuntimeError("the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
-                           "loaded since: call sync_weights before generating")
+        raise RuntimeError(
+            "the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
+            "loaded since: call sync_weights before generating"
+        )
     wake_up(rollout)  # what still sleeps: the KV cache after a sync, both pools after a sleep with no sync
     return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)

@@ -61,8 +61,9 @@ class VLLMSession:
     def num_rows(self) -> int:
         return len(self.tokens)
 
-    def continue_turn(self, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
-                      max_new_tokens: Sequence[int]) -> tuple[VLLMSession, TurnOutput]:
+    def continue_turn(
+        self, forced: Sequence[Sequence[int]], *, active: Sequence[bool], max_new_tokens: Sequence[int]
+    ) -> tuple[VLLMSession, TurnOutput]:
         """The :class:`backends.rollout.engine.Session` protocol: :func:`continue_session`."""
         return continue_session(self, forced, active=active, max_new_tokens=max_new_tokens)
 
@@ -76,8 +77,14 @@ def turn_seed(seed: int, row: int, turn: int) -> int:
     return (seed * 1_000_003 + row + turn * _TURN_STRIDE) % 2**62
 
 
-def start_session(rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Mapping[str, Any],
-                  *, seed: int, max_slots: int) -> VLLMSession:
+def start_session(
+    rollout: Any,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig | Mapping[str, Any],
+    *,
+    seed: int,
+    max_slots: int,
+) -> VLLMSession:
     """A session of ``sampling.n`` rows per prompt (``generate``'s row order); nothing is generated yet.
 
     ``max_slots`` bounds the tokens the whole session may add to each row (forced and sampled), and each
@@ -99,25 +106,41 @@ def start_session(rollout: Any, prompts: Sequence[Sequence[int]], sampling: Samp
     return session
 
 
-def _new_session(rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Mapping[str, Any],
-                 *, seed: int, max_slots: int) -> VLLMSession:
+def _new_session(
+    rollout: Any,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingConfig | Mapping[str, Any],
+    *,
+    seed: int,
+    max_slots: int,
+) -> VLLMSession:
     sampling = as_sampling_config(sampling)
     context = rollout.max_context
     if isinstance(max_slots, bool) or not isinstance(max_slots, int) or not 1 <= max_slots < context:
-        raise ValueError(f"max_slots must be an int in [1, {context}) (the rollout's max_context is {context} "
-                         f"positions), got {max_slots!r}")
+        raise ValueError(
+            f"max_slots must be an int in [1, {context}) (the rollout's max_context is {context} "
+            f"positions), got {max_slots!r}"
+        )
     if not sampling.truncate_prompts and isinstance(prompts, Sequence):
         for i, prompt in enumerate(prompts):
             if len(prompt) + max_slots > context:
                 raise ValueError(
                     f"prompt {i} has {len(prompt)} tokens; with max_slots={max_slots} the session needs "
                     f"{len(prompt) + max_slots} positions, more than the context of max_context={context} (lower "
-                    "max_slots or set truncate_prompts=True to keep the last tokens)")
-    checked = prepare_prompts(prompts, attrs.evolve(sampling, max_new_tokens=max_slots), max_context=context,
-                              vocab_size=rollout.vocab_size)
+                    "max_slots or set truncate_prompts=True to keep the last tokens)"
+                )
+    checked = prepare_prompts(
+        prompts, attrs.evolve(sampling, max_new_tokens=max_slots), max_context=context, vocab_size=rollout.vocab_size
+    )
     rows = [ids for ids in checked for _ in range(sampling.n)]
-    return VLLMSession(rollout=rollout, sampling=sampling, seed=int(seed), max_slots=max_slots,
-                       prompt_lengths=tuple(len(r) for r in rows), tokens=[list(r) for r in rows])
+    return VLLMSession(
+        rollout=rollout,
+        sampling=sampling,
+        seed=int(seed),
+        max_slots=max_slots,
+        prompt_lengths=tuple(len(r) for r in rows),
+        tokens=[list(r) for r in rows],
+    )
 
 
 def _token_ids(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]:
@@ -130,8 +153,9 @@ def _token_ids(tokens: Sequence[int], vocab_size: int, what: str) -> list[int]:
     return ids
 
 
-def continue_session(session: VLLMSession, forced: Sequence[Sequence[int]], *, active: Sequence[bool],
-                     max_new_tokens: Sequence[int]) -> tuple[VLLMSession, TurnOutput]:
+def continue_session(
+    session: VLLMSession, forced: Sequence[Sequence[int]], *, active: Sequence[bool], max_new_tokens: Sequence[int]
+) -> tuple[VLLMSession, TurnOutput]:
     """Each active row: append ``forced[row]``, then sample one turn (until an EOS, or ``max_new_tokens[row]``
     tokens; 0 samples nothing). Inactive rows add nothing: their ``max_new_tokens`` is ignored and, as with
     the native engine, they must have no forced tokens. Returns the new session and what was added.
@@ -166,8 +190,9 @@ def continue_session(session: VLLMSession, forced: Sequence[Sequence[int]], *, a
     return _apply_turn(session, wanted, dict(zip([row for row, _, _ in mine], outputs[start : start + len(mine)])))
 
 
-def _check_turn(session: VLLMSession, forced: Sequence[Sequence[int]], active: Sequence[bool],
-                max_new_tokens: Sequence[int]) -> list[tuple[int, list[int], int]]:
+def _check_turn(
+    session: VLLMSession, forced: Sequence[Sequence[int]], active: Sequence[bool], max_new_tokens: Sequence[int]
+) -> list[tuple[int, list[int], int]]:
     """``(row, forced ids, max_tokens)`` of each active row, after the checks named in continue_session."""
     rows, rollout = session.num_rows, session.rollout
     for name, value in (("forced", forced), ("active", active), ("max_new_tokens", max_new_tokens)):
@@ -188,13 +213,15 @@ def _check_turn(session: VLLMSession, forced: Sequence[Sequence[int]], active: S
         if added + len(ids) + limit > session.max_slots:
             raise ValueError(
                 f"continue_session: row {row} has added {added} tokens; {len(ids)} forced plus up to {limit} sampled "
-                f"would exceed the session's max_slots={session.max_slots}")
+                f"would exceed the session's max_slots={session.max_slots}"
+            )
         wanted.append((row, ids, limit))
     return wanted
 
 
-def _apply_turn(session: VLLMSession, wanted: list[tuple[int, list[int], int]], outputs: dict[int, Any]
-                ) -> tuple[VLLMSession, TurnOutput]:
+def _apply_turn(
+    session: VLLMSession, wanted: list[tuple[int, list[int], int]], outputs: dict[int, Any]
+) -> tuple[VLLMSession, TurnOutput]:
     """The new session and the turn's output, from each active row's forced ids and vLLM output (if it sampled)."""
     rows = session.num_rows
     tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -217,9 +244,13 @@ def _apply_turn(session: VLLMSession, wanted: list[tuple[int, list[int], int]], 
         prompt_tokens += len(out.prompt_token_ids)
         cached_tokens += int(out.num_cached_tokens or 0)
     history = [session.tokens[row] + tokens[row] if tokens[row] else session.tokens[row] for row in range(rows)]
-    new_session = attrs.evolve(session, tokens=history, turn=session.turn + 1,
-                               prompt_tokens=session.prompt_tokens + prompt_tokens,
-                               cached_tokens=session.cached_tokens + cached_tokens)
+    new_session = attrs.evolve(
+        session,
+        tokens=history,
+        turn=session.turn + 1,
+        prompt_tokens=session.prompt_tokens + prompt_tokens,
+        cached_tokens=session.cached_tokens + cached_tokens,
+    )
     return new_session, TurnOutput(tokens=tokens, logprobs=logprobs, sampled=sampled, finished=finished)
 
 

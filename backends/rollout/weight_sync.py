@@ -23,8 +23,14 @@ from typing import Iterable, Iterator
 import torch
 from torch import Tensor
 
-__all__ = ["CHECK_BUCKET_BYTES", "check_sync_tensor", "missing_targets", "staged_weights", "bucketed_weights",
-           "streamed_weights"]
+__all__ = [
+    "CHECK_BUCKET_BYTES",
+    "check_sync_tensor",
+    "missing_targets",
+    "staged_weights",
+    "bucketed_weights",
+    "streamed_weights",
+]
 
 #: :func:`bucketed_weights`: bytes of tensors held (where the producer made them) for one NaN / Inf check
 CHECK_BUCKET_BYTES = 512 * 2**20
@@ -47,9 +53,13 @@ def check_sync_tensor(name: str, tensor: Tensor, targets: dict[str, Tensor], *, 
         )
     if target.is_floating_point():
         if not tensor.is_floating_point():
-            raise TypeError(f"sync_weights: {name!r} has dtype {tensor.dtype}, the rollout model's parameter is {target.dtype}")
+            raise TypeError(
+                f"sync_weights: {name!r} has dtype {tensor.dtype}, the rollout model's parameter is {target.dtype}"
+            )
         if check_finite and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"sync_weights: {name!r} holds NaN or Inf values; the rollout engine keeps its previous weights")
+            raise ValueError(
+                f"sync_weights: {name!r} holds NaN or Inf values; the rollout engine keeps its previous weights"
+            )
     return tensor
 
 
@@ -58,8 +68,9 @@ def missing_targets(targets: dict[str, Tensor], received: set[int]) -> list[str]
     return sorted(n for n, t in targets.items() if id(t) not in received)
 
 
-def staged_weights(named_tensors: Iterable[tuple[str, Tensor]], targets: dict[str, Tensor] | None, *,
-                   strict: bool) -> list[tuple[str, Tensor]]:
+def staged_weights(
+    named_tensors: Iterable[tuple[str, Tensor]], targets: dict[str, Tensor] | None, *, strict: bool
+) -> list[tuple[str, Tensor]]:
     """Every ``(name, tensor)`` received and checked, device tensors copied to host memory (tied names share one
     copy): nothing is applied before the whole set has passed. ``targets`` None: names are checked by prefix."""
     staged, host = [], {}  # host: id(target) (or the name) -> its staged tensor
@@ -74,13 +85,16 @@ def staged_weights(named_tensors: Iterable[tuple[str, Tensor]], targets: dict[st
         staged.append((name, host.setdefault(key, tensor)))
     missing = missing_targets(targets or {}, set(host))
     if strict and missing:
-        raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}; the "
-                         "engine keeps its previous weights")
+        raise ValueError(
+            f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}; the "
+            "engine keeps its previous weights"
+        )
     return staged
 
 
-def streamed_weights(named_tensors: Iterable[tuple[str, Tensor]], targets: dict[str, Tensor] | None, *,
-                     strict: bool) -> Iterator[tuple[str, Tensor]]:
+def streamed_weights(
+    named_tensors: Iterable[tuple[str, Tensor]], targets: dict[str, Tensor] | None, *, strict: bool
+) -> Iterator[tuple[str, Tensor]]:
     """``named_tensors`` checked as they pass (names, shapes, dtypes at once; NaN / Inf accumulated on the device
     and checked once, after the last tensor, like missing names): the loader sees each tensor once, with no
     copy, and an error raised from this iterator reaches it part-way through."""
@@ -113,8 +127,13 @@ def _check_complete(targets: dict[str, Tensor] | None, received: set[int], stric
         raise ValueError(f"sync_weights: {len(missing)} parameters were not received, e.g. {missing[:5]}")
 
 
-def bucketed_weights(named_tensors: Iterable[tuple[str, Tensor]], targets: dict[str, Tensor] | None, *,
-                     strict: bool, bucket_bytes: int = CHECK_BUCKET_BYTES) -> Iterator[tuple[str, Tensor]]:
+def bucketed_weights(
+    named_tensors: Iterable[tuple[str, Tensor]],
+    targets: dict[str, Tensor] | None,
+    *,
+    strict: bool,
+    bucket_bytes: int = CHECK_BUCKET_BYTES,
+) -> Iterator[tuple[str, Tensor]]:
     """``named_tensors`` checked in buckets of about ``bucket_bytes``: names, shapes and dtypes as each arrives,
     NaN / Inf once per bucket (one device sync) before any tensor of the bucket is yielded, missing names after
     the last. Nothing is copied: a bucket's tensors stay where the producer made them until the loader takes

@@ -41,8 +41,9 @@ def per_step(cost: Sequence[float] | float, steps: int) -> list[float]:
     return [float(cost)] * steps if isinstance(cost, (int, float)) else [float(x) for x in cost]
 
 
-def simulate_split(rollout_s: Sequence[float], train_s: Sequence[float], push_s: Sequence[float] | float = 0.0, *,
-                   lag: int) -> SimulatedRun:
+def simulate_split(
+    rollout_s: Sequence[float], train_s: Sequence[float], push_s: Sequence[float] | float = 0.0, *, lag: int
+) -> SimulatedRun:
     """The split loop's timeline for ``len(rollout_s)`` steps with lag ``lag`` (see the module docstring)."""
     steps = len(rollout_s)
     push = per_step(push_s, steps)
@@ -74,8 +75,13 @@ def simulate_split(rollout_s: Sequence[float], train_s: Sequence[float], push_s:
         taken = max(done, ready[min(v + lag, steps)])  # the pool joins the broadcast once it sampled batch v + lag
         trainer_idle += taken - done
         pushed[v] = taken + push[v - 1]
-    return SimulatedRun(total_s=pushed[steps] if steps else 0.0, trainer_idle_s=trainer_idle,
-                        rollout_idle_s=rollout_idle, batch_ready_s=tuple(ready[1:]), pushed_s=tuple(pushed[1:]))
+    return SimulatedRun(
+        total_s=pushed[steps] if steps else 0.0,
+        trainer_idle_s=trainer_idle,
+        rollout_idle_s=rollout_idle,
+        batch_ready_s=tuple(ready[1:]),
+        pushed_s=tuple(pushed[1:]),
+    )
 
 
 def ideal_overlap(rollout_s: Sequence[float], train_s: Sequence[float], push_s: Sequence[float] | float = 0.0) -> float:

@@ -83,8 +83,16 @@ class ModelOutputs:
 LossFn = Callable[[ModelOutputs, RolloutBatch, Normalizers], "tuple[Tensor, Mapping[str, Tensor]]"]
 
 #: the metrics every engine's ``update`` reports itself; a ``loss_fn`` metric may not reuse these names
-ENGINE_METRICS = ("loss", "grad_norm", "lr", "update_skipped", "nonfinite_updates_skipped", "num_tokens", "num_seqs",
-                  "num_micro_batches")
+ENGINE_METRICS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "update_skipped",
+    "nonfinite_updates_skipped",
+    "num_tokens",
+    "num_seqs",
+    "num_micro_batches",
+)
 
 
 class NonFiniteUpdateError(FloatingPointError):
@@ -103,7 +111,9 @@ def nonfinite_policy(state: Any, new_state: Any, metrics: dict, *, skipped: bool
 
 
 def raise_nonfinite(loss: float, grad_norm: float, *, step: int, role: str) -> None:
-    which = [name for name, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)] or ["loss or grad norm on another rank"]
+    which = [name for name, v in (("loss", loss), ("grad norm", grad_norm)) if not math.isfinite(v)] or [
+        "loss or grad norm on another rank"
+    ]
     raise NonFiniteUpdateError(
         f"{role} update {step} (the engine's optimizer-step count, from 0): non-finite {' and '.join(which)} "
         f"(loss={loss}, grad_norm={grad_norm}); optim.nonfinite=error stops here, before the optimizer step, "
@@ -217,7 +227,11 @@ _PLAN_FAILED = 2**40  # a micro-batch count no rank reaches: "my rows do not fit
 
 
 def agreed_token_budget_groups(
-    batch: RolloutBatch | None, max_tokens: int, *, grouping: str, group: dist.ProcessGroup | None,
+    batch: RolloutBatch | None,
+    max_tokens: int,
+    *,
+    grouping: str,
+    group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> list[list[int]]:
     """This rank's micro-batch row groups under a token budget (``batch=None``: no rows), a collective.
@@ -299,17 +313,23 @@ def global_normalizers(mbs: list[RolloutBatch], group: dist.ProcessGroup | None 
 
 
 def gather_counts(
-    local: Normalizers, num_micro_batches: int, *, group: dist.ProcessGroup | None, group_size: int,
+    local: Normalizers,
+    num_micro_batches: int,
+    *,
+    group: dist.ProcessGroup | None,
+    group_size: int,
     device: torch.device,
 ) -> tuple[Normalizers, tuple[float, float, int]]:
     """Global normalisers (on ``device``) from this rank's ``local`` counts and, on the host,
     (num_tokens, num_seqs, largest micro-batch count over the ``group_size`` ranks of ``group``): one
     all-gather and one host sync."""
-    mine = torch.stack([
-        local.num_tokens.to(device, torch.float64),
-        local.num_seqs.to(device, torch.float64),
-        torch.tensor(float(num_micro_batches), dtype=torch.float64, device=device),
-    ])
+    mine = torch.stack(
+        [
+            local.num_tokens.to(device, torch.float64),
+            local.num_seqs.to(device, torch.float64),
+            torch.tensor(float(num_micro_batches), dtype=torch.float64, device=device),
+        ]
+    )
     everyone = [torch.empty_like(mine) for _ in range(group_size)]
     dist.all_gather(everyone, mine, group=group)
     table = torch.stack(everyone).cpu()
@@ -322,9 +342,7 @@ def gather_counts(
 # ------------------------------------------------------------------------------------ critic loss
 
 
-def value_loss_fn(
-    *, clip_range: float | None = 0.5, agg: str = "token-mean", horizon: int | None = None
-) -> LossFn:
+def value_loss_fn(*, clip_range: float | None = 0.5, agg: str = "token-mean", horizon: int | None = None) -> LossFn:
     """The critic's ``loss_fn``: :func:`rlfunc.value_loss.value_loss` of ``outputs.values`` against
     ``mb.returns``, clipped around ``mb.old_values``, with the engine's global ``norms``.
 
@@ -337,8 +355,14 @@ def value_loss_fn(
         if outputs.values is None:
             raise ValueError("value_loss_fn needs a critic's outputs (outputs.values is None: is this an actor?)")
         return value_loss(
-            outputs.values, old_values=mb.old_values, returns=mb.returns, response_mask=loss_tokens(mb),
-            clip_range=clip_range, agg=agg, norms=norms, horizon=horizon,
+            outputs.values,
+            old_values=mb.old_values,
+            returns=mb.returns,
+            response_mask=loss_tokens(mb),
+            clip_range=clip_range,
+            agg=agg,
+            norms=norms,
+            horizon=horizon,
         )
 
     return loss_fn

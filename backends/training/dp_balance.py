@@ -61,7 +61,7 @@ def balance_across_ranks(batch: RolloutBatch, state: Any) -> RolloutBatch:
         x = pad_to(_pad_rows(x, n_max), dims, widths)  # prompts padded on the left, responses on the right
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        full = torch.cat([part[:row[0]] for part, row in zip(parts, table)])
+        full = torch.cat([part[: row[0]] for part, row in zip(parts, table)])
         return (full.bool() if is_bool else full).to(home)
 
     changes = {}

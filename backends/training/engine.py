@@ -43,20 +43,29 @@ class TrainEngine(Protocol):
     #: whether :func:`backends.checkpoint.orbax.save_orbax` can gather a state (one module sharded over a 1-D mesh)
     exports_orbax: ClassVar[bool]
 
-    def build_actor(self, model_path: str | os.PathLike, env: Any, optim: Any, *, mesh: Any = None,
-                    lora: Any = None) -> Any:
+    def build_actor(
+        self, model_path: str | os.PathLike, env: Any, optim: Any, *, mesh: Any = None, lora: Any = None
+    ) -> Any:
         """The trained policy with its optimizer (``optim``), from an HF dir; ``mesh``: its pool (None: every rank);
         ``lora``: a :class:`backends.training.lora.LoraConfig` with rank > 0 (only where ``trains_lora``)."""
         ...
 
-    def build_critic(self, model_path: str | os.PathLike, env: Any, optim: Any, *, seed: int = 0,
-                     mesh: Any = None) -> Any:
+    def build_critic(
+        self, model_path: str | os.PathLike, env: Any, optim: Any, *, seed: int = 0, mesh: Any = None
+    ) -> Any:
         """The value model: the backbone of ``model_path`` under a value head seeded by ``seed``."""
         ...
 
-    def build_reference(self, model_path: str | os.PathLike, env: Any, *, mesh: Any = None,
-                        log_prob_micro_batch_size: int | None = None, param_offload: bool = False,
-                        compile: bool = False) -> Any:
+    def build_reference(
+        self,
+        model_path: str | os.PathLike,
+        env: Any,
+        *,
+        mesh: Any = None,
+        log_prob_micro_batch_size: int | None = None,
+        param_offload: bool = False,
+        compile: bool = False,
+    ) -> Any:
         """A frozen, forward-only copy of a model (no optimizer); an engine refuses options it does not have."""
         ...
 
@@ -64,8 +73,9 @@ class TrainEngine(Protocol):
         """The reference as a LoRA actor's own module with its adapter disabled (no second copy)."""
         ...
 
-    def compute_logprobs(self, state: Any, batch: RolloutBatch, *, with_entropy: bool = False,
-                         micro_batch_size: int | None = None) -> ModelOutputs:
+    def compute_logprobs(
+        self, state: Any, batch: RolloutBatch, *, with_entropy: bool = False, micro_batch_size: int | None = None
+    ) -> ModelOutputs:
         """Log-probs ``(b t)`` (and entropy) of the response tokens, no gradients; a collective of the replica."""
         ...
 
@@ -78,19 +88,28 @@ class TrainEngine(Protocol):
         """A critic's values ``(b t)`` at the positions that predict the response tokens."""
         ...
 
-    def update(self, state: Any, batch: RolloutBatch, loss_fn: LossFn, *, with_entropy: bool = False,
-               skip_rows: Tensor | None = None) -> tuple[Any, dict[str, float]]:
+    def update(
+        self,
+        state: Any,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        skip_rows: Tensor | None = None,
+    ) -> tuple[Any, dict[str, float]]:
         """One optimizer step on this rank's share of the global batch: ``(new state, metrics)``."""
         ...
 
-    def full_state_dict(self, state: Any, *, dtype: torch.dtype | None = None,
-                        bucket_mb: float | None = None) -> Iterable[tuple[str, Tensor]]:
+    def full_state_dict(
+        self, state: Any, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None
+    ) -> Iterable[tuple[str, Tensor]]:
         """``(hf_name, full tensor)`` pairs on every rank (a collective), cast to ``dtype``, gathered in buckets of
         about ``bucket_mb`` MiB where the engine gathers in buckets."""
         ...
 
-    def export_hf(self, state: Any, out_dir: str | os.PathLike, *, tokenizer: Any = None,
-                  overwrite: bool = False) -> Any:
+    def export_hf(
+        self, state: Any, out_dir: str | os.PathLike, *, tokenizer: Any = None, overwrite: bool = False
+    ) -> Any:
         """Write the state as an HF dir (every rank calls it)."""
         ...
 

@@ -33,8 +33,9 @@ def _megatron(**settings: Any) -> TrainEngine:
 TRAIN_ENGINES: dict[str, Callable[..., TrainEngine]] = {"fsdp": _fsdp, "megatron": _megatron}
 
 
-def select_engine(backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None,
-                  key: str = "actor") -> TrainEngine:
+def select_engine(
+    backend: str, *, fsdp: Any = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None, key: str = "actor"
+) -> TrainEngine:
     """The engine called ``backend``; ``fsdp`` is the FSDPConfig (its micro-batch size is reused by megatron unless
     ``micro_batch_size`` is given), ``tp`` / ``pp`` megatron's sizes; ``key``: the config section that names the
     engine (``actor``, ``reference``), for the messages of settings it refuses."""

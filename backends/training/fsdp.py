@@ -92,24 +92,30 @@ from backends.training.common import (
     dummy_micro_batch,
     gather_counts,
     global_normalizers,
-    nonfinite_policy,
     micro_batch_groups,
     micro_batches,
+    nonfinite_policy,
     select_rows,
     to_device,
     trim_micro_batch,
     value_loss_fn,
 )
 from backends.training.dp_balance import balance_across_ranks
-from backends.training.fsdp_state import FSDPConfig, TrainState, attention_implementation, compute_dtype, needs_own_attention
+from backends.training.fsdp_sharding import check_offload, sharded_module
+from backends.training.fsdp_state import (
+    FSDPConfig,
+    TrainState,
+    attention_implementation,
+    compute_dtype,
+)
 from backends.training.hf_forward import forward_micro_batch
 from backends.training.hf_modules import (
-    check_value_module, compile_layers, decoder_layers, enable_checkpointing, load_model, outputs_without_views,
+    check_value_module,
+    compile_layers,
+    load_model,
 )
 from backends.training.memory_planner import chunk_rows_for
 from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
-from backends.training.packed_attention import enable_packed_attention
-from backends.training.sharded_loading import checkpoint_plan, empty_causal_lm, fill_shards, materialize, mesh_device, safetensors_files
 from rlfunc import schedules
 from rlfunc.aggregation import Normalizers, local_normalizers
 from rlfunc.batch import RolloutBatch, batch_size, loss_tokens
@@ -124,7 +130,6 @@ __all__ = [
     "reference_from_lora_actor",
     "compile_layers",
     "build_critic",
-    "shard_module",
     "compute_logprobs",
     "compute_values",
     "value_loss_fn",
@@ -138,90 +143,6 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------------------------- building
-
-
-def shard_module(
-    model: nn.Module, mesh: Any, cfg: FSDPConfig, param_dtype: torch.dtype | None, *, param_offload: bool = False
-) -> nn.Module:
-    """``fully_shard`` every decoder layer, then the root, over ``mesh``, computing in ``param_dtype``
-    (None: the stored dtype) and reducing gradients in ``cfg.reduce_dtype``; ``param_offload`` keeps the
-    shards in host memory. Returns the module (sharded in place), or, when there is nothing to shard,
-    cast or offload, the plain module moved to the mesh's device (``fully_shard`` moves the sharded
-    one there itself)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    if _stays_plain(mesh, param_dtype, param_offload):
-        # One rank, no cast, no offload: FSDP2 would only add its hooks and DTensor dispatch, a cost with
-        # nothing in return, so the module stays plain. Everything downstream (gradient sync, full
-        # weights, DCP checkpoints, which reshard across world sizes) takes both.
-        return model.to(mesh_device(mesh))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=getattr(torch, cfg.reduce_dtype))
-    # parameter offload keeps the shards in (pinned) host memory and copies them to the GPU per layer
-    offload = CPUOffloadPolicy() if param_offload else OffloadPolicy()
-    for layer in decoder_layers(model):
-        outputs_without_views(layer)
-        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward, offload_policy=offload)
-    # The root keeps its parameters (embeddings, final norm, lm_head) gathered after forward: backward
-    # starts with the lm_head, so resharding it would only gather it again right away.
-    outputs_without_views(model)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False, offload_policy=offload)
-    return model
-
-
-def _stays_plain(mesh: Any, param_dtype: torch.dtype | None, param_offload: bool) -> bool:
-    return mesh.size() == 1 and param_dtype in (None, torch.float32) and not param_offload
-
-
-def _check_offload(env: DistEnv, offload: bool, option: str) -> None:
-    """Offload is a GPU feature: refuse it on a CPU-only process, before anything is loaded."""
-    if offload and env.device.type != "cuda":
-        raise ValueError(
-            f"{option} needs a CUDA device: FSDP2's CPUOffloadPolicy keeps the shards in host memory and copies "
-            f"them to the GPU per layer; this process runs on {env.device.type!r} (on a CPU the parameters are "
-            "already in host memory: leave it off)"
-        )
-
-
-def _sharded_module(
-    source: str | os.PathLike | nn.Module, dtype: torch.dtype, env: DistEnv, mesh: Any, cfg: FSDPConfig, *,
-    param_dtype: torch.dtype | None, trainable: bool, param_offload: bool = False, load: Any = None,
-) -> nn.Module:
-    """The role's module in ``dtype``, made ready for the engine (:func:`_prepare`) and sharded on ``mesh``.
-
-    From a local HF dir whose module gets sharded: built on the meta device and filled from the
-    checkpoint (read by the mesh's first rank only). Otherwise (a given module, ``load`` given, a plain
-    module at world size 1, no safetensors files, ``cfg.load_on_every_rank``) the whole model is loaded
-    on every rank first: ``load()`` when given, else :func:`load_model`.
-    """
-    files = None
-    if load is None and not isinstance(source, nn.Module) and not cfg.load_on_every_rank \
-            and not _stays_plain(mesh, param_dtype, param_offload):
-        files = safetensors_files(source)
-    if files is None:
-        model = load() if load is not None else load_model(source, dtype, attention_implementation(cfg, env.device))
-        _prepare(model, env, cfg, trainable=trainable)
-        return shard_module(model, mesh, cfg, param_dtype, param_offload=param_offload)
-    model = empty_causal_lm(source, dtype, attention_implementation(cfg, env.device))
-    plan = checkpoint_plan(model, files)  # the same errors on every rank, before any collective
-    _prepare(model, env, cfg, trainable=trainable)
-    model = shard_module(model, mesh, cfg, param_dtype, param_offload=param_offload)
-    # offloaded shards live in host memory (FSDP2 pins them there); the buffers on the device
-    materialize(model, mesh_device(mesh), params_device=torch.device("cpu") if param_offload else None)
-    fill_shards(model, plan, mesh)
-    return model
-
-
-def _prepare(model: nn.Module, env: DistEnv, cfg: FSDPConfig, *, trainable: bool) -> None:
-    """What the engine does to a model before sharding it: packed-aware attention where needed, activation
-    checkpointing (trainable roles) or frozen weights (the reference)."""
-    if needs_own_attention(cfg, env.device):
-        enable_packed_attention(model)
-    if trainable and cfg.gradient_checkpointing:
-        enable_checkpointing(model)
-    if not trainable:
-        model.requires_grad_(False)
-    if getattr(model, "config", None) is not None:
-        model.config.use_cache = False
 
 
 def build_actor(
@@ -249,7 +170,7 @@ def build_actor(
     """
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)  # fail on a bad schedule before loading anything
-    _check_offload(env, fsdp_cfg.offload, "FSDPConfig.offload=True")
+    check_offload(env, fsdp_cfg.offload, "FSDPConfig.offload=True")
     attention = attention_implementation(fsdp_cfg, env.device)  # a setting that cannot run fails before loading
     load = None if lora is None else (lambda: _with_lora(load_model(model_path, torch.float32, attention), lora))
     return _trainable_state(model_path, env, optim_cfg, fsdp_cfg, schedule, role="actor", mesh=mesh, load=load)
@@ -263,18 +184,39 @@ def _with_lora(model: nn.Module, lora: Any) -> nn.Module:
 
 
 def _trainable_state(
-    source: str | os.PathLike | nn.Module, env: DistEnv, optim_cfg: OptimConfig, fsdp_cfg: FSDPConfig,
-    schedule: Any, role: str, mesh: Any = None, load: Any = None,
+    source: str | os.PathLike | nn.Module,
+    env: DistEnv,
+    optim_cfg: OptimConfig,
+    fsdp_cfg: FSDPConfig,
+    schedule: Any,
+    role: str,
+    mesh: Any = None,
+    load: Any = None,
 ) -> TrainState:
     """Build and shard an fp32 model (master weights) and give it AdamW: the actor and the critic."""
     mesh = device_mesh(env) if mesh is None else mesh
-    model = _sharded_module(source, torch.float32, env, mesh, fsdp_cfg, param_dtype=compute_dtype(fsdp_cfg, env.device),
-                            trainable=True, param_offload=fsdp_cfg.offload, load=load)
+    model = sharded_module(
+        source,
+        torch.float32,
+        env,
+        mesh,
+        fsdp_cfg,
+        param_dtype=compute_dtype(fsdp_cfg, env.device),
+        trainable=True,
+        param_offload=fsdp_cfg.offload,
+        load=load,
+    )
     model.train()
     optimizer = build_optimizer(model.parameters(), optim_cfg)
     return TrainState(
-        module=model, optimizer=optimizer, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, optim_cfg=optim_cfg,
-        lr_schedule=schedule, role=role,
+        module=model,
+        optimizer=optimizer,
+        mesh=mesh,
+        env=env,
+        fsdp_cfg=fsdp_cfg,
+        optim_cfg=optim_cfg,
+        lr_schedule=schedule,
+        role=role,
     )
 
 
@@ -302,13 +244,17 @@ def build_critic(
     """
     env = init_distributed() if env is None else env
     schedule = lr_schedule(optim_cfg)
-    _check_offload(env, fsdp_cfg.offload, "FSDPConfig.offload=True")
+    check_offload(env, fsdp_cfg.offload, "FSDPConfig.offload=True")
 
     def load() -> nn.Module:
         if isinstance(model_path, nn.Module):
             return check_value_module(model_path.to(torch.float32))
         model, _tokenizer = load_value_model(
-            model_path, dtype=torch.float32, device="cpu", value_head_init=value_head_init, seed=seed,
+            model_path,
+            dtype=torch.float32,
+            device="cpu",
+            value_head_init=value_head_init,
+            seed=seed,
             attn_implementation=attention_implementation(fsdp_cfg, env.device),
         )
         return model
@@ -340,15 +286,28 @@ def build_reference(
     env = init_distributed() if env is None else env
     if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
         raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
-    _check_offload(env, param_offload, "reference param_offload=True")
+    check_offload(env, param_offload, "reference param_offload=True")
     mesh = device_mesh(env) if mesh is None else mesh
-    model = _sharded_module(model_path, compute_dtype(fsdp_cfg, env.device), env, mesh, fsdp_cfg, param_dtype=None,
-                            trainable=False, param_offload=param_offload)
+    model = sharded_module(
+        model_path,
+        compute_dtype(fsdp_cfg, env.device),
+        env,
+        mesh,
+        fsdp_cfg,
+        param_dtype=None,
+        trainable=False,
+        param_offload=param_offload,
+    )
     if compile:
         compile_layers(model)
     model.eval()
     return TrainState(
-        module=model, optimizer=None, mesh=mesh, env=env, fsdp_cfg=fsdp_cfg, role="reference",
+        module=model,
+        optimizer=None,
+        mesh=mesh,
+        env=env,
+        fsdp_cfg=fsdp_cfg,
+        role="reference",
         log_prob_micro_batch_size=log_prob_micro_batch_size,
     )
 
@@ -371,8 +330,14 @@ def reference_from_lora_actor(actor: TrainState, log_prob_micro_batch_size: int 
     if log_prob_micro_batch_size is not None and log_prob_micro_batch_size < 1:
         raise ValueError(f"log_prob_micro_batch_size must be >= 1, got {log_prob_micro_batch_size}")
     return TrainState(
-        module=actor.module, optimizer=None, mesh=actor.mesh, env=actor.env, fsdp_cfg=actor.fsdp_cfg,
-        role="reference", log_prob_micro_batch_size=log_prob_micro_batch_size, adapter_disabled=True,
+        module=actor.module,
+        optimizer=None,
+        mesh=actor.mesh,
+        env=actor.env,
+        fsdp_cfg=actor.fsdp_cfg,
+        role="reference",
+        log_prob_micro_batch_size=log_prob_micro_batch_size,
+        adapter_disabled=True,
     )
 
 
@@ -390,7 +355,10 @@ def _plan_micro_batches(
         size = micro_batch_size if micro_batch_size is not None else cfg.micro_batch_size
         return micro_batch_groups(batch, micro_batch_size=size) if batch is not None else []
     return agreed_token_budget_groups(
-        batch, cfg.max_tokens_per_micro_batch, grouping=cfg.token_budget_grouping, group=state.dp_group,
+        batch,
+        cfg.max_tokens_per_micro_batch,
+        grouping=cfg.token_budget_grouping,
+        group=state.dp_group,
         device=state.env.device,
     )
 
@@ -465,9 +433,15 @@ def _forward_only(
                 mb = select_rows(batch, groups[i]) if real else dummy_micro_batch(select_rows(batch, groups[0]))
                 if cfg.trim_padding:
                     mb = trim_micro_batch(mb)
-                outputs = forward_micro_batch(module, to_device(mb, state.env.device), with_entropy=with_entropy,
-                                              role=state.role, packed=cfg.use_remove_padding,
-                                              share_prompts=cfg.share_prompts, chunk_rows=chunk_rows(cfg, module))
+                outputs = forward_micro_batch(
+                    module,
+                    to_device(mb, state.env.device),
+                    with_entropy=with_entropy,
+                    role=state.role,
+                    packed=cfg.use_remove_padding,
+                    share_prompts=cfg.share_prompts,
+                    chunk_rows=chunk_rows(cfg, module),
+                )
                 if not real:
                     continue
                 rows = torch.tensor(groups[i], device=out_device)
@@ -482,8 +456,6 @@ def _forward_only(
     zero = torch.zeros((), dtype=torch.float32, device=out_device)
     # entropy is left as computed outside the mask; log-probs and values are zeroed there
     return {name: (x if name == "entropy" else torch.where(mask, x, zero)) for name, x in results.items()}
-
-
 
 
 # ------------------------------------------------------------------------------------------- update
@@ -542,7 +514,9 @@ def update(
     if num_tokens == 0:
         # Nothing to learn from. Stepping AdamW on zero gradients would still move the parameters
         # (momentum, weight decay), so the step is skipped outright.
-        return nonfinite_policy(state, new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}, skipped=False)
+        return nonfinite_policy(
+            state, new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}, skipped=False
+        )
 
     state.module.train()
     state.optimizer.zero_grad(set_to_none=True)
@@ -574,8 +548,14 @@ def _micro_batches_to_run(batch: RolloutBatch, skip_rows: Tensor | None, state: 
 
 
 def _forward_backward(
-    state: TrainState, mbs: list[RolloutBatch], n_max: int, loss_fn: LossFn, norms: Normalizers, *,
-    with_entropy: bool, filler: RolloutBatch,
+    state: TrainState,
+    mbs: list[RolloutBatch],
+    n_max: int,
+    loss_fn: LossFn,
+    norms: Normalizers,
+    *,
+    with_entropy: bool,
+    filler: RolloutBatch,
 ) -> tuple[Tensor, int, dict[str, Tensor]]:
     """Forward, ``loss_fn`` and backward of this rank's micro-batches, then zero-weight dummies (made
     from ``filler`` when the rank has none) up to ``n_max``. Gradients are reduced across ranks on the
@@ -592,9 +572,15 @@ def _forward_backward(
         mb = to_device(mb, device)
         if isinstance(module, FSDPModule):
             module.set_requires_gradient_sync(i == n_max - 1)
-        outputs = forward_micro_batch(module, mb, with_entropy=with_entropy, role=state.role,
-                                      packed=cfg.use_remove_padding, share_prompts=cfg.share_prompts,
-                                      chunk_rows=chunk_rows(cfg, module))
+        outputs = forward_micro_batch(
+            module,
+            mb,
+            with_entropy=with_entropy,
+            role=state.role,
+            packed=cfg.use_remove_padding,
+            share_prompts=cfg.share_prompts,
+            chunk_rows=chunk_rows(cfg, module),
+        )
         loss, metrics = loss_fn(outputs, mb, norms)
         loss, metrics = check_loss_output(loss, metrics)
         # FSDP averages gradients over ranks; the losses are already global-normalised, so undo the mean.

@@ -38,25 +38,42 @@ class FSDPEngine(TrainEngine):
     def __repr__(self) -> str:
         return f"FSDPEngine({self.config!r})"
 
-    def build_actor(self, model_path: str | os.PathLike, env: Any, optim: Any, *, mesh: Any = None,
-                    lora: Any = None) -> Any:
+    def build_actor(
+        self, model_path: str | os.PathLike, env: Any, optim: Any, *, mesh: Any = None, lora: Any = None
+    ) -> Any:
         return fsdp.build_actor(model_path, env, optim, self.config, mesh=mesh, lora=lora)
 
-    def build_critic(self, model_path: str | os.PathLike, env: Any, optim: Any, *, seed: int = 0,
-                     mesh: Any = None) -> Any:
+    def build_critic(
+        self, model_path: str | os.PathLike, env: Any, optim: Any, *, seed: int = 0, mesh: Any = None
+    ) -> Any:
         return fsdp.build_critic(model_path, env, optim, self.config, seed=seed, mesh=mesh)
 
-    def build_reference(self, model_path: str | os.PathLike, env: Any, *, mesh: Any = None,
-                        log_prob_micro_batch_size: int | None = None, param_offload: bool = False,
-                        compile: bool = False) -> Any:
-        return fsdp.build_reference(model_path, env, self.config, log_prob_micro_batch_size, mesh=mesh,
-                                    param_offload=param_offload, compile=compile)
+    def build_reference(
+        self,
+        model_path: str | os.PathLike,
+        env: Any,
+        *,
+        mesh: Any = None,
+        log_prob_micro_batch_size: int | None = None,
+        param_offload: bool = False,
+        compile: bool = False,
+    ) -> Any:
+        return fsdp.build_reference(
+            model_path,
+            env,
+            self.config,
+            log_prob_micro_batch_size,
+            mesh=mesh,
+            param_offload=param_offload,
+            compile=compile,
+        )
 
     def reference_from_actor(self, actor: Any, *, log_prob_micro_batch_size: int | None = None) -> Any:
         return fsdp.reference_from_lora_actor(actor, log_prob_micro_batch_size)
 
-    def compute_logprobs(self, state: Any, batch: RolloutBatch, *, with_entropy: bool = False,
-                         micro_batch_size: int | None = None) -> ModelOutputs:
+    def compute_logprobs(
+        self, state: Any, batch: RolloutBatch, *, with_entropy: bool = False, micro_batch_size: int | None = None
+    ) -> ModelOutputs:
         return fsdp.compute_logprobs(state, batch, with_entropy=with_entropy, micro_batch_size=micro_batch_size)
 
     def own_rows_logprobs(self, state: Any, batch: RolloutBatch) -> Tensor:
@@ -65,16 +82,25 @@ class FSDPEngine(TrainEngine):
     def compute_values(self, state: Any, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
         return fsdp.compute_values(state, batch, micro_batch_size=micro_batch_size)
 
-    def update(self, state: Any, batch: RolloutBatch, loss_fn: LossFn, *, with_entropy: bool = False,
-               skip_rows: Tensor | None = None) -> tuple[Any, dict[str, float]]:
+    def update(
+        self,
+        state: Any,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        skip_rows: Tensor | None = None,
+    ) -> tuple[Any, dict[str, float]]:
         return fsdp.update(state, batch, loss_fn, with_entropy=with_entropy, skip_rows=skip_rows)
 
-    def full_state_dict(self, state: Any, *, dtype: torch.dtype | None = None,
-                        bucket_mb: float | None = None) -> Iterable[tuple[str, Tensor]]:
+    def full_state_dict(
+        self, state: Any, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None
+    ) -> Iterable[tuple[str, Tensor]]:
         return fsdp.full_state_dict(state, dtype=dtype, bucket_mb=DEFAULT_BUCKET_MB if bucket_mb is None else bucket_mb)
 
-    def export_hf(self, state: Any, out_dir: str | os.PathLike, *, tokenizer: Any = None,
-                  overwrite: bool = False) -> Any:
+    def export_hf(
+        self, state: Any, out_dir: str | os.PathLike, *, tokenizer: Any = None, overwrite: bool = False
+    ) -> Any:
         return export_hf(state, out_dir, tokenizer=tokenizer, overwrite=overwrite)
 
     def fresh_optimizer(self, state: Any, optim: Any) -> Any:
@@ -98,10 +124,12 @@ class FSDPEngine(TrainEngine):
         return "hf-float32" if dtype == torch.float32 else None
 
 
-def make_fsdp_engine(*, fsdp: FSDPConfig | None = None, tp: int = 1, pp: int = 1,
-                     micro_batch_size: int | None = None, key: str = "actor") -> FSDPEngine:
+def make_fsdp_engine(
+    *, fsdp: FSDPConfig | None = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None, key: str = "actor"
+) -> FSDPEngine:
     """The registry's factory (:mod:`backends.training.engines`); ``key``: the config section, for messages."""
     if tp != 1 or pp != 1:
-        raise ValueError(f"{key}.tp={tp} / {key}.pp={pp} need {key}.backend=megatron (the fsdp backend is data "
-                         "parallel only)")
+        raise ValueError(
+            f"{key}.tp={tp} / {key}.pp={pp} need {key}.backend=megatron (the fsdp backend is data parallel only)"
+        )
     return FSDPEngine(fsdp)

@@ -15,8 +15,14 @@ from backends.distributed.setup import DistEnv
 from backends.training.optim import OptimConfig
 from rlfunc import schedules
 
-__all__ = ["ATTENTION_IMPLEMENTATIONS", "FSDPConfig", "TrainState", "attention_implementation", "compute_dtype",
-           "needs_own_attention"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "FSDPConfig",
+    "TrainState",
+    "attention_implementation",
+    "compute_dtype",
+    "needs_own_attention",
+]
 
 #: what ``FSDPConfig.attn_implementation`` may name (besides "auto")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "flash_attention_3", "eager")
@@ -83,15 +89,18 @@ class FSDPConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.attn_implementation not in ("auto", *ATTENTION_IMPLEMENTATIONS):
-            raise ValueError(f"FSDPConfig.attn_implementation must be auto or one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
-                             f"got {self.attn_implementation!r}")
+            raise ValueError(
+                f"FSDPConfig.attn_implementation must be auto or one of {', '.join(ATTENTION_IMPLEMENTATIONS)}, "
+                f"got {self.attn_implementation!r}"
+            )
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
             raise ValueError(
                 f"FSDPConfig.max_tokens_per_micro_batch must be >= 1, got {self.max_tokens_per_micro_batch}"
             )
         if self.token_budget_grouping not in ("sequential", "balanced"):
             raise ValueError(
-                f"FSDPConfig.token_budget_grouping must be 'sequential' or 'balanced', got {self.token_budget_grouping!r}"
+                f"FSDPConfig.token_budget_grouping must be 'sequential' or 'balanced', "
+                f"got {self.token_budget_grouping!r}"
             )
 
 
@@ -111,13 +120,18 @@ def attention_implementation(cfg: FSDPConfig, device: torch.device) -> str:
     if name == "auto":
         return "flash_attention_2" if device.type == "cuda" and half and _flash_attention_installed() else "sdpa"
     if name.startswith("flash_attention") and device.type != "cuda":
-        raise ValueError(f"attn_implementation={name} needs a CUDA device (this process runs on {device.type}); "
-                         "use sdpa or auto")
+        raise ValueError(
+            f"attn_implementation={name} needs a CUDA device (this process runs on {device.type}); use sdpa or auto"
+        )
     if name.startswith("flash_attention") and not half:
-        raise ValueError(f"attn_implementation={name} computes in fp16 / bf16 only, and param_dtype={cfg.param_dtype} "
-                         f"computes in {compute_dtype(cfg, device)}: use sdpa (or auto), or param_dtype=bfloat16")
+        raise ValueError(
+            f"attn_implementation={name} computes in fp16 / bf16 only, and param_dtype={cfg.param_dtype} "
+            f"computes in {compute_dtype(cfg, device)}: use sdpa (or auto), or param_dtype=bfloat16"
+        )
     if name.startswith("flash_attention") and not _flash_attention_installed(name):
-        raise ValueError(f"attn_implementation={name} needs the flash-attn package (pip install flash-attn), or use sdpa / auto")
+        raise ValueError(
+            f"attn_implementation={name} needs the flash-attn package (pip install flash-attn), or use sdpa / auto"
+        )
     return name
 
 

@@ -21,8 +21,14 @@ __all__ = ["forward_micro_batch"]
 
 
 def forward_micro_batch(
-    module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str = "actor", packed: bool = False,
-    share_prompts: bool = False, chunk_rows: int | None = None,
+    module: nn.Module,
+    mb: RolloutBatch,
+    *,
+    with_entropy: bool,
+    role: str = "actor",
+    packed: bool = False,
+    share_prompts: bool = False,
+    chunk_rows: int | None = None,
 ) -> ModelOutputs:
     """Log-probs (and entropies) of the response tokens, or a critic's values; prompts are left-padded.
 
@@ -36,8 +42,9 @@ def forward_micro_batch(
     are taken that many logit rows at a time (``rlfunc.logprobs_from_logits``'s ``chunk_size``).
     """
     if packed:
-        return _forward_packed(module, mb, with_entropy=with_entropy, role=role, share_prompts=share_prompts,
-                               chunk_rows=chunk_rows)
+        return _forward_packed(
+            module, mb, with_entropy=with_entropy, role=role, share_prompts=share_prompts, chunk_rows=chunk_rows
+        )
     t = mb.response_ids.shape[1]
     input_ids = torch.cat([mb.prompt_ids, mb.response_ids[:, :-1]], dim=1)
     attention_mask = torch.cat([mb.prompt_mask, torch.ones_like(mb.response_mask[:, :-1])], dim=1)
@@ -45,8 +52,11 @@ def forward_micro_batch(
     if role == "critic":
         return _forward_values(module, input_ids, attention_mask, position_ids, t)
     out = module(
-        input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids,
-        use_cache=False, logits_to_keep=t,
+        input_ids=input_ids,
+        attention_mask=attention_mask.long(),
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=t,
     )
     logits = out.logits  # (b t v): position p-1+j predicts response token j
     logprobs = logprobs_from_logits(logits, mb.response_ids, chunk_size=chunk_rows)
@@ -55,7 +65,12 @@ def forward_micro_batch(
 
 
 def _forward_packed(
-    module: nn.Module, mb: RolloutBatch, *, with_entropy: bool, role: str, share_prompts: bool = False,
+    module: nn.Module,
+    mb: RolloutBatch,
+    *,
+    with_entropy: bool,
+    role: str,
+    share_prompts: bool = False,
     chunk_rows: int | None = None,
 ) -> ModelOutputs:
     """The micro-batch as one packed row (backends/packing.py): no compute on padding.
@@ -67,8 +82,9 @@ def _forward_packed(
     shared layout; flash-attention varlen cannot).
     """
     reads_layouts = getattr(getattr(module, "config", None), "_attn_implementation", None) == VARLEN_SDPA
-    packed: PackedRows = pack_rows(mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                   share_prompts=share_prompts and reads_layouts)
+    packed: PackedRows = pack_rows(
+        mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, share_prompts=share_prompts and reads_layouts
+    )
     if role == "critic":
         out = module(**model_kwargs(packed, block_layout=reads_layouts))
         logits = out.logits
@@ -88,9 +104,7 @@ def _forward_values(
     """Values of the response tokens: the head's output at positions p-1 .. p+t-2 (those that predict
     the response tokens; the input ends there), as verl's critic (``values[:, -t-1:-1]``). Same inputs
     as the log-prob pass."""
-    out = module(
-        input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids, use_cache=False
-    )
+    out = module(input_ids=input_ids, attention_mask=attention_mask.long(), position_ids=position_ids, use_cache=False)
     logits = out.logits
     if logits.dim() != 3 or logits.shape[-1] != 1:
         raise ValueError(f"a critic's model must output one value per token (b, s, 1), got {tuple(logits.shape)}")

@@ -17,12 +17,18 @@ from torch.utils._pytree import tree_map_only
 from backends.models import load_causal_lm
 
 __all__ = [
-    "load_model", "enable_checkpointing", "decoder_layers", "check_value_module", "compile_layers",
+    "load_model",
+    "enable_checkpointing",
+    "decoder_layers",
+    "check_value_module",
+    "compile_layers",
     "outputs_without_views",
 ]
 
 
-def load_model(model: str | os.PathLike | nn.Module, dtype: torch.dtype, attn_implementation: str = "sdpa") -> nn.Module:
+def load_model(
+    model: str | os.PathLike | nn.Module, dtype: torch.dtype, attn_implementation: str = "sdpa"
+) -> nn.Module:
     """A causal LM from a local HF dir (on the CPU, with ``attn_implementation``), or the given module, in
     ``dtype``: the whole model in this process. A sharded role reads a checkpoint shard by shard instead
     (:mod:`backends.training.sharded_loading`)."""
@@ -67,8 +73,9 @@ class _SameTensor(torch.autograd.Function):
 
 
 def _unviewed(module: nn.Module, args: object, output: object) -> object:
-    return tree_map_only(torch.Tensor, lambda t: _SameTensor.apply(t) if t.requires_grad and t._base is not None else t,
-                         output)
+    return tree_map_only(
+        torch.Tensor, lambda t: _SameTensor.apply(t) if t.requires_grad and t._base is not None else t, output
+    )
 
 
 def outputs_without_views(module: nn.Module) -> None:

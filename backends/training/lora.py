@@ -24,11 +24,13 @@ __all__ = ["LoraConfig", "adapter_state_dict"]
 class LoraConfig:
     """A LoRA adapter on the actor's linear layers (peft)."""
 
-    rank: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: adapter rank; 0: train every weight (no LoRA)
+    #: adapter rank; 0: train every weight (no LoRA)
+    rank: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     alpha: float = 16.0  #: the update is scaled by alpha / rank
     #: the linear layers that get an adapter (Llama / Qwen2 names)
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    dropout: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])  #: dropout on the adapter's input
+    #: dropout on the adapter's input
+    dropout: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])
 
     def build_kwargs(self, engine: Any) -> dict[str, Any]:
         """The ``build_actor`` keyword arguments of ``engine`` (a :class:`backends.training.engine.TrainEngine`) for
@@ -36,18 +38,30 @@ class LoraConfig:
         if self.rank == 0:
             return {}
         if not engine.trains_lora:
-            raise ValueError(f"actor.lora needs an engine that trains LoRA adapters (actor.backend=fsdp); the "
-                             f"{engine.name} engine trains full weights")
+            raise ValueError(
+                f"actor.lora needs an engine that trains LoRA adapters (actor.backend=fsdp); the "
+                f"{engine.name} engine trains full weights"
+            )
         try:
             import peft
         except ImportError:
-            raise ValueError("actor.lora.rank > 0 needs the peft package (the `lora` extra: pip install peft)") from None
-        return {"lora": peft.LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=list(self.target_modules),
-                                        lora_dropout=self.dropout, bias="none")}
+            raise ValueError(
+                "actor.lora.rank > 0 needs the peft package (the `lora` extra: pip install peft)"
+            ) from None
+        return {
+            "lora": peft.LoraConfig(
+                r=self.rank,
+                lora_alpha=self.alpha,
+                target_modules=list(self.target_modules),
+                lora_dropout=self.dropout,
+                bias="none",
+            )
+        }
 
 
-def adapter_state_dict(state: Any, *, dtype: torch.dtype | None = None,
-                       bucket_mb: float = DEFAULT_BUCKET_MB) -> dict[str, Tensor]:
+def adapter_state_dict(
+    state: Any, *, dtype: torch.dtype | None = None, bucket_mb: float = DEFAULT_BUCKET_MB
+) -> dict[str, Tensor]:
     """The LoRA adapter of a peft actor (``state`` or its ``.module``) alone, not merged: its ``lora_A`` /
     ``lora_B`` factors gathered to full tensors (cast to ``dtype``; default as stored) under the names of a
     peft-saved adapter, ``base_model.model.<layer>.lora_A.weight`` (what vLLM's LoRA loader reads).
@@ -59,9 +73,14 @@ def adapter_state_dict(state: Any, *, dtype: torch.dtype | None = None,
     if len(configs) != 1:
         raise ValueError(f"adapter_state_dict needs a peft model with exactly one LoRA adapter, got {sorted(configs)}")
     adapter = next(iter(configs))
-    factors = [(name, value) for name, value in module.state_dict().items()
-               if f".lora_A.{adapter}." in name or f".lora_B.{adapter}." in name]
+    factors = [
+        (name, value)
+        for name, value in module.state_dict().items()
+        if f".lora_A.{adapter}." in name or f".lora_B.{adapter}." in name
+    ]
     if not factors:
         raise ValueError(f"the peft model has no lora_A / lora_B factors for its adapter {adapter!r}")
-    return {name.replace(f".{adapter}.weight", ".weight"): full.detach().clone()
-            for name, full in full_tensors(factors, dtype=dtype, bucket_mb=bucket_mb)}
+    return {
+        name.replace(f".{adapter}.weight", ".weight"): full.detach().clone()
+        for name, full in full_tensors(factors, dtype=dtype, bucket_mb=bucket_mb)
+    }

@@ -103,8 +103,11 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: Any) -> "ModelShape":
         """From a ``transformers`` config object (LlamaConfig, Qwen2Config, ...)."""
-        missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "intermediate_size") if getattr(config, k, None) is None]
+        missing = [
+            k
+            for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+            if getattr(config, k, None) is None
+        ]
         if missing:
             raise ValueError(f"the model config lacks {', '.join(missing)}: not a Llama/Qwen2-style decoder")
         heads = config.num_attention_heads
@@ -136,9 +139,14 @@ class ModelShape:
     def from_tiny(cls, config: Any, vocab_size: int) -> "ModelShape":
         """From a :class:`backends.models.TinyModelConfig` and its tokenizer's vocabulary size."""
         return cls(
-            vocab_size=vocab_size, hidden_size=config.hidden_size, num_layers=config.num_layers,
-            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            intermediate_size=config.intermediate_size, tie_word_embeddings=config.tie_word_embeddings,
+            vocab_size=vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            intermediate_size=config.intermediate_size,
+            tie_word_embeddings=config.tie_word_embeddings,
             qkv_bias=config.arch == "qwen2",
         )
 
@@ -249,9 +257,14 @@ class MemoryEstimate:
 
     def as_dict(self) -> dict[str, int]:
         return {
-            "parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
-            "activations": self.activations, "logits": self.logits, "logits_backward": self.logits_backward,
-            "kv_cache": self.kv_cache, "total": self.total,
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "logits": self.logits,
+            "logits_backward": self.logits_backward,
+            "kv_cache": self.kv_cache,
+            "total": self.total,
         }
 
 
@@ -335,8 +348,16 @@ def estimate(shape: ModelShape, parallel: Parallelism = Parallelism(), work: Wor
     activations, logits, recompute, logits_backward = _activation_bytes(shape, parallel, work, cb)
     kv_bytes = _dtype_bytes(work.kv_dtype or work.compute_dtype)
     kv = 2 * shape.num_layers * shape.kv_width * work.kv_len * work.kv_seqs * kv_bytes // (parallel.tp * parallel.pp)
-    return MemoryEstimate(parameters=params, gradients=grads, optimizer=optim, activations=activations,
-                          logits=logits, kv_cache=kv, recompute=recompute, logits_backward=logits_backward)
+    return MemoryEstimate(
+        parameters=params,
+        gradients=grads,
+        optimizer=optim,
+        activations=activations,
+        logits=logits,
+        kv_cache=kv,
+        recompute=recompute,
+        logits_backward=logits_backward,
+    )
 
 
 @attrs.frozen
@@ -358,7 +379,7 @@ def chunk_rows_for(chunk_mib: float, vocab: int) -> int | None:
 
 def _largest_rows(shape: ModelShape, parallel: Parallelism, work: Workload, budget: float) -> int:
     """Binary search on micro-batch rows (memory grows monotonically with rows)."""
-    fits = lambda rows: estimate(shape, parallel, attrs.evolve(work, micro_batch_rows=rows, kv_seqs=0)).total <= budget  # noqa: E731
+    fits = lambda rows: estimate(shape, parallel, attrs.evolve(work, micro_batch_rows=rows, kv_seqs=0)).total <= budget
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -396,8 +417,14 @@ def suggest(
     # colocated rollout: the training state stays resident, activations are freed while generating
     free = budget - est.training_state
     max_kv = int(free // kv_one) if kv_one > 0 and free > 0 else 0
-    return Suggestion(gradient_checkpointing=use_ckpt, micro_batch_rows=rows,
-                      max_tokens_per_micro_batch=rows * work.seq_len, max_kv_seqs=max_kv, estimate=est, reason=reason)
+    return Suggestion(
+        gradient_checkpointing=use_ckpt,
+        micro_batch_rows=rows,
+        max_tokens_per_micro_batch=rows * work.seq_len,
+        max_kv_seqs=max_kv,
+        estimate=est,
+        reason=reason,
+    )
 
 
 def vllm_weight_bytes(shape: ModelShape, *, tp: int = 1, dtype: str = "bfloat16") -> int:
@@ -431,9 +458,16 @@ class ColocatedStep:
 
 
 def colocated_step(
-    shape: ModelShape, parallel: Parallelism, work: Workload, *, device_bytes: int,
-    vllm_utilization: float | None = None, vllm_tp: int = 1, vllm_dtype: str = "bfloat16",
-    resident_bytes: int = 0, forward_bytes: int = 0,
+    shape: ModelShape,
+    parallel: Parallelism,
+    work: Workload,
+    *,
+    device_bytes: int,
+    vllm_utilization: float | None = None,
+    vllm_tp: int = 1,
+    vllm_dtype: str = "bfloat16",
+    resident_bytes: int = 0,
+    forward_bytes: int = 0,
 ) -> ColocatedStep:
     """The three phases of a colocated step for the trainer ``work`` (kv fields unused) on a device of
     ``device_bytes``. ``vllm_utilization``: the share of the whole device vLLM may take; ``None`` is the
@@ -449,8 +483,12 @@ def colocated_step(
     weights = vllm_weight_bytes(shape, tp=vllm_tp, dtype=vllm_dtype)
     per_token = kv_bytes_per_token(shape, tp=vllm_tp, dtype=vllm_dtype)
     return ColocatedStep(
-        update=est.total + resident_bytes, logprob=resident + forward_bytes, rollout=resident + share,
-        vllm_share=share, vllm_weights=weights, kv_tokens=max(share - weights, 0) // per_token,
+        update=est.total + resident_bytes,
+        logprob=resident + forward_bytes,
+        rollout=resident + share,
+        vllm_share=share,
+        vllm_weights=weights,
+        kv_tokens=max(share - weights, 0) // per_token,
         free_at_build=free_at_build,
     )
 
@@ -470,11 +508,14 @@ def format_table(est: MemoryEstimate, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m backends.training.memory_planner``."""
     parser = argparse.ArgumentParser(description="Per-device memory estimate of a training role, and settings that fit")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="local Hugging Face checkpoint dir (config.json is read)")
-    src.add_argument("--tiny", action="store_true", help="the tiny test model (hidden 256, 4 layers) with the char tokenizer")
+    src.add_argument(
+        "--tiny", action="store_true", help="the tiny test model (hidden 256, 4 layers) with the char tokenizer"
+    )
     parser.add_argument("--role", default="actor", choices=["actor", "critic", "reference"])
     parser.add_argument("--dp", type=int, default=1)
     parser.add_argument("--tp", type=int, default=1)
@@ -490,15 +531,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-len", type=int, default=0)
     parser.add_argument("--budget-gib", type=float, default=None, help="per-device memory for suggestions")
     parser.add_argument("--offload", action="store_true", help="FSDP2 CPU offload: shards and optimizer in host memory")
-    parser.add_argument("--device-gib", type=float, default=None,
-                        help="device memory: print the phases of a step colocated with a vLLM engine")
-    parser.add_argument("--vllm-util", type=float, default=None,
-                        help="vLLM's share of the device (default: 90%% of what is free when it is built, after the "
-                             "trainer's weights and optimizer state)")
+    parser.add_argument(
+        "--device-gib",
+        type=float,
+        default=None,
+        help="device memory: print the phases of a step colocated with a vLLM engine",
+    )
+    parser.add_argument(
+        "--vllm-util",
+        type=float,
+        default=None,
+        help="vLLM's share of the device (default: 90%% of what is free when it is built, after the "
+        "trainer's weights and optimizer state)",
+    )
     parser.add_argument("--vllm-tp", type=int, default=1, help="vLLM's tensor-parallel size")
-    parser.add_argument("--logits-chunk-mib", type=float, default=256.0,
-                        help="FSDPConfig.logits_chunk_mib (the recipes' default; 0: the log-probs of a whole micro-batch at once)")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "--logits-chunk-mib",
+        type=float,
+        default=256.0,
+        help="FSDPConfig.logits_chunk_mib (the recipes' default; 0: the log-probs of a whole micro-batch at once)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
     if args.tiny:
         from backends.models import TinyModelConfig, build_char_tokenizer
 
@@ -507,23 +564,41 @@ def main(argv: list[str] | None = None) -> None:
         shape = ModelShape.from_pretrained(args.model)
     parallel = Parallelism(dp=args.dp, tp=args.tp, pp=args.pp)
     work = Workload(
-        role=args.role, compute_dtype=args.dtype, optimizer=args.optimizer, micro_batch_rows=args.micro_batch,
-        seq_len=args.seq_len, response_len=args.response_len, gradient_checkpointing=args.gradient_checkpointing,
-        padded=not args.packed, kv_seqs=args.kv_seqs, kv_len=args.kv_len, offload=args.offload,
+        role=args.role,
+        compute_dtype=args.dtype,
+        optimizer=args.optimizer,
+        micro_batch_rows=args.micro_batch,
+        seq_len=args.seq_len,
+        response_len=args.response_len,
+        gradient_checkpointing=args.gradient_checkpointing,
+        padded=not args.packed,
+        kv_seqs=args.kv_seqs,
+        kv_len=args.kv_len,
+        offload=args.offload,
         logits_chunk_rows=chunk_rows_for(args.logits_chunk_mib, shape.vocab_size // args.tp),
     )
-    print(f"model: {shape.num_params / 1e6:.2f}M parameters, {shape.num_layers} layers, hidden {shape.hidden_size}, "
-          f"vocab {shape.vocab_size}; dp={parallel.dp} tp={parallel.tp} pp={parallel.pp}; {work.compute_dtype}")
-    print(format_table(estimate(shape, parallel, work),
-                       f"\nper-device estimate: {work.role}, micro-batch {work.micro_batch_rows} x {work.seq_len} tokens"
-                       f"{', checkpointing' if work.gradient_checkpointing else ''}"))
+    print(
+        f"model: {shape.num_params / 1e6:.2f}M parameters, {shape.num_layers} layers, hidden {shape.hidden_size}, "
+        f"vocab {shape.vocab_size}; dp={parallel.dp} tp={parallel.tp} pp={parallel.pp}; {work.compute_dtype}"
+    )
+    print(
+        format_table(
+            estimate(shape, parallel, work),
+            f"\nper-device estimate: {work.role}, micro-batch {work.micro_batch_rows} x {work.seq_len} tokens"
+            f"{', checkpointing' if work.gradient_checkpointing else ''}",
+        )
+    )
     if args.budget_gib is not None:
         s = suggest(shape, parallel, work, int(args.budget_gib * 2**30))
         print(f"\nbudget {args.budget_gib} GiB per device (10% headroom): {s.reason}")
-        print(f"  gradient_checkpointing={str(s.gradient_checkpointing).lower()}  micro_batch_size={s.micro_batch_rows}  "
-              f"max_tokens_per_micro_batch={s.max_tokens_per_micro_batch}")
+        print(
+            f"  gradient_checkpointing={str(s.gradient_checkpointing).lower()}  micro_batch_size={s.micro_batch_rows}  "
+            f"max_tokens_per_micro_batch={s.max_tokens_per_micro_batch}"
+        )
         if work.kv_len:
-            print(f"  rollout KV cache: up to {s.max_kv_seqs} sequences of {work.kv_len} tokens beside the training state")
+            print(
+                f"  rollout KV cache: up to {s.max_kv_seqs} sequences of {work.kv_len} tokens beside the training state"
+            )
     if args.device_gib is not None:
         _print_colocated(shape, parallel, work, args)
 
@@ -531,13 +606,24 @@ def main(argv: list[str] | None = None) -> None:
 def _print_colocated(shape: ModelShape, parallel: Parallelism, work: Workload, args: argparse.Namespace) -> None:
     gib = 2**30
     device = args.device_gib * gib
-    step = colocated_step(shape, parallel, work, device_bytes=int(device), vllm_utilization=args.vllm_util,
-                          vllm_tp=args.vllm_tp, vllm_dtype=work.compute_dtype)
-    verdict = "fits" if step.peak <= 0.9 * device else "fits without headroom" if step.peak <= device else "does not fit"
-    print(f"\ncolocated with vLLM (tp={args.vllm_tp}) on a {args.device_gib} GiB device: "
-          f"update {step.update / gib:.1f} GiB, log-probs {step.logprob / gib:.1f} GiB, "
-          f"rollout {step.rollout / gib:.1f} GiB (vLLM share {step.vllm_share / gib:.1f} GiB, "
-          f"weights {step.vllm_weights / gib:.1f} GiB, KV cache for {step.kv_tokens} tokens): {verdict}")
+    step = colocated_step(
+        shape,
+        parallel,
+        work,
+        device_bytes=int(device),
+        vllm_utilization=args.vllm_util,
+        vllm_tp=args.vllm_tp,
+        vllm_dtype=work.compute_dtype,
+    )
+    verdict = (
+        "fits" if step.peak <= 0.9 * device else "fits without headroom" if step.peak <= device else "does not fit"
+    )
+    print(
+        f"\ncolocated with vLLM (tp={args.vllm_tp}) on a {args.device_gib} GiB device: "
+        f"update {step.update / gib:.1f} GiB, log-probs {step.logprob / gib:.1f} GiB, "
+        f"rollout {step.rollout / gib:.1f} GiB (vLLM share {step.vllm_share / gib:.1f} GiB, "
+        f"weights {step.vllm_weights / gib:.1f} GiB, KV cache for {step.kv_tokens} tokens): {verdict}"
+    )
 
 
 if __name__ == "__main__":

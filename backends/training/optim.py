@@ -18,7 +18,18 @@ import torch
 from rlfunc import schedules
 from rlfunc.schedules import LRSchedule
 
-__all__ = ["OptimConfig", "warmup_steps", "lr_schedule", "lr_multiplier", "lr_at", "build_optimizer", "initialize_state", "set_lr", "with_total_steps", "fresh_optimizer"]
+__all__ = [
+    "OptimConfig",
+    "warmup_steps",
+    "lr_schedule",
+    "lr_multiplier",
+    "lr_at",
+    "build_optimizer",
+    "initialize_state",
+    "set_lr",
+    "with_total_steps",
+    "fresh_optimizer",
+]
 
 
 def _positive(instance: object, attribute: attrs.Attribute, value: float) -> None:
@@ -128,8 +139,9 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: OptimConfig) -> t
         raise ValueError("build_optimizer got no trainable parameters (all have requires_grad=False)")
     lr_schedule(cfg)  # validate the schedule settings now rather than at the first update
     fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                  fused=fused or None)
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, fused=fused or None
+    )
     initialize_state(optimizer)
     return optimizer
 
@@ -174,7 +186,10 @@ def with_total_steps(cfg: OptimConfig, total_steps: int) -> OptimConfig:
 
 
 def fresh_optimizer(state: Any, optim: OptimConfig) -> Any:
-    """Same weights, a new AdamW and LR schedule (the RL phase does not inherit the previous stage's moments (an SFT stage))."""
+    """Same weights, a new AdamW and LR schedule: the RL phase does not inherit a previous (SFT) stage's moments."""
     return state.replace(
-        optimizer=build_optimizer(state.module.parameters(), optim), optim_cfg=optim, lr_schedule=lr_schedule(optim), step=0
+        optimizer=build_optimizer(state.module.parameters(), optim),
+        optim_cfg=optim,
+        lr_schedule=lr_schedule(optim),
+        step=0,
     )

@@ -45,8 +45,16 @@ from torch import Tensor, nn
 
 from backends.packing import BlockLayout, boundaries_from_positions, pad_layout
 
-__all__ = ["BACKENDS", "MATMUL_ATTENTION_MAX_LEN", "VARLEN_SDPA", "PackedAttentionBackend", "enable_packed_attention",
-           "only_backends", "packed_rows_attention", "varlen_sdpa_attention"]
+__all__ = [
+    "BACKENDS",
+    "MATMUL_ATTENTION_MAX_LEN",
+    "VARLEN_SDPA",
+    "PackedAttentionBackend",
+    "enable_packed_attention",
+    "only_backends",
+    "packed_rows_attention",
+    "varlen_sdpa_attention",
+]
 
 #: name of the packed-aware attention in transformers' AttentionInterface
 VARLEN_SDPA = "rlfunc_varlen_sdpa"
@@ -75,8 +83,9 @@ class PackedAttentionBackend:
     run: AttentionRun
 
 
-def _through_block(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout,
-                   attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> Tensor:
+def _through_block(
+    query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, attend: Callable[[Tensor, Tensor, Tensor], Tensor]
+) -> Tensor:
     """``attend`` over the left-aligned ``(n h L d)`` block of each of ``q, k, v``, back to ``(1 T h d)``."""
     flat_gather, max_len = layout.gather.reshape(-1), layout.max_len
     n, heads, head_dim = layout.gather.shape[0], query.shape[1], query.shape[3]
@@ -95,18 +104,27 @@ def _matmul_applies(query: Tensor, layout: BlockLayout, dropout: float) -> bool:
     return query.device.type == "cpu" and layout.max_len <= MATMUL_ATTENTION_MAX_LEN.get(query.dtype, 0)
 
 
-def _matmul_run(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None,
-                dropout: float) -> Tensor:
+def _matmul_run(
+    query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None, dropout: float
+) -> Tensor:
     return _through_block(query, key, value, layout, lambda q, k, v: causal_matmul_attention(q, k, v, scale, dropout))
 
 
-def _sdpa_run(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None,
-              dropout: float) -> Tensor:
+def _sdpa_run(
+    query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None, dropout: float
+) -> Tensor:
     # upcast before the gather, so that a shared prompt's gradient is summed over its group in fp32
     query, key, value, dtype = _cpu_fp32(query, key, value)
     gqa = query.shape[1] != key.shape[1]
-    out = _through_block(query, key, value, layout, lambda q, k, v: F.scaled_dot_product_attention(
-        q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa))
+    out = _through_block(
+        query,
+        key,
+        value,
+        layout,
+        lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+        ),
+    )
     return out.to(dtype)
 
 
@@ -120,8 +138,9 @@ BACKENDS: dict[str, PackedAttentionBackend] = {
 }
 
 #: the backends :func:`packed_rows_attention` may choose from (None: all of them)
-_ALLOWED: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("rlfunc_packed_attention_backends",
-                                                                                   default=None)
+_ALLOWED: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "rlfunc_packed_attention_backends", default=None
+)
 
 
 @contextlib.contextmanager
@@ -138,8 +157,9 @@ def only_backends(*names: str) -> Iterator[None]:
         _ALLOWED.reset(token)
 
 
-def packed_rows_attention(query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None,
-                          dropout: float = 0.0) -> Tensor:
+def packed_rows_attention(
+    query: Tensor, key: Tensor, value: Tensor, layout: BlockLayout, scale: float | None, dropout: float = 0.0
+) -> Tensor:
     """Causal attention within each sequence of ``layout``: ``q (1 h T d), k v (1 kv T d) -> (1 T h d)``,
     by the first backend of :data:`BACKENDS` (among those :func:`only_backends` allows) that applies."""
     allowed = _ALLOWED.get()
@@ -148,8 +168,10 @@ def packed_rows_attention(query: Tensor, key: Tensor, value: Tensor, layout: Blo
     for backend in candidates:
         if forced or backend.applies(query, layout, dropout):
             return backend.run(query, key, value, layout, scale, dropout)
-    raise RuntimeError(f"no packed attention backend of {[b.name for b in candidates]} applies to these inputs "
-                       f"({query.dtype} on {query.device.type}, dropout {dropout})")
+    raise RuntimeError(
+        f"no packed attention backend of {[b.name for b in candidates]} applies to these inputs "
+        f"({query.dtype} on {query.device.type}, dropout {dropout})"
+    )
 
 
 def _cpu_fp32(query: Tensor, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, torch.dtype]:
@@ -174,7 +196,9 @@ def causal_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None
     kv = k.shape[1]  # divides h (checked by varlen_sdpa_attention)
     scale = d**-0.5 if scale is None else scale
     future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
-    scores = torch.matmul(q.reshape(n, kv, h // kv * length, d), k.transpose(-1, -2)).view(n, kv, h // kv, length, length)
+    scores = torch.matmul(q.reshape(n, kv, h // kv * length, d), k.transpose(-1, -2)).view(
+        n, kv, h // kv, length, length
+    )
     scores = scores.mul(scale).masked_fill_(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # bf16 / fp16 in and out, fp32 inside (PyTorch's CPU kernel)
     if dropout:
@@ -182,13 +206,19 @@ def causal_matmul_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None
     return torch.matmul(probs.view(n, kv, h // kv * length, length), v).view(n, h, length, d)
 
 
-def _packed_layout(query: Tensor, attention_mask: Tensor | None, cu_seq_lens_q: Tensor | None,
-                   packed_layout: BlockLayout | None, kwargs: dict[str, Any]) -> BlockLayout | None:
+def _packed_layout(
+    query: Tensor,
+    attention_mask: Tensor | None,
+    cu_seq_lens_q: Tensor | None,
+    packed_layout: BlockLayout | None,
+    kwargs: dict[str, Any],
+) -> BlockLayout | None:
     """The sequences of a packed forward, or None for a padded one."""
     if packed_layout is not None:
         if packed_layout.scatter.shape[0] != query.shape[2]:
-            raise ValueError(f"packed_layout places {packed_layout.scatter.shape[0]} tokens but the packed row has "
-                             f"{query.shape[2]}")
+            raise ValueError(
+                f"packed_layout places {packed_layout.scatter.shape[0]} tokens but the packed row has {query.shape[2]}"
+            )
         return packed_layout
     bounds = None
     if cu_seq_lens_q is not None:
@@ -227,8 +257,17 @@ def varlen_sdpa_attention(
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         query, key, value, dtype = _cpu_fp32(query, key, value)
-        out, weights = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                              scaling=scaling, sliding_window=sliding_window, **kwargs)
+        out, weights = sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
         return out.to(dtype), weights
     if query.shape[0] != 1:
         raise ValueError(f"packed attention needs one packed row, got a batch of {query.shape[0]}")
@@ -266,12 +305,16 @@ def enable_packed_attention(model: nn.Module) -> str:
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
-        raise ValueError(f"packed sequences need a Hugging Face model with an attention interface, got {type(model).__name__}")
+        raise ValueError(
+            f"packed sequences need a Hugging Face model with an attention interface, got {type(model).__name__}"
+        )
     current = config._attn_implementation
     if current in _FLASH:
         return current
     if getattr(config, "use_sliding_window", False):
-        raise NotImplementedError("packed sequences do not support sliding-window attention (config.use_sliding_window)")
+        raise NotImplementedError(
+            "packed sequences do not support sliding-window attention (config.use_sliding_window)"
+        )
     _register()
     model.set_attn_implementation(VARLEN_SDPA)
     return VARLEN_SDPA

@@ -91,5 +91,11 @@ def build_reference_role(
                 "its LoRA adapter disabled); under placement=split the reference lives on the critic pool"
             )
         return engine.reference_from_actor(actor, log_prob_micro_batch_size=cfg.log_prob_micro_batch_size)
-    return engine.build_reference(model_path, env, mesh=mesh, log_prob_micro_batch_size=cfg.log_prob_micro_batch_size,
-                                  param_offload=cfg.param_offload, compile=cfg.use_torch_compile)
+    return engine.build_reference(
+        model_path,
+        env,
+        mesh=mesh,
+        log_prob_micro_batch_size=cfg.log_prob_micro_batch_size,
+        param_offload=cfg.param_offload,
+        compile=cfg.use_torch_compile,
+    )

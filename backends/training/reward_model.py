@@ -43,9 +43,14 @@ from torch import Tensor, nn
 
 from backends.distributed.setup import DistEnv, device_mesh, init_distributed
 from backends.distributed.sharded_state import reshard
-from backends.models import check_model_dir, quiet_transformers, load_tokenizer
+from backends.models import check_model_dir, load_tokenizer, quiet_transformers
 from backends.training.common import (
-    all_reduce_max, check_batch, dummy_micro_batch, micro_batches, to_device, trim_micro_batch,
+    all_reduce_max,
+    check_batch,
+    dummy_micro_batch,
+    micro_batches,
+    to_device,
+    trim_micro_batch,
 )
 from rlfunc.batch import RolloutBatch
 from rlfunc.checks import bind, check_finite, check_floating
@@ -74,7 +79,8 @@ class RewardModelConfig:
     param_dtype: Literal["auto", "float32", "bfloat16"] = attrs.field(
         default="auto", validator=attrs.validators.in_(("auto", "float32", "bfloat16"))
     )
-    shard: bool = False  #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
+    #: FSDP2-shard the weights over all ranks (reference-style) instead of one full replica per rank
+    shard: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -125,7 +131,11 @@ def load_reward_model(
         )
     with quiet_transformers():
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, config=hf_config, dtype=dtype, local_files_only=True, attn_implementation=attn_implementation,
+            path,
+            config=hf_config,
+            dtype=dtype,
+            local_files_only=True,
+            attn_implementation=attn_implementation,
             output_loading_info=True,
         )
     if info["missing_keys"]:
@@ -179,7 +189,8 @@ def build_reward_model(
     vocab_size = model.get_input_embeddings().num_embeddings
     mesh = None
     if config.shard:
-        from backends.training.fsdp import FSDPConfig, shard_module
+        from backends.training.fsdp import FSDPConfig
+        from backends.training.fsdp_sharding import shard_module
 
         mesh = device_mesh(env)
         model = shard_module(model.to(device), mesh, FSDPConfig(), None)

@@ -47,11 +47,17 @@ class SFTConfig:
     #: column of a whole conversation (chat messages: system, user, assistant, tool) trained on its assistant turns
     #: only; when set, sft.prompt_key and sft.response_key are not read
     messages_key: str = ""
-    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))  #: passes over sft.files (when sft.steps is 0)
-    steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: SFT updates; 0: sft.epochs passes over the data
+    #: passes over sft.files (when sft.steps is 0)
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    #: SFT updates; 0: sft.epochs passes over the data
+    steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     batch_size: int = attrs.field(default=64, validator=attrs.validators.ge(1))  #: global examples per SFT update
-    max_length: int = attrs.field(default=1024, validator=attrs.validators.ge(2))  #: longest prompt + response in tokens (longer rows are an error)
-    optim: OptimConfig = OptimConfig(lr=1e-5, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1)  #: the SFT stage's optimizer
+    #: longest prompt + response in tokens (longer rows are an error)
+    max_length: int = attrs.field(default=1024, validator=attrs.validators.ge(2))
+    #: the SFT stage's optimizer
+    optim: OptimConfig = OptimConfig(
+        lr=1e-5, weight_decay=0.0, lr_warmup_steps_ratio=0.1, lr_scheduler_type="cosine", min_lr_ratio=0.1
+    )
 
 
 def sft_steps(cfg: SFTConfig, num_examples: int) -> int:
@@ -73,8 +79,10 @@ class SFTExample:
         if not self.prompt_ids or not self.response_ids:
             raise ValueError("an SFT example needs at least one prompt token and one response token")
         if self.loss_mask is not None and (len(self.loss_mask) != len(self.response_ids) or not any(self.loss_mask)):
-            raise ValueError(f"an SFT example's loss_mask must have one entry per response token "
-                             f"({len(self.response_ids)}) and at least one True, got {len(self.loss_mask)}")
+            raise ValueError(
+                f"an SFT example's loss_mask must have one entry per response token "
+                f"({len(self.response_ids)}) and at least one True, got {len(self.loss_mask)}"
+            )
 
 
 def sft_optim(cfg: SFTConfig, steps: int | None = None) -> OptimConfig:
@@ -83,24 +91,42 @@ def sft_optim(cfg: SFTConfig, steps: int | None = None) -> OptimConfig:
     return with_total_steps(cfg.optim, cfg.steps if steps is None else steps)
 
 
-def load_sft_examples(cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "auto",
-                      tools: Sequence[Mapping[str, Any]] | None = None) -> list[SFTExample]:
+def load_sft_examples(
+    cfg: SFTConfig, tokenizer: Any, *, chat_template: str = "auto", tools: Sequence[Mapping[str, Any]] | None = None
+) -> list[SFTExample]:
     """Every row of ``cfg.files`` as an :class:`SFTExample` (see the module doc; chats rendered with the ``tools``
     schemas, as the RL prompts are); a bad row is a :class:`backends.data.DataError` naming the file and row."""
     examples = []
     for path in cfg.files:
         if cfg.messages_key:  # conversations: tokenised a chunk of rows at a time (_conversations)
             rows = ((where, column_value(row, cfg.messages_key, where)) for where, row in read_rows(path))
-            pairs = (pair for chunk in _chunks(rows, _CONVERSATION_CHUNK)
-                     for pair in _conversations(chunk, tokenizer, chat_template, tools))
+            pairs = (
+                pair
+                for chunk in _chunks(rows, _CONVERSATION_CHUNK)
+                for pair in _conversations(chunk, tokenizer, chat_template, tools)
+            )
         else:
-            pairs = ((where, _named(where, _tokenise, column_value(row, cfg.prompt_key, where),
-                                    column_value(row, cfg.response_key, where), tokenizer, chat_template, tools))
-                     for where, row in read_rows(path))
+            pairs = (
+                (
+                    where,
+                    _named(
+                        where,
+                        _tokenise,
+                        column_value(row, cfg.prompt_key, where),
+                        column_value(row, cfg.response_key, where),
+                        tokenizer,
+                        chat_template,
+                        tools,
+                    ),
+                )
+                for where, row in read_rows(path)
+            )
         for where, example in pairs:
             if len(example.prompt_ids) + len(example.response_ids) > cfg.max_length:
-                raise DataError(f"{where}: prompt + response is {len(example.prompt_ids) + len(example.response_ids)} "
-                                f"tokens, more than sft.max_length={cfg.max_length}")
+                raise DataError(
+                    f"{where}: prompt + response is {len(example.prompt_ids) + len(example.response_ids)} "
+                    f"tokens, more than sft.max_length={cfg.max_length}"
+                )
             examples.append(example)
     if not examples:
         raise DataError(f"no rows in sft.files {list(cfg.files)}")
@@ -130,8 +156,9 @@ def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def _tokenise(prompt: Any, response: Any, tokenizer: Any, chat_template: str,
-              tools: Sequence[Mapping[str, Any]] | None = None) -> SFTExample:
+def _tokenise(
+    prompt: Any, response: Any, tokenizer: Any, chat_template: str, tools: Sequence[Mapping[str, Any]] | None = None
+) -> SFTExample:
     if not isinstance(response, str) or not response:
         raise DataError(f"the response must be a non-empty string, got {response!r:.60}")
     if isinstance(prompt, str):
@@ -145,21 +172,35 @@ def _tokenise(prompt: Any, response: Any, tokenizer: Any, chat_template: str,
     prompt_ids = prompt_token_ids(messages, tokenizer, chat_template=chat_template, tools=tools)
     full = _render(messages + [{"role": "assistant", "content": response}], tokenizer, chat_template, tools)
     if full[: len(prompt_ids)] != prompt_ids:
-        raise DataError("the chat template renders the prompt differently when the assistant's answer follows it; "
-                        "the answer's tokens cannot be separated from the prompt's")
-    return SFTExample(prompt_ids, full[len(prompt_ids):])
+        raise DataError(
+            "the chat template renders the prompt differently when the assistant's answer follows it; "
+            "the answer's tokens cannot be separated from the prompt's"
+        )
+    return SFTExample(prompt_ids, full[len(prompt_ids) :])
 
 
-def _render(messages: list[dict], tokenizer: Any, chat_template: str, tools: Sequence[Mapping[str, Any]] | None = None,
-            *, generation_prompt: bool = False) -> list[int]:
+def _render(
+    messages: list[dict],
+    tokenizer: Any,
+    chat_template: str,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    generation_prompt: bool = False,
+) -> list[int]:
     template = None if chat_template == "auto" else Path(chat_template).read_text()
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=template,
-                                        add_generation_prompt=generation_prompt, tools=list(tools) if tools else None)
+    ids = tokenizer.apply_chat_template(
+        messages,
+        tokenize=True,
+        chat_template=template,
+        add_generation_prompt=generation_prompt,
+        tools=list(tools) if tools else None,
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _conversations(rows: list[tuple[str, Any]], tokenizer: Any, chat_template: str,
-                   tools: Sequence[Mapping[str, Any]] | None) -> list[tuple[str, SFTExample]]:
+def _conversations(
+    rows: list[tuple[str, Any]], tokenizer: Any, chat_template: str, tools: Sequence[Mapping[str, Any]] | None
+) -> list[tuple[str, SFTExample]]:
     """``(where, example)`` of each ``(where, messages)`` row: a conversation's tokens, cut where each assistant turn
     starts and ends (see the module doc), exactly what the template renders for the whole chat.
 
@@ -173,29 +214,44 @@ def _conversations(rows: list[tuple[str, Any]], tokenizer: Any, chat_template: s
         messages, turns = _named(where, _conversation_turns, messages)
         texts = []
         for k in turns:
-            texts += [_named(where, _render_text, messages[:k], tokenizer, template, tools, True),
-                      _named(where, _render_text, messages[: k + 1], tokenizer, template, tools, False)]
+            texts += [
+                _named(where, _render_text, messages[:k], tokenizer, template, tools, True),
+                _named(where, _render_text, messages[: k + 1], tokenizer, template, tools, False),
+            ]
         rendered.append((where, messages, turns, texts))
     try:
-        encoded = tokenizer([texts[-1] for *_, texts in rendered], add_special_tokens=False,
-                            return_offsets_mapping=True)
+        encoded = tokenizer(
+            [texts[-1] for *_, texts in rendered], add_special_tokens=False, return_offsets_mapping=True
+        )
     except (NotImplementedError, ValueError, TypeError):  # no offsets (a slow tokenizer): rendering by rendering
         encoded = None
     added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
     out = []
     for i, (where, messages, turns, texts) in enumerate(rendered):
-        cut = None if encoded is None else _token_cuts(texts, list(encoded["input_ids"][i]),
-                                                       [int(end) for _, end in encoded["offset_mapping"][i]],
-                                                       tokenizer, added)
+        cut = (
+            None
+            if encoded is None
+            else _token_cuts(
+                texts,
+                list(encoded["input_ids"][i]),
+                [int(end) for _, end in encoded["offset_mapping"][i]],
+                tokenizer,
+                added,
+            )
+        )
         if cut is None:
-            out.append((where, _named(where, _tokenise_conversation_by_renders, messages, turns, tokenizer,
-                                      chat_template, tools)))
+            out.append(
+                (
+                    where,
+                    _named(where, _tokenise_conversation_by_renders, messages, turns, tokenizer, chat_template, tools),
+                )
+            )
             continue
         tokens, counts = cut
         mask = [False] * counts[0]
         for c in range(1, len(counts)):
             mask += [c % 2 == 1] * (counts[c] - counts[c - 1])  # an odd cut ends an assistant turn
-        out.append((where, _named(where, SFTExample, tokens[: counts[0]], tokens[counts[0]:], mask[counts[0]:])))
+        out.append((where, _named(where, SFTExample, tokens[: counts[0]], tokens[counts[0] :], mask[counts[0] :])))
     return out
 
 
@@ -210,14 +266,25 @@ def _conversation_turns(messages: Any) -> tuple[list[dict], list[int]]:
     return messages, turns
 
 
-def _render_text(messages: list[dict], tokenizer: Any, template: str | None,
-                 tools: Sequence[Mapping[str, Any]] | None, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template,
-                                         add_generation_prompt=generation_prompt, tools=list(tools) if tools else None)
+def _render_text(
+    messages: list[dict],
+    tokenizer: Any,
+    template: str | None,
+    tools: Sequence[Mapping[str, Any]] | None,
+    generation_prompt: bool,
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        chat_template=template,
+        add_generation_prompt=generation_prompt,
+        tools=list(tools) if tools else None,
+    )
 
 
-def _token_cuts(texts: list[str], ids: list[int], ends: list[int], tokenizer: Any,
-                added: set[int]) -> tuple[list[int], list[int]] | None:
+def _token_cuts(
+    texts: list[str], ids: list[int], ends: list[int], tokenizer: Any, added: set[int]
+) -> tuple[list[int], list[int]] | None:
     """``(ids, how many of them each text holds)`` from ``ids`` and the character ``ends`` of the last text's tokens
     (``apply_chat_template``'s tokenisation: ``add_special_tokens=False``), or None when a text is not a prefix of the
     next or its tokens are not the head of the last text's.
@@ -240,19 +307,28 @@ def _token_cuts(texts: list[str], ids: list[int], ends: list[int], tokenizer: An
     return ids, counts
 
 
-def _tokenise_conversation_by_renders(messages: list[dict], turns: list[int], tokenizer: Any, chat_template: str,
-                                      tools: Sequence[Mapping[str, Any]] | None) -> SFTExample:
+def _tokenise_conversation_by_renders(
+    messages: list[dict],
+    turns: list[int],
+    tokenizer: Any,
+    chat_template: str,
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> SFTExample:
     """A conversation (:func:`_conversations`) with every rendering tokenised on its own, each checked to be a prefix
     of the next."""
     tokens: list[int] = []
     mask: list[bool] = []
     for k in turns:
         # up to the assistant's generation prompt (read), then through the assistant's turn (trained)
-        for ids, trained in ((_render(messages[:k], tokenizer, chat_template, tools, generation_prompt=True), False),
-                             (_render(messages[: k + 1], tokenizer, chat_template, tools), True)):
+        for ids, trained in (
+            (_render(messages[:k], tokenizer, chat_template, tools, generation_prompt=True), False),
+            (_render(messages[: k + 1], tokenizer, chat_template, tools), True),
+        ):
             if ids[: len(tokens)] != tokens:
-                raise DataError(f"the chat template renders message {k}'s conversation so that an earlier part "
-                                "changes; its turns' tokens cannot be cut apart")
+                raise DataError(
+                    f"the chat template renders message {k}'s conversation so that an earlier part "
+                    "changes; its turns' tokens cannot be cut apart"
+                )
             mask += [trained] * (len(ids) - len(tokens))
             tokens = ids
     prompt_len = len(_render(messages[: turns[0]], tokenizer, chat_template, tools, generation_prompt=True))
@@ -265,15 +341,27 @@ def sft_batch(examples: Sequence[SFTExample], pad_token_id: int) -> rf.RolloutBa
     r_len = max(len(e.response_ids) for e in examples)
     prompt_ids = torch.tensor([[pad_token_id] * (p_len - len(e.prompt_ids)) + list(e.prompt_ids) for e in examples])
     prompt_mask = torch.tensor([[False] * (p_len - len(e.prompt_ids)) + [True] * len(e.prompt_ids) for e in examples])
-    response_ids = torch.tensor([list(e.response_ids) + [pad_token_id] * (r_len - len(e.response_ids)) for e in examples])
-    response_mask = torch.tensor([[True] * len(e.response_ids) + [False] * (r_len - len(e.response_ids)) for e in examples])
+    response_ids = torch.tensor(
+        [list(e.response_ids) + [pad_token_id] * (r_len - len(e.response_ids)) for e in examples]
+    )
+    response_mask = torch.tensor(
+        [[True] * len(e.response_ids) + [False] * (r_len - len(e.response_ids)) for e in examples]
+    )
     loss_mask = None
     if any(e.loss_mask is not None for e in examples):
-        loss_mask = torch.tensor([list(e.loss_mask or [True] * len(e.response_ids)) + [False] * (r_len - len(e.response_ids))
-                                  for e in examples])
+        loss_mask = torch.tensor(
+            [
+                list(e.loss_mask or [True] * len(e.response_ids)) + [False] * (r_len - len(e.response_ids))
+                for e in examples
+            ]
+        )
     return rf.RolloutBatch(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-        response_mask=response_mask, loss_mask=loss_mask, group_ids=torch.arange(len(examples)),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        group_ids=torch.arange(len(examples)),
     )
 
 
@@ -305,7 +393,9 @@ def run_sft(
     for step in tqdm(range(cfg.steps), desc="sft", disable=not show_progress):
         examples = next_examples(step)
         if len(examples) != cfg.batch_size:
-            raise ValueError(f"next_examples({step}) gave {len(examples)} examples, the stage's batch_size is {cfg.batch_size}")
+            raise ValueError(
+                f"next_examples({step}) gave {len(examples)} examples, the stage's batch_size is {cfg.batch_size}"
+            )
         # the RL loop's "update" deadline applies; steps count up to -1 as in the metrics log
         with watchdog.phase("update", step=step - cfg.steps, op=f"SFT update {step + 1} of {cfg.steps}"):
             state, metrics = update_fn(state, sft_batch(examples[dp_rank::dp_size], pad_token_id), nll_loss)

@@ -160,8 +160,11 @@ def checkpoint_plan(model: nn.Module, files: dict[str, Path]) -> list[tuple[str,
         raise ValueError(f"{where!r} is missing the weights of {type(model).__name__} parameters {missing}")
     shapes = _stored_shapes(plan)
     by_name = dict(model.named_parameters())
-    wrong = [f"{stored}: checkpoint {shapes[stored]}, model {tuple(by_name[name].shape)}"
-             for name, stored, _ in plan if shapes[stored] != tuple(by_name[name].shape)]
+    wrong = [
+        f"{stored}: checkpoint {shapes[stored]}, model {tuple(by_name[name].shape)}"
+        for name, stored, _ in plan
+        if shapes[stored] != tuple(by_name[name].shape)
+    ]
     if wrong:
         raise ValueError(f"{where!r} holds tensors of the wrong shape: {wrong}")
     return plan
@@ -192,8 +195,9 @@ def materialize(model: nn.Module, device: torch.device, *, params_device: torch.
     (default ``device``; the CPU under FSDP2's CPU offload) and put its buffers back on ``device``:
     ``to_empty`` would leave them uninitialised too, and they hold values computed in ``__init__``, not
     read from the checkpoint."""
-    owners = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
-              if buf is not None]
+    owners = [
+        (module, name, buf) for module in model.modules() for name, buf in module._buffers.items() if buf is not None
+    ]
     model.to_empty(device=params_device if params_device is not None else device)
     for module, name, buf in owners:
         module._buffers[name] = buf.to(device)
@@ -239,7 +243,12 @@ def _local_shard(param: nn.Parameter, name: str) -> Tensor:
 
 
 def _scatter_rows(
-    full: Tensor | None, local: Tensor, param: DTensor, group: Any, size: int, staging: _Staging | None,
+    full: Tensor | None,
+    local: Tensor,
+    param: DTensor,
+    group: Any,
+    size: int,
+    staging: _Staging | None,
     device: torch.device,
 ) -> None:
     """Scatter ``full`` (on the group's rank 0, which passes ``staging``; None elsewhere) as ``size``
@@ -279,7 +288,7 @@ class _Staging:
             self._buffer = torch.empty(numel, dtype=dtype, device=self.device)
         out = self._buffer[:numel].view(shape)
         out[: full.shape[0]].copy_(full)
-        out[full.shape[0]:].zero_()
+        out[full.shape[0] :].zero_()
         return out
 
 

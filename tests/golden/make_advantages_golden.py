@@ -17,10 +17,9 @@ import pathlib
 
 import numpy as np
 import torch
+import verl
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-
-import verl
 from verl.trainer.ppo import core_algos as ca
 
 OUT = pathlib.Path(__file__).with_name("advantages.safetensors")

@@ -13,13 +13,19 @@ from __future__ import annotations
 import pathlib
 
 import torch
-from safetensors.torch import save_file
-
 import verl
+from safetensors.torch import save_file
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 
 OUT = pathlib.Path(__file__).with_name("importance.safetensors")
-CASES = [("token", "2.0"), ("token", "1.2"), ("sequence", "2.0"), ("sequence", "5.0"), ("token", "0.8_1.25"), ("sequence", "0.5_2.0")]
+CASES = [
+    ("token", "2.0"),
+    ("token", "1.2"),
+    ("sequence", "2.0"),
+    ("sequence", "5.0"),
+    ("token", "0.8_1.25"),
+    ("sequence", "0.5_2.0"),
+]
 
 
 def main() -> None:
@@ -35,10 +41,14 @@ def main() -> None:
     trainer = torch.where(mask, trainer, torch.full_like(trainer, -50.0))  # padding junk must not matter
     out = {"is/trainer_logprobs": trainer, "is/rollout_logprobs": rollout, "is/mask": mask}
     for level, threshold in CASES:
-        weights, _ = compute_rollout_correction_weights(trainer - rollout, mask.float(), rollout_is=level, rollout_is_threshold=threshold)
+        weights, _ = compute_rollout_correction_weights(
+            trainer - rollout, mask.float(), rollout_is=level, rollout_is_threshold=threshold
+        )
         out[f"is/{level}/{threshold}"] = weights
     out = {k: v.detach().clone().contiguous() for k, v in out.items()}
-    save_file(out, str(OUT), metadata={"generator": f"tests/golden/make_importance_golden.py with verl {verl.__version__}"})
+    save_file(
+        out, str(OUT), metadata={"generator": f"tests/golden/make_importance_golden.py with verl {verl.__version__}"}
+    )
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes, {len(out)} tensors)")
 
 

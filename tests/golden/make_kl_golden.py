@@ -28,11 +28,10 @@ import pathlib
 import sys
 
 import torch
-from safetensors.torch import save_file
-
 import verl
 import verl.trainer.ppo.core_algos as core_algos
 import verl.utils.torch_functional as verl_F
+from safetensors.torch import save_file
 
 OUT = pathlib.Path(__file__).with_name("kl.safetensors")
 KINDS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+"]
@@ -96,7 +95,9 @@ def main() -> None:
     kld = core_algos.kl_penalty(logprobs, ref_logprobs, "low_var_kl")
     for mode in AGG_MODES:
         out[f"kl_loss/{mode}"] = core_algos.agg_loss(kld, mask.float(), mode).reshape(())
-    out["kl_loss/token-mean/k1"] = core_algos.agg_loss(core_algos.kl_penalty(logprobs, ref_logprobs, "k1"), mask.float(), "token-mean").reshape(())
+    out["kl_loss/token-mean/k1"] = core_algos.agg_loss(
+        core_algos.kl_penalty(logprobs, ref_logprobs, "k1"), mask.float(), "token-mean"
+    ).reshape(())
 
     # ---- KL in the reward: apply_kl_penalty + AdaptiveKLController ------------------------------------
     apply_kl_penalty = load_apply_kl_penalty()
@@ -109,13 +110,20 @@ def main() -> None:
     for kind in ["kl", "low_var_kl"]:
         ctrl = core_algos.AdaptiveKLController(init_kl_coef=0.05, target_kl=0.02, horizon=100)
         data = _Data(
-            {"response_mask": mask.float(), "token_level_scores": scores, "old_log_probs": old_lp, "ref_log_prob": ref_lp},
+            {
+                "response_mask": mask.float(),
+                "token_level_scores": scores,
+                "old_log_probs": old_lp,
+                "ref_log_prob": ref_lp,
+            },
             batch_size=b,
         )
         data, metrics = apply_kl_penalty(data, ctrl, kl_penalty=kind)
         out[f"reward_kl/{kind}/token_rewards"] = data.batch["token_level_rewards"].contiguous()
         out[f"reward_kl/{kind}/observed_kl"] = torch.tensor(metrics["actor/reward_kl_penalty"], dtype=torch.float64)
-        out[f"reward_kl/{kind}/beta_before"] = torch.tensor(metrics["actor/reward_kl_penalty_coeff"], dtype=torch.float64)
+        out[f"reward_kl/{kind}/beta_before"] = torch.tensor(
+            metrics["actor/reward_kl_penalty_coeff"], dtype=torch.float64
+        )
         out[f"reward_kl/{kind}/beta_after"] = torch.tensor(ctrl.value, dtype=torch.float64)
 
     # ---- adaptive controller over many updates ----------------------------------------------------------
@@ -146,7 +154,9 @@ def main() -> None:
     ent = verl_F.entropy_from_logits(x)
     (ent * w).sum().backward()
     out["logits/entropy"], out["logits/entropy_grad"] = ent.detach(), x.grad.clone()
-    out["logits/entropy_chunked"] = verl_F.entropy_from_logits_with_chunking(logits.reshape(b * t, v), chunk_size=3).reshape(b, t)
+    out["logits/entropy_chunked"] = verl_F.entropy_from_logits_with_chunking(
+        logits.reshape(b * t, v), chunk_size=3
+    ).reshape(b, t)
     logits_bf16 = logits.to(torch.bfloat16)
     out["logits/logits_bf16"] = logits_bf16
     out["logits/verl_bf16_logprobs"] = verl_F.logprobs_from_logits(logits_bf16, labels)
@@ -165,11 +175,21 @@ def print_schedules() -> None:
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     configs = {
         "constant_warmup": lambda: verl_F.get_constant_schedule_with_warmup(opt, num_warmup_steps=4),
-        "cosine": lambda: verl_F.get_cosine_schedule_with_warmup(opt, num_warmup_steps=3, num_training_steps=12, min_lr_ratio=0.1),
-        "cosine_no_warmup": lambda: verl_F.get_cosine_schedule_with_warmup(opt, num_warmup_steps=0, num_training_steps=10),
-        "cosine_cycles": lambda: verl_F.get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=10, num_cycles=1.0, min_lr_ratio=0.2),
-        "cosine_one_indexed": lambda: verl_F.get_cosine_schedule_with_warmup(opt, num_warmup_steps=3, num_training_steps=12, min_lr_ratio=0.1, zero_indexed_step=False),
-        "cosine_init": lambda: verl_F.get_cosine_schedule_with_warmup(opt, num_warmup_steps=4, num_training_steps=12, init_lr_ratio=0.25),
+        "cosine": lambda: verl_F.get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=3, num_training_steps=12, min_lr_ratio=0.1
+        ),
+        "cosine_no_warmup": lambda: verl_F.get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=0, num_training_steps=10
+        ),
+        "cosine_cycles": lambda: verl_F.get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=2, num_training_steps=10, num_cycles=1.0, min_lr_ratio=0.2
+        ),
+        "cosine_one_indexed": lambda: verl_F.get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=3, num_training_steps=12, min_lr_ratio=0.1, zero_indexed_step=False
+        ),
+        "cosine_init": lambda: verl_F.get_cosine_schedule_with_warmup(
+            opt, num_warmup_steps=4, num_training_steps=12, init_lr_ratio=0.25
+        ),
     }
     for name, make in configs.items():
         for group in opt.param_groups:

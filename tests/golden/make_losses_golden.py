@@ -107,7 +107,10 @@ def main() -> None:
     for agg in AGG_MODES:
         policy_case("vanilla", "with_empty", agg, dict(sym, clip_ratio_c=3.0), dict(clip_low=0.2, dual_clip=3.0))
         policy_case(
-            "vanilla", "with_empty", agg, dict(dapo, clip_ratio_c=NO_DUAL_CLIP),
+            "vanilla",
+            "with_empty",
+            agg,
+            dict(dapo, clip_ratio_c=NO_DUAL_CLIP),
             dict(clip_low=0.2, clip_high=0.28, dual_clip=None),
         )
     # tight clip and a low dual clip so both clips bite on many tokens; rollout IS weights; global normalisers

@@ -37,7 +37,14 @@ from backends.training.megatron.model import ModelShape, check_parallel_sizes, m
 from backends.training.megatron.parallel import ParallelDims
 
 __all__ = [
-    "ParamMap", "param_maps", "HFCheckpoint", "HFSource", "read_hf_source", "load_hf_into", "gather_hf_state", "save_hf",
+    "ParamMap",
+    "param_maps",
+    "HFCheckpoint",
+    "HFSource",
+    "read_hf_source",
+    "load_hf_into",
+    "gather_hf_state",
+    "save_hf",
 ]
 
 
@@ -60,17 +67,34 @@ def param_maps(shape: ModelShape, pp: int, *, value_head: bool = False) -> list[
         attn = hf + "self_attn."
         maps += [
             ParamMap(mg + "input_layernorm.weight", (hf + "input_layernorm.weight",), "copy", None, stage),
-            ParamMap(mg + "self_attention.linear_qkv.weight",
-                     tuple(attn + f"{p}_proj.weight" for p in "qkv"), "qkv", 0, stage),
+            ParamMap(
+                mg + "self_attention.linear_qkv.weight",
+                tuple(attn + f"{p}_proj.weight" for p in "qkv"),
+                "qkv",
+                0,
+                stage,
+            ),
         ]
         if shape.qkv_bias:
-            maps.append(ParamMap(mg + "self_attention.linear_qkv.bias",
-                                 tuple(attn + f"{p}_proj.bias" for p in "qkv"), "qkv", 0, stage))
+            maps.append(
+                ParamMap(
+                    mg + "self_attention.linear_qkv.bias",
+                    tuple(attn + f"{p}_proj.bias" for p in "qkv"),
+                    "qkv",
+                    0,
+                    stage,
+                )
+            )
         maps += [
             ParamMap(mg + "self_attention.linear_proj.weight", (attn + "o_proj.weight",), "copy", 1, stage),
             ParamMap(mg + "pre_mlp_layernorm.weight", (hf + "post_attention_layernorm.weight",), "copy", None, stage),
-            ParamMap(mg + "mlp.linear_fc1.weight", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
-                     "gate_up", 0, stage),
+            ParamMap(
+                mg + "mlp.linear_fc1.weight",
+                (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"),
+                "gate_up",
+                0,
+                stage,
+            ),
             ParamMap(mg + "mlp.linear_fc2.weight", (hf + "mlp.down_proj.weight",), "copy", 1, stage),
         ]
     last = pp - 1
@@ -142,7 +166,9 @@ class HFCheckpoint:
         else:
             files = sorted(self.path.glob("*.safetensors"))
             if not files:
-                raise FileNotFoundError(f"{str(self.path)!r} has no *.safetensors weights (the megatron loader reads safetensors)")
+                raise FileNotFoundError(
+                    f"{str(self.path)!r} has no *.safetensors weights (the megatron loader reads safetensors)"
+                )
             from safetensors import safe_open
 
             self._files = {}
@@ -185,7 +211,9 @@ def read_hf_source(model: str | os.PathLike | nn.Module, tp: int, pp: int) -> tu
     if isinstance(model, nn.Module):
         config = getattr(model, "config", None)
         if config is None:
-            raise ValueError(f"a module for the megatron backend must be an HF model with .config, got {type(model).__name__}")
+            raise ValueError(
+                f"a module for the megatron backend must be an HF model with .config, got {type(model).__name__}"
+            )
         check_parallel_sizes(model_shape(config), tp, pp)
         return config, {k: v.detach() for k, v in model.state_dict().items()}
     from transformers import AutoConfig
@@ -294,7 +322,9 @@ def gather_hf_state(
                 dist.all_gather(shards, local.contiguous(), group=dims.tp_group)
                 full = torch.cat(shards, dim=m.tp_axis)
         else:
-            full = torch.empty(_full_shape(m, shape, dims.tp), dtype=next(iter(params.values())).dtype, device=comm_device)
+            full = torch.empty(
+                _full_shape(m, shape, dims.tp), dtype=next(iter(params.values())).dtype, device=comm_device
+            )
         if dims.pp > 1:
             full = full.contiguous()
             dist.broadcast(full, src=dims.pp_ranks[m.stage], group=dims.pp_group)

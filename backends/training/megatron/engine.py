@@ -2,46 +2,23 @@
 
 The same explicit-state interface as :mod:`backends.training.fsdp` and the same contract for losses
 (:mod:`backends.training.common`):
-``state, metrics = update(state, batch, loss_fn, with_entropy=...)`` where
-``loss_fn(outputs: ModelOutputs, micro_batch, norms: Normalizers) -> (loss, metrics)`` gets the
+``state, metrics = update(state, batch, loss_fn, with_entropy=...)`` (:mod:`backends.training.megatron.update`),
+where ``loss_fn(outputs: ModelOutputs, micro_batch, norms: Normalizers) -> (loss, metrics)`` gets the
 **global** normalisers; :func:`compute_logprobs`, :func:`compute_values`, :func:`full_state_dict` (full
-HF tensors for a rollout engine) and :func:`export_hf` (an HF dir). A recipe switches engines by
-switching the module.
+HF tensors for a rollout engine) and :func:`export_hf` (an HF dir). The engine object over both modules
+is :mod:`backends.training.megatron.train_engine`.
 
 Layout: ``world = tp * pp * dp`` (megatron's ``parallel_state``). Each rank holds one pipeline stage
 (``GPTModel(pre_process=..., post_process=...)``, :mod:`backends.training.megatron.model`) with ``1/tp`` of every
 matrix, loaded from the HF checkpoint by :mod:`backends.training.megatron.convert`. Every rank of a
 (tp, pp) replica gets the same rows; data-parallel replicas get different rows.
 
-One update on CPU (torchtitan-style, explicit):
-
-1. split the rank's rows into micro-batches; all-gather the loss-token / sequence counts over the
-   data-parallel group: the global :class:`rlfunc.Normalizers` (one host sync);
-2. per micro-batch, through the stages (:func:`backends.training.megatron.pipeline.run_micro_batch`): the last
-   stage turns its vocab-parallel logits into log-probs / entropy without gathering the vocabulary
-   (:mod:`backends.training.megatron.vocab_parallel`) or reads the value head, calls ``loss_fn``, backward;
-3. sum the two copies' gradients of a tied embedding split across stages; sum gradients over
-   data-parallel replicas (each loss is already normalised by the global counts, so the sum is the
-   gradient of the global-batch loss);
-4. global grad norm (TP shards and pipeline stages summed, replicated tensors counted once), clip,
-   AdamW (:mod:`backends.training.optim`) at the rlfunc LR schedule's ``lr_at(step)``.
-
-On a GPU (``MegatronConfig.schedule="auto"`` with CUDA) step 2 is megatron's own
-``get_forward_backward_func`` schedule over a megatron ``DistributedDataParallel`` module and step 4
-megatron's ``DistributedOptimizer`` built from :class:`MegatronOptimConfig` (verl's
-``optim/megatron.yaml`` fields); the LR is still rlfunc's schedule, written into its param groups.
-
-Defined behaviour matches the FSDP engine: an empty batch or a non-finite loss / grad norm skips the
-optimizer step and drops the gradients (``update_skipped = 1``, ``step`` advances; ``optim.nonfinite=error``: raises; every rank agrees,
-on the GPU schedule too, where megatron's optimizer alone would step on NaN gradients in bf16 / fp32);
-a row with an empty prompt raises; bad
-configs (unsupported architecture, TP not dividing the heads / KV heads, PP not dividing the layers,
-world size not divisible by tp * pp) raise before any weight is read.
+Bad configs (unsupported architecture, TP not dividing the heads / KV heads, PP not dividing the layers, world size not
+divisible by tp * pp) raise before any weight is read.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any, Iterator, Literal
@@ -53,19 +30,29 @@ from torch import Tensor, nn
 
 from backends.distributed.setup import DistEnv, init_distributed
 from backends.training.common import (
-    LossFn, ModelOutputs, check_batch, check_critic_batch, check_loss_output, gather_counts, micro_batches, nonfinite_policy,
-    to_device, trim_micro_batch, value_loss_fn,
+    LossFn,
+    ModelOutputs,
+    check_batch,
+    micro_batches,
+    to_device,
+    trim_micro_batch,
+    value_loss_fn,
 )
-from backends.training.megatron.convert import HFSource, gather_hf_state, load_hf_into, param_maps, read_hf_source, save_hf
+from backends.training.megatron.convert import (
+    HFSource,
+    gather_hf_state,
+    load_hf_into,
+    read_hf_source,
+    save_hf,
+)
 from backends.training.megatron.layout import ModelInput, layout_micro_batch
 from backends.training.megatron.model import ModelShape, build_stage, model_shape
 from backends.training.megatron.parallel import ParallelDims, check_sizes, init_model_parallel
 from backends.training.megatron.pipeline import broadcast_from_last_stage, megatron_forward_backward, run_micro_batch
 from backends.training.megatron.vocab_parallel import vocab_parallel_logprobs
-from backends.training.optim import OptimConfig, build_optimizer, lr_schedule, set_lr
+from backends.training.optim import OptimConfig, build_optimizer, lr_schedule
 from rlfunc import schedules
-from rlfunc.aggregation import local_normalizers
-from rlfunc.batch import RolloutBatch, loss_tokens
+from rlfunc.batch import RolloutBatch
 
 __all__ = [
     "MegatronConfig",
@@ -79,7 +66,7 @@ __all__ = [
     "compute_logprobs",
     "compute_values",
     "value_loss_fn",
-    "update",
+    "head_outputs",
     "full_state_dict",
     "export_hf",
     "fresh_optimizer",
@@ -154,7 +141,8 @@ class MegatronState:
     step: int = 0
     role: Literal["actor", "reference", "critic"] = "actor"
     log_prob_micro_batch_size: int | None = None
-    nonfinite_updates_skipped: int = 0  #: updates skipped for a non-finite loss / grad norm so far (optim.nonfinite=skip)
+    #: updates skipped for a non-finite loss / grad norm so far (optim.nonfinite=skip)
+    nonfinite_updates_skipped: int = 0
 
     def replace(self, **changes: Any) -> "MegatronState":
         return attrs.evolve(self, **changes)
@@ -188,7 +176,9 @@ def _dtype(cfg: MegatronConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.param_dtype)
 
 
-def _prepare(model: Any, env: DistEnv | None, cfg: MegatronConfig) -> tuple[DistEnv, Any, Any, ModelShape, ParallelDims]:
+def _prepare(
+    model: Any, env: DistEnv | None, cfg: MegatronConfig
+) -> tuple[DistEnv, Any, Any, ModelShape, ParallelDims]:
     """Validate everything that can fail cheaply, then set up the parallel groups."""
     config, source = read_hf_source(model, cfg.tp, cfg.pp)
     shape = model_shape(config)
@@ -198,11 +188,26 @@ def _prepare(model: Any, env: DistEnv | None, cfg: MegatronConfig) -> tuple[Dist
     return env, config, source, shape, dims
 
 
-def _build(source: Any, shape: ModelShape, dims: ParallelDims, env: DistEnv, cfg: MegatronConfig,
-           dtype: torch.dtype, *, value_head: bool = False) -> nn.Module:
+def _build(
+    source: Any,
+    shape: ModelShape,
+    dims: ParallelDims,
+    env: DistEnv,
+    cfg: MegatronConfig,
+    dtype: torch.dtype,
+    *,
+    value_head: bool = False,
+) -> nn.Module:
     model = build_stage(
-        shape, cfg.tp, cfg.pp, pre_process=dims.first_stage, post_process=dims.last_stage,
-        value_head=value_head, params_dtype=dtype, device=env.device, tie_across_stages=_megatron_schedule(cfg),
+        shape,
+        cfg.tp,
+        cfg.pp,
+        pre_process=dims.first_stage,
+        post_process=dims.last_stage,
+        value_head=value_head,
+        params_dtype=dtype,
+        device=env.device,
+        tie_across_stages=_megatron_schedule(cfg),
     )
     load_hf_into(model, source, shape, dims, value_head=value_head)
     if _megatron_schedule(cfg):
@@ -218,8 +223,10 @@ def _megatron_ddp(model: nn.Module, cfg: MegatronConfig) -> nn.Module:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=cfg.optim.grad_reduce_in_fp32, overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
-        overlap_param_gather=cfg.optim.overlap_param_gather, use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        grad_reduce_in_fp32=cfg.optim.grad_reduce_in_fp32,
+        overlap_grad_reduce=cfg.optim.overlap_grad_reduce,
+        overlap_param_gather=cfg.optim.overlap_param_gather,
+        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
     config = model.config
     ddp = DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=model)
@@ -235,10 +242,16 @@ def _megatron_optimizer(ddp: nn.Module, cfg: MegatronConfig, optim_cfg: OptimCon
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     opt_cfg = OptimizerConfig(
-        optimizer=cfg.optim.optimizer, lr=optim_cfg.lr, weight_decay=optim_cfg.weight_decay,
-        adam_beta1=optim_cfg.betas[0], adam_beta2=optim_cfg.betas[1], adam_eps=optim_cfg.eps,
-        clip_grad=optim_cfg.clip_grad if optim_cfg.clip_grad > 0 else 0.0, bf16=dtype == torch.bfloat16,
-        params_dtype=dtype, use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
+        optimizer=cfg.optim.optimizer,
+        lr=optim_cfg.lr,
+        weight_decay=optim_cfg.weight_decay,
+        adam_beta1=optim_cfg.betas[0],
+        adam_beta2=optim_cfg.betas[1],
+        adam_eps=optim_cfg.eps,
+        clip_grad=optim_cfg.clip_grad if optim_cfg.clip_grad > 0 else 0.0,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.optim.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     ddp.module.config.grad_scale_func = optimizer.scale_loss
@@ -247,8 +260,9 @@ def _megatron_optimizer(ddp: nn.Module, cfg: MegatronConfig, optim_cfg: OptimCon
 
 def _trainable(model: nn.Module, env, dims, shape, config, cfg, optim_cfg, schedule, role, dtype) -> MegatronState:
     model.train()
-    state_kwargs = dict(env=env, dims=dims, shape=shape, hf_config=config, cfg=cfg, optim_cfg=optim_cfg,
-                        lr_schedule=schedule, role=role)
+    state_kwargs = dict(
+        env=env, dims=dims, shape=shape, hf_config=config, cfg=cfg, optim_cfg=optim_cfg, lr_schedule=schedule, role=role
+    )
     if _megatron_schedule(cfg):
         ddp = _megatron_ddp(model, cfg)
         return MegatronState(module=ddp, optimizer=_megatron_optimizer(ddp, cfg, optim_cfg, dtype), **state_kwargs)
@@ -283,8 +297,17 @@ def build_reference(
     model = _build(source, shape, dims, env, cfg, _dtype(cfg, env.device))
     model.requires_grad_(False)
     model.eval()
-    return MegatronState(module=model, optimizer=None, env=env, dims=dims, shape=shape, hf_config=config, cfg=cfg,
-                         role="reference", log_prob_micro_batch_size=log_prob_micro_batch_size)
+    return MegatronState(
+        module=model,
+        optimizer=None,
+        env=env,
+        dims=dims,
+        shape=shape,
+        hf_config=config,
+        cfg=cfg,
+        role="reference",
+        log_prob_micro_batch_size=log_prob_micro_batch_size,
+    )
 
 
 def build_critic(
@@ -311,8 +334,10 @@ def build_critic(
         g = torch.Generator().manual_seed(seed)
         std = getattr(config, "initializer_range", 0.02)
         weight = torch.randn((1, shape.hidden_size), generator=g, dtype=torch.float32).mul_(std)
-        extra = {"score.weight": weight if value_head_init == "normal" else torch.zeros_like(weight),
-                 "score.bias": torch.zeros(1)}
+        extra = {
+            "score.weight": weight if value_head_init == "normal" else torch.zeros_like(weight),
+            "score.bias": torch.zeros(1),
+        }
     model = _build(HFSource(source, extra), shape, dims, env, cfg, torch.float32, value_head=True)
     return _trainable(model, env, dims, shape, config, cfg, optim_cfg, schedule, "critic", torch.float32)
 
@@ -333,7 +358,9 @@ def fresh_optimizer(state: MegatronState, optim: OptimConfig) -> MegatronState:
 # -------------------------------------------------------------------------------------- forward
 
 
-def _head_outputs(state: MegatronState, out: Tensor, inp: ModelInput, mb: RolloutBatch, with_entropy: bool) -> ModelOutputs:
+def head_outputs(
+    state: MegatronState, out: Tensor, inp: ModelInput, mb: RolloutBatch, with_entropy: bool
+) -> ModelOutputs:
     """ModelOutputs ``(b t)`` from the last stage's output: vocab-parallel logits or values."""
     flat = out.reshape(-1, out.shape[-1])
     picked = flat[inp.predict_index.reshape(-1)].reshape(*inp.predict_index.shape, out.shape[-1])
@@ -342,8 +369,12 @@ def _head_outputs(state: MegatronState, out: Tensor, inp: ModelInput, mb: Rollou
     dims = state.dims
     v_local = out.shape[-1]
     logprobs, entropy = vocab_parallel_logprobs(
-        picked, mb.response_ids, vocab_start=dims.tp_rank * v_local, vocab_size=state.shape.vocab_size,
-        group=dims.tp_group if dims.tp > 1 else None, with_entropy=with_entropy,
+        picked,
+        mb.response_ids,
+        vocab_start=dims.tp_rank * v_local,
+        vocab_size=state.shape.vocab_size,
+        group=dims.tp_group if dims.tp > 1 else None,
+        with_entropy=with_entropy,
     )
     return ModelOutputs(logprobs=logprobs, entropy=entropy)
 
@@ -361,8 +392,14 @@ def _micro_batches(state: MegatronState, batch: RolloutBatch, micro_batch_size: 
     return [to_device(mb, state.env.device) for mb in mbs]
 
 
-def _forward_only(state: MegatronState, batch: RolloutBatch, names: tuple[str, ...], *,
-                  micro_batch_size: int | None, with_entropy: bool = False) -> dict[str, Tensor]:
+def _forward_only(
+    state: MegatronState,
+    batch: RolloutBatch,
+    names: tuple[str, ...],
+    *,
+    micro_batch_size: int | None,
+    with_entropy: bool = False,
+) -> dict[str, Tensor]:
     check_batch(batch)
     mbs = _micro_batches(state, batch, micro_batch_size)
     out_device = batch.response_ids.device
@@ -379,21 +416,32 @@ def _forward_only(state: MegatronState, batch: RolloutBatch, names: tuple[str, .
                 n, tt = mb.response_ids.shape
 
                 def head(out: Tensor, mb=mb, inp=inp) -> ModelOutputs:
-                    return _head_outputs(state, out, inp, mb, with_entropy)
+                    return head_outputs(state, out, inp, mb, with_entropy)
 
                 if state.uses_megatron_schedule:
                     got = megatron_forward_backward(
-                        module, [inp], lambda o, i: (o.new_zeros(()), {"out": head(o)}),  # forward only: no loss
-                        seq_length=inp.input_ids.shape[1], micro_batch_size=inp.input_ids.shape[0],
-                        forward_only=True, loss_scale=1.0,
+                        module,
+                        [inp],
+                        lambda o, i: (o.new_zeros(()), {"out": head(o)}),  # forward only: no loss
+                        seq_length=inp.input_ids.shape[1],
+                        micro_batch_size=inp.input_ids.shape[0],
+                        forward_only=True,
+                        loss_scale=1.0,
                     )
                     outputs = got[0]["out"] if got else None
                 else:
-                    outputs = run_micro_batch(module, state.dims, inp, head, hidden_size=state.shape.hidden_size,
-                                              dtype=next(module.parameters()).dtype, backward=False)
+                    outputs = run_micro_batch(
+                        module,
+                        state.dims,
+                        inp,
+                        head,
+                        hidden_size=state.shape.hidden_size,
+                        dtype=next(module.parameters()).dtype,
+                        backward=False,
+                    )
                 if state.dims.last_stage:
                     for name in names:
-                        results[name][row:row + n, :tt] = getattr(outputs, name)
+                        results[name][row : row + n, :tt] = getattr(outputs, name)
                 row += n
     finally:
         module.train(was_training)
@@ -404,8 +452,9 @@ def _forward_only(state: MegatronState, batch: RolloutBatch, names: tuple[str, .
     return {name: (x if name == "entropy" else torch.where(mask, x, zero)) for name, x in results.items()}
 
 
-def compute_logprobs(state: MegatronState, batch: RolloutBatch, *, with_entropy: bool = False,
-                     micro_batch_size: int | None = None) -> ModelOutputs:
+def compute_logprobs(
+    state: MegatronState, batch: RolloutBatch, *, with_entropy: bool = False, micro_batch_size: int | None = None
+) -> ModelOutputs:
     """Log-probs (``b t``, fp32) of the response tokens, without gradients; on every rank (the last
     stage broadcasts). 0 outside ``response_mask``. A collective over the replica's ranks."""
     if state.role == "critic":
@@ -415,7 +464,9 @@ def compute_logprobs(state: MegatronState, batch: RolloutBatch, *, with_entropy:
     return ModelOutputs(logprobs=out["logprobs"], entropy=out.get("entropy"))
 
 
-def compute_logprobs_of_own_rows(state: MegatronState, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
+def compute_logprobs_of_own_rows(
+    state: MegatronState, batch: RolloutBatch, *, micro_batch_size: int | None = None
+) -> Tensor:
     """Log-probs (``b t``) of *this rank's* rows when every rank brings different rows (an FSDP-style
     data-parallel recipe feeding a Megatron reference): the replica's ranks (its TP x PP group) gather
     their rows, run them together (TP / PP peers must see the same rows) and each keeps its own."""
@@ -430,7 +481,7 @@ def compute_logprobs_of_own_rows(state: MegatronState, batch: RolloutBatch, *, m
     me = dist.get_rank(group)
     start = sum(b.response_ids.shape[0] for b in gathered[:me])
     rows, t = batch.response_ids.shape
-    return joint[start:start + rows, :t]
+    return joint[start : start + rows, :t]
 
 
 def compute_values(state: MegatronState, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
@@ -440,202 +491,6 @@ def compute_values(state: MegatronState, batch: RolloutBatch, *, micro_batch_siz
     return _forward_only(state, batch, ("values",), micro_batch_size=micro_batch_size)["values"]
 
 
-# --------------------------------------------------------------------------------------- update
-
-
-def _tied_across_stages(state: MegatronState) -> bool:
-    """A tied embedding whose two copies (first and last stage) the CPU path keeps in sync itself."""
-    return state.shape.tie_word_embeddings and state.dims.pp > 1 and state.role != "critic"
-
-
-def _sync_grads(state: MegatronState) -> None:
-    """Sum the tied embedding's two gradient copies (first and last stage) and sum over replicas."""
-    from megatron.core import parallel_state as ps
-
-    dims, params = state.dims, dict(state.module.named_parameters())
-    if _tied_across_stages(state) and (dims.first_stage or dims.last_stage):
-        name = "embedding.word_embeddings.weight" if dims.first_stage else "output_layer.weight"
-        p = params[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, group=ps.get_embedding_group())
-    if dims.dp > 1:
-        for p in params.values():
-            if p.requires_grad:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=dims.dp_group)
-
-
-def _grad_norm(state: MegatronState) -> Tensor:
-    """Global L2 norm: TP shards and stages summed, TP-replicated tensors once, a tied copy once."""
-    dims = state.dims
-    sharded = {m.megatron for m in param_maps(state.shape, dims.pp, value_head=state.role == "critic")
-               if m.stage == dims.pp_rank and m.tp_axis is not None}
-    total = torch.zeros((), dtype=torch.float32, device=state.env.device)
-    for name, p in state.module.named_parameters():
-        if p.grad is None:
-            continue
-        if name == "output_layer.weight" and _tied_across_stages(state):
-            continue  # the same tensor as the first stage's embedding
-        if name in sharded or dims.tp_rank == 0:
-            total = total + p.grad.float().pow(2).sum()
-    if dims.tp * dims.pp > 1:
-        dist.all_reduce(total, group=dims.model_parallel_group)
-    return total.sqrt()
-
-
-def update(
-    state: MegatronState,
-    batch: RolloutBatch,
-    loss_fn: LossFn,
-    *,
-    with_entropy: bool = False,
-    skip_rows: Tensor | None = None,
-) -> tuple[MegatronState, dict[str, float]]:
-    """One optimizer step on this replica's share of the global batch; returns ``(new_state, metrics)``.
-
-    The contract of :func:`backends.training.fsdp.update`: the same metrics (``loss``, ``grad_norm``,
-    ``lr``, ``update_skipped``, ``num_tokens``, ``num_seqs``, ``num_micro_batches`` and the loss's own,
-    averaged over micro-batches then replicas), plain floats equal on every rank. ``skip_rows`` is
-    accepted for the same signature and not used: every row runs (rows with an exactly zero loss and
-    gradient, which is what the FSDP engine skips, do not change the result).
-    """
-    del skip_rows
-    if state.optimizer is None or state.optim_cfg is None or state.lr_schedule is None:
-        raise ValueError(f"update() needs a trainable state with an optimizer; this is a {state.role!r} state")
-    check_batch(batch)
-    if state.role == "critic":
-        check_critic_batch(batch, with_entropy)
-    cfg = state.cfg
-    mbs = micro_batches(batch, micro_batch_size=cfg.micro_batch_size, max_tokens=cfg.max_tokens_per_micro_batch)
-    norms, (num_tokens, num_seqs, n_max) = gather_counts(
-        local_normalizers(loss_tokens(batch)), len(mbs), group=state.dp_group, group_size=state.dp_size,
-        device=state.env.device,
-    )
-    if cfg.trim_padding:
-        mbs = [trim_micro_batch(mb) for mb in mbs]
-    mbs = [to_device(mb, state.env.device) for mb in mbs]
-    lr = schedules.lr_at(state.lr_schedule, state.step)
-    base = {"lr": lr, "num_tokens": num_tokens, "num_seqs": num_seqs, "num_micro_batches": float(n_max)}
-    new_state = state.replace(step=state.step + 1)
-    if num_tokens == 0:
-        return nonfinite_policy(state, new_state, {"loss": 0.0, "grad_norm": 0.0, "update_skipped": 1.0, **base}, skipped=False)
-    step = _update_megatron if state.uses_megatron_schedule else _update_cpu
-    out = step(state, mbs, norms, loss_fn, with_entropy, lr)  # skipped: the weights did not change
-    return nonfinite_policy(state, new_state, {**base, **out}, skipped=bool(out["update_skipped"]))
-
-
-def _update_cpu(state: MegatronState, mbs: list[RolloutBatch], norms: Any, loss_fn: LossFn,
-                with_entropy: bool, lr: float) -> dict[str, float]:
-    """CPU: the gloo pipeline per micro-batch, gradients summed here (tied copies, replicas), AdamW."""
-    cfg = state.cfg
-    module, optimizer, dims = state.module, state.optimizer, state.dims
-    module.train()
-    optimizer.zero_grad(set_to_none=True)
-    dtype = next(module.parameters()).dtype
-    loss_sum = torch.zeros((), dtype=torch.float32, device=state.env.device)
-    metric_sums: dict[str, Tensor] = {}
-    for mb in mbs:
-        inp = layout_micro_batch(mb, cfg.layout)
-
-        def head(out: Tensor, mb=mb, inp=inp):
-            outputs = _head_outputs(state, out, inp, mb, with_entropy)
-            return check_loss_output(*loss_fn(outputs, mb, norms))
-
-        got = run_micro_batch(module, dims, inp, head, hidden_size=state.shape.hidden_size, dtype=dtype, backward=True)
-        if got is not None:
-            loss, metrics = got
-            loss_sum = loss_sum + loss.detach().float()
-            for name, value in metrics.items():
-                metric_sums[name] = metric_sums.get(name, 0.0) + value
-    _sync_grads(state)
-
-    host: dict[str, float] | None = None
-    if dims.last_stage:
-        names = sorted(metric_sums)
-        packed = torch.stack([loss_sum] + [metric_sums[k] / max(len(mbs), 1) / dims.dp for k in names])
-        if dims.dp > 1:
-            dist.all_reduce(packed, group=dims.dp_group)
-        host = dict(zip(["loss", *names], packed.tolist()))
-    if dims.pp > 1:
-        box = [host]
-        dist.broadcast_object_list(box, src=dims.last_stage_rank, group=dims.pp_group)
-        host = box[0]
-    grad_norm = _grad_norm(state)
-    norm_value = float(grad_norm)
-    loss_value = host.pop("loss")
-    skipped = _nonfinite_on_any_rank((loss_value, norm_value), dims, state.env.device)
-    if not skipped:
-        params = [p for p in module.parameters() if p.grad is not None]
-        if state.optim_cfg.clip_grad > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, state.optim_cfg.clip_grad, grad_norm)
-        set_lr(optimizer, lr)
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **host}
-
-
-def _nonfinite_on_any_rank(values: tuple[float, ...], dims: ParallelDims, device: torch.device) -> bool:
-    """Whether ``values`` (the loss, the grad norm) are non-finite on any rank of the layout: one flag,
-    all-reduced (MAX) over the replica's tensor x pipeline ranks, then over the data-parallel replicas.
-    Every rank takes the same skip-or-step decision, so none steps alone (its peers would wait in the
-    optimizer's parameter all-gather, or the replicas would drift apart)."""
-    flag = torch.tensor([0.0 if all(math.isfinite(v) for v in values) else 1.0], device=device)
-    for group, size in ((dims.model_parallel_group, dims.tp * dims.pp), (dims.dp_group, dims.dp)):
-        if size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
-
-
-def _update_megatron(state: MegatronState, mbs: list[RolloutBatch], norms: Any, loss_fn: LossFn,
-                     with_entropy: bool, lr: float) -> dict[str, float]:
-    """GPU: megatron's schedule (DDP grads reduced by its finalize step) and its optimizer.
-
-    The optimizer step is megatron's own ``step()`` taken apart (``prepare_grads``, clip,
-    ``step_with_ready_grads``) with the FSDP engine's check in between: megatron looks for inf / NaN
-    only with a loss scaler (fp16 or a set ``loss_scale``), so in bf16 or fp32 it would step on NaN
-    gradients (its clipping compares with NaN and leaves them as they are)."""
-    module, optimizer, dims = state.module, state.optimizer, state.dims
-    inputs = [layout_micro_batch(mb, state.cfg.layout) for mb in mbs]
-    module.train()
-    module.zero_grad_buffer()
-    optimizer.zero_grad()
-
-    def head(out: Tensor, i: int):
-        outputs = _head_outputs(state, out, inputs[i], mbs[i], with_entropy)
-        loss, metrics = check_loss_output(*loss_fn(outputs, mbs[i], norms))
-        return loss, {"loss": loss.detach(), **metrics}
-
-    extras = megatron_forward_backward(
-        module, inputs, head, seq_length=max(x.input_ids.shape[1] for x in inputs),
-        micro_batch_size=max(x.input_ids.shape[0] for x in inputs), forward_only=False,
-        loss_scale=float(len(inputs) * dims.dp),
-    )
-    host: dict[str, float] | None = None
-    if dims.last_stage:
-        names = sorted(k for k in extras[0] if k != "loss")
-        packed = torch.stack([sum(e["loss"] for e in extras)] + [sum(e[k] for e in extras) / len(extras) / dims.dp for k in names])
-        dist.all_reduce(packed, group=dims.dp_group)
-        host = dict(zip(["loss", *names], packed.tolist()))
-    box = [host]
-    dist.broadcast_object_list(box, src=dims.last_stage_rank, group=dims.pp_group)
-    host = box[0]
-    loss_value = host.pop("loss")
-    found_inf = optimizer.prepare_grads()  # the reduced DDP grads -> the optimizer's main grads
-    norm_value = float("nan") if found_inf else float(optimizer.get_grad_norm())  # global, before clipping
-    skipped = _nonfinite_on_any_rank((loss_value, norm_value), dims, state.env.device)
-    if skipped:  # as the FSDP engine: no step, the gradients dropped; ``step`` still advances (update())
-        optimizer.zero_grad()
-        module.zero_grad_buffer()
-    else:
-        if state.optim_cfg.clip_grad > 0:
-            optimizer.clip_grad_norm(state.optim_cfg.clip_grad)
-        set_lr(optimizer, lr)
-        skipped = not optimizer.step_with_ready_grads()
-    return {"loss": loss_value, "grad_norm": norm_value, "update_skipped": float(skipped), **host}
-
-
 # ---------------------------------------------------------------------------------- full weights
 
 
@@ -643,18 +498,30 @@ def _stage_module(state: MegatronState) -> nn.Module:
     return state.module.module if state.uses_megatron_schedule and state.optimizer is not None else state.module
 
 
-def full_state_dict(state: MegatronState, *, dtype: torch.dtype | None = None, device: str | torch.device | None = None,
-                    bucket_mb: float | None = None) -> Iterator[tuple[str, Tensor]]:
+def full_state_dict(
+    state: MegatronState,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    bucket_mb: float | None = None,
+) -> Iterator[tuple[str, Tensor]]:
     """Stream ``(hf_name, full_tensor)`` on every rank (TP gathered, stages broadcast), HF names and
     order, for a rollout engine's weight sync. A collective: every rank consumes it in step. ``bucket_mb``
     is the FSDP engine's setting and is not used here: tensor-parallel shards are gathered along each
     tensor's own axis and fused tensors split, one tensor at a time."""
-    return gather_hf_state(_stage_module(state), state.shape, state.dims, value_head=state.role == "critic",
-                           dtype=dtype, device=device)
+    return gather_hf_state(
+        _stage_module(state), state.shape, state.dims, value_head=state.role == "critic", dtype=dtype, device=device
+    )
 
 
-def export_hf(state: MegatronState, out_dir: str | os.PathLike, *, tokenizer: Any = None,
-              dtype: torch.dtype | None = None, overwrite: bool = False) -> Path:
+def export_hf(
+    state: MegatronState,
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: Any = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write the model as an HF dir (rank 0 writes; every rank must call); returns ``out_dir``. An
     existing ``out_dir`` is an error unless ``overwrite`` (as :func:`backends.checkpoint.hf_export.export_hf`)."""
     exists = Path(out_dir).exists()
@@ -662,8 +529,14 @@ def export_hf(state: MegatronState, out_dir: str | os.PathLike, *, tokenizer: An
         dist.barrier()  # every rank has looked before rank 0 writes (tp = pp = 1 gathers nothing in between)
     if exists and not overwrite:
         raise FileExistsError(f"export dir {str(out_dir)!r} already exists (pass overwrite=True to replace it)")
-    out = save_hf(full_state_dict(state, dtype=dtype, device="cpu"), state.hf_config, out_dir,
-                  value_head=state.role == "critic", tokenizer=tokenizer, write=state.env.is_main)
+    out = save_hf(
+        full_state_dict(state, dtype=dtype, device="cpu"),
+        state.hf_config,
+        out_dir,
+        value_head=state.role == "critic",
+        tokenizer=tokenizer,
+        write=state.env.is_main,
+    )
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return out

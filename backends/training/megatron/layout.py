@@ -81,7 +81,9 @@ def layout_micro_batch(mb: RolloutBatch, layout: Literal["bshd", "thd"] = "bshd"
     predict = cu[:-1, None].long() + prompt_len[:, None] + j[None, :] - 1
     predict = torch.minimum(predict, cu[1:, None].long() - 1)
     max_len = int(seq_len.max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
     # the attention's block layout, made once here where the boundaries are on the host (every layer reads it)
     params.block_layout = pad_layout(tuple(int(x) for x in cu.tolist()), device)
     return ModelInput(input_ids=packed, predict_index=predict, packed_seq_params=params)

@@ -103,7 +103,9 @@ def model_shape(config: Any) -> ModelShape:
     if _get(config, "mlp_bias", False):
         raise ValueError("MLP biases (mlp_bias=True) are not supported by the megatron backend")
     if model_type == "llama" and _get(config, "attention_bias", False):
-        raise ValueError("attention biases on a Llama config (attention_bias=True) are not supported by the megatron backend")
+        raise ValueError(
+            "attention biases on a Llama config (attention_bias=True) are not supported by the megatron backend"
+        )
     act = _get(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act={act!r} is not supported (SwiGLU with silu only)")
@@ -113,11 +115,19 @@ def model_shape(config: Any) -> ModelShape:
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}")
     return ModelShape(
-        model_type=model_type, vocab_size=int(_get(config, "vocab_size")), hidden_size=hidden,
-        num_layers=int(_get(config, "num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=int(_get(config, "intermediate_size")), rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(config), max_position_embeddings=int(_get(config, "max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)), qkv_bias=model_type == "qwen2",
+        model_type=model_type,
+        vocab_size=int(_get(config, "vocab_size")),
+        hidden_size=hidden,
+        num_layers=int(_get(config, "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(_get(config, "intermediate_size")),
+        rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(config),
+        max_position_embeddings=int(_get(config, "max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
     )
 
 
@@ -151,17 +161,29 @@ class TorchCoreAttention(nn.Module):
     """
 
     def __init__(
-        self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
-        attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-        cp_comm_type: Optional[str] = None, pg_collection: Any = None,
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection: Any = None,
     ) -> None:
         super().__init__()
         self.config = config
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
 
     def forward(
-        self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-        attn_mask_type: Any = None, attention_bias: Optional[Tensor] = None, packed_seq_params: Any = None,
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Optional[Tensor],
+        attn_mask_type: Any = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Any = None,
     ) -> Tensor:
         if attention_bias is not None:
             raise ValueError("TorchCoreAttention does not take an attention bias")
@@ -233,15 +255,33 @@ def transformer_config(shape: ModelShape, tp: int, pp: int, *, params_dtype: tor
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_heads,
-        num_query_groups=shape.num_kv_heads, kv_channels=shape.head_dim, ffn_hidden_size=shape.intermediate_size,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, pipeline_dtype=params_dtype,
-        normalization="RMSNorm", layernorm_epsilon=shape.rms_norm_eps, gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
-        hidden_dropout=0.0, attention_dropout=0.0, params_dtype=params_dtype,
-        bf16=params_dtype == torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
-        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.intermediate_size,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=params_dtype,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
         sequence_parallel=False,
     )
 
@@ -256,8 +296,16 @@ def layer_spec() -> Any:
 
 
 def build_stage(
-    shape: ModelShape, tp: int, pp: int, *, pre_process: bool, post_process: bool, value_head: bool = False,
-    params_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", tie_across_stages: bool = False,
+    shape: ModelShape,
+    tp: int,
+    pp: int,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    value_head: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tie_across_stages: bool = False,
 ) -> nn.Module:
     """This rank's ``GPTModel`` stage (its ``num_layers / pp`` layers, its ``1 / tp`` of every matrix).
 
@@ -275,13 +323,20 @@ def build_stage(
     config = transformer_config(shape, tp, pp, params_dtype=params_dtype)
     share = shape.tie_word_embeddings and not value_head and (pp == 1 or tie_across_stages)
     model = GPTModel(
-        config=config, transformer_layer_spec=layer_spec(), vocab_size=shape.padded_vocab(tp),
-        max_sequence_length=shape.max_position_embeddings, pre_process=pre_process, post_process=post_process,
-        share_embeddings_and_output_weights=share, position_embedding_type="rope", rotary_base=int(shape.rope_theta)
-        if float(shape.rope_theta).is_integer() else shape.rope_theta, parallel_output=True,
+        config=config,
+        transformer_layer_spec=layer_spec(),
+        vocab_size=shape.padded_vocab(tp),
+        max_sequence_length=shape.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share,
+        position_embedding_type="rope",
+        rotary_base=int(shape.rope_theta) if float(shape.rope_theta).is_integer() else shape.rope_theta,
+        parallel_output=True,
     )
-    rotary = CPURotaryEmbedding(kv_channels=shape.head_dim, rotary_percent=1.0, rotary_base=shape.rope_theta,
-                                use_cpu_initialization=True)
+    rotary = CPURotaryEmbedding(
+        kv_channels=shape.head_dim, rotary_percent=1.0, rotary_base=shape.rope_theta, use_cpu_initialization=True
+    )
     model.rotary_pos_emb = rotary
     if post_process and value_head:
         model.output_layer = ValueHead(shape.hidden_size)

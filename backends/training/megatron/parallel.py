@@ -62,8 +62,7 @@ def check_sizes(world_size: int, tp: int, pp: int) -> int:
         raise ValueError(f"tensor / pipeline parallel sizes must be >= 1, got tp={tp}, pp={pp}")
     if world_size % (tp * pp):
         raise ValueError(
-            f"world size {world_size} is not divisible by tp * pp = {tp} * {pp}: "
-            "megatron needs world = tp * pp * dp"
+            f"world size {world_size} is not divisible by tp * pp = {tp} * {pp}: megatron needs world = tp * pp * dp"
         )
     return world_size // (tp * pp)
 
@@ -80,7 +79,9 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> ParallelD
     from megatron.core import tensor_parallel
 
     if not dist.is_initialized():
-        raise RuntimeError("init_model_parallel needs the default process group (backends.distributed.setup.init_distributed)")
+        raise RuntimeError(
+            "init_model_parallel needs the default process group (backends.distributed.setup.init_distributed)"
+        )
     check_sizes(dist.get_world_size(), tp, pp)
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
@@ -93,16 +94,22 @@ def init_model_parallel(tp: int = 1, pp: int = 1, *, seed: int = 0) -> ParallelD
         # Megatron's extra gloo groups are for its distributed-optimizer checkpointing; on CPU every
         # group is gloo already.
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
             create_gloo_process_groups=torch.cuda.is_available(),
         )
         tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
     pp_group = ps.get_pipeline_model_parallel_group()
     return ParallelDims(
-        tp=tp, pp=pp, dp=ps.get_data_parallel_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        tp=tp,
+        pp=pp,
+        dp=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
-        tp_group=ps.get_tensor_model_parallel_group(), pp_group=pp_group, dp_group=ps.get_data_parallel_group(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_group=pp_group,
+        dp_group=ps.get_data_parallel_group(),
         model_parallel_group=ps.get_model_parallel_group(),
         pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
     )

@@ -1,8 +1,8 @@
 """The megatron-core engine as a :class:`backends.training.engine.TrainEngine`: the functions of
-:mod:`backends.training.megatron.engine` behind the engine's methods, with the
-:class:`~backends.training.megatron.engine.MegatronConfig` (tensor / pipeline sizes, micro-batches) the engine
-was made with. Megatron's parallel state spans every rank, so its roles are never built on a pool of some of
-them, and it trains full weights (no LoRA adapter).
+:mod:`backends.training.megatron.engine` and :mod:`backends.training.megatron.update` behind the engine's
+methods, with the :class:`~backends.training.megatron.engine.MegatronConfig` (tensor / pipeline sizes,
+micro-batches) the engine was made with. Megatron's parallel state spans every rank, so its roles are never
+built on a pool of some of them, and it trains full weights (no LoRA adapter).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch import Tensor
 from backends.training.common import LossFn, ModelOutputs
 from backends.training.engine import TrainEngine
 from backends.training.megatron import engine as M
+from backends.training.megatron import update as U
 from rlfunc.batch import RolloutBatch
 
 __all__ = ["MegatronEngine", "make_megatron_engine"]
@@ -24,8 +25,10 @@ __all__ = ["MegatronEngine", "make_megatron_engine"]
 def _refuse_a_pool(mesh: Any, env: Any, role: str) -> None:
     """Megatron builds its groups over the whole world: a role on a pool of some ranks cannot be."""
     if mesh is not None and mesh.size() != env.world_size:
-        raise ValueError(f"the megatron {role} needs placement=colocated: megatron's parallel state spans every "
-                         f"rank, but this {role} pool has {mesh.size()} of {env.world_size} ranks")
+        raise ValueError(
+            f"the megatron {role} needs placement=colocated: megatron's parallel state spans every "
+            f"rank, but this {role} pool has {mesh.size()} of {env.world_size} ranks"
+        )
 
 
 class MegatronEngine(TrainEngine):
@@ -42,33 +45,46 @@ class MegatronEngine(TrainEngine):
     def __repr__(self) -> str:
         return f"MegatronEngine({self.config!r})"
 
-    def build_actor(self, model_path: str | os.PathLike, env: Any, optim: Any, *, mesh: Any = None,
-                    lora: Any = None) -> Any:
+    def build_actor(
+        self, model_path: str | os.PathLike, env: Any, optim: Any, *, mesh: Any = None, lora: Any = None
+    ) -> Any:
         if lora is not None:
             raise ValueError("actor.lora needs an engine that trains LoRA adapters (megatron trains full weights)")
         _refuse_a_pool(mesh, env, "actor")
         return M.build_actor(model_path, env, optim, self.config)
 
-    def build_critic(self, model_path: str | os.PathLike, env: Any, optim: Any, *, seed: int = 0,
-                     mesh: Any = None) -> Any:
+    def build_critic(
+        self, model_path: str | os.PathLike, env: Any, optim: Any, *, seed: int = 0, mesh: Any = None
+    ) -> Any:
         _refuse_a_pool(mesh, env, "critic")
         return M.build_critic(model_path, env, optim, self.config, seed=seed)
 
-    def build_reference(self, model_path: str | os.PathLike, env: Any, *, mesh: Any = None,
-                        log_prob_micro_batch_size: int | None = None, param_offload: bool = False,
-                        compile: bool = False) -> Any:
+    def build_reference(
+        self,
+        model_path: str | os.PathLike,
+        env: Any,
+        *,
+        mesh: Any = None,
+        log_prob_micro_batch_size: int | None = None,
+        param_offload: bool = False,
+        compile: bool = False,
+    ) -> Any:
         if param_offload or compile:
-            raise ValueError("reference.backend=megatron does not take ref_in_actor, use_torch_compile or "
-                             "param_offload (FSDP options)")
+            raise ValueError(
+                "reference.backend=megatron does not take ref_in_actor, use_torch_compile or "
+                "param_offload (FSDP options)"
+            )
         _refuse_a_pool(mesh, env, "reference")
         return M.build_reference(model_path, env, self.config, log_prob_micro_batch_size)
 
     def reference_from_actor(self, actor: Any, *, log_prob_micro_batch_size: int | None = None) -> Any:
-        raise ValueError("reference.backend=megatron does not take ref_in_actor, use_torch_compile or param_offload "
-                         "(FSDP options)")
+        raise ValueError(
+            "reference.backend=megatron does not take ref_in_actor, use_torch_compile or param_offload (FSDP options)"
+        )
 
-    def compute_logprobs(self, state: Any, batch: RolloutBatch, *, with_entropy: bool = False,
-                         micro_batch_size: int | None = None) -> ModelOutputs:
+    def compute_logprobs(
+        self, state: Any, batch: RolloutBatch, *, with_entropy: bool = False, micro_batch_size: int | None = None
+    ) -> ModelOutputs:
         return M.compute_logprobs(state, batch, with_entropy=with_entropy, micro_batch_size=micro_batch_size)
 
     def own_rows_logprobs(self, state: Any, batch: RolloutBatch) -> Tensor:
@@ -77,16 +93,25 @@ class MegatronEngine(TrainEngine):
     def compute_values(self, state: Any, batch: RolloutBatch, *, micro_batch_size: int | None = None) -> Tensor:
         return M.compute_values(state, batch, micro_batch_size=micro_batch_size)
 
-    def update(self, state: Any, batch: RolloutBatch, loss_fn: LossFn, *, with_entropy: bool = False,
-               skip_rows: Tensor | None = None) -> tuple[Any, dict[str, float]]:
-        return M.update(state, batch, loss_fn, with_entropy=with_entropy, skip_rows=skip_rows)
+    def update(
+        self,
+        state: Any,
+        batch: RolloutBatch,
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        skip_rows: Tensor | None = None,
+    ) -> tuple[Any, dict[str, float]]:
+        return U.update(state, batch, loss_fn, with_entropy=with_entropy, skip_rows=skip_rows)
 
-    def full_state_dict(self, state: Any, *, dtype: torch.dtype | None = None,
-                        bucket_mb: float | None = None) -> Iterable[tuple[str, Tensor]]:
+    def full_state_dict(
+        self, state: Any, *, dtype: torch.dtype | None = None, bucket_mb: float | None = None
+    ) -> Iterable[tuple[str, Tensor]]:
         return M.full_state_dict(state, dtype=dtype, bucket_mb=bucket_mb)
 
-    def export_hf(self, state: Any, out_dir: str | os.PathLike, *, tokenizer: Any = None,
-                  overwrite: bool = False) -> Any:
+    def export_hf(
+        self, state: Any, out_dir: str | os.PathLike, *, tokenizer: Any = None, overwrite: bool = False
+    ) -> Any:
         return M.export_hf(state, out_dir, tokenizer=tokenizer, overwrite=overwrite)
 
     def fresh_optimizer(self, state: Any, optim: Any) -> Any:
@@ -108,8 +133,9 @@ class MegatronEngine(TrainEngine):
         return None  # megatron's own layers and vocab-parallel log-softmax: close to an HF forward, not equal
 
 
-def make_megatron_engine(*, fsdp: Any = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None,
-                         key: str = "actor") -> MegatronEngine:
+def make_megatron_engine(
+    *, fsdp: Any = None, tp: int = 1, pp: int = 1, micro_batch_size: int | None = None, key: str = "actor"
+) -> MegatronEngine:
     """The registry's factory (:mod:`backends.training.engines`): ``tp`` / ``pp`` are megatron's sizes; the
     micro-batch size is ``micro_batch_size``, else the FSDPConfig's (``fsdp``), else 8."""
     mbs = micro_batch_size or (fsdp.micro_batch_size if fsdp is not None else 8)

@@ -48,7 +48,9 @@ def vocab_parallel_logprobs(
     ``group`` (every TP rank calls it with its own slice and the same targets).
     """
     if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the leading dims")
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree on the leading dims"
+        )
     v_local = logits.shape[-1]
     logits = logits.float()
     ids = torch.arange(vocab_start, vocab_start + v_local, device=logits.device)
