@@ -36,8 +36,9 @@ PRESETS = Path(__file__).resolve().parent / "presets"
 
 @attrs.frozen
 class AlgoConfig(PolicyUpdateConfig):
-    name: str = attrs.field(default="reinforce_pp_baseline",
-                            validator=attrs.validators.in_(("reinforce_pp_baseline", "dr_grpo")))  #: the variant
+    name: str = attrs.field(
+        default="reinforce_pp_baseline", validator=attrs.validators.in_(("reinforce_pp_baseline", "dr_grpo"))
+    )  #: the variant
     #: the loss is PPO's: its clip is read from algo.policy_loss_args.ppo (the key GRPO and PPO use)
     policy_loss_args: PolicyLossArgs = PolicyLossArgs(ppo=PPOArgs(clip_high=0.2))
     kl_loss_coef: float = 0.001  #: reinforce_pp_baseline: weight of the k3 KL loss (the key GRPO and PPO use)
@@ -61,7 +62,9 @@ def advantages(batch: rf.RolloutBatch, algo: AlgoConfig, whiten=rf.masked_whiten
         adv, ret = rf.reinforce_pp_baseline(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask)
         adv = whiten(adv, batch.response_mask)
     else:  # dr_grpo
-        adv, ret = rf.grpo(batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask, norm_by_std=False)
+        adv, ret = rf.grpo(
+            batch.scores, group_ids=batch.group_ids, response_mask=batch.response_mask, norm_by_std=False
+        )
     return batch.replace(advantages=adv, returns=ret)
 
 
@@ -69,13 +72,21 @@ def loss_fn(out, mb: rf.RolloutBatch, norms: rf.Normalizers, *, algo: AlgoConfig
     agg = "token-mean" if algo.name == "reinforce_pp_baseline" else "seq-mean-token-sum-norm"
     clip = algo.policy_loss_args.ppo
     loss, metrics = rf.ppo_policy_loss(
-        out.logprobs, old_logprobs=mb.old_logprobs, advantages=mb.advantages, response_mask=mb.response_mask,
-        clip_low=clip.clip_low, clip_high=clip.clip_high, dual_clip=clip.dual_clip, agg=agg, norms=norms,
+        out.logprobs,
+        old_logprobs=mb.old_logprobs,
+        advantages=mb.advantages,
+        response_mask=mb.response_mask,
+        clip_low=clip.clip_low,
+        clip_high=clip.clip_high,
+        dual_clip=clip.dual_clip,
+        agg=agg,
+        norms=norms,
         horizon=horizon,
     )
     if uses_kl(algo):
-        kl, kl_metrics = rf.kl_loss(out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3",
-                                    agg=agg, norms=norms)
+        kl, kl_metrics = rf.kl_loss(
+            out.logprobs, ref_logprobs=mb.ref_logprobs, mask=mb.response_mask, kind="k3", agg=agg, norms=norms
+        )
         loss, metrics = loss + algo.kl_loss_coef * kl, {**metrics, **kl_metrics}
     return loss, metrics
 
@@ -110,12 +121,20 @@ class CustomAlgorithm:
 
 
 def custom_algorithm(cfg: Config) -> CustomAlgorithm:
-    return CustomAlgorithm(algo=cfg.algo, title=cfg.algo.name,
-                           actor_loss=functools.partial(loss_fn, algo=cfg.algo, horizon=response_horizon(cfg)))
+    return CustomAlgorithm(
+        algo=cfg.algo,
+        title=cfg.algo.name,
+        actor_loss=functools.partial(loss_fn, algo=cfg.algo, horizon=response_horizon(cfg)),
+    )
 
 
 RECIPE = Recipe(
-    name="custom", doc=__doc__, config=Config(), algorithm=custom_algorithm, presets=PRESETS, renamed=RENAMED_CUSTOM,
+    name="custom",
+    doc=__doc__,
+    config=Config(),
+    algorithm=custom_algorithm,
+    presets=PRESETS,
+    renamed=RENAMED_CUSTOM,
     registries=lambda: {"algo.name": ("reinforce_pp_baseline", "dr_grpo")},
     console_keys=("reward_mean", "kl_mean", "grad_norm"),
     warnings=lambda cfg: group_size_warnings(cfg.rollout.n, key="algo.name", spec=cfg.algo.name),

@@ -43,7 +43,13 @@ from backends.loop.algorithm import resolve_policy_loss, response_horizon
 from backends.loop.algorithm_checks import check_estimator, group_size_warnings
 from backends.loop.rl_loop import Recipe, run_recipe
 from backends.loop.vocabulary import (
-    RENAMED_GRPO, EstimatorArgs, PolicyLossArgs, PolicyUpdateConfig, PPOArgs, RLConfig, estimator_knobs,
+    RENAMED_GRPO,
+    EstimatorArgs,
+    PolicyLossArgs,
+    PolicyUpdateConfig,
+    PPOArgs,
+    RLConfig,
+    estimator_knobs,
 )
 
 PRESETS = Path(__file__).resolve().parent / "presets"
@@ -88,26 +94,33 @@ class GroupRelative:
 
     def advantages(self, batch: rf.RolloutBatch, state: dict, *, env: Any) -> tuple[rf.RolloutBatch, dict, dict]:
         # all n samples of a prompt live on one rank: the estimator is pure rlfunc over this rank's groups
-        adv, ret = self.estimator(batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch),
-                                  **self.estimator_kwargs)
+        adv, ret = self.estimator(
+            batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **self.estimator_kwargs
+        )
         return batch.replace(advantages=adv, returns=ret), state, {}
 
 
 def group_relative(cfg: Config) -> GroupRelative:
     """The algorithm ``cfg`` names, resolved and called once as the loop calls it (a ConfigError before any work)."""
     estimator, estimator_kwargs, policy_loss = resolve_algorithm(cfg.algo)
-    check_estimator(estimator, estimator_kwargs, key="algo.estimator", spec=cfg.algo.estimator,
-                    group_size=cfg.rollout.n)
-    return GroupRelative(estimator=estimator, estimator_kwargs=estimator_kwargs, policy_loss=policy_loss,
-                         actor_loss=make_actor_loss(policy_loss, cfg.algo, horizon=response_horizon(cfg)),
-                         uses_reference=cfg.algo.kl_loss_coef > 0)
+    check_estimator(
+        estimator, estimator_kwargs, key="algo.estimator", spec=cfg.algo.estimator, group_size=cfg.rollout.n
+    )
+    return GroupRelative(
+        estimator=estimator,
+        estimator_kwargs=estimator_kwargs,
+        policy_loss=policy_loss,
+        actor_loss=make_actor_loss(policy_loss, cfg.algo, horizon=response_horizon(cfg)),
+        uses_reference=cfg.algo.kl_loss_coef > 0,
+    )
 
 
 def group_estimators() -> tuple[dict[str, Callable], dict[str, str]]:
     """The built-in estimators that fit the loop, outcome estimators over groups of samples (not gae, reinforce_pp,
     remax), and their aliases."""
-    estimators = {name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items()
-                  if "group_ids" in inspect.signature(fn).parameters}
+    estimators = {
+        name: fn for name, fn in rf.ADVANTAGE_ESTIMATORS.items() if "group_ids" in inspect.signature(fn).parameters
+    }
     return estimators, {alias: name for alias, name in rf.ADVANTAGE_ESTIMATOR_ALIASES.items() if name in estimators}
 
 
@@ -121,16 +134,34 @@ def resolve_algorithm(algo: AlgoConfig) -> tuple[Callable, dict[str, Any], Calla
 def help_registries() -> dict[str, tuple[str, ...]]:
     """The names of the keys that take a built-in, for --help."""
     estimators, aliases = group_estimators()
-    return {"algo.estimator": (*estimators, *(f"{alias}={name}" for alias, name in aliases.items())),
-            "algo.policy_loss": tuple(rf.POLICY_LOSSES), "algo.agg": tuple(rf.AGG_MODES),
-            "algo.kl_loss_kind": rf.KL_KINDS}
+    return {
+        "algo.estimator": (*estimators, *(f"{alias}={name}" for alias, name in aliases.items())),
+        "algo.policy_loss": tuple(rf.POLICY_LOSSES),
+        "algo.agg": tuple(rf.AGG_MODES),
+        "algo.kl_loss_kind": rf.KL_KINDS,
+    }
 
 
 RECIPE = Recipe(
-    name="grpo", doc=__doc__, config=Config(), algorithm=group_relative, presets=PRESETS, renamed=RENAMED_GRPO,
+    name="grpo",
+    doc=__doc__,
+    config=Config(),
+    algorithm=group_relative,
+    presets=PRESETS,
+    renamed=RENAMED_GRPO,
     registries=help_registries,
-    console_keys=("reward_mean", "success_rate", "multi_turn/turns", "multi_turn/tool_call_validity", "kl_loss",
-                  "entropy", "clip_frac", "grad_norm", "response_length", "step_time_s"),
+    console_keys=(
+        "reward_mean",
+        "success_rate",
+        "multi_turn/turns",
+        "multi_turn/tool_call_validity",
+        "kl_loss",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "response_length",
+        "step_time_s",
+    ),
     warnings=lambda cfg: group_size_warnings(cfg.rollout.n, key="algo.estimator", spec=cfg.algo.estimator),
 )
 

@@ -70,8 +70,9 @@ class AlgoConfig(PolicyUpdateConfig):
 
 
 #: verl's actor defaults: PPO clip 0.2 both sides, dual clip at 3.0 (clip_ratio_c), a low-variance KL loss when on
-PPO_ALGO = AlgoConfig(policy_loss_args=PolicyLossArgs(ppo=PPOArgs(clip_high=0.2, dual_clip=3.0)),
-                      kl_loss_kind="low_var_kl")
+PPO_ALGO = AlgoConfig(
+    policy_loss_args=PolicyLossArgs(ppo=PPOArgs(clip_high=0.2, dual_clip=3.0)), kl_loss_kind="low_var_kl"
+)
 
 
 @attrs.frozen
@@ -114,15 +115,20 @@ class ActorCritic:
         if algo.kl_in_reward:
             ctrl = rf.KLControllerState(**state["kl_ctrl"])
             token_rewards, observed_kl = rf.apply_kl_penalty_to_rewards(
-                token_rewards, logprobs=batch.old_logprobs, ref_logprobs=batch.ref_logprobs, mask=batch.response_mask,
-                beta=ctrl.beta, kind=algo.kl_reward_kind,
+                token_rewards,
+                logprobs=batch.old_logprobs,
+                ref_logprobs=batch.ref_logprobs,
+                mask=batch.response_mask,
+                beta=ctrl.beta,
+                kind=algo.kl_reward_kind,
             )
             observed_kl = (all_reduce_sum(observed_kl.reshape(1), env.group) / env.world_size)[0]
             kl_stats = {"kl_reward": float(observed_kl), "kl_coef": float(ctrl.beta)}
             ctrl = rf.update_kl_controller(ctrl, observed_kl=observed_kl, n_steps=self.kl_steps)
             state = {"kl_ctrl": {"beta": float(ctrl.beta), "target_kl": ctrl.target_kl, "horizon": ctrl.horizon}}
-        adv, ret = rf.gae(token_rewards, values=batch.values, response_mask=batch.response_mask, gamma=algo.gamma,
-                          lam=algo.lam)
+        adv, ret = rf.gae(
+            token_rewards, values=batch.values, response_mask=batch.response_mask, gamma=algo.gamma, lam=algo.lam
+        )
         adv = global_masked_whiten(adv, mask, group=env.group)
         return batch.replace(token_rewards=token_rewards, advantages=adv, returns=ret), state, kl_stats
 
@@ -139,19 +145,41 @@ def actor_critic(cfg: Config) -> ActorCritic:
     horizon = response_horizon(cfg)
     policy_loss = resolve_policy_loss(cfg.algo)
     if cfg.reference.ref_in_actor and not (cfg.algo.kl_in_reward or cfg.algo.kl_loss_coef > 0):
-        raise ConfigError("reference.ref_in_actor=true without a KL term (algo.kl_in_reward / algo.kl_loss_coef): "
-                          "no reference is built")
-    return ActorCritic(algo=cfg.algo, kl_steps=cfg.prompts_per_step * cfg.rollout.n, policy_loss=policy_loss,
-                       actor_loss=make_actor_loss(policy_loss, cfg.algo, horizon=horizon),
-                       critic_loss=value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=horizon))
+        raise ConfigError(
+            "reference.ref_in_actor=true without a KL term (algo.kl_in_reward / algo.kl_loss_coef): "
+            "no reference is built"
+        )
+    return ActorCritic(
+        algo=cfg.algo,
+        kl_steps=cfg.prompts_per_step * cfg.rollout.n,
+        policy_loss=policy_loss,
+        actor_loss=make_actor_loss(policy_loss, cfg.algo, horizon=horizon),
+        critic_loss=value_loss_fn(clip_range=cfg.algo.cliprange_value, agg="token-mean", horizon=horizon),
+    )
 
 
 RECIPE = Recipe(
-    name="ppo", doc=__doc__, config=Config(), algorithm=actor_critic, presets=PRESETS, renamed=RENAMED_PPO,
-    registries=lambda: {"algo.kl_reward_kind, algo.kl_loss_kind": rf.KL_KINDS, "algo.agg": tuple(rf.AGG_MODES),
-                        "algo.policy_loss": tuple(rf.POLICY_LOSSES)},
-    console_keys=("reward_mean", "success_rate", "kl_reward", "entropy", "clip_frac", "critic/loss", "grad_norm",
-                  "step_time_s"),
+    name="ppo",
+    doc=__doc__,
+    config=Config(),
+    algorithm=actor_critic,
+    presets=PRESETS,
+    renamed=RENAMED_PPO,
+    registries=lambda: {
+        "algo.kl_reward_kind, algo.kl_loss_kind": rf.KL_KINDS,
+        "algo.agg": tuple(rf.AGG_MODES),
+        "algo.policy_loss": tuple(rf.POLICY_LOSSES),
+    },
+    console_keys=(
+        "reward_mean",
+        "success_rate",
+        "kl_reward",
+        "entropy",
+        "clip_frac",
+        "critic/loss",
+        "grad_norm",
+        "step_time_s",
+    ),
 )
 
 

@@ -382,7 +382,9 @@ CASES = [
     ),
     Case(
         "config-batch-not-divisible",
-        lambda tmp, ctx: __import__("backends.loop.rl_loop").loop.rl_loop.num_mini_batches(grpo_config("prompts_per_step=6"), 4),
+        lambda tmp, ctx: __import__("backends.loop.rl_loop").loop.rl_loop.num_mini_batches(
+            grpo_config("prompts_per_step=6"), 4
+        ),
         ConfigError,
         (r"prompts_per_step=6 must be divisible by the world size 4",),
         ("prompts_per_step=6 on 4 ranks", "the batch splits over the ranks"),

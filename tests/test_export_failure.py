@@ -18,8 +18,8 @@ import transformers.modeling_utils
 
 from backends.checkpoint.dcp import load_checkpoint, save_checkpoint
 from backends.checkpoint.hf_export import ExportError, export_hf
-from backends.models import TinyModelConfig, build_tiny_model
 from backends.loop.stages import RunPaths, export_final
+from backends.models import TinyModelConfig, build_tiny_model
 from tests.checkpoint_state import State
 
 pytestmark = pytest.mark.faults

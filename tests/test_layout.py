@@ -133,8 +133,10 @@ def test_imports_point_down_the_layers():
 def test_cpu_settings_are_reached_only_through_their_seam():
     wrong = [
         f"{_where(name, line)}: {name} imports {target}; use `from backends.cpu import <seam>`"
-        for name, imports in EDGES.items() if not name.startswith("backends.cpu")
-        for line, target, _ in imports if target.startswith("backends.cpu.")
+        for name, imports in EDGES.items()
+        if not name.startswith("backends.cpu")
+        for line, target, _ in imports
+        if target.startswith("backends.cpu.")
     ]
     assert not wrong, "\n".join(wrong)
 
@@ -148,7 +150,8 @@ def test_no_module_imports_another_modules_private_names():
     ]
     wrong += [
         f"{_where(name, line)}: {name} imports the private module {target}"
-        for name, imports in EDGES.items() for line, target, _ in imports
+        for name, imports in EDGES.items()
+        for line, target, _ in imports
         if any(part.startswith("_") and part != "__init__" for part in target.split("."))
     ]
     assert not wrong, "give a shared helper one public home:\n" + "\n".join(wrong)
@@ -233,7 +236,8 @@ def test_rlfunc_imports_only_torch_attrs_einops():
 def test_modules_stay_small():
     big = [
         f"{path.relative_to(REPO)}: {n} lines"
-        for path in MODULES.values() if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+        for path in MODULES.values()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
     ]
     assert not big, f"split modules over {MAX_MODULE_LINES} lines into one idea each:\n" + "\n".join(big)
 
@@ -273,7 +277,8 @@ def test_docs_and_code_stand_alone(path):
     """No run history or machine anecdotes, and nothing that points outside the repository."""
     hits = [
         f"{path.relative_to(REPO)}:{i}: {line.strip()[:120]}"
-        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1) if STAND_ALONE.search(line)
+        for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+        if STAND_ALONE.search(line)
     ]
     assert not hits, "\n".join(hits)
 

@@ -70,12 +70,12 @@ def _shards_worker(rank, world_size, path):
     pytest.importorskip("megatron.core")
     from backends.data import PromptStream
     from backends.distributed.setup import init_distributed
+    from backends.loop.sampling import sample_and_score
     from backends.models import load_tokenizer
     from backends.rewards import RewardConfig, RewardScorer
     from backends.rollout.native import build_native_rollout
     from backends.training.engines import select_engine
     from backends.training.megatron.parallel import destroy_model_parallel, init_model_parallel
-    from backends.loop.sampling import sample_and_score
     from experiments import grpo
 
     env = init_distributed(device="cpu")

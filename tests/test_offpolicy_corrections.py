@@ -81,12 +81,18 @@ def test_identical_logprobs_leave_weights_and_mask_unchanged(x, level, upper):
 
 
 @settings(max_examples=40, deadline=None)
-@given(x=triples(), clip_high=st.floats(0.1, 0.5), dual=st.sampled_from([None, 3.0]),
-       agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]))
+@given(
+    x=triples(),
+    clip_high=st.floats(0.1, 0.5),
+    dual=st.sampled_from([None, 3.0]),
+    agg=st.sampled_from(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]),
+)
 def test_decoupled_ppo_is_ppo_when_proximal_is_behaviour(x, clip_high, dual, agg):
     current, proximal, _, adv, mask = x
     norms = local_normalizers(mask)
-    kw = dict(advantages=adv, response_mask=mask, clip_low=0.2, clip_high=clip_high, dual_clip=dual, agg=agg, norms=norms)
+    kw = dict(
+        advantages=adv, response_mask=mask, clip_low=0.2, clip_high=clip_high, dual_clip=dual, agg=agg, norms=norms
+    )
     lp1, lp2, lp3 = (current.clone().requires_grad_() for _ in range(3))
     ref, ref_m = ppo_policy_loss(lp1, old_logprobs=proximal, **kw)
     same, m = decoupled_ppo_policy_loss(lp2, old_logprobs=proximal, behaviour_logprobs=proximal.clone(), **kw)
@@ -119,8 +125,12 @@ def test_staleness_zero_when_every_token_is_current(x, current):
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=triples(), level=st.sampled_from(CORRECTION_LEVELS), upper=st.floats(1.05, 6.0),
-       lower=st.one_of(st.none(), st.floats(0.0, 1.0)))
+@given(
+    x=triples(),
+    level=st.sampled_from(CORRECTION_LEVELS),
+    upper=st.floats(1.05, 6.0),
+    lower=st.one_of(st.none(), st.floats(0.0, 1.0)),
+)
 def test_rejection_keeps_exactly_the_tokens_within_the_bounds(x, level, upper, lower):
     _, trainer, rollout, _, mask = x
     keep, m = rollout_rejection_mask(
@@ -161,8 +171,13 @@ def _verl_rejection(trainer, rollout, mask, level, upper, lower, veto):
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=triples(), level=st.sampled_from(CORRECTION_LEVELS), upper=st.sampled_from([1.5, 2.0, 5.0]),
-       lower=st.sampled_from([None, 0.5, 0.0]), veto=st.sampled_from([None, 1e-2, 0.3]))
+@given(
+    x=triples(),
+    level=st.sampled_from(CORRECTION_LEVELS),
+    upper=st.sampled_from([1.5, 2.0, 5.0]),
+    lower=st.sampled_from([None, 0.5, 0.0]),
+    veto=st.sampled_from([None, 1e-2, 0.3]),
+)
 def test_rejection_matches_the_verl_formula(x, level, upper, lower, veto):
     _, trainer, rollout, _, mask = x
     trainer, rollout = trainer.double(), rollout.double()  # away from float ties at the bounds
@@ -187,7 +202,9 @@ def test_rejection_hand_computed():
     close(m["rs_frac_low"], torch.tensor(1 / 7))
     close(m["rs_seq_masked_frac"], torch.tensor(0.5))
     # geometric: row 0 mean log ratio 0 -> kept; row 1 e^0.2 -> kept with upper 2, dropped with upper 1.1
-    keep, _ = rollout_rejection_mask(trainer, rollout_logprobs=rollout, response_mask=mask, level="geometric", upper=1.1)
+    keep, _ = rollout_rejection_mask(
+        trainer, rollout_logprobs=rollout, response_mask=mask, level="geometric", upper=1.1
+    )
     assert keep.tolist() == [[True, True, True, False], [False] * 4]
     # sequence: row 0 sum 0 -> kept, row 1 e^0.8 ~ 2.23 > 2 -> dropped
     keep, _ = rollout_rejection_mask(trainer, rollout_logprobs=rollout, response_mask=mask, level="sequence")
@@ -206,7 +223,12 @@ def test_geometric_weights_match_the_row_geometric_mean(x, upper, icepop):
     _, trainer, rollout, _, mask = x
     lower = min(0.5, upper / 2) if icepop else None
     w, _ = rollout_is_weights(
-        trainer.double(), rollout_logprobs=rollout.double(), response_mask=mask, level="geometric", upper=upper, lower=lower
+        trainer.double(),
+        rollout_logprobs=rollout.double(),
+        response_mask=mask,
+        level="geometric",
+        upper=upper,
+        lower=lower,
     )
     for i, (tr, ro, mk) in enumerate(zip(trainer.double().tolist(), rollout.double().tolist(), mask.tolist())):
         lr = _row_log_ratio([a - b for a, b in zip(tr, ro)], mk, "geometric")
@@ -236,7 +258,9 @@ def test_padding_never_reaches_the_mask_or_the_weights(x, level, junk):
 def test_extreme_finite_log_ratios_stay_finite(x, level):
     current, trainer, rollout, adv, mask = x
     w, wm = rollout_is_weights(trainer, rollout_logprobs=rollout, response_mask=mask, level=level, upper=1e9)
-    keep, m = rollout_rejection_mask(trainer, rollout_logprobs=rollout, response_mask=mask, level=level, token_veto=1e-9)
+    keep, m = rollout_rejection_mask(
+        trainer, rollout_logprobs=rollout, response_mask=mask, level=level, token_veto=1e-9
+    )
     assert torch.isfinite(w).all() and all(torch.isfinite(v) for v in {**wm, **m}.values())
     lp = current.clone().requires_grad_()
     loss, lm = decoupled_ppo_policy_loss(
@@ -252,13 +276,17 @@ def test_vmap_matches_the_loop():
     mask = torch.rand(3, 4, 5, generator=g) > 0.2
 
     def rs(a, b, c):
-        return rollout_rejection_mask(a, rollout_logprobs=b, response_mask=c, level="geometric", upper=1.2, token_veto=0.5)[0]
+        return rollout_rejection_mask(
+            a, rollout_logprobs=b, response_mask=c, level="geometric", upper=1.2, token_veto=0.5
+        )[0]
 
     def geo(a, b, c):
         return rollout_is_weights(a, rollout_logprobs=b, response_mask=c, level="geometric", upper=1.1)[0]
 
     for fn in (rs, geo):
-        assert torch.equal(torch.func.vmap(fn)(trainer, rollout, mask), torch.stack([fn(*x) for x in zip(trainer, rollout, mask)]))
+        assert torch.equal(
+            torch.func.vmap(fn)(trainer, rollout, mask), torch.stack([fn(*x) for x in zip(trainer, rollout, mask)])
+        )
 
 
 def test_rejection_bad_inputs_raise_clear_errors():
@@ -298,13 +326,25 @@ def _areal_reference(current, proximal, behaviour, adv, mask, eps_low, eps_high,
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=triples(max_spread=0.7), eps_high=st.sampled_from([0.2, 0.28]), dual=st.sampled_from([None, 3.0]),
-       cap=st.sampled_from([None, 1.5, 5.0]))
+@given(
+    x=triples(max_spread=0.7),
+    eps_high=st.sampled_from([0.2, 0.28]),
+    dual=st.sampled_from([None, 3.0]),
+    cap=st.sampled_from([None, 1.5, 5.0]),
+)
 def test_decoupled_ppo_matches_the_areal_formula(x, eps_high, dual, cap):
     current, proximal, behaviour, adv, mask = (v.double() if v.is_floating_point() else v for v in x)
     loss, m = decoupled_ppo_policy_loss(
-        current, old_logprobs=proximal, behaviour_logprobs=behaviour, advantages=adv, response_mask=mask,
-        clip_low=0.2, clip_high=eps_high, dual_clip=dual, behaviour_weight_cap=cap, norms=local_normalizers(mask),
+        current,
+        old_logprobs=proximal,
+        behaviour_logprobs=behaviour,
+        advantages=adv,
+        response_mask=mask,
+        clip_low=0.2,
+        clip_high=eps_high,
+        dual_clip=dual,
+        behaviour_weight_cap=cap,
+        norms=local_normalizers(mask),
     )
     ref = _areal_reference(current, proximal, behaviour, adv, mask, 0.2, eps_high, dual, cap)
     assert math.isclose(float(loss), ref, rel_tol=1e-9, abs_tol=1e-12)
@@ -317,8 +357,9 @@ def test_decoupled_ppo_matches_the_areal_formula(x, eps_high, dual, cap):
 @given(x=triples(max_spread=1.0), cap=st.sampled_from([None, 1.2, 3.0]))
 def test_decoupled_ppo_is_ppo_with_behaviour_weights(x, cap):
     current, proximal, behaviour, adv, mask = x
-    w, _ = rollout_is_weights(proximal, rollout_logprobs=behaviour, response_mask=mask, upper=cap or 1e30,
-                              lower=None if cap is None else 0.0)
+    w, _ = rollout_is_weights(
+        proximal, rollout_logprobs=behaviour, response_mask=mask, upper=cap or 1e30, lower=None if cap is None else 0.0
+    )
     norms = local_normalizers(mask)
     kw = dict(old_logprobs=proximal, advantages=adv, response_mask=mask, norms=norms, dual_clip=2.5)
     lp1, lp2 = current.clone().requires_grad_(), current.clone().requires_grad_()
@@ -341,8 +382,13 @@ def test_decoupled_gradients_reach_only_the_current_logprobs_and_never_the_paddi
         lp = torch.where(mask, current, fill).requires_grad_()
         others = [torch.where(mask, v, fill).requires_grad_() for v in (proximal, behaviour, iw)]
         loss, m = decoupled_ppo_policy_loss(
-            lp, old_logprobs=others[0], behaviour_logprobs=others[1], is_weights=others[2],
-            advantages=torch.where(mask, adv, fill), response_mask=mask, behaviour_weight_cap=4.0,
+            lp,
+            old_logprobs=others[0],
+            behaviour_logprobs=others[1],
+            is_weights=others[2],
+            advantages=torch.where(mask, adv, fill),
+            response_mask=mask,
+            behaviour_weight_cap=4.0,
         )
         grads = torch.autograd.grad(loss, [lp, *others], allow_unused=True)
         assert all(g is None or not g.any() for g in grads[1:])
@@ -365,8 +411,9 @@ def test_decoupled_ppo_works_under_torch_func_grad_and_vmap():
     mask = torch.rand(3, 4, 5, generator=g) > 0.2
 
     def loss(lp, p, b, a, m):
-        return decoupled_ppo_policy_loss(lp, old_logprobs=p, behaviour_logprobs=b, advantages=a, response_mask=m,
-                                         behaviour_weight_cap=2.0)[0]
+        return decoupled_ppo_policy_loss(
+            lp, old_logprobs=p, behaviour_logprobs=b, advantages=a, response_mask=m, behaviour_weight_cap=2.0
+        )[0]
 
     batched = torch.func.vmap(torch.func.grad(loss))(cur, prox, beh, adv, mask)
     for i in range(3):
@@ -386,7 +433,9 @@ def test_decoupled_ppo_is_registered_and_keyword_only():
     with pytest.raises(ValueError, match="behaviour_weight_cap must be > 0"):
         decoupled_ppo_policy_loss(x, old_logprobs=x, advantages=x, response_mask=m, behaviour_weight_cap=0.0)
     with pytest.raises(ValueError, match=r"behaviour_logprobs must have shape \(2, 3\)"):
-        decoupled_ppo_policy_loss(x, old_logprobs=x, behaviour_logprobs=torch.zeros(2, 4), advantages=x, response_mask=m)
+        decoupled_ppo_policy_loss(
+            x, old_logprobs=x, behaviour_logprobs=torch.zeros(2, 4), advantages=x, response_mask=m
+        )
     with pytest.raises(ValueError, match="dual_clip must be > 1"):
         decoupled_ppo_policy_loss(x, old_logprobs=x, advantages=x, response_mask=m, dual_clip=1.0)
 
@@ -480,7 +529,9 @@ def test_staleness_edge_cases_and_transforms():
     mask = torch.zeros(2, 3, dtype=torch.bool)
     age, m = staleness(torch.zeros(2, 3, dtype=torch.int32), current_version=4, response_mask=mask)
     assert not age.any() and all(float(v) == 0.0 for v in m.values())
-    _, m = staleness(torch.zeros(0, 3, dtype=torch.long), current_version=1, response_mask=torch.zeros(0, 3, dtype=torch.bool))
+    _, m = staleness(
+        torch.zeros(0, 3, dtype=torch.long), current_version=1, response_mask=torch.zeros(0, 3, dtype=torch.bool)
+    )
     assert all(float(v) == 0.0 for v in m.values())
     g = torch.Generator().manual_seed(1)
     version, mask = torch.randint(0, 4, (3, 2, 5), generator=g), torch.rand(3, 2, 5, generator=g) > 0.3

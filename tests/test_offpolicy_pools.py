@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from backends.distributed.sample_channel import ChannelClosed, ChannelError, SampleReceiver, SampleSender, StalenessBound
+from backends.distributed.sample_channel import (
+    ChannelClosed,
+    ChannelError,
+    SampleReceiver,
+    SampleSender,
+    StalenessBound,
+)
 from backends.distributed.weight_broadcast import WeightBroadcastError, WeightStream, broadcast_weights
 from tests import forkserver
 from tests.distributed import free_port, run_distributed
@@ -67,8 +73,10 @@ def _stream():
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bytes(a.reshape(-1).view(torch.uint8).numpy()) == bytes(
-        b.reshape(-1).view(torch.uint8).numpy()
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.reshape(-1).view(torch.uint8).numpy()) == bytes(b.reshape(-1).view(torch.uint8).numpy())
     )
 
 
@@ -102,11 +110,13 @@ def test_received_weights_equal_sent_weights_bit_for_bit(bucket_bytes):
 
 def _producer_fails(rank: int, world: int):
     if rank == 0:
+
         def failing():
             for i, item in enumerate(_stream()):
                 if i == 3:
                     raise RuntimeError("the gather of layer 0 failed")
                 yield item
+
         try:
             broadcast_weights(failing(), group=None, src=0, bucket_bytes=64, version=3)
         except RuntimeError as e:
@@ -174,8 +184,9 @@ def _rollout(model: nn.Module, *, steps: int, lag: int) -> int:
                     params[name].copy_(tensor)
             version = stream.version
         offset = (model[0].weight.detach() - init).mean().item()  # what the weights that sample this batch are
-        sender.send_samples({"tokens": torch.full((2, 3), s), "weight_offset": offset, "note": "ok"}, dst=0,
-                            version=version, step=s)
+        sender.send_samples(
+            {"tokens": torch.full((2, 3), s), "weight_offset": offset, "note": "ok"}, dst=0, version=version, step=s
+        )
     sender.close(0)
     return sender.sent
 
@@ -308,11 +319,13 @@ def _crash_channel(rank: int):
 
 def _crash_broadcast(rank: int):
     if rank == 0:
+
         def dying():
             for i, item in enumerate(_stream()):
                 if i == 3:
                     os._exit(17)  # the trainer dies in the middle of the push
                 yield item
+
         broadcast_weights(dying(), group=None, src=0, bucket_bytes=64, version=1)
     start = time.monotonic()
     try:
@@ -328,8 +341,9 @@ SCENARIOS = {"channel": (_crash_channel, 0, 1), "broadcast": (_crash_broadcast, 
 
 def _crash_worker(rank: int, port: int, scenario: str, queue) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=PG_TIMEOUT_S)
+    )
     try:
         queue.put((rank, "ok", SCENARIOS[scenario][0](rank)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -388,11 +402,14 @@ def _into_native_engine(rank: int, world: int):
     from backends.models import TinyModelConfig, build_tiny_model
     from backends.rollout import native
 
-    tiny = TinyModelConfig(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                           max_position_embeddings=32)
+    tiny = TinyModelConfig(
+        hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128, max_position_embeddings=32
+    )
     if rank == 0:
         trained = build_tiny_model(attrs.evolve(tiny, seed=11))
-        bad = [(n, t.clone().fill_(float("nan")) if n.endswith("norm.weight") else t) for n, t in full_state_dict(trained)]
+        bad = [
+            (n, t.clone().fill_(float("nan")) if n.endswith("norm.weight") else t) for n, t in full_state_dict(trained)
+        ]
         broadcast_weights(iter(bad), group=None, src=0, bucket_bytes=4096, version=1)  # refused by the engine
         stats = broadcast_weights(full_state_dict(trained), group=None, src=0, bucket_bytes=4096, version=2)
         return stats, {n: t.clone() for n, t in trained.state_dict().items()}

@@ -28,8 +28,19 @@ def length_reward(tmp_path):
 
 
 def split_run(root, data_dir, *args: str, steps: int = 4, nproc: int = 2):
-    return run(PPO, f"run_root={root}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, f"steps={steps}",
-               "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", "offpolicy.rollout_ranks=1", *args, nproc=nproc)
+    return run(
+        PPO,
+        f"run_root={root}",
+        *data_args(data_dir, sft_steps=0),
+        *TINY_MODEL,
+        f"steps={steps}",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "offpolicy.rollout_ranks=1",
+        *args,
+        nproc=nproc,
+    )
 
 
 def final_weights(root) -> dict[str, torch.Tensor]:
@@ -37,8 +48,12 @@ def final_weights(root) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     run_dir = the_run_dir(root, "ppo")
-    return {f"{role}/{name}": t for role in ("final_model", "final_critic") for path in (run_dir / role).glob("*.safetensors")
-            for name, t in load_file(path).items()}
+    return {
+        f"{role}/{name}": t
+        for role in ("final_model", "final_critic")
+        for path in (run_dir / role).glob("*.safetensors")
+        for name, t in load_file(path).items()
+    }
 
 
 def without_times(rows: list[dict]) -> list[dict]:
@@ -46,8 +61,16 @@ def without_times(rows: list[dict]) -> list[dict]:
 
 
 def test_one_step_off_ppo_trains_actor_and_critic_one_version_behind(tmp_path, data_dir, length_reward):
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "eval.every=2", "dump_generations_every=2",
-                    length_reward, "actor.optim.lr=1e-3", "algo.rollout_is=token")
+    out = split_run(
+        tmp_path,
+        data_dir,
+        "offpolicy.mode=one_step_off",
+        "eval.every=2",
+        "dump_generations_every=2",
+        length_reward,
+        "actor.optim.lr=1e-3",
+        "algo.rollout_is=token",
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "ppo")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -56,8 +79,19 @@ def test_one_step_off_ppo_trains_actor_and_critic_one_version_behind(tmp_path, d
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
     assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
     assert [r["staleness/run_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
-    for key in ("reward_mean", "values_mean", "returns_mean", "critic/loss", "grad_norm", "kl_reward", "kl_coef",
-                "sync_time_s", "time/critic_update_s", "time/actor_update_s", "reward/score"):
+    for key in (
+        "reward_mean",
+        "values_mean",
+        "returns_mean",
+        "critic/loss",
+        "grad_norm",
+        "kl_reward",
+        "kl_coef",
+        "sync_time_s",
+        "time/critic_update_s",
+        "time/actor_update_s",
+        "reward/score",
+    ):
         assert key in rl[-1], key
     # the policy moved (the KL to the reference, in the token rewards, is no longer zero) and so did the critic
     assert rl[0]["kl_reward"] == 0.0 and rl[-1]["kl_reward"] != 0.0
@@ -92,19 +126,31 @@ def test_bounded_zero_is_sync_for_ppo(tmp_path, data_dir, length_reward):
 def test_one_step_off_ppo_resumes_exactly(tmp_path, data_dir, length_reward):
     """The checkpoint holds the actor and the critic with their optimizers and the adaptive KL controller's beta: the
     resumed run logs the same metrics and ends with the same actor and critic."""
-    args = ("offpolicy.mode=one_step_off", "checkpoint.every=2", length_reward, "algo.kl_ctrl=adaptive",
-            "algo.kl_reward_coef=0.05", "actor.optim.lr=1e-3")
+    args = (
+        "offpolicy.mode=one_step_off",
+        "checkpoint.every=2",
+        length_reward,
+        "algo.kl_ctrl=adaptive",
+        "algo.kl_reward_coef=0.05",
+        "actor.optim.lr=1e-3",
+    )
     out = split_run(tmp_path, data_dir, *args, steps=5)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "ppo")
     first, weights = without_times(metrics(run_dir)), final_weights(tmp_path)
     assert [r["staleness/max"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
     assert len({r["kl_coef"] for r in first}) > 1  # the adaptive controller moved: its state must be restored
-    resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
-                        steps=5)
+    resumed = split_run(
+        tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}", steps=5
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     again = without_times(metrics(run_dir))
-    differ = [(r["step"], k, f.get(k), r.get(k)) for f, r in zip(first, again) for k in sorted(set(f) | set(r)) if f.get(k) != r.get(k)]
+    differ = [
+        (r["step"], k, f.get(k), r.get(k))
+        for f, r in zip(first, again)
+        for k in sorted(set(f) | set(r))
+        if f.get(k) != r.get(k)
+    ]
     assert not differ, differ  # (step, metric, uninterrupted, resumed)
     resumed_weights = final_weights(tmp_path)
     assert [k for k in weights if not torch.equal(weights[k], resumed_weights[k])] == []
@@ -113,5 +159,7 @@ def test_one_step_off_ppo_resumes_exactly(tmp_path, data_dir, length_reward):
 def test_ppo_on_the_split_refuses_what_it_does_not_support(tmp_path, data_dir):
     out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "placement.mode=split", steps=1)
     assert out.returncode != 0 and "does not support placement.mode=split" in out.stderr, out.stderr[-2000:]
-    out = run(PPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "rollout.multi_turn.max_turns=2")
+    out = run(
+        PPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "rollout.multi_turn.max_turns=2"
+    )
     assert out.returncode != 0 and "rollout.multi_turn.max_turns > 1" in out.stderr, out.stderr[-2000:]

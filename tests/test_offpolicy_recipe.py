@@ -18,8 +18,19 @@ def data_dir(tmp_path_factory):
 
 
 def split_run(root, data_dir, *args: str, steps: int = 4):
-    out = run(GRPO, f"run_root={root}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, f"steps={steps}",
-              "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", "offpolicy.rollout_ranks=1", *args, nproc=2)
+    out = run(
+        GRPO,
+        f"run_root={root}",
+        *data_args(data_dir, sft_steps=0),
+        *TINY_MODEL,
+        f"steps={steps}",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "offpolicy.rollout_ranks=1",
+        *args,
+        nproc=2,
+    )
     return out
 
 
@@ -35,8 +46,14 @@ def test_one_step_off_runs_one_version_behind(tmp_path, data_dir):
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
     assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
     assert [r["staleness/run_max"] for r in rl] == [0.0, 1.0, 1.0, 1.0]
-    for key in ("reward_mean", "grad_norm", "staleness/run_mean", "staleness/rejected", "sync_time_s",
-                "reward/arithmetic"):
+    for key in (
+        "reward_mean",
+        "grad_norm",
+        "staleness/run_mean",
+        "staleness/rejected",
+        "sync_time_s",
+        "reward/arithmetic",
+    ):
         assert key in rl[-1], key
     assert all(r["staleness/rejected"] == 0.0 for r in rl)
     assert (run_dir / "final_model" / "config.json").exists()
@@ -62,7 +79,9 @@ def test_bounded_zero_is_sync_on_the_split(tmp_path, data_dir):
     # a reward that differs within a group (the tiny random model never gets the arithmetic right): real updates
     reward = tmp_path / "length_reward.py"
     reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
-    out = split_run(a, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=0", f"reward.fn={reward}:score", steps=3)
+    out = split_run(
+        a, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=0", f"reward.fn={reward}:score", steps=3
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     out = split_run(b, data_dir, "offpolicy.mode=sync", f"reward.fn={reward}:score", steps=3)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -71,8 +90,14 @@ def test_bounded_zero_is_sync_on_the_split(tmp_path, data_dir):
     for name in wa:
         assert (wa[name] == wb[name]).all(), name
     drop = ("step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "tokens_per_s", "time", "wall_time")
-    ma = [{k: v for k, v in r.items() if k not in drop and not k.startswith("time/")} for r in metrics(the_run_dir(a, "grpo"))]
-    mb = [{k: v for k, v in r.items() if k not in drop and not k.startswith("time/")} for r in metrics(the_run_dir(b, "grpo"))]
+    ma = [
+        {k: v for k, v in r.items() if k not in drop and not k.startswith("time/")}
+        for r in metrics(the_run_dir(a, "grpo"))
+    ]
+    mb = [
+        {k: v for k, v in r.items() if k not in drop and not k.startswith("time/")}
+        for r in metrics(the_run_dir(b, "grpo"))
+    ]
     assert [r["reward_mean"] for r in ma] == [r["reward_mean"] for r in mb]
     assert all(r["staleness/max"] == 0.0 for r in ma)
     assert any(r["grad_norm"] > 0 for r in ma)  # the weights compared did move
@@ -83,8 +108,16 @@ def test_bounded_two_stays_within_the_bound(tmp_path, data_dir):
     the reference), positive once the weights moved."""
     reward = tmp_path / "length_reward.py"
     reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
-    out = split_run(tmp_path, data_dir, "offpolicy.mode=bounded", "offpolicy.max_staleness=2", "algo.kl_loss_coef=0.05",
-                    f"reward.fn={reward}:score", "actor.optim.lr=1e-2", steps=5)  # a step the KL can see
+    out = split_run(
+        tmp_path,
+        data_dir,
+        "offpolicy.mode=bounded",
+        "offpolicy.max_staleness=2",
+        "algo.kl_loss_coef=0.05",
+        f"reward.fn={reward}:score",
+        "actor.optim.lr=1e-2",
+        steps=5,
+    )  # a step the KL can see
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
     assert [r["staleness/max"] for r in rl] == [0.0, 1.0, 2.0, 2.0, 2.0]
@@ -102,8 +135,11 @@ def test_a_dead_rollout_rank_is_named(tmp_path, data_dir):
     assert out.returncode != 0
     # the trainer meets the dead rank either pushing version 1 or, when the kill cut off the batch of step 1 that
     # was still being sent, receiving it: both errors name rank 1
-    named = re.search(r"RolloutPoolError: pushing weights version 1 to rollout rank\(s\) 1 failed|"
-                      r"ChannelError: sample channel on rank 0: .*rank 1 (failed|did not complete)", out.stderr)
+    named = re.search(
+        r"RolloutPoolError: pushing weights version 1 to rollout rank\(s\) 1 failed|"
+        r"ChannelError: sample channel on rank 0: .*rank 1 (failed|did not complete)",
+        out.stderr,
+    )
     assert named, out.stderr[-4000:]
 
 
@@ -114,8 +150,17 @@ def test_an_sft_stage_runs_on_the_trainer_pool(tmp_path, data_dir):
     sft = (f"sft.files={data_dir / 'sft.jsonl'}", "sft.steps=3", "sft.batch_size=8", "sft.optim.lr=3e-3")
     out = split_run(split, data_dir, "offpolicy.mode=one_step_off", *sft, steps=2)
     assert out.returncode == 0, out.stderr[-4000:]
-    out = run(GRPO, f"run_root={colocated}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "steps=1",
-              "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8", *sft)
+    out = run(
+        GRPO,
+        f"run_root={colocated}",
+        *data_args(data_dir, sft_steps=0),
+        *TINY_MODEL,
+        "steps=1",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        *sft,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     from safetensors.torch import load_file
 
@@ -138,7 +183,9 @@ def test_a_rollout_rank_dead_during_the_sft_stage_is_named(tmp_path, data_dir):
     with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "kill:rank=1:step=-2:phase=update"}):
         out = split_run(tmp_path, data_dir, "offpolicy.mode=one_step_off", "deadlines.process_group=60", *sft, steps=2)
     assert out.returncode != 0
-    assert re.search(r"RolloutPoolError: telling rollout rank\(s\) 1 SFT update \d starts failed", out.stderr), out.stderr[-4000:]
+    assert re.search(r"RolloutPoolError: telling rollout rank\(s\) 1 SFT update \d starts failed", out.stderr), (
+        out.stderr[-4000:]
+    )
 
 
 def test_a_reward_model_scores_on_the_rollout_pool(tmp_path, data_dir):
@@ -146,22 +193,33 @@ def test_a_reward_model_scores_on_the_rollout_pool(tmp_path, data_dir):
     reward functions' (a random model: nonzero); a sharded reward model is refused before any work."""
     from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_reward_model
 
-    rm = write_tiny_reward_model(tmp_path / "rm", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                                 intermediate_size=96, seed=7), build_char_tokenizer())
+    rm = write_tiny_reward_model(
+        tmp_path / "rm",
+        TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96, seed=7),
+        build_char_tokenizer(),
+    )
     runs = tmp_path / "runs"
-    out = split_run(runs, data_dir, "offpolicy.mode=one_step_off", f"reward_model.path={rm}", "reward_model.weight=0.5",
-                    steps=2)
+    out = split_run(
+        runs, data_dir, "offpolicy.mode=one_step_off", f"reward_model.path={rm}", "reward_model.weight=0.5", steps=2
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     for row in metrics(the_run_dir(runs, "grpo")):
         assert row["reward/model"] != 0.0
         assert row["reward_mean"] == pytest.approx(row["reward/arithmetic"] + 0.5 * row["reward/model"], abs=1e-5)
-    out = split_run(tmp_path / "sharded", data_dir, "offpolicy.mode=one_step_off", f"reward_model.path={rm}",
-                    "reward_model.shard=true")
+    out = split_run(
+        tmp_path / "sharded",
+        data_dir,
+        "offpolicy.mode=one_step_off",
+        f"reward_model.path={rm}",
+        "reward_model.shard=true",
+    )
     assert out.returncode != 0 and "does not support reward_model.shard=true" in out.stderr
 
 
 def test_async_modes_refuse_what_they_do_not_support(tmp_path, data_dir):
-    out = run(GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off")
+    out = run(
+        GRPO, f"run_root={tmp_path}", *data_args(data_dir, sft_steps=0), *TINY_MODEL, "offpolicy.mode=one_step_off"
+    )
     assert out.returncode != 0 and "offpolicy.rollout_ranks >= 1" in out.stderr
 
 
@@ -194,12 +252,18 @@ def test_one_step_off_resumes_exactly_from_a_checkpoint(tmp_path, data_dir):
     first = [{k: v for k, v in r.items() if k not in drop and not k.startswith("time/")} for r in metrics(run_dir)]
     assert [r["staleness/max"] for r in first] == [0.0, 1.0, 0.0, 1.0, 0.0]
     weights = _final_weights(tmp_path)
-    resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
-                        steps=5)
+    resumed = split_run(
+        tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}", steps=5
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     again = [{k: v for k, v in r.items() if k not in drop and not k.startswith("time/")} for r in metrics(run_dir)]
     assert [r["step"] for r in again] == [1, 2, 3, 4, 5]
-    differ = [(r["step"], k, f.get(k), r.get(k)) for f, r in zip(first, again) for k in sorted(set(f) | set(r)) if f.get(k) != r.get(k)]
+    differ = [
+        (r["step"], k, f.get(k), r.get(k))
+        for f, r in zip(first, again)
+        for k in sorted(set(f) | set(r))
+        if f.get(k) != r.get(k)
+    ]
     assert not differ, differ  # (step, metric, uninterrupted, resumed)
     assert any(r["grad_norm"] > 0 for r in again[2:])  # the weights compared did move after the resume point
     resumed_weights = _final_weights(tmp_path)
@@ -240,8 +304,13 @@ def test_dynamic_sampling_on_the_split_resumes_exactly(tmp_path, data_dir):
     the stream's position, so a run resumed from a checkpoint draws the same prompts: the same metrics and weights."""
     reward = tmp_path / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)
-    args = ("offpolicy.mode=one_step_off", "checkpoint.every=2", "algo.dynamic_sampling=true",
-            "algo.max_sampling_rounds=3", f"reward.fn={reward}:starts_with_a_digit")
+    args = (
+        "offpolicy.mode=one_step_off",
+        "checkpoint.every=2",
+        "algo.dynamic_sampling=true",
+        "algo.max_sampling_rounds=3",
+        f"reward.fn={reward}:starts_with_a_digit",
+    )
     out = split_run(tmp_path, data_dir, *args, steps=4)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "grpo")
@@ -253,11 +322,17 @@ def test_dynamic_sampling_on_the_split_resumes_exactly(tmp_path, data_dir):
     assert sum(rounds[:2]) > 2, rounds  # the resume point is not at 2 x prompts_per_step: the position travelled
     assert [r["staleness/max"] for r in first] == [0.0, 1.0, 0.0, 1.0]
     weights = _final_weights(tmp_path)
-    resumed = split_run(tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}",
-                        steps=4)
+    resumed = split_run(
+        tmp_path, data_dir, *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}", steps=4
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     again = [{k: v for k, v in r.items() if k not in drop and not k.startswith("time/")} for r in metrics(run_dir)]
-    differ = [(r["step"], k, f.get(k), r.get(k)) for f, r in zip(first, again) for k in sorted(set(f) | set(r)) if f.get(k) != r.get(k)]
+    differ = [
+        (r["step"], k, f.get(k), r.get(k))
+        for f, r in zip(first, again)
+        for k in sorted(set(f) | set(r))
+        if f.get(k) != r.get(k)
+    ]
     assert not differ, differ  # (step, metric, uninterrupted, resumed)
     resumed_weights = _final_weights(tmp_path)
     assert all(torch.equal(weights[k], resumed_weights[k]) for k in weights)
@@ -269,9 +344,19 @@ def test_the_data_split_does_not_depend_on_the_number_of_rollout_ranks(tmp_path,
     both runs train on the same batches and end with the same weights."""
     reward = tmp_path / "digit_reward.py"
     reward.write_text(DIGIT_REWARD)
-    args = (*data_args(data_dir, sft_steps=0), *TINY_MODEL, "steps=3", "prompts_per_step=4", "rollout.n=4",
-            "eval.max_prompts=4", "offpolicy.mode=one_step_off", "algo.dynamic_sampling=true", "algo.max_sampling_rounds=3",
-            f"reward.fn={reward}:starts_with_a_digit", "actor.optim.lr=1e-2")
+    args = (
+        *data_args(data_dir, sft_steps=0),
+        *TINY_MODEL,
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=4",
+        "offpolicy.mode=one_step_off",
+        "algo.dynamic_sampling=true",
+        "algo.max_sampling_rounds=3",
+        f"reward.fn={reward}:starts_with_a_digit",
+        "actor.optim.lr=1e-2",
+    )
     runs = {}
     for rollout_ranks, nproc in ((1, 3), (2, 4)):
         root = tmp_path / f"r{rollout_ranks}"

@@ -68,10 +68,14 @@ def test_loss_is_a_pure_function_of_tensors():
     mask[:, 3:] = torch.rand(b, 2) < 0.5
     mask = torch.cumprod(mask.int(), -1).bool()
     batch = rf.RolloutBatch(
-        prompt_ids=torch.zeros(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.bool),
-        response_ids=torch.zeros(b, t, dtype=torch.long), response_mask=mask,
-        group_ids=torch.arange(b) // 4, scores=(torch.arange(b) % 3 == 0).float(),
-        old_logprobs=-torch.rand(b, t), ref_logprobs=-torch.rand(b, t),
+        prompt_ids=torch.zeros(b, 2, dtype=torch.long),
+        prompt_mask=torch.ones(b, 2, dtype=torch.bool),
+        response_ids=torch.zeros(b, t, dtype=torch.long),
+        response_mask=mask,
+        group_ids=torch.arange(b) // 4,
+        scores=(torch.arange(b) % 3 == 0).float(),
+        old_logprobs=-torch.rand(b, t),
+        ref_logprobs=-torch.rand(b, t),
     )
     logprobs = (batch.old_logprobs + 0.05 * torch.randn(b, t)).requires_grad_()
 

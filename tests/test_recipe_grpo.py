@@ -13,8 +13,15 @@ def data_dir(tmp_path_factory):
 
 
 def tiny(data_dir) -> list[str]:
-    return [*data_args(data_dir), *TINY_MODEL, "steps=3", "prompts_per_step=4", "rollout.n=4", "eval.max_prompts=8",
-            "algo.kl_loss_coef=0.01"]
+    return [
+        *data_args(data_dir),
+        *TINY_MODEL,
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "eval.max_prompts=8",
+        "algo.kl_loss_coef=0.01",
+    ]
 
 
 def _check_run(root, world_size: int) -> None:
@@ -28,9 +35,24 @@ def _check_run(root, world_size: int) -> None:
     assert summary["wall_seconds"] > 0
     rl = metrics(run_dir)
     assert [r["step"] for r in rl] == [1, 2, 3]
-    for key in ("reward_mean", "success_rate", "kl_loss", "entropy", "clip_frac", "grad_norm", "response_length",
-                "tokens_per_s", "step_time_s", "rollout_time_s", "update_time_s", "sync_time_s", "skipped_rows",
-                "reward/arithmetic", "reward/errors", "truncated_rate"):
+    for key in (
+        "reward_mean",
+        "success_rate",
+        "kl_loss",
+        "entropy",
+        "clip_frac",
+        "grad_norm",
+        "response_length",
+        "tokens_per_s",
+        "step_time_s",
+        "rollout_time_s",
+        "update_time_s",
+        "sync_time_s",
+        "skipped_rows",
+        "reward/arithmetic",
+        "reward/errors",
+        "truncated_rate",
+    ):
         assert key in rl[-1], key
     assert all(r["skipped_rows"] == 0.0 for r in rl)  # a KL term: zero-advantage rows are not skippable
     rows = metrics(run_dir, rl_only=False)
@@ -58,7 +80,10 @@ def test_torchrun_two_ranks(tmp_path, data_dir):
     out = run(GRPO, f"run_root={tmp_path}", *tiny(data_dir), "dump_generations_every=2", nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     _check_run(tmp_path, 2)
-    dump = [json.loads(line) for line in (the_run_dir(tmp_path, "grpo") / "generations" / "step_2.jsonl").read_text().splitlines()]
+    dump = [
+        json.loads(line)
+        for line in (the_run_dir(tmp_path, "grpo") / "generations" / "step_2.jsonl").read_text().splitlines()
+    ]
     assert len(dump) == 16  # 4 prompts x 4 samples, both ranks' rows
     assert set(dump[0]) == {"prompt", "response", "ground_truth", "data_source", "score", "advantage"}
 
@@ -67,7 +92,9 @@ def test_torchrun_two_ranks(tmp_path, data_dir):
 def test_bf16_run_skips_zero_advantage_rows(tmp_path, data_dir):
     """bf16 trainer and rollout, no KL term: rows of groups with one reward are skipped (and counted)."""
     args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_loss_coef")]
-    out = run(GRPO, f"run_root={tmp_path}", *args, "steps=4", "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16")
+    out = run(
+        GRPO, f"run_root={tmp_path}", *args, "steps=4", "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16"
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
     # a tiny SFT stage: most groups get all-zero rewards, so rows are skipped
@@ -83,14 +110,23 @@ def test_torchrun_two_ranks_resume(tmp_path, data_dir):
     """Packed rows (FSDP2, 2 ranks), skipped zero-advantage rows (no KL term), resumed from a checkpoint:
     the resumed run logs the steps after its checkpoint again, and only those."""
     args = [a for a in tiny(data_dir) if not a.startswith("algo.kl_loss_coef")] + [
-        "model.tiny.num_layers=2", "actor.fsdp.use_remove_padding=true", "checkpoint.every=2",
+        "model.tiny.num_layers=2",
+        "actor.fsdp.use_remove_padding=true",
+        "checkpoint.every=2",
     ]
     out = run(GRPO, f"run_root={tmp_path}", *args, nproc=2)
     assert out.returncode == 0, out.stderr[-4000:]
     run_dir = the_run_dir(tmp_path, "grpo")
     first = metrics(run_dir)
     assert [r["step"] for r in first] == [1, 2, 3] and all(r["update_skipped"] == 0.0 for r in first)
-    resumed = run(GRPO, f"run_root={tmp_path}", *args, f"resume={run_dir / 'checkpoints' / 'step_2'}", f"run_dir={run_dir}", nproc=2)
+    resumed = run(
+        GRPO,
+        f"run_root={tmp_path}",
+        *args,
+        f"resume={run_dir / 'checkpoints' / 'step_2'}",
+        f"run_dir={run_dir}",
+        nproc=2,
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     again = metrics(run_dir)
     assert [r["step"] for r in again] == [1, 2, 3]
@@ -118,7 +154,9 @@ def test_file_referenced_estimator(tmp_path, data_dir):
     est_dir.mkdir()
     (est_dir / "my_estimator.py").write_text(ESTIMATOR_FILE)
     runs = tmp_path / "runs"
-    out = run(GRPO, f"run_root={runs}", *tiny(data_dir), "steps=2", f"algo.estimator={est_dir / 'my_estimator.py'}:centered")
+    out = run(
+        GRPO, f"run_root={runs}", *tiny(data_dir), "steps=2", f"algo.estimator={est_dir / 'my_estimator.py'}:centered"
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert (est_dir / "called").exists()
     assert [r["step"] for r in metrics(the_run_dir(runs, "grpo"))] == [1, 2]
@@ -127,19 +165,34 @@ def test_file_referenced_estimator(tmp_path, data_dir):
 @pytest.mark.slow
 def test_evaluation_only_run(tmp_path, data_dir):
     """steps=0: the starting policy's held-out metrics, no training, no training data needed."""
-    out = run(GRPO, f"run_root={tmp_path}", f"data.val_files={data_dir / 'val.jsonl'}", "reward.fn=arithmetic",
-              "data.max_prompt_length=16", "rollout.max_new_tokens=6", "eval.n=2", *TINY_MODEL, "steps=0")
+    out = run(
+        GRPO,
+        f"run_root={tmp_path}",
+        f"data.val_files={data_dir / 'val.jsonl'}",
+        "reward.fn=arithmetic",
+        "data.max_prompt_length=16",
+        "rollout.max_new_tokens=6",
+        "eval.n=2",
+        *TINY_MODEL,
+        "steps=0",
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     summary = json.loads((the_run_dir(tmp_path, "grpo") / "summary.json").read_text())
     assert summary["steps"] == 0 and summary["eval_before"] is None and 0.0 <= summary["eval_after"] <= 1.0
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    ("algo.estimator=grop", "algo.estimator='grop' is not a built-in name; did you mean grpo"),
-    ("algo.estimator=gae", "algo.estimator='gae' is not a built-in name (built-ins: grpo, grpo_passk, rloo"),
-    ("algo.policy_loss=no_such_module:loss", "algo.policy_loss='no_such_module:loss': no module named 'no_such_module'"),
-    ("reward.fn=gsm8", "reward.fn='gsm8' is not a built-in name; did you mean gsm8k"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algo.estimator=grop", "algo.estimator='grop' is not a built-in name; did you mean grpo"),
+        ("algo.estimator=gae", "algo.estimator='gae' is not a built-in name (built-ins: grpo, grpo_passk, rloo"),
+        (
+            "algo.policy_loss=no_such_module:loss",
+            "algo.policy_loss='no_such_module:loss': no module named 'no_such_module'",
+        ),
+        ("reward.fn=gsm8", "reward.fn='gsm8' is not a built-in name; did you mean gsm8k"),
+    ],
+)
 def test_unknown_estimator_loss_or_reward_fails_before_any_work(tmp_path, override, message):
     out = run(GRPO, f"run_root={tmp_path}", "reward.fn=exact", override, timeout=120)
     assert out.returncode != 0
@@ -182,9 +235,13 @@ def test_entropy_bonus_is_subtracted_and_differentiable():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     out = ModelOutputs(logprobs=rf.logprobs_from_logits(logits, ids), entropy=rf.entropy_from_logits(logits))
     mb = rf.RolloutBatch(
-        prompt_ids=torch.zeros(3, 1, dtype=torch.long), prompt_mask=torch.ones(3, 1, dtype=torch.bool),
-        response_ids=ids, response_mask=mask, old_logprobs=out.logprobs.detach(),
-        advantages=torch.randn(3, 4, generator=g) * mask, group_ids=torch.arange(3),
+        prompt_ids=torch.zeros(3, 1, dtype=torch.long),
+        prompt_mask=torch.ones(3, 1, dtype=torch.bool),
+        response_ids=ids,
+        response_mask=mask,
+        old_logprobs=out.logprobs.detach(),
+        advantages=torch.randn(3, 4, generator=g) * mask,
+        group_ids=torch.arange(3),
     )
     norms = rf.local_normalizers(mask)
     from backends.loop.actor_loss import make_actor_loss
@@ -198,16 +255,20 @@ def test_entropy_bonus_is_subtracted_and_differentiable():
     assert "kl_loss" not in m  # logged only against a reference
 
 
-
 @pytest.mark.slow
 def test_a_reward_model_adds_to_the_reward_functions(tmp_path, data_dir):
     """reward_model.path: a learned reward (a tiny random sequence classifier) on top of the rule-based one."""
     from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_reward_model
 
-    rm = write_tiny_reward_model(tmp_path / "rm", TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                                                 intermediate_size=96, seed=7), build_char_tokenizer())
+    rm = write_tiny_reward_model(
+        tmp_path / "rm",
+        TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96, seed=7),
+        build_char_tokenizer(),
+    )
     runs = tmp_path / "runs"
-    out = run(GRPO, f"run_root={runs}", *tiny(data_dir), "steps=2", f"reward_model.path={rm}", "reward_model.weight=0.5")
+    out = run(
+        GRPO, f"run_root={runs}", *tiny(data_dir), "steps=2", f"reward_model.path={rm}", "reward_model.weight=0.5"
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(runs, "grpo"))
     for row in rl:
@@ -222,10 +283,18 @@ def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, d
     """A bf16 trainer and rollout (a real log-prob mismatch) with every correction on: token rejection (MIS),
     geometric-mean TIS and AReaL's decoupled PPO; each logs its numbers, and every token carries its policy
     version (staleness 0 in the synchronous loop)."""
-    out = run(GRPO, f"run_root={tmp_path}", *tiny(data_dir), "actor.fsdp.param_dtype=bfloat16", "rollout.dtype=bfloat16",
-              "algo.rollout_rs=token", "algo.rollout_rs_threshold=1.5", "algo.rollout_is=geometric",
-              "algo.policy_loss=decoupled_ppo",
-              "algo.policy_loss_args.decoupled_ppo.behaviour_weight_cap=5")
+    out = run(
+        GRPO,
+        f"run_root={tmp_path}",
+        *tiny(data_dir),
+        "actor.fsdp.param_dtype=bfloat16",
+        "rollout.dtype=bfloat16",
+        "algo.rollout_rs=token",
+        "algo.rollout_rs_threshold=1.5",
+        "algo.rollout_is=geometric",
+        "algo.policy_loss=decoupled_ppo",
+        "algo.policy_loss_args.decoupled_ppo.behaviour_weight_cap=5",
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     rl = metrics(the_run_dir(tmp_path, "grpo"))
     for row in rl:
@@ -236,8 +305,8 @@ def test_bf16_run_with_rejection_geometric_weights_and_decoupled_ppo(tmp_path, d
 
 def test_algorithm_settings_are_checked_at_start_up(tmp_path):
     from backends.config import ConfigError
-    from experiments.grpo import AlgoConfig, resolve_algorithm
     from backends.loop.vocabulary import PPOArgs
+    from experiments.grpo import AlgoConfig, resolve_algorithm
 
     for bad in ({"agg": "token-meen"}, {"kl_loss_kind": "k9"}, {"rollout_rs_threshold": 0.5}, {"kl_loss_coef": -1.0}):
         with pytest.raises(ValueError):
@@ -245,8 +314,10 @@ def test_algorithm_settings_are_checked_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="clip_low"):
         PPOArgs(clip_low=1.5)
     loss = tmp_path / "my_loss.py"
-    loss.write_text("def teacher_forced(logprobs, **kwargs):\n    return logprobs.sum(), {}\n\n"
-                    "teacher_forced.logprobs_needed = ('current', 'teacher')\n")
+    loss.write_text(
+        "def teacher_forced(logprobs, **kwargs):\n    return logprobs.sum(), {}\n\n"
+        "teacher_forced.logprobs_needed = ('current', 'teacher')\n"
+    )
     with pytest.raises(ConfigError, match="algo.policy_loss=.*teacher"):
         resolve_algorithm(AlgoConfig(policy_loss=f"{loss}:teacher_forced"))
     resolve_algorithm(AlgoConfig(policy_loss="decoupled_ppo"))

@@ -17,16 +17,29 @@ def test_grpo_learns_to_call_the_calculator_tool(tmp_path):
     """A short SFT stage on noisy tool-use traces, then 20 GRPO steps: held-out success rises by 30 points or
     more, and the run logs tool-call validity and turns per trajectory. (The full preset, demo/calculator,
     is the 10-minute run of benchmarks/RESULTS.md.)"""
-    data = calculator.write_dataset(tmp_path / "data", calculator.CalculatorTask(num_train=4000, num_heldout=64),
-                                    sft_examples=4000)
-    result = run(GRPO, "preset=demo/calculator", f"data.train_files={data / 'train.jsonl'}",
-                 f"data.val_files={data / 'val.jsonl'}", f"sft.files={data / 'sft.jsonl'}",
-                 "steps=20", "eval.every=0", "eval.greedy=false", f"run_root={tmp_path / 'runs'}", "export.hf=false",
-                 nproc=2, timeout=600)
+    data = calculator.write_dataset(
+        tmp_path / "data", calculator.CalculatorTask(num_train=4000, num_heldout=64), sft_examples=4000
+    )
+    result = run(
+        GRPO,
+        "preset=demo/calculator",
+        f"data.train_files={data / 'train.jsonl'}",
+        f"data.val_files={data / 'val.jsonl'}",
+        f"sft.files={data / 'sft.jsonl'}",
+        "steps=20",
+        "eval.every=0",
+        "eval.greedy=false",
+        f"run_root={tmp_path / 'runs'}",
+        "export.hf=false",
+        nproc=2,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = the_run_dir(tmp_path / "runs", "grpo_calculator")
     summary = json.loads((run_dir / "summary.json").read_text())
-    print(f"held-out success {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} in {summary['wall_seconds']} s")
+    print(
+        f"held-out success {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} in {summary['wall_seconds']} s"
+    )
     assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
     rows = metrics(run_dir)
     assert len(rows) == 20

@@ -10,10 +10,10 @@ import pytest
 
 from backends.config import ConfigError, apply_overrides
 from backends.distributed.node_checks import NodeSetupError, check_gloo_interface
-from backends.training.engines import select_engine
-from experiments import grpo, ppo
 from backends.loop.rl_loop import check_placement
 from backends.loop.split import check_offpolicy
+from backends.training.engines import select_engine
+from experiments import grpo, ppo
 
 pytestmark = pytest.mark.badinput
 

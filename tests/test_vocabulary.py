@@ -9,12 +9,23 @@ import attrs
 import pytest
 
 import rlfunc as rf
-from experiments.grpo import group_estimators
 from backends.loop.vocabulary import EstimatorArgs, PolicyLossArgs, estimator_knobs, loss_knobs
+from experiments.grpo import group_estimators
 
 #: what the loop passes to every policy loss / group estimator (not a knob)
-LOOP_KEYWORDS = {"old_logprobs", "advantages", "response_mask", "behaviour_logprobs", "is_weights", "agg", "norms",
-                 "horizon", "seed", "generator", "group_ids"}
+LOOP_KEYWORDS = {
+    "old_logprobs",
+    "advantages",
+    "response_mask",
+    "behaviour_logprobs",
+    "is_weights",
+    "agg",
+    "norms",
+    "horizon",
+    "seed",
+    "generator",
+    "group_ids",
+}
 
 
 def _knobs(fn) -> dict:

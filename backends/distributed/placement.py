@@ -33,7 +33,18 @@ from torch import Tensor
 
 from backends.distributed.setup import DistEnv, device_mesh
 
-__all__ = ["PlacementConfig", "Placement", "PlacementError", "pool_ranks", "build_placement", "colocated_on_pool", "redistribute", "concat_padded", "pad_to", "trim_to"]
+__all__ = [
+    "PlacementConfig",
+    "Placement",
+    "PlacementError",
+    "pool_ranks",
+    "build_placement",
+    "colocated_on_pool",
+    "redistribute",
+    "concat_padded",
+    "pad_to",
+    "trim_to",
+]
 
 #: the pool each role lives in under split placement
 ROLE_POOL = {"actor": "actor", "rollout": "actor", "critic": "critic", "reference": "critic"}
@@ -47,8 +58,10 @@ class PlacementError(ValueError):
 class PlacementConfig:
     """Where the roles run (see the module docstring)."""
 
-    mode: Literal["colocated", "split"] = "colocated"  #: colocated: every role on every rank; split: actor + rollout and critic + reference on their own pools
-    #: split: ranks of the actor pool (actor + rollout), the first ranks; 0 = the world minus the critic pool (half if both are 0)
+    #: colocated: every role on every rank; split: actor + rollout and critic + reference on their own pools
+    mode: Literal["colocated", "split"] = "colocated"
+    #: split: ranks of the actor pool (actor + rollout), the first ranks; 0 = the world minus the critic pool (half if
+    #: both are 0)
     actor_pool: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     #: split: ranks of the critic pool (critic + reference), the ranks after the actor pool; 0 = the rest
     critic_pool: int = attrs.field(default=0, validator=attrs.validators.ge(0))
@@ -154,8 +167,13 @@ def build_placement(cfg: PlacementConfig, env: DistEnv) -> Placement:
     pools = pool_ranks(cfg, env.world_size)
     if cfg.mode == "colocated":
         mesh = device_mesh(env)
-        return Placement(mode=cfg.mode, world=env, pools=pools, meshes={"actor": mesh, "critic": mesh},
-                         envs={"actor": env, "critic": env})
+        return Placement(
+            mode=cfg.mode,
+            world=env,
+            pools=pools,
+            meshes={"actor": mesh, "critic": mesh},
+            envs={"actor": env, "critic": env},
+        )
     from torch.distributed.device_mesh import DeviceMesh
 
     meshes, envs = {}, {}
@@ -165,8 +183,12 @@ def build_placement(cfg: PlacementConfig, env: DistEnv) -> Placement:
         if env.rank in ranks:
             meshes[name] = mesh
             envs[name] = DistEnv(
-                rank=ranks.index(env.rank), world_size=len(ranks), local_rank=env.local_rank, device=env.device,
-                backend=env.backend, group=mesh.get_group(),
+                rank=ranks.index(env.rank),
+                world_size=len(ranks),
+                local_rank=env.local_rank,
+                device=env.device,
+                backend=env.backend,
+                group=mesh.get_group(),
             )
     return Placement(mode=cfg.mode, world=env, pools=pools, meshes=meshes, envs=envs)
 
@@ -175,8 +197,13 @@ def colocated_on_pool(env: DistEnv, mesh: Any) -> Placement:
     """Every role on one pool of ranks (``env``: this rank's DistEnv within the pool, ``mesh``: the pool's 1-D mesh):
     the trainer pool of an asynchronous run, whose rollout has ranks of its own. Nothing moves between roles."""
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    return Placement(mode="colocated", world=env, pools={"actor": ranks, "critic": ranks},
-                     meshes={"actor": mesh, "critic": mesh}, envs={"actor": env, "critic": env})
+    return Placement(
+        mode="colocated",
+        world=env,
+        pools={"actor": ranks, "critic": ranks},
+        meshes={"actor": mesh, "critic": mesh},
+        envs={"actor": env, "critic": env},
+    )
 
 
 # ------------------------------------------------------------------------------------ batch transfer
@@ -227,7 +254,8 @@ def pad_to(x: Tensor, dims: tuple[str, ...], widths: dict[str, int]) -> Tensor:
 
 
 def trim_to(x: Tensor, dims: tuple[str, ...], widths: dict[str, int]) -> Tensor:
-    """``x`` cut to ``widths`` on its ``p`` and ``t`` axes, dropping the padding side (the inverse of :func:`pad_to`)."""
+    """``x`` cut to ``widths`` on its ``p`` and ``t`` axes, dropping the padding side (the inverse of
+    :func:`pad_to`)."""
     for axis, dim in enumerate(dims):
         if dim in _PAD_LEFT and x.shape[axis] > widths[dim]:
             index = slice(x.shape[axis] - widths[dim], None) if _PAD_LEFT[dim] else slice(0, widths[dim])
@@ -285,7 +313,9 @@ def redistribute(batch: Any, src_ranks: Sequence[int], dst_ranks: Sequence[int],
     src_ranks, dst_ranks = tuple(src_ranks), tuple(dst_ranks)
     for name, ranks in (("src_ranks", src_ranks), ("dst_ranks", dst_ranks)):
         if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < world for r in ranks):
-            raise PlacementError(f"redistribute: {name}={ranks} must be distinct ranks of a world of {world}, not empty")
+            raise PlacementError(
+                f"redistribute: {name}={ranks} must be distinct ranks of a world of {world}, not empty"
+            )
     everyone = _exchange_descriptions(batch, like, world_rank, world, is_src=world_rank in src_ranks)
     metas = _source_metas(everyone, src_ranks)
     cls = metas[0]["cls"]
@@ -365,8 +395,14 @@ def _pieces(src_rows: list[int], dst_rows: list[int]) -> list[tuple[int, int, in
 
 
 def _send_and_receive(
-    batch: Any, pieces: list, fields: list, metas: list[dict], src_start: list[int],
-    src_ranks: tuple[int, ...], dst_ranks: tuple[int, ...], world_rank: int,
+    batch: Any,
+    pieces: list,
+    fields: list,
+    metas: list[dict],
+    src_start: list[int],
+    src_ranks: tuple[int, ...],
+    dst_ranks: tuple[int, ...],
+    world_rank: int,
 ) -> dict[int, dict[str, Tensor]]:
     """Send this rank's pieces, receive the pieces it gets; ``{piece index: {field: rows}}`` of the received
     (and self-kept) ones."""
@@ -377,7 +413,7 @@ def _send_and_receive(
         for f, (name, _dims) in enumerate(fields):
             tag = k * len(fields) + f
             if world_rank == src:
-                part = getattr(batch, name)[lo - src_start[i]:hi - src_start[i]].contiguous()
+                part = getattr(batch, name)[lo - src_start[i] : hi - src_start[i]].contiguous()
                 if dst == src:
                     received.setdefault(k, {})[name] = part
                 else:
@@ -385,7 +421,9 @@ def _send_and_receive(
             elif world_rank == dst:
                 shape, dtype, device_type = metas[i]["fields"][name]
                 # the sender's device type: CPU tensors travel over gloo, CUDA tensors over NCCL
-                device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+                device = (
+                    torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+                )
                 buf = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=device)
                 received.setdefault(k, {})[name] = buf
                 requests.append(dist.irecv(buf, src, tag=tag))

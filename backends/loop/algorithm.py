@@ -24,8 +24,15 @@ from backends.loop.algorithm_checks import check_policy_loss
 from backends.loop.vocabulary import PolicyUpdateConfig
 
 __all__ = [
-    "Algorithm", "max_context", "reads_behaviour_logprobs", "reject_mismatched_tokens", "resolve_policy_loss",
-    "response_horizon", "rollout_logprobs_suffice", "stamp_policy_version", "zero_advantage_rows_are_skippable",
+    "Algorithm",
+    "max_context",
+    "reads_behaviour_logprobs",
+    "reject_mismatched_tokens",
+    "resolve_policy_loss",
+    "response_horizon",
+    "rollout_logprobs_suffice",
+    "stamp_policy_version",
+    "zero_advantage_rows_are_skippable",
 ]
 
 
@@ -45,8 +52,9 @@ class Algorithm(Protocol):
     def initial_state(self) -> dict[str, Any]:
         """What the algorithm carries from step to step (picklable: it is checkpointed); ``{}`` for none."""
 
-    def advantages(self, batch: rf.RolloutBatch, state: dict[str, Any], *,
-                   env: Any) -> tuple[rf.RolloutBatch, dict[str, Any], dict[str, float]]:
+    def advantages(
+        self, batch: rf.RolloutBatch, state: dict[str, Any], *, env: Any
+    ) -> tuple[rf.RolloutBatch, dict[str, Any], dict[str, float]]:
         """The batch with ``advantages`` and ``returns`` (and whatever else the losses read), the new state and
         metrics; ``env``: the ranks of the critic's pool (the world's when colocated), for batch-wide statistics."""
 
@@ -70,8 +78,9 @@ def zero_advantage_rows_are_skippable(algo: PolicyUpdateConfig, policy_loss: Cal
     """Whether zero-advantage rows add exactly nothing to the loss and its gradient: a built-in policy loss
     whose per-token term is a multiple of the advantage, and no KL or entropy term."""
     proportional = {rf.POLICY_LOSSES[name] for name in rf.ADVANTAGE_PROPORTIONAL_LOSSES}
-    return (algo.skip_zero_advantage and policy_loss in proportional and algo.kl_loss_coef == 0
-            and algo.entropy_coef == 0)
+    return (
+        algo.skip_zero_advantage and policy_loss in proportional and algo.kl_loss_coef == 0 and algo.entropy_coef == 0
+    )
 
 
 def rollout_logprobs_suffice(algo: PolicyUpdateConfig, policy_loss: Callable | None, mini_batches: int) -> bool:
@@ -92,27 +101,36 @@ def reads_behaviour_logprobs(policy_loss: Callable) -> bool:
     return False
 
 
-def reject_mismatched_tokens(batch: rf.RolloutBatch,
-                             algo: PolicyUpdateConfig) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
+def reject_mismatched_tokens(
+    batch: rf.RolloutBatch, algo: PolicyUpdateConfig
+) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
     """``algo.rollout_rs``: the loss mask without the tokens (or responses) whose trainer / rollout ratio is out of
     bounds, before the advantages and the update, so that the normalisers count only what stays."""
     if algo.rollout_rs == "none":
         return batch, {}
     keep, metrics = rf.rollout_rejection_mask(
-        batch.old_logprobs, rollout_logprobs=batch.rollout_logprobs, response_mask=rf.loss_tokens(batch),
-        level=algo.rollout_rs, upper=algo.rollout_rs_threshold, token_veto=algo.rollout_token_veto or None,
+        batch.old_logprobs,
+        rollout_logprobs=batch.rollout_logprobs,
+        response_mask=rf.loss_tokens(batch),
+        level=algo.rollout_rs,
+        upper=algo.rollout_rs_threshold,
+        token_veto=algo.rollout_token_veto or None,
     )
     return batch.replace(loss_mask=keep), metrics
 
 
-def stamp_policy_version(batch: rf.RolloutBatch, version: int,
-                         current: int | None = None) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
+def stamp_policy_version(
+    batch: rf.RolloutBatch, version: int, current: int | None = None
+) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
     """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
     and the staleness of the batch's tokens at this update (the trainer at version ``current``, default ``version``)
     is logged: ``staleness/min``, ``mean``, ``max`` and the histogram ``frac_0`` ... ``frac_ge_3``."""
     batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
-    _, metrics = rf.staleness(batch.policy_version, current_version=version if current is None else current,
-                              response_mask=rf.loss_tokens(batch))
+    _, metrics = rf.staleness(
+        batch.policy_version,
+        current_version=version if current is None else current,
+        response_mask=rf.loss_tokens(batch),
+    )
     return batch, {f"staleness/{k.removeprefix('staleness_')}": v for k, v in metrics.items()}
 
 

@@ -28,8 +28,10 @@ from backends.training.common import ModelOutputs
 __all__ = ["check_estimator", "check_policy_loss", "group_size_warnings", "synthetic_batch"]
 
 ESTIMATOR_CALL = "fn(scores, *, group_ids, response_mask, **kwargs) -> (advantages, returns)"
-LOSS_CALL = ("fn(logprobs, *, old_logprobs, advantages, response_mask, behaviour_logprobs, is_weights, agg, norms, "
-             "horizon, seed, **its knobs) -> (loss, metrics)")
+LOSS_CALL = (
+    "fn(logprobs, *, old_logprobs, advantages, response_mask, behaviour_logprobs, is_weights, agg, norms, "
+    "horizon, seed, **its knobs) -> (loss, metrics)"
+)
 
 
 def synthetic_batch(groups: int = 2, group_size: int = 2, length: int = 3) -> rf.RolloutBatch:
@@ -41,20 +43,26 @@ def synthetic_batch(groups: int = 2, group_size: int = 2, length: int = 3) -> rf
     mask[-1, -1] = False
     logprobs = -torch.rand(b, length, generator=g) - 0.1
     return rf.RolloutBatch(
-        prompt_ids=torch.ones(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.bool),
-        response_ids=torch.ones(b, length, dtype=torch.long), response_mask=mask,
-        group_ids=torch.arange(groups).repeat_interleave(group_size), scores=torch.arange(b, dtype=torch.float32) % 2,
-        old_logprobs=logprobs, rollout_logprobs=logprobs,
+        prompt_ids=torch.ones(b, 2, dtype=torch.long),
+        prompt_mask=torch.ones(b, 2, dtype=torch.bool),
+        response_ids=torch.ones(b, length, dtype=torch.long),
+        response_mask=mask,
+        group_ids=torch.arange(groups).repeat_interleave(group_size),
+        scores=torch.arange(b, dtype=torch.float32) % 2,
+        old_logprobs=logprobs,
+        rollout_logprobs=logprobs,
     )
 
 
 def _refuse(key: str, spec: str, call: str, problem: str, batch: str = "a small synthetic batch") -> ConfigError:
-    return ConfigError(f"{key}={spec!r} does not fit the call the recipe makes, {call}: {problem} (checked at start-up "
-                       f"on {batch})")
+    return ConfigError(
+        f"{key}={spec!r} does not fit the call the recipe makes, {call}: {problem} (checked at start-up on {batch})"
+    )
 
 
-def check_estimator(estimator: Callable[..., Any], kwargs: dict[str, Any], *, key: str, spec: str,
-                    group_size: int) -> None:
+def check_estimator(
+    estimator: Callable[..., Any], kwargs: dict[str, Any], *, key: str, spec: str, group_size: int
+) -> None:
     """Call ``estimator`` on a synthetic batch with groups of ``group_size`` (``rollout.n``) samples; a
     :class:`ConfigError` naming ``key`` and ``spec`` if the call fails or its result is not two ``(b t)`` tensors."""
     batch = synthetic_batch(group_size=group_size)
@@ -68,10 +76,14 @@ def check_estimator(estimator: Callable[..., Any], kwargs: dict[str, Any], *, ke
         raise _refuse(key, spec, ESTIMATOR_CALL, f"it returned {type(result).__name__}, not (advantages, returns)")
     for name, value in zip(("advantages", "returns"), result):
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not value.is_floating_point():
-            got = f"{value.dtype} of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) \
+            got = (
+                f"{value.dtype} of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
                 else type(value).__name__
-            raise _refuse(key, spec, ESTIMATOR_CALL, f"its {name} must be a float tensor of shape {shape} (b t), "
-                          f"got {got}")
+            )
+            raise _refuse(
+                key, spec, ESTIMATOR_CALL, f"its {name} must be a float tensor of shape {shape} (b t), got {got}"
+            )
 
 
 def check_policy_loss(loss_fn: Callable[..., Any], *, key: str, spec: str) -> None:
@@ -91,12 +103,17 @@ def check_policy_loss(loss_fn: Callable[..., Any], *, key: str, spec: str) -> No
         raise _refuse(key, spec, LOSS_CALL, f"it returned {type(result).__name__}, not (loss, metrics)")
     loss, metrics = result
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
-        got = f"a tensor of shape {tuple(loss.shape)}{'' if loss.requires_grad else ' without a gradient'}" \
-            if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise _refuse(key, spec, LOSS_CALL, "its loss must be a scalar tensor that carries the gradient of logprobs, "
-                      f"got {got}")
+        got = (
+            f"a tensor of shape {tuple(loss.shape)}{'' if loss.requires_grad else ' without a gradient'}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise _refuse(
+            key, spec, LOSS_CALL, f"its loss must be a scalar tensor that carries the gradient of logprobs, got {got}"
+        )
     if not isinstance(metrics, dict) or not all(
-            isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1) for v in metrics.values()):
+        isinstance(v, numbers.Real) or (isinstance(v, torch.Tensor) and v.numel() == 1) for v in metrics.values()
+    ):
         raise _refuse(key, spec, LOSS_CALL, f"its metrics must be a dict of names to numbers, got {str(metrics)[:120]}")
     loss.backward()
     if logprobs.grad is None:
@@ -108,5 +125,7 @@ def group_size_warnings(group_size: int, *, key: str, spec: str) -> list[str]:
     then use the raw score as the advantage), which is rarely what a group-relative run means."""
     if group_size > 1:
         return []
-    return [f"rollout.n=1 with the group estimator {key}={spec}: every group holds one sample, so there is no "
-            "group baseline (the advantage is the raw score, or 0 where the estimator centres it); use rollout.n >= 2"]
+    return [
+        f"rollout.n=1 with the group estimator {key}={spec}: every group holds one sample, so there is no "
+        "group baseline (the advantage is the raw score, or 0 where the estimator centres it); use rollout.n >= 2"
+    ]

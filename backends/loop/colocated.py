@@ -36,20 +36,46 @@ __all__ = ["run_colocated"]
 def run_colocated(ctx: Any, roles: Any) -> dict:
     """The RL stage on ``roles`` (:class:`backends.training.roles.Roles`, built on the world); the summary."""
     cfg, run, env = ctx.cfg, ctx.run, ctx.env
-    learner = build_learner(cfg, ctx.algorithm, roles, run, ctx.data, ctx.tokenizer, rl_optim=ctx.rl_optim,
-                            critic_optim=ctx.critic_optim, mini_batches=ctx.mini_batches,
-                            metrics_log=ctx.metrics_log, build_kwargs=ctx.build_kwargs)
+    learner = build_learner(
+        cfg,
+        ctx.algorithm,
+        roles,
+        run,
+        ctx.data,
+        ctx.tokenizer,
+        rl_optim=ctx.rl_optim,
+        critic_optim=ctx.critic_optim,
+        mini_batches=ctx.mini_batches,
+        metrics_log=ctx.metrics_log,
+        build_kwargs=ctx.build_kwargs,
+    )
     if cfg.checkpoint.every or run.resume_from:
         roles.checkpoint_states()  # an engine that cannot checkpoint says so here, before any RL work
     actor_env = roles.env("actor")
     reward_model = None
     if cfg.reward_model.path:
-        reward_model = roles.run_on("actor", None, build_reward_model, cfg.reward_model.path, actor_env, cfg.reward_model)
+        reward_model = roles.run_on(
+            "actor", None, build_reward_model, cfg.reward_model.path, actor_env, cfg.reward_model
+        )
     # last: a GPU rollout engine takes its share of the memory the trainer's roles left free
-    rollout = roles.run_on("actor", None, build_rollout, cfg.rollout, run.policy_path, ctx.tokenizer, seed=cfg.seed,
-                           device=env.device, max_context=max_context(cfg))
-    loop = ColocatedLoop(ctx=ctx, learner=learner, rollout=rollout, reward_model=reward_model,
-                         bridge=weight_bridge(cfg.rollout, cfg.actor.lora))
+    rollout = roles.run_on(
+        "actor",
+        None,
+        build_rollout,
+        cfg.rollout,
+        run.policy_path,
+        ctx.tokenizer,
+        seed=cfg.seed,
+        device=env.device,
+        max_context=max_context(cfg),
+    )
+    loop = ColocatedLoop(
+        ctx=ctx,
+        learner=learner,
+        rollout=rollout,
+        reward_model=reward_model,
+        bridge=weight_bridge(cfg.rollout, cfg.actor.lora),
+    )
     return loop.run()
 
 
@@ -68,9 +94,13 @@ class ColocatedLoop:
         self.start()
         engine, actor = roles.actor_engine, roles.actor
         # the rollout's log-probs are the old ones where both engines compute the same numbers; else recomputed
-        on_policy = roles.run_on("actor", None, lambda: rollout_logprobs_suffice(
-            cfg.algo, ctx.algorithm.policy_loss, ctx.mini_batches) and self.bridge.logprobs_agree(
-            engine, actor, self.rollout), otherwise=False)
+        on_policy = roles.run_on(
+            "actor",
+            None,
+            lambda: rollout_logprobs_suffice(cfg.algo, ctx.algorithm.policy_loss, ctx.mini_batches)
+            and self.bridge.logprobs_agree(engine, actor, self.rollout),
+            otherwise=False,
+        )
         preempted_at = None
         for step in range(self.first_step, ctx.steps + 1):
             stats = self.step(step, on_policy)
@@ -92,9 +122,22 @@ class ColocatedLoop:
         t0 = time.time()
         with watchdog.phase("rollout", step=step):
             batch, self.rows, sample_stats = roles.run_on(
-                "actor", "rollout", sample_and_score, self.rollout, self.stream, ctx.scorer, ctx.tokenizer, cfg, step,
-                roles.actor_engine, roles.actor, env=roles.env("actor"), reward_model=self.reward_model,
-                environments=ctx.environments, otherwise=(None, None, {}))
+                "actor",
+                "rollout",
+                sample_and_score,
+                self.rollout,
+                self.stream,
+                ctx.scorer,
+                ctx.tokenizer,
+                cfg,
+                step,
+                roles.actor_engine,
+                roles.actor,
+                env=roles.env("actor"),
+                reward_model=self.reward_model,
+                environments=ctx.environments,
+                otherwise=(None, None, {}),
+            )
             if learner.updates_actor(step):  # a GPU engine frees its memory for the update until the sync
                 self.rollout = roles.run_on("actor", None, lambda: self.rollout.release_memory())
         t_rollout = time.time() - t0
@@ -104,22 +147,37 @@ class ColocatedLoop:
         t_update = time.time()
         with watchdog.phase("update", step=step, op="log-probs, values, advantages and the update(s)"):
             replica = roles.data_parallel()[0] if roles.on_actor else 0
-            batch, metrics = learner.train(batch, step, seed=loss_seed(cfg.seed, step, replica=replica),
-                                           on_policy=on_policy)
+            batch, metrics = learner.train(
+                batch, step, seed=loss_seed(cfg.seed, step, replica=replica), on_policy=on_policy
+            )
         t_sync = time.time()
         if learner.updates_actor(step):  # full tensors from the shards into the rollout engine (or the adapter alone)
             with watchdog.phase("weight_sync", step=step):
-                self.rollout = roles.run_on("actor", "weight_sync", lambda: self.bridge.sync(
-                    self.rollout, roles.actor_engine, roles.actor, version=step), otherwise=self.rollout)
-        times = {"step_time_s": time.time() - t0, "rollout_time_s": t_rollout, "update_time_s": t_sync - t_update,
-                 "sync_time_s": time.time() - t_sync, **{f"time/{k}_s": v for k, v in roles.step_times().items()}}
+                self.rollout = roles.run_on(
+                    "actor",
+                    "weight_sync",
+                    lambda: self.bridge.sync(self.rollout, roles.actor_engine, roles.actor, version=step),
+                    otherwise=self.rollout,
+                )
+        times = {
+            "step_time_s": time.time() - t0,
+            "rollout_time_s": t_rollout,
+            "update_time_s": t_sync - t_update,
+            "sync_time_s": time.time() - t_sync,
+            **{f"time/{k}_s": v for k, v in roles.step_times().items()},
+        }
         self.batch = batch
         if batch is None:
             return {}
         actor_env = roles.env("actor")
-        return {**sample_stats, **step_stats(batch, times, roles.data_parallel()[1], group=actor_env.group), **metrics,
-                **logprob_gap(batch, on_policy, group=actor_env.group), **device_memory(ctx.env),
-                **{k: float(v) for k, v in provenance.items()}}
+        return {
+            **sample_stats,
+            **step_stats(batch, times, roles.data_parallel()[1], group=actor_env.group),
+            **metrics,
+            **logprob_gap(batch, on_policy, group=actor_env.group),
+            **device_memory(ctx.env),
+            **{k: float(v) for k, v in provenance.items()},
+        }
 
     def log(self, step: int, stats: dict[str, float]) -> None:
         """On the actor's ranks: the held-out metrics every ``eval.every`` steps, one metrics row, and the
@@ -137,8 +195,9 @@ class ColocatedLoop:
 
     def evaluate(self) -> dict[str, float]:
         ctx = self.ctx
-        return evaluate_policy(self.rollout, ctx.tokenizer, ctx.data, ctx.scorer, ctx.cfg, self.roles.env("actor"),
-                               ctx.environments)
+        return evaluate_policy(
+            self.rollout, ctx.tokenizer, ctx.data, ctx.scorer, ctx.cfg, self.roles.env("actor"), ctx.environments
+        )
 
     def start(self) -> None:
         """A fresh start evaluates the starting policy; a resume loads every role's state (with its optimizer), every
@@ -156,20 +215,37 @@ class ColocatedLoop:
         self.stream = PromptStream(ctx.data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         self.first_step, self.before, self.wall_before = extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]
         with watchdog.phase("weight_sync", step=extra["step"]):
-            self.rollout = roles.run_on("actor", None, lambda: self.bridge.sync(
-                self.rollout, roles.actor_engine, roles.actor, version=extra["step"]), otherwise=self.rollout)
+            self.rollout = roles.run_on(
+                "actor",
+                None,
+                lambda: self.bridge.sync(self.rollout, roles.actor_engine, roles.actor, version=extra["step"]),
+                otherwise=self.rollout,
+            )
 
     def save(self, step: int) -> None:
         """Every role (sharded, with its optimizer), RNG, the data position and what the loop carries, as the actor's
         leader knows them (split placement: each pool saves its own roles)."""
         ctx = self.ctx
-        extra = self.roles.share({
-            "step": step, "drawn": self.stream.drawn, "run_dir": str(ctx.run.run_dir), "eval_before": self.before,
-            "wall_seconds": self.wall_before + time.time() - ctx.t_start, "algorithm_state": self.learner.state,
-        }, "actor")
+        extra = self.roles.share(
+            {
+                "step": step,
+                "drawn": self.stream.drawn,
+                "run_dir": str(ctx.run.run_dir),
+                "eval_before": self.before,
+                "wall_seconds": self.wall_before + time.time() - ctx.t_start,
+                "algorithm_state": self.learner.state,
+            },
+            "actor",
+        )
         with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({ctx.run.ckpt_dir}/step_{step})"):
-            save_checkpoint(ctx.run.ckpt_dir, step, self.learner.states(), extra, keep_last=ctx.cfg.checkpoint.keep_last,
-                            config=ctx.run.must_match)
+            save_checkpoint(
+                ctx.run.ckpt_dir,
+                step,
+                self.learner.states(),
+                extra,
+                keep_last=ctx.cfg.checkpoint.keep_last,
+                config=ctx.run.must_match,
+            )
 
     def finish(self) -> dict:
         """The held-out evaluation after training (the last step's when it evaluated), the export, the summary."""
@@ -182,12 +258,24 @@ class ColocatedLoop:
             ctx.metrics_log.log(steps, after)
         with watchdog.phase("checkpoint", step=steps, op="export (HF / orbax)"):
             colocated = cfg.placement.mode == "colocated"  # split: the pools export apart, a save cannot join them
-            export_final(lambda: self.learner.export(ctx.run, ctx.tokenizer), ctx.run, steps,
-                         save=self.save if colocated else None)
+            export_final(
+                lambda: self.learner.export(ctx.run, ctx.tokenizer),
+                ctx.run,
+                steps,
+                save=self.save if colocated else None,
+            )
         roles.placement.barrier()  # every pool's export is on disk before anyone returns
-        return summarize(cfg, ctx.run, ctx.env, self.before, after, steps=steps,
-                         wall=self.wall_before + time.time() - ctx.t_start, title=self.learner.title,
-                         extra={"placement": cfg.placement.mode})
+        return summarize(
+            cfg,
+            ctx.run,
+            ctx.env,
+            self.before,
+            after,
+            steps=steps,
+            wall=self.wall_before + time.time() - ctx.t_start,
+            title=self.learner.title,
+            extra={"placement": cfg.placement.mode},
+        )
 
 
 def device_memory(env: Any) -> dict[str, float]:

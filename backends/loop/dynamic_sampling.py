@@ -30,8 +30,11 @@ def round_seed(seed: int, step: int, rounds: int, dp_size: int, dp_rank: int) ->
 
 def rounds_metrics(rounds: int, drawn: int, informative: float) -> dict[str, float]:
     """The logged ``sampling/*`` metrics of one step's dynamic sampling."""
-    return {"sampling/rounds": float(rounds), "sampling/prompts_drawn": float(drawn),
-            "sampling/informative_groups": informative}
+    return {
+        "sampling/rounds": float(rounds),
+        "sampling/prompts_drawn": float(drawn),
+        "sampling/informative_groups": informative,
+    }
 
 
 def first_groups(group_ids: torch.Tensor, keep: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,6 @@ learner carries between steps is explicit: the roles' states and the algorithm's
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import attrs
@@ -48,8 +47,9 @@ class Learner:
         """Whether ``step`` updates the actor (not during the critic's warm-up): the rollout needs new weights."""
         return step > self.cfg.algo.critic_warmup
 
-    def train(self, batch: rf.RolloutBatch | None, step: int, *, seed: int,
-              on_policy: bool = False) -> tuple[rf.RolloutBatch | None, dict[str, float]]:
+    def train(
+        self, batch: rf.RolloutBatch | None, step: int, *, seed: int, on_policy: bool = False
+    ) -> tuple[rf.RolloutBatch | None, dict[str, float]]:
         """Train on the step's batch (``None`` on ranks without the actor); the batch with its advantages and the
         step's metrics on the actor's ranks. ``seed``: the step's seed for a random loss; ``on_policy``: the
         batch's rollout log-probs are the trainer's (the weight bridge checked that both engines agree)."""
@@ -59,25 +59,34 @@ class Learner:
         elif not on_policy:
             batch = roles.old_logprobs(batch)
         critic_batch = roles.compute_values(roles.reference_logprobs(roles.to_critic(batch)))
-        advantages = roles.run_on("critic", "advantages", self._advantages, critic_batch,
-                                  otherwise=(critic_batch, {}))
+        advantages = roles.run_on("critic", "advantages", self._advantages, critic_batch, otherwise=(critic_batch, {}))
         critic_batch, adv_metrics = advantages
         batch = roles.to_actor(critic_batch, like=batch)
         critic_metrics = []
         if algorithm.uses_critic:
-            critic_metrics = roles.update_critic(critic_batch, algorithm.critic_loss, epochs=cfg.algo.ppo_epochs,
-                                                 mini_batches=self.mini_batches)
+            critic_metrics = roles.update_critic(
+                critic_batch, algorithm.critic_loss, epochs=cfg.algo.ppo_epochs, mini_batches=self.mini_batches
+            )
         actor_metrics, skip = [], None
         if self.updates_actor(step) and roles.on_actor:
             mask = rf.loss_tokens(batch)
             skip = rf.zero_advantage_rows(batch.advantages, mask=mask) if self.skip_zero_rows else None
             loss_fn = _with_seed(algorithm.actor_loss, seed)
-            actor_metrics = roles.update_actor(batch, loss_fn, epochs=cfg.algo.ppo_epochs,
-                                               mini_batches=self.mini_batches, skip_rows=skip, with_entropy=True)
+            actor_metrics = roles.update_actor(
+                batch,
+                loss_fn,
+                epochs=cfg.algo.ppo_epochs,
+                mini_batches=self.mini_batches,
+                skip_rows=skip,
+                with_entropy=True,
+            )
         # the critic pool's side of the step (its metrics and the algorithm's new state) reaches the actor's ranks
         adv_metrics, critic_metrics, self.state = roles.share((adv_metrics, critic_metrics, self.state), "critic")
-        metrics = {**adv_metrics, **mean_metrics(actor_metrics),
-                   **{f"critic/{k}": v for k, v in mean_metrics(critic_metrics).items()}}
+        metrics = {
+            **adv_metrics,
+            **mean_metrics(actor_metrics),
+            **{f"critic/{k}": v for k, v in mean_metrics(critic_metrics).items()},
+        }
         if batch is not None:
             metrics["skipped_rows"] = _share_of_rows(skip, batch, roles)
         return batch, metrics
@@ -108,8 +117,9 @@ class Learner:
         if self.cfg.export.hf:
             self.roles.export_hf(run.run_dir, tokenizer)
         if self.cfg.export.orbax:
-            self.roles.run_on("actor", None, lambda: save_orbax(self.roles.actor, run.run_dir / "actor_orbax",
-                                                                overwrite=True))
+            self.roles.run_on(
+                "actor", None, lambda: save_orbax(self.roles.actor, run.run_dir / "actor_orbax", overwrite=True)
+            )
 
 
 def _with_seed(loss: Callable, seed: int) -> Callable:
@@ -127,20 +137,46 @@ def _share_of_rows(skip: torch.Tensor | None, batch: rf.RolloutBatch, roles: Rol
     return skipped / max(rows, 1.0)
 
 
-def build_learner(cfg: Any, algorithm: Algorithm, roles: Roles, run: RunPaths, data: RunData, tokenizer: Any, *,
-                  rl_optim: Any, critic_optim: Any, mini_batches: int, metrics_log: Any, build_kwargs: dict,
-                  before_sft_update: Callable[[int], None] | None = None) -> Learner:
+def build_learner(
+    cfg: Any,
+    algorithm: Algorithm,
+    roles: Roles,
+    run: RunPaths,
+    data: RunData,
+    tokenizer: Any,
+    *,
+    rl_optim: Any,
+    critic_optim: Any,
+    mini_batches: int,
+    metrics_log: Any,
+    build_kwargs: dict,
+    before_sft_update: Callable[[int], None] | None = None,
+) -> Learner:
     """The roles built on their pools: the actor (after the SFT stage on a fresh run with SFT data), the critic from the
     policy's backbone with a seeded value head, the frozen reference; the algorithm's starting state."""
-    start_actor(cfg, roles, run, data, tokenizer, rl_optim, metrics_log, build_kwargs=build_kwargs,
-                before_sft_update=before_sft_update)
+    start_actor(
+        cfg,
+        roles,
+        run,
+        data,
+        tokenizer,
+        rl_optim,
+        metrics_log,
+        build_kwargs=build_kwargs,
+        before_sft_update=before_sft_update,
+    )
     if algorithm.uses_critic:
         roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
     if algorithm.uses_reference:
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
-    return Learner(cfg=cfg, algorithm=algorithm, roles=roles, state=algorithm.initial_state(),
-                   mini_batches=mini_batches,
-                   skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, algorithm.policy_loss))
+    return Learner(
+        cfg=cfg,
+        algorithm=algorithm,
+        roles=roles,
+        state=algorithm.initial_state(),
+        mini_batches=mini_batches,
+        skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, algorithm.policy_loss),
+    )
 
 
 def mean_metrics(rows: list[dict]) -> dict:
@@ -154,20 +190,30 @@ def step_stats(batch: rf.RolloutBatch, times: dict[str, float], dp_size: int, gr
     rank's rows (of ``group``)."""
     mask = batch.response_mask
     with_values = batch.values is not None
-    local = torch.stack([
-        batch.scores.sum().float(), mask.sum(-1).float().sum(), torch.tensor(float(rf.batch_size(batch))),
-        (batch.prompt_mask.sum() + mask.sum()).float(),
-        (batch.values * mask).sum().float() if with_values else torch.zeros(()),
-        (batch.returns * mask).sum().float() if with_values else torch.zeros(()),
-        mask.sum().float(),
-    ])
-    score_sum, length_sum, rows, num_tokens, values_sum, returns_sum, tokens = all_reduce_sum(local, group=group).tolist()
+    local = torch.stack(
+        [
+            batch.scores.sum().float(),
+            mask.sum(-1).float().sum(),
+            torch.tensor(float(rf.batch_size(batch))),
+            (batch.prompt_mask.sum() + mask.sum()).float(),
+            (batch.values * mask).sum().float() if with_values else torch.zeros(()),
+            (batch.returns * mask).sum().float() if with_values else torch.zeros(()),
+            mask.sum().float(),
+        ]
+    )
+    score_sum, length_sum, rows, num_tokens, values_sum, returns_sum, tokens = all_reduce_sum(
+        local, group=group
+    ).tolist()
     lengths = mask.sum(-1).float()
     longest = all_reduce_max(torch.cat([lengths, lengths.new_zeros(1)]).max(), group=group).item()  # a long tail's cost
     world_per_replica = max(rows, 1.0) / max(float(rf.batch_size(batch)) * dp_size, 1.0)  # megatron peers repeat rows
-    stats = {"reward_mean": score_sum / max(rows, 1.0), "response_length": length_sum / max(rows, 1.0),
-             "response_length_max": longest, "tokens_per_s": num_tokens / world_per_replica / times["step_time_s"],
-             **times}
+    stats = {
+        "reward_mean": score_sum / max(rows, 1.0),
+        "response_length": length_sum / max(rows, 1.0),
+        "response_length_max": longest,
+        "tokens_per_s": num_tokens / world_per_replica / times["step_time_s"],
+        **times,
+    }
     if with_values:
         stats.update(values_mean=values_sum / max(tokens, 1.0), returns_mean=returns_sum / max(tokens, 1.0))
     return stats

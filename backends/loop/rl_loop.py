@@ -30,7 +30,14 @@ from backends.loop.algorithm import Algorithm, max_context
 from backends.loop.colocated import run_colocated
 from backends.loop.split import check_offpolicy, run_split
 from backends.loop.stages import (
-    SHARED_REGISTRIES, commit_run, evaluate_policy, load_run_data, metrics_log, prepare_run, run_tokenizer, summarize,
+    SHARED_REGISTRIES,
+    commit_run,
+    evaluate_policy,
+    load_run_data,
+    metrics_log,
+    prepare_run,
+    run_tokenizer,
+    summarize,
     warn_once,
 )
 from backends.loop.vocabulary import RLConfig
@@ -45,8 +52,18 @@ from backends.training.roles import build_roles
 __all__ = ["RESUMABLE_KEYS", "Recipe", "RunContext", "run_recipe"]
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
-RESUMABLE_KEYS = ("resume", "run_dir", "run_root", "checkpoint", "deadlines", "export", "eval", "logger", "log_every",
-                  "dump_generations_every")
+RESUMABLE_KEYS = (
+    "resume",
+    "run_dir",
+    "run_root",
+    "checkpoint",
+    "deadlines",
+    "export",
+    "eval",
+    "logger",
+    "log_every",
+    "dump_generations_every",
+)
 
 
 @attrs.frozen
@@ -130,11 +147,24 @@ def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
     updates = steps * cfg.algo.ppo_epochs * mini_batches
     commit_run(cfg, env, run, tokenizer)  # every start-up check passed: the run dir is written from here on
     ctx = RunContext(
-        cfg=cfg, algorithm=algorithm, env=env, log=log, run=run, data=data, tokenizer=tokenizer, scorer=scorer,
-        environments=environments, engine=engine, critic_engine=critic_engine, build_kwargs=build_kwargs,
-        steps=steps, rl_optim=with_total_steps(cfg.actor.optim, updates),
-        critic_optim=with_total_steps(cfg.critic.optim, updates), mini_batches=mini_batches,
-        metrics_log=metrics_log(cfg, run, env, recipe.console_keys), t_start=time.time(),
+        cfg=cfg,
+        algorithm=algorithm,
+        env=env,
+        log=log,
+        run=run,
+        data=data,
+        tokenizer=tokenizer,
+        scorer=scorer,
+        environments=environments,
+        engine=engine,
+        critic_engine=critic_engine,
+        build_kwargs=build_kwargs,
+        steps=steps,
+        rl_optim=with_total_steps(cfg.actor.optim, updates),
+        critic_optim=with_total_steps(cfg.critic.optim, updates),
+        mini_batches=mini_batches,
+        metrics_log=metrics_log(cfg, run, env, recipe.console_keys),
+        t_start=time.time(),
     )
     summary = run_split(ctx) if cfg.offpolicy.rollout_ranks else run_colocated(ctx, roles)
     scorer.close()
@@ -152,19 +182,24 @@ def check_placement(cfg: Any, engine: Any, algorithm: Algorithm) -> None:
         "reference.ref_in_actor=true (it needs a LoRA actor)": cfg.reference.ref_in_actor and not engine.trains_lora,
     }
     if any(refused.values()):
-        raise ConfigError(f"actor.backend={cfg.actor.backend} does not take "
-                          f"{', '.join(what for what, bad in refused.items() if bad)}")
+        raise ConfigError(
+            f"actor.backend={cfg.actor.backend} does not take {', '.join(what for what, bad in refused.items() if bad)}"
+        )
     if split and not algorithm.uses_critic:
-        raise ConfigError(f"placement.mode=split puts the critic and the reference on a pool of their own; "
-                          f"{algorithm.title} has no critic: use placement.mode=colocated, or offpolicy.rollout_ranks "
-                          "for rollout ranks of their own")
+        raise ConfigError(
+            f"placement.mode=split puts the critic and the reference on a pool of their own; "
+            f"{algorithm.title} has no critic: use placement.mode=colocated, or offpolicy.rollout_ranks "
+            "for rollout ranks of their own"
+        )
     if split:
-        refuse_on_a_pool(cfg.rollout, "placement.mode=split", setting="placement.mode=split",
-                         colocated="placement.mode=colocated")
+        refuse_on_a_pool(
+            cfg.rollout, "placement.mode=split", setting="placement.mode=split", colocated="placement.mode=colocated"
+        )
     if split and cfg.reference.ref_in_actor:
         raise ConfigError(
-            "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under placement.mode=split "
-            "the reference lives on the critic pool: use placement.mode=colocated or a separate reference"
+            "reference.ref_in_actor=true needs the actor and the reference on the same ranks; under "
+            "placement.mode=split the reference lives on the critic pool: use placement.mode=colocated or a separate "
+            "reference"
         )
 
 
@@ -186,12 +221,14 @@ def num_mini_batches(cfg: Any, actor_ranks: int) -> int:
     return cfg.prompts_per_step // size
 
 
-def evaluate_only(cfg: Any, run: Any, data: Any, tokenizer: Any, scorer: RewardScorer, env: Any, environments: Any,
-                  title: str) -> dict:
+def evaluate_only(
+    cfg: Any, run: Any, data: Any, tokenizer: Any, scorer: RewardScorer, env: Any, environments: Any, title: str
+) -> dict:
     """``steps=0``: the starting policy's held-out metrics, and nothing else."""
     t0 = time.time()
-    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
-                            max_context=max_context(cfg))
+    rollout = build_rollout(
+        cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device, max_context=max_context(cfg)
+    )
     after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, env, environments)
     summary = summarize(cfg, run, env, {}, after, steps=0, wall=time.time() - t0, title=title)
     scorer.close()

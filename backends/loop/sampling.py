@@ -27,23 +27,51 @@ from backends.training.reward_model import score as reward_model_score
 __all__ = ["sample_and_score", "sample_share", "score_batch"]
 
 
-def sample_share(rollout: Any, examples: Sequence[Example], scorer: RewardScorer, tokenizer: Any, cfg: Any, *,
-                 seed: int, group_offset: int = 0, environments: Any = None,
-                 reward_model: Any = None) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
+def sample_share(
+    rollout: Any,
+    examples: Sequence[Example],
+    scorer: RewardScorer,
+    tokenizer: Any,
+    cfg: Any,
+    *,
+    seed: int,
+    group_offset: int = 0,
+    environments: Any = None,
+    reward_model: Any = None,
+) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
     """``rollout.n`` samples (or trajectories, with ``environments``) of each of ``examples`` with ``seed``, scored:
     the batch (group ids from ``group_offset``), each row's example and the sampling / reward metrics."""
-    episodes = sample(rollout, list(examples), tokenizer, cfg.rollout, seed=seed, multi_turn=cfg.rollout.multi_turn,
-                      environments=environments, group_ids=torch.arange(len(examples)) + group_offset,
-                      chat_template=cfg.data.chat_template)
+    episodes = sample(
+        rollout,
+        list(examples),
+        tokenizer,
+        cfg.rollout,
+        seed=seed,
+        multi_turn=cfg.rollout.multi_turn,
+        environments=environments,
+        group_ids=torch.arange(len(examples)) + group_offset,
+        chat_template=cfg.data.chat_template,
+    )
     rows = [examples[g - group_offset] for g in episodes.batch.group_ids.tolist()]
     with watchdog.phase("reward", op="reward functions / reward model on the sampled responses"):
         batch, metrics = score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
     return batch, rows, {**metrics, **episodes.metrics}
 
 
-def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, tokenizer: Any, cfg: Any, step: int,
-                     engine: Any, actor: Any, *, env: Any, reward_model: Any = None,
-                     environments: Any = None) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
+def sample_and_score(
+    rollout: Any,
+    stream: PromptStream,
+    scorer: RewardScorer,
+    tokenizer: Any,
+    cfg: Any,
+    step: int,
+    engine: Any,
+    actor: Any,
+    *,
+    env: Any,
+    reward_model: Any = None,
+    environments: Any = None,
+) -> tuple[rf.RolloutBatch, list, dict[str, float]]:
     """This rank's scored batch for ``step``, the example of each row and the sampling metrics averaged over the
     actor's ranks (``env``: their pool).
 
@@ -61,9 +89,16 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     for rounds in range(1, cfg.algo.max_sampling_rounds + 1 if dynamic else 2):
         examples = stream.take(cfg.prompts_per_step)[shard::shards]
         drawn += cfg.prompts_per_step
-        batch, rows, metrics = sample_share(rollout, examples, scorer, tokenizer, cfg,
-                                            seed=round_seed(cfg.seed, step, rounds, shards, shard),
-                                            environments=environments, reward_model=reward_model)
+        batch, rows, metrics = sample_share(
+            rollout,
+            examples,
+            scorer,
+            tokenizer,
+            cfg,
+            seed=round_seed(cfg.seed, step, rounds, shards, shard),
+            environments=environments,
+            reward_model=reward_model,
+        )
         batch, rows = engine.replica_samples(actor, batch, rows)
         batch = batch.replace(group_ids=batch.group_ids + (rounds - 1) * share)
         if not dynamic:
@@ -75,8 +110,15 @@ def sample_and_score(rollout: Any, stream: PromptStream, scorer: RewardScorer, t
     return batch, rows, mean_over_ranks({**rounds_metrics(rounds, drawn, informative), **metrics}, env.group)
 
 
-def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokenizer: Any, cfg: Any,
-                eos_token_ids: tuple[int, ...], reward_model: Any = None) -> tuple[rf.RolloutBatch, dict[str, float]]:
+def score_batch(
+    batch: rf.RolloutBatch,
+    rows: list,
+    scorer: RewardScorer,
+    tokenizer: Any,
+    cfg: Any,
+    eos_token_ids: tuple[int, ...],
+    reward_model: Any = None,
+) -> tuple[rf.RolloutBatch, dict[str, float]]:
     """The batch with its scores (the reward functions on the answer, plus a reward model's weighted score, a
     multi-turn trajectory's turn rewards and DAPO's overlong shaping), the reward functions' success rate and, with
     the overlong filter, a loss mask without truncated responses."""
@@ -89,14 +131,22 @@ def score_batch(batch: rf.RolloutBatch, rows: list, scorer: RewardScorer, tokeni
         scores = combine_rewards(scores, learned, rm_weight=cfg.reward_model.weight)
         extra = {"reward/model": learned.mean().item()}
     if cfg.reward.overlong_buffer_len:
-        scores = scores + rf.overlong_penalty(batch.response_mask.sum(-1), max_response_length=cfg.rollout.max_new_tokens,
-                                              buffer_length=cfg.reward.overlong_buffer_len,
-                                              penalty_factor=cfg.reward.overlong_penalty_factor)
-    truncated = rf.truncated_responses(batch.response_ids, response_mask=batch.response_mask,
-                                       eos_token_ids=eos_token_ids)
+        scores = scores + rf.overlong_penalty(
+            batch.response_mask.sum(-1),
+            max_response_length=cfg.rollout.max_new_tokens,
+            buffer_length=cfg.reward.overlong_buffer_len,
+            penalty_factor=cfg.reward.overlong_penalty_factor,
+        )
+    truncated = rf.truncated_responses(
+        batch.response_ids, response_mask=batch.response_mask, eos_token_ids=eos_token_ids
+    )
     batch = batch.replace(scores=scores)
     if cfg.algo.overlong_filter:
         batch = batch.replace(loss_mask=rf.loss_tokens(batch) & ~truncated[:, None])
     success = (result.scores >= cfg.reward.max_score).float()
-    return batch, {**result.metrics(), **extra, "success_rate": success.mean().item(),
-                   "truncated_rate": truncated.float().mean().item()}
+    return batch, {
+        **result.metrics(),
+        **extra,
+        "success_rate": success.mean().item(),
+        "truncated_rate": truncated.float().mean().item(),
+    }

@@ -97,18 +97,25 @@ def sampling_version(step: int, lag: int, every: int = 0, start: int = 0) -> int
     return max(step - 1 - lag, last_checkpoint, start, 0)
 
 
-def checkpoint_extra(step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any,
-                     algorithm_state: dict | None = None) -> dict:
-    """What a split run's checkpoint carries besides the trained states, as trainer rank 0 (global rank 0) has it, on every
-    rank (a collective of the world): the step, how many prompts the rollout pool had drawn by the batch of that step
-    (``drawn``, sent with the batch: dynamic sampling draws a varying number), the evaluation before training, the
+def checkpoint_extra(
+    step: int, drawn: int, run: Any, before: dict, wall_seconds: float, bound: Any, algorithm_state: dict | None = None
+) -> dict:
+    """What a split run's checkpoint carries besides the trained states, as trainer rank 0 (global rank 0) has it, on
+    every rank (a collective of the world): the step, how many prompts the rollout pool had drawn by the batch of that
+    step (``drawn``, sent with the batch: dynamic sampling draws a varying number), the evaluation before training, the
     wall time so far, the trainer's staleness counts (``bound``: its :class:`StalenessBound`; None on rollout
     ranks, whose ``drawn`` is not used) and the algorithm's state (``algorithm_state``)."""
     extra = None
     if bound is not None:
-        extra = {"step": step, "drawn": drawn, "run_dir": str(run.run_dir), "eval_before": before,
-                 "wall_seconds": wall_seconds, "staleness": attrs.asdict(bound),
-                 "algorithm_state": algorithm_state or {}}
+        extra = {
+            "step": step,
+            "drawn": drawn,
+            "run_dir": str(run.run_dir),
+            "eval_before": before,
+            "wall_seconds": wall_seconds,
+            "staleness": attrs.asdict(bound),
+            "algorithm_state": algorithm_state or {},
+        }
     box = [extra]
     dist.broadcast_object_list(box, src=0)
     return box[0]
@@ -118,21 +125,30 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
     """Refuse, before any model is built, what the split loop does not do (yet)."""
     off = cfg.offpolicy
     if off.mode != "sync" and not off.rollout_ranks:
-        raise ConfigError(f"offpolicy.mode={off.mode} needs a rollout pool: set offpolicy.rollout_ranks >= 1 "
-                          "(the last ranks of the world sample while the others train)")
+        raise ConfigError(
+            f"offpolicy.mode={off.mode} needs a rollout pool: set offpolicy.rollout_ranks >= 1 "
+            "(the last ranks of the world sample while the others train)"
+        )
     if not off.rollout_ranks:
         return
-    refuse_on_a_pool(cfg.rollout, f"offpolicy.rollout_ranks={off.rollout_ranks}", setting="offpolicy.rollout_ranks",
-                     colocated="offpolicy.rollout_ranks=0")
+    refuse_on_a_pool(
+        cfg.rollout,
+        f"offpolicy.rollout_ranks={off.rollout_ranks}",
+        setting="offpolicy.rollout_ranks",
+        colocated="offpolicy.rollout_ranks=0",
+    )
     trainers = world_size - off.rollout_ranks
     if trainers < 1 or off.rollout_ranks > trainers:
-        raise ConfigError(f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
-                          "trainer rank and no more rollout ranks than trainer ranks")
+        raise ConfigError(
+            f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
+            "trainer rank and no more rollout ranks than trainer ranks"
+        )
     from backends.training.engines import select_engine
 
     refused = {
-        f"actor.backend={cfg.actor.backend}": not select_engine(cfg.actor.backend, tp=cfg.actor.tp,
-                                                                pp=cfg.actor.pp).runs_on_a_pool,
+        f"actor.backend={cfg.actor.backend}": not select_engine(
+            cfg.actor.backend, tp=cfg.actor.tp, pp=cfg.actor.pp
+        ).runs_on_a_pool,
         "placement.mode=split (the trainer pool holds every trained role)": cfg.placement.mode == "split",
         "reward_model.shard=true (the rollout ranks hold a replicated reward model)": bool(cfg.reward_model.path)
         and cfg.reward_model.shard,
@@ -173,21 +189,39 @@ def build_split(cfg: Any, env: Any) -> Split:
     world, r = env.world_size, cfg.offpolicy.rollout_ranks
     placement = build_placement(PlacementConfig(mode="split", actor_pool=world - r, critic_pool=r), env)
     push = dist.new_group([0, *range(world - r, world)])
-    return Split(trainers=placement.pools["actor"], rollouts=placement.pools["critic"], placement=placement,
-                 push_group=push, lag=lag(cfg.offpolicy),
-                 bucket_bytes=int(weight_bridge(cfg.rollout).bucket_mb * 2**20))
+    return Split(
+        trainers=placement.pools["actor"],
+        rollouts=placement.pools["critic"],
+        placement=placement,
+        push_group=push,
+        lag=lag(cfg.offpolicy),
+        bucket_bytes=int(weight_bridge(cfg.rollout).bucket_mb * 2**20),
+    )
 
 
 def batch_payload(batch: rf.RolloutBatch, metrics: dict[str, float], drawn: int) -> dict[str, Any]:
     """A batch as the sample channel's payload: its fields (tensors or None), its sampling metrics and the prompt
     stream's position after it (what a checkpoint of its step records)."""
-    return {"batch": {f.name: getattr(batch, f.name) for f in attrs.fields(type(batch))}, "metrics": metrics,
-            "drawn": drawn}
+    return {
+        "batch": {f.name: getattr(batch, f.name) for f in attrs.fields(type(batch))},
+        "metrics": metrics,
+        "drawn": drawn,
+    }
 
 
-def sample_step(rollout: Any, stream: PromptStream, tokenizer: Any, cfg: Any, step: int, split: Split, *,
-                scorer: Any, environments: Any, reward_model: Any,
-                pool_group: Any) -> dict[int, tuple[rf.RolloutBatch, dict, list]]:
+def sample_step(
+    rollout: Any,
+    stream: PromptStream,
+    tokenizer: Any,
+    cfg: Any,
+    step: int,
+    split: Split,
+    *,
+    scorer: Any,
+    environments: Any,
+    reward_model: Any,
+    pool_group: Any,
+) -> dict[int, tuple[rf.RolloutBatch, dict, list]]:
     """This rollout rank's batch of ``step`` for each trainer (pool rank) it serves, with its metrics and the example
     of each row. One round of ``prompts_per_step`` prompts; trainer ``t``'s share is sampled with the seed and group
     ids the colocated loop gives data rank ``t``. With dynamic sampling, rounds continue (every round with the
@@ -204,8 +238,16 @@ def sample_step(rollout: Any, stream: PromptStream, tokenizer: Any, cfg: Any, st
         for t in mine:
             share = examples[t::trainers]
             batch, rows, metrics = sample_share(
-                rollout, share, scorer, tokenizer, cfg, seed=round_seed(cfg.seed, step, rounds, trainers, t),
-                group_offset=(rounds - 1) * len(share), environments=environments, reward_model=reward_model)
+                rollout,
+                share,
+                scorer,
+                tokenizer,
+                cfg,
+                seed=round_seed(cfg.seed, step, rounds, trainers, t),
+                group_offset=(rounds - 1) * len(share),
+                environments=environments,
+                reward_model=reward_model,
+            )
             out[t] = (batch, metrics, rows)
             fillers[t].add(batch, rows)
         if not dynamic or not any_short(list(fillers.values()), group=pool_group):
@@ -221,10 +263,13 @@ def sample_step(rollout: Any, stream: PromptStream, tokenizer: Any, cfg: Any, st
 def receive_weights(rollout: Any, split: Split, version: int, device: Any) -> Any:
     """Version ``version`` of the trainer's weights into the rollout engine (a collective of the push group)."""
     with watchdog.phase("weight_sync", step=version, op=f"receive weights version {version} from rank 0"):
-        with broadcast_weights(None, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version,
-                               device=device) as stream:
+        with broadcast_weights(
+            None, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version, device=device
+        ) as stream:
             if stream.version != version:
-                raise RuntimeError(f"rank {dist.get_rank()} expected weights version {version}, rank 0 sent {stream.version}")
+                raise RuntimeError(
+                    f"rank {dist.get_rank()} expected weights version {version}, rank 0 sent {stream.version}"
+                )
             return rollout.sync_weights(stream)
 
 
@@ -234,10 +279,14 @@ def push_weights(trainer: Learner, split: Split, version: int, bridge: WeightBri
         tensors = trainer.weights(bridge)
         if dist.get_rank() == 0:
             try:
-                broadcast_weights(tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version)
+                broadcast_weights(
+                    tensors, group=split.push_group, src=0, bucket_bytes=split.bucket_bytes, version=version
+                )
             except WeightBroadcastError as e:  # the trainer is fine: say which pool to look at
-                raise RolloutPoolError(f"pushing weights version {version} to rollout rank(s) "
-                                       f"{', '.join(map(str, split.rollouts))} failed; one of them exited or froze: {e}") from e
+                raise RolloutPoolError(
+                    f"pushing weights version {version} to rollout rank(s) "
+                    f"{', '.join(map(str, split.rollouts))} failed; one of them exited or froze: {e}"
+                ) from e
         else:
             for _ in tensors:
                 pass
@@ -254,8 +303,9 @@ def sft_signal(split: Split, word: int, what: str) -> None:
     try:
         dist.broadcast(torch.tensor([word]), src=0, group=split.push_group)
     except RuntimeError as e:  # gloo names no peer: say which pool to look at
-        raise RolloutPoolError(f"telling rollout rank(s) {', '.join(map(str, split.rollouts))} {what} failed; "
-                               f"one of them exited: {e}") from e
+        raise RolloutPoolError(
+            f"telling rollout rank(s) {', '.join(map(str, split.rollouts))} {what} failed; one of them exited: {e}"
+        ) from e
 
 
 def wait_for_sft(split: Split, steps: int) -> None:
@@ -282,13 +332,21 @@ def rollout_rank_loop(ctx: Any, split: Split) -> None:
     step the versions its batch needs (:func:`sampling_version`; each one followed by the checkpoint / stop check the
     trainers make after pushing it) and this rank's batches sent to its trainers; at the end the last versions and
     the evaluation after training."""
-    cfg, env, run, data, tokenizer, scorer, environments = (ctx.cfg, ctx.env, ctx.run, ctx.data, ctx.tokenizer,
-                                                            ctx.scorer, ctx.environments)
+    cfg, env, run, data, tokenizer, scorer, environments = (
+        ctx.cfg,
+        ctx.env,
+        ctx.run,
+        ctx.data,
+        ctx.tokenizer,
+        ctx.scorer,
+        ctx.environments,
+    )
     steps, log, pool_env = ctx.steps, ctx.log, split.placement.env("critic")
     if run.resume_from is None and data.sft:  # the trainers write the policy this engine starts from
         wait_for_sft(split, sft_steps(cfg.sft, len(data.sft)))
-    rollout = build_rollout(cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device,
-                            max_context=max_context(cfg))
+    rollout = build_rollout(
+        cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device, max_context=max_context(cfg)
+    )
     reward_model = None
     if cfg.reward_model.path:  # the pool scores with a replicated reward model
         reward_model = build_reward_model(cfg.reward_model.path, pool_env, cfg.reward_model)
@@ -300,7 +358,11 @@ def rollout_rank_loop(ctx: Any, split: Split) -> None:
     rollout = receive_weights(rollout, split, start, env.device)
     if run.resume_from is None:
         with watchdog.phase("eval", step=0):
-            before = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments) if cfg.eval.before_training else {}
+            before = (
+                evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
+                if cfg.eval.before_training
+                else {}
+            )
         share_from_rollouts(before, split)
     stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=drawn)
 
@@ -308,18 +370,23 @@ def rollout_rank_loop(ctx: Any, split: Split) -> None:
         extra = checkpoint_extra(version, stream.drawn, run, before, wall_before + time.time() - t_start, bound=None)
         scheduled = version % cfg.checkpoint.every == 0 or version == steps  # not a stop's save: nothing sampled ahead
         if scheduled and stream.drawn != extra["drawn"]:
-            raise RuntimeError(f"rollout rank {dist.get_rank()} drew {stream.drawn} prompts by checkpoint step {version}, "
-                               f"its batch says {extra['drawn']} (nothing may be sampled ahead of a checkpoint)")
+            raise RuntimeError(
+                f"rollout rank {dist.get_rank()} drew {stream.drawn} prompts by checkpoint step {version}, "
+                f"its batch says {extra['drawn']} (nothing may be sampled ahead of a checkpoint)"
+            )
         with watchdog.phase("checkpoint", step=version, op=f"save_checkpoint({run.ckpt_dir}/step_{version})"):
             save_checkpoint(run.ckpt_dir, version, {}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
 
     last_eval: dict = {}
 
     def after_version(rollout: Any, version: int) -> bool:  # what the trainers do after pushing it, in their order
-        if cfg.eval.every and version % cfg.eval.every == 0:  # with these weights, overlapping the trainer's next updates
+        if (
+            cfg.eval.every and version % cfg.eval.every == 0
+        ):  # with these weights, overlapping the trainer's next updates
             with watchdog.phase("eval", step=version):
-                last_eval.update(step=version, metrics=evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env,
-                                                                       environments))
+                last_eval.update(
+                    step=version, metrics=evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
+                )
             share_from_rollouts(last_eval["metrics"], split)
         return checkpoint_or_stop(version, steps, cfg, run, save, log)
 
@@ -332,11 +399,22 @@ def rollout_rank_loop(ctx: Any, split: Split) -> None:
         if stopped:
             break
         with watchdog.phase("rollout", step=step):
-            batches = sample_step(rollout, stream, tokenizer, cfg, step, split, scorer=scorer,
-                                  environments=environments, reward_model=reward_model, pool_group=pool_env.group)
+            batches = sample_step(
+                rollout,
+                stream,
+                tokenizer,
+                cfg,
+                step,
+                split,
+                scorer=scorer,
+                environments=environments,
+                reward_model=reward_model,
+                pool_group=pool_env.group,
+            )
         for t, (batch, metrics, _) in batches.items():
-            sender.send_samples(batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received,
-                                step=step)
+            sender.send_samples(
+                batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received, step=step
+            )
         if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
             dump_samples(run, step, tokenizer, list(batches.values()), ctx.algorithm, pool_env)
     if not stopped:  # the updates after the last batch
@@ -362,8 +440,9 @@ def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, algorithm: A
     dump_generations(run, step, tokenizer, concat_padded(scored), rows, group=pool_env.group)
 
 
-def receive_through(version: int, rollout: Any, received: int, split: Split, env: Any,
-                    after_version: Callable[[Any, int], bool]) -> tuple[Any, int, bool]:
+def receive_through(
+    version: int, rollout: Any, received: int, split: Split, env: Any, after_version: Callable[[Any, int], bool]
+) -> tuple[Any, int, bool]:
     """The versions after ``received`` up to ``version`` into the rollout engine, in order, each followed by
     ``after_version(rollout, v)``: what the trainers do after pushing it (an evaluation on ``eval.every``, the
     checkpoint / stop check, which says whether to stop): ``(rollout, last received, stopped)``."""
@@ -385,12 +464,25 @@ def run_split(ctx: Any) -> dict:
         return {}
     tenv = split.placement.env("actor")
     sft = run.resume_from is None and bool(ctx.data.sft)  # a fresh start with SFT data trains and exports it first
-    roles = Roles(placement=colocated_on_pool(tenv, split.placement.mesh("actor")), actor_engine=ctx.engine,
-                  critic_engine=ctx.critic_engine)
-    trainer = build_learner(cfg, ctx.algorithm, roles, run, ctx.data, ctx.tokenizer, rl_optim=ctx.rl_optim,
-                            critic_optim=ctx.critic_optim, mini_batches=ctx.mini_batches, metrics_log=mlog,
-                            build_kwargs=ctx.build_kwargs,
-                            before_sft_update=lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"))
+    roles = Roles(
+        placement=colocated_on_pool(tenv, split.placement.mesh("actor")),
+        actor_engine=ctx.engine,
+        critic_engine=ctx.critic_engine,
+    )
+    trainer = build_learner(
+        cfg,
+        ctx.algorithm,
+        roles,
+        run,
+        ctx.data,
+        ctx.tokenizer,
+        rl_optim=ctx.rl_optim,
+        critic_optim=ctx.critic_optim,
+        mini_batches=ctx.mini_batches,
+        metrics_log=mlog,
+        build_kwargs=ctx.build_kwargs,
+        before_sft_update=lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"),
+    )
     if sft:
         sft_signal(split, _SFT_DONE, "the SFT stage is over")
     loop = TrainerLoop(ctx=ctx, split=split, trainer=trainer, tenv=tenv)
@@ -434,11 +526,15 @@ class TrainerLoop:
             push_weights(self.trainer, split, step, bridge)
             stats["sync_time_s"] = time.time() - t_sync
             if cfg.eval.every and step % cfg.eval.every == 0:  # the rollout pool evaluates these weights
-                with watchdog.phase("eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"):
+                with watchdog.phase(
+                    "eval", step=step, op=f"waiting for the evaluation of step {step} by the rollout pool"
+                ):
                     last_eval = {"step": step, "metrics": share_from_rollouts(None, split)}
                 stats.update(last_eval["metrics"])
             ctx.metrics_log.log(step, stats)
-            if checkpoint_or_stop(step, ctx.steps, cfg, run, self.save, ctx.log):  # the rollout pool makes the same call
+            if checkpoint_or_stop(
+                step, ctx.steps, cfg, run, self.save, ctx.log
+            ):  # the rollout pool makes the same call
                 preempted_at = step
                 break
         dropped = receiver.drain(src=src)  # the batches sampled ahead of a stop, up to the sentinel
@@ -459,18 +555,39 @@ class TrainerLoop:
             ctx.metrics_log.log(steps, after)
         with watchdog.phase("checkpoint", step=steps, op="export"):  # the rollout pool cannot join a save here
             export_final(lambda: self.trainer.export(run, ctx.tokenizer), run, steps, save=None)
-        return summarize(ctx.cfg, run, ctx.env, self.before, after, steps=steps,
-                         wall=self.wall_before + time.time() - ctx.t_start, title=self.trainer.title)
+        return summarize(
+            ctx.cfg,
+            run,
+            ctx.env,
+            self.before,
+            after,
+            steps=steps,
+            wall=self.wall_before + time.time() - ctx.t_start,
+            title=self.trainer.title,
+        )
 
     def save(self, step: int) -> None:
         """The states sharded with their optimizers, RNG, the step, the pool's stream position, the algorithm's
         state."""
         ctx, run = self.ctx, self.ctx.run
-        extra = checkpoint_extra(step, self.drawn, run, self.before, self.wall_before + time.time() - ctx.t_start,
-                                 bound=self.bound, algorithm_state=self.trainer.state)
+        extra = checkpoint_extra(
+            step,
+            self.drawn,
+            run,
+            self.before,
+            self.wall_before + time.time() - ctx.t_start,
+            bound=self.bound,
+            algorithm_state=self.trainer.state,
+        )
         with watchdog.phase("checkpoint", step=step, op=f"save_checkpoint({run.ckpt_dir}/step_{step})"):
-            save_checkpoint(run.ckpt_dir, step, self.trainer.states(), extra, keep_last=ctx.cfg.checkpoint.keep_last,
-                            config=run.must_match)
+            save_checkpoint(
+                run.ckpt_dir,
+                step,
+                self.trainer.states(),
+                extra,
+                keep_last=ctx.cfg.checkpoint.keep_last,
+                config=run.must_match,
+            )
 
     def step(self, receiver: SampleReceiver, src: int, step: int) -> dict[str, float]:
         """Receive batch ``step``, check its staleness, stamp its policy version and train on it (the old log-probs
@@ -480,18 +597,29 @@ class TrainerLoop:
         with watchdog.phase("rollout", step=step, op=f"waiting for the batch of step {step} from rank {src}"):
             payload, version, sent_step = receiver.recv_samples(src=src)
         if sent_step != step:
-            raise RuntimeError(f"trainer rank {dist.get_rank()} expected the batch of step {step}, rank {src} sent "
-                               f"step {sent_step}")
+            raise RuntimeError(
+                f"trainer rank {dist.get_rank()} expected the batch of step {step}, rank {src} sent step {sent_step}"
+            )
         if not self.bound.admit(step - 1, version):  # the fixed schedule never goes past the bound: a bookkeeping error
-            raise RuntimeError(f"the batch of step {step} from rank {src} is {self.bound.last} versions old, past the "
-                               f"bound {self.bound.max_staleness}")
+            raise RuntimeError(
+                f"the batch of step {step} from rank {src} is {self.bound.last} versions old, past the "
+                f"bound {self.bound.max_staleness}"
+            )
         self.drawn = payload["drawn"]
         batch, provenance = stamp_policy_version(rf.RolloutBatch(**payload["batch"]), version, current=step - 1)
         waited = time.time() - t0
         with watchdog.phase("update", step=step, op="log-probs, advantages and the update"):
             batch, metrics = self.trainer.train(batch, step, seed=loss_seed(cfg.seed, step, replica=self.tenv.rank))
-        times = {"step_time_s": time.time() - t0, "rollout_time_s": waited, "update_time_s": time.time() - t0 - waited,
-                 **{f"time/{k}_s": v for k, v in self.trainer.roles.step_times().items()}}
-        return {**mean_over_ranks(payload["metrics"], self.tenv.group),
-                **step_stats(batch, times, self.tenv.world_size, group=self.tenv.group), **metrics,
-                **{k: float(v) for k, v in provenance.items()}, **self.bound.metrics()}
+        times = {
+            "step_time_s": time.time() - t0,
+            "rollout_time_s": waited,
+            "update_time_s": time.time() - t0 - waited,
+            **{f"time/{k}_s": v for k, v in self.trainer.roles.step_times().items()},
+        }
+        return {
+            **mean_over_ranks(payload["metrics"], self.tenv.group),
+            **step_stats(batch, times, self.tenv.world_size, group=self.tenv.group),
+            **metrics,
+            **{k: float(v) for k, v in provenance.items()},
+            **self.bound.metrics(),
+        }

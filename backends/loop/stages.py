@@ -27,20 +27,32 @@ from backends.data import Example, PromptStream, data_warnings, load_examples
 from backends.distributed import watchdog
 from backends.distributed.node_checks import check_shared_paths
 from backends.distributed.setup import barrier
+from backends.loop.vocabulary import RunConfig
 from backends.metrics_log import LOGGERS, MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, check_model_dir, load_tokenizer, write_tiny_model
 from backends.rewards import BUILTIN_REWARDS, RewardScorer
 from backends.rollout.api import ROLLOUT_ENGINES
-from backends.rollout.environments import tool_schemas
 from backends.rollout.common import decode_responses
+from backends.rollout.environments import tool_schemas
 from backends.rollout.evaluation import evaluate
 from backends.training.sft import SFTExample, load_sft_examples, run_sft, sft_optim, sft_steps
-from backends.loop.vocabulary import RunConfig
 
 __all__ = [
-    "SHARED_REGISTRIES", "checkpoint_or_stop", "commit_run", "export_final",
-    "RunData", "RunPaths", "dump_generations", "evaluate_policy", "load_run_data", "metrics_log", "prepare_run",
-    "run_tokenizer", "start_actor", "summarize", "warn_once",
+    "SHARED_REGISTRIES",
+    "checkpoint_or_stop",
+    "commit_run",
+    "export_final",
+    "RunData",
+    "RunPaths",
+    "dump_generations",
+    "evaluate_policy",
+    "load_run_data",
+    "metrics_log",
+    "prepare_run",
+    "run_tokenizer",
+    "start_actor",
+    "summarize",
+    "warn_once",
 ]
 
 
@@ -67,19 +79,30 @@ def prepare_run(cfg: RunConfig, env: Any, resumable_keys: Sequence[str]) -> RunP
     rank. Nothing is written here: :func:`commit_run` writes once every start-up check has passed, so a typo never
     costs an existing run its records. A fresh start in the dir of a finished run is refused."""
     must_match = {k: v for k, v in config_to_dict(cfg).items() if k not in resumable_keys}
-    resume_from, run_dir = resume_point(cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir, run_root=cfg.run_root,
-                                        name=cfg.name, must_match=must_match)
+    resume_from, run_dir = resume_point(
+        cfg.resume, cfg.checkpoint, run_dir=cfg.run_dir, run_root=cfg.run_root, name=cfg.name, must_match=must_match
+    )
     if resume_from is None and (run_dir / "summary.json").is_file():
-        how = ("it has no checkpoint to continue from (resume=auto found none)" if cfg.resume == "auto" else
-               "continue it with resume=auto (from its last checkpoint)")
-        raise ConfigError(f"run_dir={str(run_dir)!r} holds a finished run (its summary.json): a fresh start would "
-                          f"overwrite its records; {how}, or give another run_dir")
+        how = (
+            "it has no checkpoint to continue from (resume=auto found none)"
+            if cfg.resume == "auto"
+            else "continue it with resume=auto (from its last checkpoint)"
+        )
+        raise ConfigError(
+            f"run_dir={str(run_dir)!r} holds a finished run (its summary.json): a fresh start would "
+            f"overwrite its records; {how}, or give another run_dir"
+        )
     if cfg.model.path:
         check_model_dir(Path(cfg.model.path))
     model_path = Path(cfg.model.path) if cfg.model.path else run_dir / "base_model"
-    return RunPaths(run_dir=run_dir, ckpt_dir=checkpoint_dir(cfg.checkpoint, run_dir), model_path=model_path,
-                    policy_path=run_dir / "sft_model" if cfg.sft.files else model_path,
-                    resume_from=resume_from, must_match=must_match)
+    return RunPaths(
+        run_dir=run_dir,
+        ckpt_dir=checkpoint_dir(cfg.checkpoint, run_dir),
+        model_path=model_path,
+        policy_path=run_dir / "sft_model" if cfg.sft.files else model_path,
+        resume_from=resume_from,
+        must_match=must_match,
+    )
 
 
 def run_tokenizer(cfg: RunConfig, run: RunPaths) -> Any:
@@ -97,7 +120,9 @@ def commit_run(cfg: RunConfig, env: Any, run: RunPaths, tokenizer: Any) -> None:
     run logged after its checkpoint."""
     if env.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(run.run_dir / "metrics.jsonl", checkpoint_info(run.resume_from).step if run.resume_from else None)
+        truncate_metrics(
+            run.run_dir / "metrics.jsonl", checkpoint_info(run.resume_from).step if run.resume_from else None
+        )
         if run.resume_from is None:
             (run.run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             if not cfg.model.path:
@@ -108,8 +133,12 @@ def commit_run(cfg: RunConfig, env: Any, run: RunPaths, tokenizer: Any) -> None:
 
 def shared_inputs(cfg: RunConfig) -> dict[str, Path]:
     """The data files every rank reads, by the setting that names them (``data.train_files[0]``, ...)."""
-    keys = {"data.train_files": cfg.data.train_files, "data.val_files": cfg.data.val_files,
-            "eval.files": cfg.eval.files, "sft.files": cfg.sft.files}
+    keys = {
+        "data.train_files": cfg.data.train_files,
+        "data.val_files": cfg.data.val_files,
+        "eval.files": cfg.eval.files,
+        "sft.files": cfg.sft.files,
+    }
     return {f"{key}[{i}]": Path(p) for key, files in keys.items() for i, p in enumerate(files or ())}
 
 
@@ -122,30 +151,46 @@ class RunData:
     sft: list[SFTExample]
 
 
-def load_run_data(cfg: RunConfig, tokenizer: Any, scorer: RewardScorer, log: Any, *,
-                  needs_train: bool = True) -> RunData:
+def load_run_data(
+    cfg: RunConfig, tokenizer: Any, scorer: RewardScorer, log: Any, *, needs_train: bool = True
+) -> RunData:
     """The training prompts, the held-out prompts (``eval.files``, else ``data.val_files``) and the SFT
     examples; a bad file, row or length is an error naming it, before any model is built."""
     if needs_train and not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: give your training data (.jsonl / .parquet / a saved datasets "
-                          "dir; see the README), or steps=0 for an evaluation-only run")
+        raise ConfigError(
+            "data.train_files is empty: give your training data (.jsonl / .parquet / a saved datasets "
+            "dir; see the README), or steps=0 for an evaluation-only run"
+        )
     train, val, reports = [], [], {}
     tools = tool_schemas(cfg.rollout.multi_turn)  # the schemas of a multi-turn run's tools, shown to the model
     if needs_train:
         train, report = reports["training"] = load_examples(cfg.data.train_files, cfg.data, tokenizer, tools=tools)
-        log.info(f"training data: {report.kept} prompts from {report.rows} rows of {', '.join(cfg.data.train_files)}"
-                 f" ({report.filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out,"
-                 f" {report.truncated} truncated)")
+        log.info(
+            f"training data: {report.kept} prompts from {report.rows} rows of {', '.join(cfg.data.train_files)}"
+            f" ({report.filtered} longer than data.max_prompt_length={cfg.data.max_prompt_length} filtered out,"
+            f" {report.truncated} truncated)"
+        )
     val_files = cfg.eval.files or cfg.data.val_files
     if val_files:
         val, report = reports["held-out"] = load_examples(val_files, cfg.data, tokenizer, tools=tools)
         log.info(f"held-out data: {report.kept} prompts from {', '.join(val_files)} ({report.filtered} filtered out)")
     elif not needs_train:
         raise ConfigError("an evaluation-only run (steps=0) needs held-out data: eval.files or data.val_files")
-    warn_once(log, data_warnings(cfg.data.train_files if needs_train else (), val_files,
-                                 {name: r for name, (_, r) in reports.items()}, prompts_per_step=cfg.prompts_per_step))
+    warn_once(
+        log,
+        data_warnings(
+            cfg.data.train_files if needs_train else (),
+            val_files,
+            {name: r for name, (_, r) in reports.items()},
+            prompts_per_step=cfg.prompts_per_step,
+        ),
+    )
     scorer.check_sources(sorted({e.source for e in train + val}))
-    sft = load_sft_examples(cfg.sft, tokenizer, chat_template=cfg.data.chat_template, tools=tools) if cfg.sft.files else []
+    sft = (
+        load_sft_examples(cfg.sft, tokenizer, chat_template=cfg.data.chat_template, tools=tools)
+        if cfg.sft.files
+        else []
+    )
     if sft:
         log.info(f"SFT data: {len(sft)} examples from {', '.join(cfg.sft.files)}")
     return RunData(train=train, val=val, sft=sft)
@@ -158,9 +203,18 @@ def warn_once(log: Any, warnings: Sequence[str]) -> None:
             log.warning(warning)
 
 
-def start_actor(cfg: RunConfig, roles: Any, run: RunPaths, data: RunData, tokenizer: Any, rl_optim: Any,
-                metrics_log: MetricsLog, *, build_kwargs: dict | None = None,
-                before_sft_update: Callable[[int], None] | None = None) -> None:
+def start_actor(
+    cfg: RunConfig,
+    roles: Any,
+    run: RunPaths,
+    data: RunData,
+    tokenizer: Any,
+    rl_optim: Any,
+    metrics_log: MetricsLog,
+    *,
+    build_kwargs: dict | None = None,
+    before_sft_update: Callable[[int], None] | None = None,
+) -> None:
     """The actor on its pool (``roles``: :class:`backends.training.roles.Roles`) with the RL optimizer. A fresh start
     with SFT data runs the SFT stage through the same engine (loss on the response tokens) and exports the result as
     the policy RL starts from (every pool builds from it); a resume builds that policy's architecture, which the
@@ -178,65 +232,132 @@ def start_actor(cfg: RunConfig, roles: Any, run: RunPaths, data: RunData, tokeni
             before_sft_update(step)
         return stream.take(cfg.sft.batch_size)
 
-    roles.map_actor(lambda actor: run_sft(actor, next_examples, attrs.evolve(cfg.sft, steps=steps),
-                                          pad_token_id=tokenizer.pad_token_id, data_parallel=engine.data_parallel(actor),
-                                          update_fn=engine.update, metrics_log=metrics_log,
-                                          show_progress=roles.placement.world.is_main))
+    roles.map_actor(
+        lambda actor: run_sft(
+            actor,
+            next_examples,
+            attrs.evolve(cfg.sft, steps=steps),
+            pad_token_id=tokenizer.pad_token_id,
+            data_parallel=engine.data_parallel(actor),
+            update_fn=engine.update,
+            metrics_log=metrics_log,
+            show_progress=roles.placement.world.is_main,
+        )
+    )
     roles.map_actor(lambda actor: engine.fresh_optimizer(actor, rl_optim))
     roles.run_on("actor", None, engine.export_hf, roles.actor, run.policy_path, tokenizer=tokenizer)
     roles.placement.barrier()  # the policy is on disk for every pool
 
 
-def evaluate_policy(rollout: Any, tokenizer: Any, data: RunData, scorer: RewardScorer, cfg: RunConfig, env: Any,
-                    environments: Any = None) -> dict[str, float]:
+def evaluate_policy(
+    rollout: Any,
+    tokenizer: Any,
+    data: RunData,
+    scorer: RewardScorer,
+    cfg: RunConfig,
+    env: Any,
+    environments: Any = None,
+) -> dict[str, float]:
     """Held-out metrics (:mod:`backends.rollout.evaluation`), ``{}`` without held-out data; multi-turn recipes
     pass their environment factory."""
     if not data.val:
         return {}
-    return evaluate(rollout, tokenizer, data.val, scorer, cfg.eval, env, max_new_tokens=cfg.rollout.max_new_tokens,
-                    seed=cfg.seed * 7919 + 10_007, multi_turn=cfg.rollout.multi_turn, environments=environments,
-                    chat_template=cfg.data.chat_template)
+    return evaluate(
+        rollout,
+        tokenizer,
+        data.val,
+        scorer,
+        cfg.eval,
+        env,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=cfg.seed * 7919 + 10_007,
+        multi_turn=cfg.rollout.multi_turn,
+        environments=environments,
+        chat_template=cfg.data.chat_template,
+    )
 
 
 def metrics_log(cfg: RunConfig, run: RunPaths, env: Any, console_keys: Sequence[str]) -> MetricsLog:
     """The run's metrics sinks (``logger=...``), writing on the main rank only."""
-    return MetricsLog(run.run_dir, enabled=env.is_main, loggers=cfg.logger, run_name=run.run_dir.name,
-                      config=config_to_dict(cfg), console_keys=console_keys, console_every=cfg.log_every,
-                      always_keys=(f"val/mean@{cfg.eval.n}",))
+    return MetricsLog(
+        run.run_dir,
+        enabled=env.is_main,
+        loggers=cfg.logger,
+        run_name=run.run_dir.name,
+        config=config_to_dict(cfg),
+        console_keys=console_keys,
+        console_every=cfg.log_every,
+        always_keys=(f"val/mean@{cfg.eval.n}",),
+    )
 
 
-def dump_generations(run: RunPaths, step: int, tokenizer: Any, batch: rf.RolloutBatch, rows: Sequence[Example],
-                     group: Any = None) -> None:
+def dump_generations(
+    run: RunPaths, step: int, tokenizer: Any, batch: rf.RolloutBatch, rows: Sequence[Example], group: Any = None
+) -> None:
     """``runs/<run>/generations/step_<step>.jsonl``: every sample of the step (all ranks, gathered to rank 0)
     with its prompt, response (a multi-turn trajectory whole, tool-call markers and observations included),
     ground truth, source, score and (sequence-mean) advantage."""
     mask = rf.loss_tokens(batch)
     # null where the sampling ranks do not know it (PPO's split: the critic lives on the trainer pool)
-    advantage = rf.masked_mean(batch.advantages, mask, dim=-1).tolist() if batch.advantages is not None else [None] * len(rows)
+    advantage = (
+        rf.masked_mean(batch.advantages, mask, dim=-1).tolist() if batch.advantages is not None else [None] * len(rows)
+    )
     prompts = [tokenizer.decode(ids[m].tolist()) for ids, m in zip(batch.prompt_ids, batch.prompt_mask)]
     mine = [
-        {"prompt": p, "response": r, "ground_truth": e.ground_truth, "data_source": e.source, "score": s, "advantage": a}
-        for p, r, e, s, a in zip(prompts, decode_responses(tokenizer, batch, skip_special_tokens=batch.turn_ids is None), rows, batch.scores.tolist(), advantage)
+        {
+            "prompt": p,
+            "response": r,
+            "ground_truth": e.ground_truth,
+            "data_source": e.source,
+            "score": s,
+            "advantage": a,
+        }
+        for p, r, e, s, a in zip(
+            prompts,
+            decode_responses(tokenizer, batch, skip_special_tokens=batch.turn_ids is None),
+            rows,
+            batch.scores.tolist(),
+            advantage,
+        )
     ]
     gathered = [mine]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         gathered = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, mine, group=group)
     if not dist.is_initialized() or dist.get_rank() == (dist.get_global_rank(group, 0) if group is not None else 0):
-        write_generations(run.run_dir / "generations" / f"step_{step}.jsonl", [row for part in gathered for row in part])
+        write_generations(
+            run.run_dir / "generations" / f"step_{step}.jsonl", [row for part in gathered for row in part]
+        )
 
 
-def summarize(cfg: RunConfig, run: RunPaths, env: Any, before: dict[str, float], after: dict[str, float], *, steps: int,
-              wall: float, title: str, extra: dict | None = None) -> dict:
+def summarize(
+    cfg: RunConfig,
+    run: RunPaths,
+    env: Any,
+    before: dict[str, float],
+    after: dict[str, float],
+    *,
+    steps: int,
+    wall: float,
+    title: str,
+    extra: dict | None = None,
+) -> dict:
     """The run's summary (``summary.json``, the curves PNG and one verdict line, written by rank 0);
     ``extra`` adds the recipe's own entries."""
     key = f"val/mean@{cfg.eval.n}"
     summary = {
-        "eval_before": before.get(key), "eval_after": after.get(key),
+        "eval_before": before.get(key),
+        "eval_after": after.get(key),
         "eval_metric": f"held-out success (score >= reward.max_score={cfg.reward.max_score:g}): mean over "
-                       f"{cfg.eval.n} samples per prompt at temperature {cfg.eval.temperature:g}",
-        "before": before, "after": after, "algorithm": title, "steps": steps, "wall_seconds": round(wall, 1), "world_size": env.world_size,
-        "resumed_from": str(run.resume_from) if run.resume_from is not None else None, "run_dir": str(run.run_dir),
+        f"{cfg.eval.n} samples per prompt at temperature {cfg.eval.temperature:g}",
+        "before": before,
+        "after": after,
+        "algorithm": title,
+        "steps": steps,
+        "wall_seconds": round(wall, 1),
+        "world_size": env.world_size,
+        "resumed_from": str(run.resume_from) if run.resume_from is not None else None,
+        "run_dir": str(run.run_dir),
         **(extra or {}),
     }
     if env.is_main:
@@ -244,13 +365,24 @@ def summarize(cfg: RunConfig, run: RunPaths, env: Any, before: dict[str, float],
         metrics_file = run.run_dir / "metrics.jsonl"
         if metrics_file.exists():
             # the SFT stage's loss, then RL's curves; those constant for the run are left out
-            curves = ["sft_loss", "reward_mean", key, "kl", "entropy", "clip_frac", "multi_turn/turns",
-                      "multi_turn/tool_call_validity"]
+            curves = [
+                "sft_loss",
+                "reward_mean",
+                key,
+                "kl",
+                "entropy",
+                "clip_frac",
+                "multi_turn/turns",
+                "multi_turn/tool_call_validity",
+            ]
             plot_curves(list(read_jsonl(metrics_file)), curves, run.run_dir / "reward_curve.png", title=title)
         if before and after:
             verdict = "rose" if after[key] > before[key] else "did NOT rise"
-            print(f"\nheld-out success {before[key]:.1%} -> {after[key]:.1%}: it {verdict} ({steps} {title} steps, "
-                  f"{wall:.0f} s, {env.world_size} rank(s)); see {run.run_dir}", flush=True)
+            print(
+                f"\nheld-out success {before[key]:.1%} -> {after[key]:.1%}: it {verdict} ({steps} {title} steps, "
+                f"{wall:.0f} s, {env.world_size} rank(s)); see {run.run_dir}",
+                flush=True,
+            )
         elif after:
             print(f"\nheld-out success {after[key]:.1%} ({steps} steps); see {run.run_dir}", flush=True)
     return summary
@@ -266,15 +398,21 @@ def export_final(export: Callable[[], Any], run: Any, steps: int, save: Callable
         final = run.ckpt_dir / f"step_{steps}"
         if not (final / "COMPLETE").is_file():
             if save is None:
-                raise ExportError(f"{e}; no checkpoint of step {steps} holds the trained weights "
-                                  "(checkpoint.every=0): they are lost with this process") from e
+                raise ExportError(
+                    f"{e}; no checkpoint of step {steps} holds the trained weights "
+                    "(checkpoint.every=0): they are lost with this process"
+                ) from e
             try:
                 save(steps)
             except Exception as saving:  # noqa: BLE001 - a full disk fails both; said in one error
-                raise ExportError(f"{e}; saving the trained weights as the checkpoint {final} failed too: "
-                                  f"{type(saving).__name__}: {saving}") from e
-        raise ExportError(f"{e}. The trained weights are kept in the checkpoint {final}: export them again (once the "
-                          f"cause is fixed) with resume=auto run_dir={run.run_dir}") from e
+                raise ExportError(
+                    f"{e}; saving the trained weights as the checkpoint {final} failed too: "
+                    f"{type(saving).__name__}: {saving}"
+                ) from e
+        raise ExportError(
+            f"{e}. The trained weights are kept in the checkpoint {final}: export them again (once the "
+            f"cause is fixed) with resume=auto run_dir={run.run_dir}"
+        ) from e
 
 
 def checkpoint_or_stop(step: int, steps: int, cfg: RunConfig, run: Any, save: Any, log: Any) -> bool:

@@ -38,8 +38,20 @@ from backends.training.reward_model import RewardModelConfig
 from backends.training.sft import SFTConfig
 
 __all__ = [
-    "RunConfig", "RLConfig", "ActorConfig", "CriticConfig", "ExportConfig", "OffPolicyConfig", "PolicyUpdateConfig",
-    "PolicyLossArgs", "EstimatorArgs", "loss_knobs", "estimator_knobs", "RENAMED_GRPO", "RENAMED_PPO", "RENAMED_CUSTOM",
+    "RunConfig",
+    "RLConfig",
+    "ActorConfig",
+    "CriticConfig",
+    "ExportConfig",
+    "OffPolicyConfig",
+    "PolicyUpdateConfig",
+    "PolicyLossArgs",
+    "EstimatorArgs",
+    "loss_knobs",
+    "estimator_knobs",
+    "RENAMED_GRPO",
+    "RENAMED_PPO",
+    "RENAMED_CUSTOM",
 ]
 
 _ge0 = attrs.validators.ge(0.0)
@@ -316,8 +328,10 @@ class RLConfig(RunConfig):
 
 
 def _clip_moved(old: str) -> str:
-    return (f"algo.policy_loss_args.<loss>.{old} (each loss has its own clip, e.g. "
-            f"algo.policy_loss_args.ppo.{old}; --help lists them)")
+    return (
+        f"algo.policy_loss_args.<loss>.{old} (each loss has its own clip, e.g. "
+        f"algo.policy_loss_args.ppo.{old}; --help lists them)"
+    )
 
 
 #: old spellings every recipe refuses -> the key that replaced them

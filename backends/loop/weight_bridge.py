@@ -55,8 +55,13 @@ class WeightBridge:
         """The actor's weights (``version``: the number of updates they hold) into ``rollout``; the new rollout."""
         if self.adapter is not None:
             factors = adapter_state_dict(actor, dtype=self.dtype, bucket_mb=self.bucket_mb)
-            return rollout.sync_adapter(factors, rank=self.adapter.rank, alpha=self.adapter.alpha,
-                                        target_modules=self.adapter.target_modules, version=version)
+            return rollout.sync_adapter(
+                factors,
+                rank=self.adapter.rank,
+                alpha=self.adapter.alpha,
+                target_modules=self.adapter.target_modules,
+                version=version,
+            )
         return rollout.sync_weights(self.weights(engine, actor))
 
     def logprobs_agree(self, engine: TrainEngine, actor: Any, rollout: RolloutEngine) -> bool:
@@ -83,9 +88,11 @@ def check_adapter_sync(cfg: RolloutConfig, lora: LoraConfig) -> RolloutConfig:
     if not asking:
         return cfg
     if lora.rank == 0 or cfg.engine not in asking:
-        raise ConfigError(f"rollout.vllm.lora_sync=adapter needs a LoRA actor (actor.lora.rank > 0, got {lora.rank}) "
-                          f"and an engine that takes adapters (rollout.engine={' or '.join(asking)}, got "
-                          f"{cfg.engine!r})")
+        raise ConfigError(
+            f"rollout.vllm.lora_sync=adapter needs a LoRA actor (actor.lora.rank > 0, got {lora.rank}) "
+            f"and an engine that takes adapters (rollout.engine={' or '.join(asking)}, got "
+            f"{cfg.engine!r})"
+        )
     return rollout_engine_spec(cfg).with_adapter_rank(cfg, lora.rank)
 
 

@@ -87,7 +87,9 @@ class Roles:
         if phase is not None:
             self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - t
 
-    def run_on(self, role: str, phase: str | None, fn: Callable[..., Any], *args: Any, otherwise: Any = None, **kwargs: Any) -> Any:
+    def run_on(
+        self, role: str, phase: str | None, fn: Callable[..., Any], *args: Any, otherwise: Any = None, **kwargs: Any
+    ) -> Any:
         """``fn(*args, **kwargs)`` on the ranks that hold ``role`` (timed as ``phase``); ``otherwise`` elsewhere."""
         if not self.placement.has(role):
             return otherwise
@@ -105,15 +107,17 @@ class Roles:
         adapter)."""
         if self.on_actor:
             engine = self.actor_engine
-            self.actor = engine.build_actor(model_path, self.placement.env("actor"), optim,
-                                            mesh=self.placement.mesh("actor"), **build_kwargs)
+            self.actor = engine.build_actor(
+                model_path, self.placement.env("actor"), optim, mesh=self.placement.mesh("actor"), **build_kwargs
+            )
 
     def build_critic(self, model_path: str | os.PathLike, optim: Any, *, seed: int) -> None:
         """The critic on its pool: the backbone of ``model_path`` with a fresh value head seeded by ``seed``."""
         if self.on_critic:
             engine = self.critic_engine
-            self.critic = engine.build_critic(model_path, self.placement.world, optim, seed=seed,
-                                              mesh=self.placement.mesh("critic"))
+            self.critic = engine.build_critic(
+                model_path, self.placement.world, optim, seed=seed, mesh=self.placement.mesh("critic")
+            )
 
     def build_reference(self, cfg: ReferenceConfig, model_path: str | os.PathLike, fsdp_cfg: Any) -> None:
         """The frozen reference on its pool (the critic's under split placement); ``reference.backend=actor`` builds
@@ -121,9 +125,15 @@ class Roles:
         if self.placement.has("reference"):
             same = cfg.backend == "actor"
             self.reference_engine = self.actor_engine if same else reference_engine(cfg, fsdp_cfg)
-            self.reference = build_reference_role(cfg, model_path, self.placement.world, fsdp_cfg,
-                                                  mesh=self.placement.mesh("reference"), actor=self.actor,
-                                                  engine=self.reference_engine)
+            self.reference = build_reference_role(
+                cfg,
+                model_path,
+                self.placement.world,
+                fsdp_cfg,
+                mesh=self.placement.mesh("reference"),
+                actor=self.actor,
+                engine=self.reference_engine,
+            )
             self.reference_rows_are_replicas = same
 
     def map_actor(self, fn: Callable[[Any], Any]) -> None:
@@ -156,7 +166,9 @@ class Roles:
             return batch
         with self.timed("reference"):
             if self.reference_rows_are_replicas:
-                return batch.replace(ref_logprobs=self.reference_engine.compute_logprobs(self.reference, batch).logprobs)
+                return batch.replace(
+                    ref_logprobs=self.reference_engine.compute_logprobs(self.reference, batch).logprobs
+                )
             return batch.replace(ref_logprobs=self.reference_engine.own_rows_logprobs(self.reference, batch))
 
     def compute_values(self, batch: Any) -> Any:
@@ -179,8 +191,16 @@ class Roles:
                     metrics.append(m)
         return metrics
 
-    def update_actor(self, batch: Any, loss_fn: Callable, *, epochs: int, mini_batches: int,
-                     skip_rows: Tensor | None = None, **update_kwargs: Any) -> list[dict]:
+    def update_actor(
+        self,
+        batch: Any,
+        loss_fn: Callable,
+        *,
+        epochs: int,
+        mini_batches: int,
+        skip_rows: Tensor | None = None,
+        **update_kwargs: Any,
+    ) -> list[dict]:
         """``epochs`` x ``mini_batches`` actor optimizer steps; their metrics (``[]`` off the actor pool).
         ``skip_rows``: rows that get no forward / backward (split with the batch)."""
         if not self.on_actor:
@@ -190,8 +210,9 @@ class Roles:
         with self.timed("actor_update"):
             for _ in range(epochs):
                 for mini_batch, skip in zip(rf.split(batch, mini_batches), skips):
-                    self.actor, m = self.actor_engine.update(self.actor, mini_batch, loss_fn, skip_rows=skip,
-                                                             **update_kwargs)
+                    self.actor, m = self.actor_engine.update(
+                        self.actor, mini_batch, loss_fn, skip_rows=skip, **update_kwargs
+                    )
                     metrics.append(m)
         return metrics
 
@@ -230,8 +251,9 @@ class Roles:
         if self.on_actor:
             self.actor_engine.export_hf(self.actor, Path(run_dir) / "final_model", tokenizer=tokenizer, overwrite=True)
         if self.on_critic and self.critic is not None:
-            self.critic_engine.export_hf(self.critic, Path(run_dir) / "final_critic", tokenizer=tokenizer,
-                                         overwrite=True)
+            self.critic_engine.export_hf(
+                self.critic, Path(run_dir) / "final_critic", tokenizer=tokenizer, overwrite=True
+            )
 
 
 def build_roles(cfg: PlacementConfig, env: DistEnv, actor_engine: TrainEngine, critic_engine: TrainEngine) -> Roles:

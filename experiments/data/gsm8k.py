@@ -6,7 +6,8 @@ solution (commas removed), which the built-in ``gsm8k`` reward compares with the
 
     python -m experiments.data.gsm8k --input gsm8k/main/train-00000-of-00001.parquet --output data/gsm8k/train.parquet
     python -m experiments.data.gsm8k --input gsm8k/main/test-00000-of-00001.parquet --output data/gsm8k/test.parquet
-    torchrun --nproc_per_node 8 experiments/grpo.py preset=gsm8k/grpo_qwen2_5_0_5b model.path=/models/Qwen2.5-0.5B-Instruct
+    torchrun --nproc_per_node 8 experiments/grpo.py preset=gsm8k/grpo_qwen2_5_0_5b \
+        model.path=/models/Qwen2.5-0.5B-Instruct
 
 Rows: ``prompt`` (``[{"role": "user", "content": ...}]``), ``answer``, ``data_source`` (``openai/gsm8k``) and
 ``extra_info`` (split, index, the original question and solution). The output format follows its extension

@@ -60,7 +60,9 @@ class ArithmeticTask:
         if self.max_operand < 0 or self.max_second_operand < 0:
             raise ValueError("operand ranges must be non-negative")
         if not 0 < self.num_heldout < self.num_pairs:
-            raise ValueError(f"num_heldout must be in (0, {self.num_pairs}) for these operand ranges, got {self.num_heldout}")
+            raise ValueError(
+                f"num_heldout must be in (0, {self.num_pairs}) for these operand ranges, got {self.num_heldout}"
+            )
 
     @property
     def num_pairs(self) -> int:
@@ -80,13 +82,21 @@ class ArithmeticTask:
 
     def train(self) -> list[Problem]:
         excluded = self.heldout_pairs()
-        return [self.make(a, b) for a in range(self.max_operand + 1) for b in range(self.max_second_operand + 1)
-                if (a, b) not in excluded]
+        return [
+            self.make(a, b)
+            for a in range(self.max_operand + 1)
+            for b in range(self.max_second_operand + 1)
+            if (a, b) not in excluded
+        ]
 
 
 def chat_row(problem: Problem) -> dict[str, Any]:
     """One prompt row: the sum as the answer, a user message as the prompt."""
-    return {"prompt": [{"role": "user", "content": problem.prompt}], "answer": str(problem.answer), "data_source": "arithmetic"}
+    return {
+        "prompt": [{"role": "user", "content": problem.prompt}],
+        "answer": str(problem.answer),
+        "data_source": "arithmetic",
+    }
 
 
 def thought_length(rng: random.Random, mean: float, cap: int) -> int:
@@ -95,8 +105,15 @@ def thought_length(rng: random.Random, mean: float, cap: int) -> int:
     return min(cap, int(mean * ((1.0 - rng.random()) ** -0.5 - 1.0)))
 
 
-def sft_rows(problems: list[Problem], count: int, wrong_answer_fraction: float, seed: int, *, think_mean: float = 0.0,
-             think_max: int = 12) -> Iterator[dict[str, Any]]:
+def sft_rows(
+    problems: list[Problem],
+    count: int,
+    wrong_answer_fraction: float,
+    seed: int,
+    *,
+    think_mean: float = 0.0,
+    think_max: int = 12,
+) -> Iterator[dict[str, Any]]:
     """``count`` (prompt, response) rows drawn from ``problems``; each answer is, with probability
     ``wrong_answer_fraction``, moved by a nonzero offset in [-9, 9] (reflected to stay >= 0). With ``think_mean > 0``
     a response is ``<answer>,`` ``k`` times, then ``####<answer>``, ``k`` from :func:`thought_length`."""
@@ -104,7 +121,10 @@ def sft_rows(problems: list[Problem], count: int, wrong_answer_fraction: float, 
         raise ValueError(f"wrong_answer_fraction must be in [0, 1), got {wrong_answer_fraction}")
     if think_mean < 0 or think_max < 0:
         raise ValueError(f"think_mean and think_max must be >= 0, got {think_mean} and {think_max}")
-    rng, thoughts = random.Random(f"sft-{seed}"), random.Random(f"think-{seed}")  # the answers do not depend on thoughts
+    rng, thoughts = (
+        random.Random(f"sft-{seed}"),
+        random.Random(f"think-{seed}"),
+    )  # the answers do not depend on thoughts
     for _ in range(count):
         p = rng.choice(problems)
         answer = p.answer
@@ -117,8 +137,16 @@ def sft_rows(problems: list[Problem], count: int, wrong_answer_fraction: float, 
         yield {"prompt": [{"role": "user", "content": p.prompt}], "response": response}
 
 
-def write_dataset(out_dir: str | Path, task: ArithmeticTask = ArithmeticTask(), *, sft_examples: int = 19_200,
-                  wrong_answer_fraction: float = 0.5, seed: int = 0, think_mean: float = 0.0, think_max: int = 12) -> Path:
+def write_dataset(
+    out_dir: str | Path,
+    task: ArithmeticTask = ArithmeticTask(),
+    *,
+    sft_examples: int = 19_200,
+    wrong_answer_fraction: float = 0.5,
+    seed: int = 0,
+    think_mean: float = 0.0,
+    think_max: int = 12,
+) -> Path:
     """Write ``train.jsonl``, ``val.jsonl`` and ``sft.jsonl`` into ``out_dir`` (see the module doc)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +154,9 @@ def write_dataset(out_dir: str | Path, task: ArithmeticTask = ArithmeticTask(), 
     files = {
         "train.jsonl": map(chat_row, train),
         "val.jsonl": map(chat_row, task.heldout()),
-        "sft.jsonl": sft_rows(train, sft_examples, wrong_answer_fraction, seed, think_mean=think_mean, think_max=think_max),
+        "sft.jsonl": sft_rows(
+            train, sft_examples, wrong_answer_fraction, seed, think_mean=think_mean, think_max=think_max
+        ),
     }
     return write_jsonl_files(out, files)
 
@@ -140,14 +170,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sft-examples", type=int, default=19_200)
     parser.add_argument("--wrong-answer-fraction", type=float, default=0.5)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--think-mean", type=float, default=0.0, help="SFT answers restated this many times on average first (0: no thought)")
+    parser.add_argument(
+        "--think-mean",
+        type=float,
+        default=0.0,
+        help="SFT answers restated this many times on average first (0: no thought)",
+    )
     parser.add_argument("--think-max", type=int, default=12, help="the most restatements of a thought")
     args = parser.parse_args(argv)
-    task = ArithmeticTask(max_operand=args.max_operand, max_second_operand=args.max_second_operand, num_heldout=args.num_heldout)
-    out = write_dataset(args.out, task, sft_examples=args.sft_examples, wrong_answer_fraction=args.wrong_answer_fraction,
-                        seed=args.seed, think_mean=args.think_mean, think_max=args.think_max)
-    print(f"wrote {out}/train.jsonl ({task.num_pairs - task.num_heldout} prompts), val.jsonl ({task.num_heldout}), "
-          f"sft.jsonl ({args.sft_examples})")
+    task = ArithmeticTask(
+        max_operand=args.max_operand, max_second_operand=args.max_second_operand, num_heldout=args.num_heldout
+    )
+    out = write_dataset(
+        args.out,
+        task,
+        sft_examples=args.sft_examples,
+        wrong_answer_fraction=args.wrong_answer_fraction,
+        seed=args.seed,
+        think_mean=args.think_mean,
+        think_max=args.think_max,
+    )
+    print(
+        f"wrote {out}/train.jsonl ({task.num_pairs - task.num_heldout} prompts), val.jsonl ({task.num_heldout}), "
+        f"sft.jsonl ({args.sft_examples})"
+    )
 
 
 if __name__ == "__main__":

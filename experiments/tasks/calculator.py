@@ -3,8 +3,10 @@
 A tiny model cannot multiply ``347*291``, but it can learn to call the tool with the two numbers and copy the
 tool's answer::
 
-    <|user|>347*291=<eos><|assistant|><tool_call>{"name": "multiply", "arguments": {"a": 347, "b": 291}}</tool_call><eos>
-    <|tool|>100977<eos><|assistant|>100977<eos>
+    <|user|>347*291=<eos>
+    <|assistant|><tool_call>{"name": "multiply", "arguments": {"a": 347, "b": 291}}</tool_call><eos>
+    <|tool|>100977<eos>
+    <|assistant|>100977<eos>
 
 The task is a dataset generator and a tool function; the multi-turn recipe reads its files like any user's
 data (``rollout.multi_turn.tools=[experiments.tasks.calculator:multiply]``) and the built-in ``arithmetic``
@@ -71,7 +73,9 @@ class CalculatorTask:
     def __attrs_post_init__(self) -> None:
         pairs = (self.high - self.low + 1) ** 2
         if not 0 < self.low <= self.high or self.num_train + self.num_heldout > pairs // 2:
-            raise ValueError(f"{self.num_train} + {self.num_heldout} pairs need a wider range than {self.low}..{self.high}")
+            raise ValueError(
+                f"{self.num_train} + {self.num_heldout} pairs need a wider range than {self.low}..{self.high}"
+            )
 
     def split(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """``(train, heldout)`` pairs, disjoint, drawn from the seed."""
@@ -81,7 +85,7 @@ class CalculatorTask:
             seen.add((rng.randint(self.low, self.high), rng.randint(self.low, self.high)))
         pairs = sorted(seen)
         rng.shuffle(pairs)
-        return pairs[self.num_heldout:], pairs[: self.num_heldout]
+        return pairs[self.num_heldout :], pairs[: self.num_heldout]
 
 
 def prompt_row(a: int, b: int) -> dict[str, Any]:
@@ -97,8 +101,9 @@ def _mistype(number: int, rng: random.Random) -> int:
     return int("".join(digits))
 
 
-def sft_conversations(pairs: list[tuple[int, int]], count: int, *, direct: float, wrong_operand: float,
-                      wrong_copy: float, seed: int) -> Iterator[dict[str, Any]]:
+def sft_conversations(
+    pairs: list[tuple[int, int]], count: int, *, direct: float, wrong_operand: float, wrong_copy: float, seed: int
+) -> Iterator[dict[str, Any]]:
     """``count`` noisy traces (see the module doc): a direct guess with probability ``direct``; otherwise a call
     whose every operand is mistyped with probability ``wrong_operand``, and an answer that mistypes the tool's
     result with probability ``wrong_copy``."""
@@ -113,13 +118,26 @@ def sft_conversations(pairs: list[tuple[int, int]], count: int, *, direct: float
         x = _mistype(a, rng) if rng.random() < wrong_operand else a
         y = _mistype(b, rng) if rng.random() < wrong_operand else b
         answer = _mistype(x * y, rng) if rng.random() < wrong_copy else x * y
-        yield {"messages": [user, {"role": "assistant", "content": tool_call(x, y)},
-                            {"role": "tool", "content": str(multiply(x, y))},
-                            {"role": "assistant", "content": str(answer)}]}
+        yield {
+            "messages": [
+                user,
+                {"role": "assistant", "content": tool_call(x, y)},
+                {"role": "tool", "content": str(multiply(x, y))},
+                {"role": "assistant", "content": str(answer)},
+            ]
+        }
 
 
-def write_dataset(out_dir: str | Path, task: CalculatorTask = CalculatorTask(), *, sft_examples: int = 8_000,
-                  direct: float = 0.2, wrong_operand: float = 0.25, wrong_copy: float = 0.25, seed: int = 0) -> Path:
+def write_dataset(
+    out_dir: str | Path,
+    task: CalculatorTask = CalculatorTask(),
+    *,
+    sft_examples: int = 8_000,
+    direct: float = 0.2,
+    wrong_operand: float = 0.25,
+    wrong_copy: float = 0.25,
+    seed: int = 0,
+) -> Path:
     """Write ``train.jsonl``, ``val.jsonl`` and ``sft.jsonl`` into ``out_dir`` (see the module doc)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,8 +145,9 @@ def write_dataset(out_dir: str | Path, task: CalculatorTask = CalculatorTask(), 
     files = {
         "train.jsonl": (prompt_row(a, b) for a, b in train),
         "val.jsonl": (prompt_row(a, b) for a, b in heldout),
-        "sft.jsonl": sft_conversations(train, sft_examples, direct=direct, wrong_operand=wrong_operand,
-                                       wrong_copy=wrong_copy, seed=seed),
+        "sft.jsonl": sft_conversations(
+            train, sft_examples, direct=direct, wrong_operand=wrong_operand, wrong_copy=wrong_copy, seed=seed
+        ),
     }
     return write_jsonl_files(out, files)
 
@@ -140,15 +159,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-heldout", type=int, default=200)
     parser.add_argument("--sft-examples", type=int, default=8_000)
     parser.add_argument("--direct", type=float, default=0.2, help="share of SFT traces that guess without the tool")
-    parser.add_argument("--wrong-operand", type=float, default=0.25, help="chance that a traced call mistypes an operand")
+    parser.add_argument(
+        "--wrong-operand", type=float, default=0.25, help="chance that a traced call mistypes an operand"
+    )
     parser.add_argument("--wrong-copy", type=float, default=0.25, help="chance that a trace mistypes the tool's answer")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     task = CalculatorTask(num_train=args.num_train, num_heldout=args.num_heldout, seed=args.seed)
-    out = write_dataset(args.out, task, sft_examples=args.sft_examples, direct=args.direct,
-                        wrong_operand=args.wrong_operand, wrong_copy=args.wrong_copy, seed=args.seed)
-    print(f"wrote {out}/train.jsonl ({task.num_train} prompts), val.jsonl ({task.num_heldout}), "
-          f"sft.jsonl ({args.sft_examples} conversations)")
+    out = write_dataset(
+        args.out,
+        task,
+        sft_examples=args.sft_examples,
+        direct=args.direct,
+        wrong_operand=args.wrong_operand,
+        wrong_copy=args.wrong_copy,
+        seed=args.seed,
+    )
+    print(
+        f"wrote {out}/train.jsonl ({task.num_train} prompts), val.jsonl ({task.num_heldout}), "
+        f"sft.jsonl ({args.sft_examples} conversations)"
+    )
 
 
 if __name__ == "__main__":
