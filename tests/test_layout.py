@@ -246,13 +246,75 @@ def _recipe(name: str) -> bool:
     return name.startswith("experiments.") and name.count(".") == 1
 
 
+#: the RL step's work, done by the loop (backends/loop) alone: a recipe that calls one of these runs a step of its own
+STEP_CALLS = frozenset(
+    {
+        "update",
+        "update_actor",
+        "update_critic",
+        "compute_logprobs",
+        "own_rows_logprobs",
+        "compute_values",
+        "generate",
+        "sample",
+        "sample_and_score",
+        "sample_share",
+        "sync",
+        "sync_weights",
+        "sync_adapter",
+        "release_memory",
+        "full_state_dict",
+        "broadcast_weights",
+        "save_checkpoint",
+        "load_checkpoint",
+    }
+)
+#: the modules that hold the step's pieces; a recipe reaches them only through the loop
+STEP_MODULES = (
+    "backends.rollout",
+    "backends.training.roles",
+    "backends.training.engines",
+    "backends.checkpoint",
+    "backends.distributed.weight_broadcast",
+    "backends.distributed.sample_channel",
+    "backends.loop.colocated",
+    "backends.loop.split",
+    "backends.loop.learner",
+    "backends.loop.sampling",
+    "backends.loop.weight_bridge",
+)
+
+
+def _step_work(name: str, tree: ast.AST) -> list[str]:
+    """The calls of the step's work and the imports of its modules in recipe module ``name``'s ``tree``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+            if called in STEP_CALLS:
+                found.append(f"{name}:{node.lineno}: calls {called}() (the loop's step does)")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(STEP_MODULES):
+            found.append(f"{name}:{node.lineno}: imports {node.module} (reach it through backends.loop.rl_loop)")
+    return found
+
+
+def test_recipes_do_not_run_the_step():
+    """The step exists in one place (backends/loop): a recipe hands the loop an algorithm and never updates an
+    engine, samples, syncs weights or checkpoints itself."""
+    wrong = [
+        w for name, path in MODULES.items() if _recipe(name) for w in _step_work(name, ast.parse(path.read_text()))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_functions_stay_short():
     long = []
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES and not (_recipe(name) and node.name == "main"):
+                if lines > MAX_FUNCTION_LINES:
                     long.append(f"{_where(name, node.lineno)}: {node.name} is {lines} lines")
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long)
 
@@ -287,6 +349,15 @@ def test_the_checks_find_what_they_look_for(tmp_path):
     """The cycle finder and the layer rule flag a planted cycle and an upward import."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+    planted = ast.parse(
+        "from backends.rollout.api import build_rollout\nactor, m = engine.update(actor, b, f)\n"
+        "rollout = bridge.sync(rollout, engine, actor, version=1)\nrf.grpo(scores, group_ids=g)\n"
+    )
+    assert _step_work("experiments.mine", planted) == [
+        "experiments.mine:1: imports backends.rollout.api (reach it through backends.loop.rl_loop)",
+        "experiments.mine:2: calls update() (the loop's step does)",
+        "experiments.mine:3: calls sync() (the loop's step does)",
+    ]
     assert _layer("backends.training.fsdp") == (4, "training")
     assert _layer("backends.rollout.native")[0] == _layer("backends.training.fsdp")[0]
     assert _layer("backends.cpu.runtime") < _layer("backends.distributed.setup")

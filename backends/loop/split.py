@@ -48,7 +48,7 @@ is as reproducible as without it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 import torch
@@ -332,99 +332,129 @@ def rollout_rank_loop(ctx: Any, split: Split) -> None:
     step the versions its batch needs (:func:`sampling_version`; each one followed by the checkpoint / stop check the
     trainers make after pushing it) and this rank's batches sent to its trainers; at the end the last versions and
     the evaluation after training."""
-    cfg, env, run, data, tokenizer, scorer, environments = (
-        ctx.cfg,
-        ctx.env,
-        ctx.run,
-        ctx.data,
-        ctx.tokenizer,
-        ctx.scorer,
-        ctx.environments,
-    )
-    steps, log, pool_env = ctx.steps, ctx.log, split.placement.env("critic")
-    if run.resume_from is None and data.sft:  # the trainers write the policy this engine starts from
-        wait_for_sft(split, sft_steps(cfg.sft, len(data.sft)))
-    rollout = build_rollout(
-        cfg.rollout, run.policy_path, tokenizer, seed=cfg.seed, device=env.device, max_context=max_context(cfg)
-    )
-    reward_model = None
-    if cfg.reward_model.path:  # the pool scores with a replicated reward model
-        reward_model = build_reward_model(cfg.reward_model.path, pool_env, cfg.reward_model)
-    start, before, t_start, wall_before, drawn = 0, {}, time.time(), 0.0, 0
-    if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
-        with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
-            _, extra = load_checkpoint(run.resume_from, {}, config=run.must_match)
-        start, before, wall_before, drawn = extra["step"], extra["eval_before"], extra["wall_seconds"], extra["drawn"]
-    rollout = receive_weights(rollout, split, start, env.device)
-    if run.resume_from is None:
-        with watchdog.phase("eval", step=0):
-            before = (
-                evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
-                if cfg.eval.before_training
-                else {}
-            )
-        share_from_rollouts(before, split)
-    stream = PromptStream(data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=drawn)
+    RolloutRank(ctx=ctx, split=split, pool_env=split.placement.env("critic")).run()
 
-    def save(version: int) -> None:  # no trained state here: the rollout rank joins the save's collectives
-        extra = checkpoint_extra(version, stream.drawn, run, before, wall_before + time.time() - t_start, bound=None)
-        scheduled = version % cfg.checkpoint.every == 0 or version == steps  # not a stop's save: nothing sampled ahead
-        if scheduled and stream.drawn != extra["drawn"]:
+
+@attrs.define
+class RolloutRank:
+    """A rollout rank's state between steps: its engine, the prompt stream, the last weights version received."""
+
+    ctx: Any
+    split: Split
+    pool_env: Any  #: this rank's DistEnv within the rollout pool
+    rollout: Any = None
+    reward_model: Any = None
+    stream: Any = None
+    start: int = 0
+    received: int = 0
+    before: dict = attrs.field(factory=dict)
+    last_eval: dict = attrs.field(factory=dict)
+    wall_before: float = 0.0
+    t_start: float = attrs.field(factory=time.time)
+
+    def run(self) -> None:
+        ctx, cfg, split = self.ctx, self.ctx.cfg, self.split
+        self.begin()
+        sender = SampleSender(timeout_s=cfg.deadlines.process_group or 1800.0)
+        stopped = False
+        for step in range(self.start + 1, ctx.steps + 1):
+            stopped = self.receive_through(sampling_version(step, split.lag, cfg.checkpoint.every, self.start))
+            if stopped:
+                break
+            with watchdog.phase("rollout", step=step):
+                batches = sample_step(
+                    self.rollout,
+                    self.stream,
+                    ctx.tokenizer,
+                    cfg,
+                    step,
+                    split,
+                    scorer=ctx.scorer,
+                    environments=ctx.environments,
+                    reward_model=self.reward_model,
+                    pool_group=self.pool_env.group,
+                )
+            for t, (batch, metrics, _) in batches.items():
+                payload = batch_payload(batch, metrics, self.stream.drawn)
+                sender.send_samples(payload, dst=split.trainers[t], version=self.received, step=step)
+            if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
+                dump_samples(ctx.run, step, ctx.tokenizer, list(batches.values()), ctx.algorithm, self.pool_env)
+        if not stopped:  # the updates after the last batch
+            stopped = self.receive_through(ctx.steps)
+        mine = split.served_by(dist.get_rank())
+        sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
+        if not stopped and self.last_eval.get("step") != ctx.steps:  # else the last step's evaluation is final
+            with watchdog.phase("eval", step=ctx.steps):
+                share_from_rollouts(self.evaluate(), split)
+        self.rollout.shutdown()
+
+    def begin(self) -> None:
+        """The engine (after the trainers' SFT stage), a reward model's replica, the checkpoint's step and stream
+        position on a resume, the first weights and the evaluation before training."""
+        ctx, cfg, run = self.ctx, self.ctx.cfg, self.ctx.run
+        if run.resume_from is None and ctx.data.sft:  # the trainers write the policy this engine starts from
+            wait_for_sft(self.split, sft_steps(cfg.sft, len(ctx.data.sft)))
+        self.rollout = build_rollout(
+            cfg.rollout,
+            run.policy_path,
+            ctx.tokenizer,
+            seed=cfg.seed,
+            device=ctx.env.device,
+            max_context=max_context(cfg),
+        )
+        if cfg.reward_model.path:  # the pool scores with a replicated reward model
+            self.reward_model = build_reward_model(cfg.reward_model.path, self.pool_env, cfg.reward_model)
+        drawn = 0
+        if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
+            with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
+                _, extra = load_checkpoint(run.resume_from, {}, config=run.must_match)
+            self.start, self.before, self.wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
+            drawn = extra["drawn"]
+        self.received = self.start
+        self.rollout = receive_weights(self.rollout, self.split, self.start, ctx.env.device)
+        if run.resume_from is None:
+            with watchdog.phase("eval", step=0):
+                self.before = self.evaluate() if cfg.eval.before_training else {}
+            share_from_rollouts(self.before, self.split)
+        self.stream = PromptStream(ctx.data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=drawn)
+
+    def evaluate(self) -> dict[str, float]:
+        ctx = self.ctx
+        return evaluate_policy(
+            self.rollout, ctx.tokenizer, ctx.data, ctx.scorer, ctx.cfg, self.pool_env, ctx.environments
+        )
+
+    def receive_through(self, version: int) -> bool:
+        """The versions after the last received one up to ``version`` into the engine, in order, each followed by what
+        the trainers do after pushing it (an evaluation on ``eval.every``, the checkpoint / stop check); whether the
+        run stops."""
+        cfg = self.ctx.cfg
+        while self.received < version:
+            self.received += 1
+            v = self.received
+            self.rollout = receive_weights(self.rollout, self.split, v, self.ctx.env.device)
+            if cfg.eval.every and v % cfg.eval.every == 0:  # with these weights, overlapping the next updates
+                with watchdog.phase("eval", step=v):
+                    self.last_eval = {"step": v, "metrics": self.evaluate()}
+                share_from_rollouts(self.last_eval["metrics"], self.split)
+            if checkpoint_or_stop(v, self.ctx.steps, cfg, self.ctx.run, self.save, self.ctx.log):
+                return True
+        return False
+
+    def save(self, version: int) -> None:
+        """No trained state here: the rollout rank joins the save's collectives (and checks that it sampled nothing
+        ahead of a scheduled checkpoint)."""
+        ctx, cfg, run = self.ctx, self.ctx.cfg, self.ctx.run
+        wall = self.wall_before + time.time() - self.t_start
+        extra = checkpoint_extra(version, self.stream.drawn, run, self.before, wall, bound=None)
+        scheduled = version % cfg.checkpoint.every == 0 or version == ctx.steps  # not a stop's save
+        if scheduled and self.stream.drawn != extra["drawn"]:
             raise RuntimeError(
-                f"rollout rank {dist.get_rank()} drew {stream.drawn} prompts by checkpoint step {version}, "
+                f"rollout rank {dist.get_rank()} drew {self.stream.drawn} prompts by checkpoint step {version}, "
                 f"its batch says {extra['drawn']} (nothing may be sampled ahead of a checkpoint)"
             )
         with watchdog.phase("checkpoint", step=version, op=f"save_checkpoint({run.ckpt_dir}/step_{version})"):
             save_checkpoint(run.ckpt_dir, version, {}, extra, keep_last=cfg.checkpoint.keep_last, config=run.must_match)
-
-    last_eval: dict = {}
-
-    def after_version(rollout: Any, version: int) -> bool:  # what the trainers do after pushing it, in their order
-        if (
-            cfg.eval.every and version % cfg.eval.every == 0
-        ):  # with these weights, overlapping the trainer's next updates
-            with watchdog.phase("eval", step=version):
-                last_eval.update(
-                    step=version, metrics=evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
-                )
-            share_from_rollouts(last_eval["metrics"], split)
-        return checkpoint_or_stop(version, steps, cfg, run, save, log)
-
-    sender = SampleSender(timeout_s=cfg.deadlines.process_group or 1800.0)
-    mine = split.served_by(dist.get_rank())
-    received, stopped = start, False
-    for step in range(start + 1, steps + 1):
-        need = sampling_version(step, split.lag, cfg.checkpoint.every, start)
-        rollout, received, stopped = receive_through(need, rollout, received, split, env, after_version)
-        if stopped:
-            break
-        with watchdog.phase("rollout", step=step):
-            batches = sample_step(
-                rollout,
-                stream,
-                tokenizer,
-                cfg,
-                step,
-                split,
-                scorer=scorer,
-                environments=environments,
-                reward_model=reward_model,
-                pool_group=pool_env.group,
-            )
-        for t, (batch, metrics, _) in batches.items():
-            sender.send_samples(
-                batch_payload(batch, metrics, stream.drawn), dst=split.trainers[t], version=received, step=step
-            )
-        if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
-            dump_samples(run, step, tokenizer, list(batches.values()), ctx.algorithm, pool_env)
-    if not stopped:  # the updates after the last batch
-        rollout, received, stopped = receive_through(steps, rollout, received, split, env, after_version)
-    sender.close([split.trainers[t] for t in mine])  # the sentinel; the trainers drain what they did not train on
-    if not stopped and last_eval.get("step") != steps:  # else the evaluation on eval.every at the last step is final
-        with watchdog.phase("eval", step=steps):
-            after = evaluate_policy(rollout, tokenizer, data, scorer, cfg, pool_env, environments)
-        share_from_rollouts(after, split)
-    rollout.shutdown()
 
 
 def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, algorithm: Any, pool_env: Any) -> None:
@@ -438,20 +468,6 @@ def dump_samples(run: Any, step: int, tokenizer: Any, shares: list, algorithm: A
         scored.append(batch)
     rows = [r for _, _, part in shares for r in part]
     dump_generations(run, step, tokenizer, concat_padded(scored), rows, group=pool_env.group)
-
-
-def receive_through(
-    version: int, rollout: Any, received: int, split: Split, env: Any, after_version: Callable[[Any, int], bool]
-) -> tuple[Any, int, bool]:
-    """The versions after ``received`` up to ``version`` into the rollout engine, in order, each followed by
-    ``after_version(rollout, v)``: what the trainers do after pushing it (an evaluation on ``eval.every``, the
-    checkpoint / stop check, which says whether to stop): ``(rollout, last received, stopped)``."""
-    while received < version:
-        received += 1
-        rollout = receive_weights(rollout, split, received, env.device)
-        if after_version(rollout, received):
-            return rollout, received, True
-    return rollout, received, False
 
 
 def run_split(ctx: Any) -> dict:
