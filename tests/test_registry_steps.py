@@ -1,11 +1,12 @@
 """Every built-in policy loss and group estimator through the GRPO step, and PPO with every value-loss and KL option,
 on 1 process and on 2 gloo ranks.
 
-The step is the recipes' own code: GRPO's ``resolve_algorithm`` / ``check_algorithm`` (the start-up checks), the
-estimator called as its loop calls it, ``make_actor_loss`` with the step's seed and the FSDP engine's update; PPO's
-``advantages`` (token rewards, in-reward KL and its controller, GAE, whitening over the ranks), the critic's
-``value_loss_fn`` and the same actor loss. Each run builds the tiny actor, reference and critic once and loops over
-the entries inside, so a new registry entry costs one update, not one process start; a failure names the entry.
+The step is the loop's own: :class:`backends.loop.learner.Learner` (old log-probs, reference log-probs, values,
+advantages by the recipe's algorithm, critic and actor updates with the step's seed) on the FSDP engine, with the
+recipes' algorithms as their start-up builds them (``grpo.group_relative``, ``ppo.actor_critic``: the estimator and
+the loss resolved and called once on a synthetic batch). Each run builds the tiny actor, reference and critic once and
+loops over the entries inside, so a new registry entry costs one step, not one process start; a failure names the
+entry.
 """
 
 from __future__ import annotations
@@ -54,87 +55,77 @@ def _params(state) -> torch.Tensor:
     )
 
 
-def _update(engine, actor, batch, loss_fn, name, expected_metrics):
-    """One update; the entry's name in any failure. Returns the new state."""
-    before = _params(actor)
-    actor, metrics = engine.update(actor, batch, loss_fn, with_entropy=True)
-    assert torch.isfinite(torch.tensor(float(metrics["loss"]))), f"{name}: loss {metrics['loss']}"
-    assert not torch.equal(before, _params(actor)), f"{name}: no parameter changed"
-    assert expected_metrics <= set(metrics), f"{name}: metrics {sorted(metrics)} lack {expected_metrics - set(metrics)}"
-    return actor
-
-
-def grpo_every_entry(rank: int, world_size: int, model_dir: str) -> list[str]:
+def _learner(rank: int, model_dir: str):
+    """The loop's learner over a colocated placement with the tiny actor, reference and critic (no algorithm yet)."""
+    from backends.distributed.placement import PlacementConfig, build_placement
     from backends.distributed.setup import init_distributed
-    from backends.loop.actor_loss import loss_seed, make_actor_loss
+    from backends.loop.learner import Learner
     from backends.training.engines import select_engine
     from backends.training.fsdp import FSDPConfig
     from backends.training.optim import OptimConfig
-    from experiments import grpo
+    from backends.training.roles import Roles
 
     env = init_distributed()
     engine = select_engine("fsdp", fsdp=FSDPConfig(micro_batch_size=4))
-    actor = engine.build_actor(model_dir, env, OptimConfig(lr=1e-2, weight_decay=0.0))
-    reference = engine.build_reference(model_dir, env)
-    batch = step_batch(rank)
-    batch = batch.replace(
-        old_logprobs=engine.compute_logprobs(actor, batch).logprobs,
-        ref_logprobs=engine.compute_logprobs(reference, batch).logprobs,
+    optim = OptimConfig(lr=1e-2, weight_decay=0.0)
+    roles = Roles(
+        placement=build_placement(PlacementConfig(), env),
+        actor_engine=engine,
+        critic_engine=engine,
+        actor=engine.build_actor(model_dir, env, optim),
+        critic=engine.build_critic(model_dir, env, optim, seed=1),
+        reference=engine.build_reference(model_dir, env),
+        reference_engine=engine,
+        reference_rows_are_replicas=True,
     )
+    return Learner(cfg=None, algorithm=None, roles=roles, state={}, mini_batches=1, skip_zero_rows=False)
+
+
+def _step(learner, cfg, algorithm, rank: int, name: str, expected_metrics: set[str]):
+    """One step of ``algorithm`` through the learner; the entry's name in any failure. Returns the batch (with its
+    advantages) and the metrics."""
+    from backends.loop.actor_loss import loss_seed
+    from backends.loop.algorithm import zero_advantage_rows_are_skippable
+
+    learner.cfg, learner.algorithm, learner.state = cfg, algorithm, algorithm.initial_state()
+    learner.skip_zero_rows = zero_advantage_rows_are_skippable(cfg.algo, algorithm.policy_loss)
+    actor_before, critic_before = _params(learner.roles.actor), _params(learner.roles.critic)
+    batch, metrics = learner.train(step_batch(rank), 1, seed=loss_seed(cfg.seed, 1, replica=rank))
+    assert torch.isfinite(batch.advantages).all() and torch.isfinite(batch.returns).all(), f"{name}: advantages"
+    assert torch.isfinite(torch.tensor(float(metrics["loss"]))), f"{name}: loss {metrics['loss']}"
+    assert not torch.equal(actor_before, _params(learner.roles.actor)), f"{name}: no actor parameter changed"
+    critic_changed = not torch.equal(critic_before, _params(learner.roles.critic))
+    assert critic_changed == algorithm.uses_critic, f"{name}: the critic changed: {critic_changed}"
+    assert expected_metrics <= set(metrics), f"{name}: metrics {sorted(metrics)} lack {expected_metrics - set(metrics)}"
+    return batch, metrics
+
+
+def grpo_every_entry(rank: int, world_size: int, model_dir: str) -> list[str]:
+    from experiments import grpo
+
+    learner = _learner(rank, model_dir)
     done = []
     estimators, _ = grpo.group_estimators()
     for name in [*rf.POLICY_LOSSES, *(f"estimator:{e}" for e in estimators)]:
         loss_name, estimator_name = (name, "grpo") if ":" not in name else ("ppo", name.split(":")[1])
         # a KL term and an entropy bonus on every entry: the recipe's whole loss, not the policy term alone
-        cfg = grpo.Config(
-            algo=grpo.AlgoConfig(
-                policy_loss=loss_name,
-                estimator=estimator_name,
-                kl_loss_coef=0.01,
-                entropy_coef=0.01,
-                policy_loss_args=grpo.GRPO_LOSS_ARGS,
-            )
+        algo = grpo.AlgoConfig(
+            policy_loss=loss_name,
+            estimator=estimator_name,
+            kl_loss_coef=0.01,
+            entropy_coef=0.01,
+            policy_loss_args=grpo.GRPO_LOSS_ARGS,
         )
-        estimator, estimator_kwargs, policy_loss = grpo.resolve_algorithm(cfg.algo)
-        grpo.check_algorithm(
-            attrs.evolve(cfg, rollout=attrs.evolve(cfg.rollout, n=GROUP)), estimator, estimator_kwargs, policy_loss
-        )
-        adv, ret = estimator(
-            batch.scores, group_ids=batch.group_ids, response_mask=rf.loss_tokens(batch), **estimator_kwargs
-        )
-        assert torch.isfinite(adv).all(), f"{name}: advantages {adv}"
-        loss_fn = make_actor_loss(policy_loss, cfg.algo, horizon=RESPONSE)
-        actor = _update(
-            engine,
-            actor,
-            batch.replace(advantages=adv, returns=ret),
-            lambda out, mb, norms, f=loss_fn: f(out, mb, norms, seed=loss_seed(cfg.seed, 1, replica=rank)),
-            name,
-            {"loss", "grad_norm", "kl_loss", "entropy"},
-        )
+        cfg = grpo.Config(algo=algo, rollout=attrs.evolve(grpo.Config().rollout, n=GROUP, max_new_tokens=RESPONSE))
+        _step(learner, cfg, grpo.group_relative(cfg), rank, name, {"loss", "grad_norm", "kl_loss", "entropy"})
         done.append(name)
     return done
 
 
 def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
-    from backends.distributed.setup import init_distributed
-    from backends.loop.actor_loss import loss_seed, make_actor_loss
-    from backends.training.engines import select_engine
-    from backends.training.fsdp import FSDPConfig, value_loss_fn
-    from backends.training.optim import OptimConfig
     from experiments import ppo
 
-    env = init_distributed()
-    engine = select_engine("fsdp", fsdp=FSDPConfig(micro_batch_size=4))
-    optim = OptimConfig(lr=1e-2, weight_decay=0.0)
-    actor = engine.build_actor(model_dir, env, optim)
-    reference = engine.build_reference(model_dir, env)
-    critic = engine.build_critic(model_dir, env, optim, seed=1)
-    batch = step_batch(rank)
-    batch = batch.replace(
-        old_logprobs=engine.compute_logprobs(actor, batch).logprobs,
-        ref_logprobs=engine.compute_logprobs(reference, batch).logprobs,
-    )
+    learner = _learner(rank, model_dir)
     options = [{"kl_in_reward": False}]
     options += [{"kl_reward_kind": kind} for kind in rf.KL_KINDS]
     options += [{"kl_ctrl": "adaptive"}, {"kl_in_reward": False, "kl_loss_coef": 0.01}]
@@ -145,32 +136,13 @@ def ppo_every_option(rank: int, world_size: int, model_dir: str) -> list[str]:
         name = ",".join(f"{k}={v}" for k, v in option.items())
         rollout = attrs.evolve(ppo.Config().rollout, n=GROUP, max_new_tokens=RESPONSE)
         cfg = ppo.Config(algo=attrs.evolve(ppo.PPO_ALGO, **option), prompts_per_step=2 * world_size, rollout=rollout)
-        policy_loss = ppo.resolve_policy_loss(cfg.algo)
-        values = engine.compute_values(critic, batch)
-        scored, kl_ctrl, kl_stats = ppo.advantages(
-            batch.replace(values=values, old_values=values), ppo.kl_controller(cfg.algo), cfg, env
-        )
-        assert torch.isfinite(scored.advantages).all() and torch.isfinite(scored.returns).all(), name
-        if cfg.algo.kl_in_reward:
-            assert {"kl_reward", "kl_coef"} <= set(kl_stats), f"{name}: {kl_stats}"
-            assert kl_ctrl.beta != cfg.algo.kl_reward_coef or cfg.algo.kl_ctrl == "fixed", name
-        before = _params(critic)
-        critic, critic_metrics = engine.update(
-            critic, scored, value_loss_fn(clip_range=cfg.algo.cliprange_value, horizon=RESPONSE)
-        )
-        assert torch.isfinite(torch.tensor(float(critic_metrics["loss"]))), f"{name}: critic loss"
-        assert not torch.equal(before, _params(critic)), f"{name}: the critic did not change"
-        assert {"vf_clipfrac", "vpred_mean"} <= set(critic_metrics), f"{name}: {sorted(critic_metrics)}"
-        loss_fn = make_actor_loss(policy_loss, cfg.algo, horizon=RESPONSE)
-        expected = {"loss", "clip_frac", "dual_clip_frac", "entropy", *(["kl_loss"] if cfg.algo.kl_loss_coef else [])}
-        actor = _update(
-            engine,
-            actor,
-            scored,
-            lambda out, mb, norms, f=loss_fn: f(out, mb, norms, seed=loss_seed(cfg.seed, 1, replica=rank)),
-            name,
-            expected,
-        )
+        algorithm = ppo.actor_critic(cfg)
+        expected = {"loss", "clip_frac", "dual_clip_frac", "entropy", "critic/loss", "critic/vf_clipfrac"}
+        expected |= {"kl_loss"} if cfg.algo.kl_loss_coef else set()
+        expected |= {"kl_reward", "kl_coef"} if cfg.algo.kl_in_reward else set()
+        _step(learner, cfg, algorithm, rank, name, expected)
+        if cfg.algo.kl_ctrl == "adaptive":  # the controller moved its beta, and the learner carries it
+            assert learner.state["kl_ctrl"]["beta"] != cfg.algo.kl_reward_coef, name
         done.append(name)
     return done
 
