@@ -36,9 +36,10 @@ PRESETS = Path(__file__).resolve().parent / "presets"
 
 @attrs.frozen
 class AlgoConfig(PolicyUpdateConfig):
+    #: the variant: reinforce_pp_baseline or dr_grpo
     name: str = attrs.field(
         default="reinforce_pp_baseline", validator=attrs.validators.in_(("reinforce_pp_baseline", "dr_grpo"))
-    )  #: the variant
+    )
     #: the loss is PPO's: its clip is read from algo.policy_loss_args.ppo (the key GRPO and PPO use)
     policy_loss_args: PolicyLossArgs = PolicyLossArgs(ppo=PPOArgs(clip_high=0.2))
     kl_loss_coef: float = 0.001  #: reinforce_pp_baseline: weight of the k3 KL loss (the key GRPO and PPO use)

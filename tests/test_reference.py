@@ -113,7 +113,7 @@ def test_backend_options_are_checked_before_loading(model_dir, env):
         build_reference_role(ReferenceConfig(tp=2), model_dir, env, FSDPConfig())
     with pytest.raises(ValueError, match="does not take ref_in_actor, use_torch_compile or param_offload"):
         build_reference_role(ReferenceConfig(backend="megatron", use_torch_compile=True), model_dir, env, FSDPConfig())
-    with pytest.raises(ValueError, match=r"'jax' is not one of 'fsdp', 'megatron'"):  # when the config is read
+    with pytest.raises(ValueError, match=r"'jax' is not one of 'actor', 'fsdp', 'megatron'"):  # when the config is read
         ReferenceConfig(backend="jax")
 
 

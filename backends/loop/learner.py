@@ -22,6 +22,13 @@ import rlfunc as rf
 from backends.checkpoint.orbax import save_orbax
 from backends.distributed.collectives import all_reduce_max, all_reduce_sum
 from backends.loop.algorithm import Algorithm, reject_mismatched_tokens, zero_advantage_rows_are_skippable
+from backends.loop.fingerprints import (
+    FingerprintLog,
+    batch_fingerprints,
+    fingerprint_tensors,
+    module_tensors,
+    scalars,
+)
 from backends.loop.stages import RunData, RunPaths, start_actor
 from backends.training.roles import Roles
 
@@ -38,6 +45,7 @@ class Learner:
     state: dict  #: the algorithm's state (:meth:`Algorithm.initial_state`), as the critic pool's leader has it
     mini_batches: int  #: optimizer steps per pass over a step's batch
     skip_zero_rows: bool  #: rows with all-zero advantages get no forward / backward (exact for the loss in use)
+    fingerprints: FingerprintLog | None = None  #: where each step's fingerprints go (``debug.fingerprints``)
 
     @property
     def title(self) -> str:
@@ -89,7 +97,24 @@ class Learner:
         }
         if batch is not None:
             metrics["skipped_rows"] = _share_of_rows(skip, batch, roles)
+            if self.fingerprints is not None:
+                self.fingerprints.log(step, self.fingerprint(batch, metrics))
         return batch, metrics
+
+    def fingerprint(self, batch: rf.RolloutBatch, metrics: dict[str, float]) -> dict[str, dict]:
+        """This rank's fingerprints of the step (:mod:`backends.loop.fingerprints`): the batch by stage, the losses,
+        the gradient norms and the updated weights (the actor's, and a critic's on the same ranks)."""
+        roles = self.roles
+        weights = module_tensors("actor", roles.actor.module)
+        if roles.on_critic and roles.critic is not None:
+            weights.update(module_tensors("critic", roles.critic.module))
+        losses = ("loss", "pg_loss", "kl_loss", "critic/loss")
+        return {
+            **batch_fingerprints(batch),
+            "loss": scalars(metrics, losses),
+            "gradient": scalars(metrics, ("grad_norm", "critic/grad_norm")),
+            "weights": fingerprint_tensors(weights),
+        }
 
     def _advantages(self, batch: rf.RolloutBatch) -> tuple[rf.RolloutBatch, dict[str, float]]:
         batch, rejected = reject_mismatched_tokens(batch, self.cfg.algo)
@@ -169,7 +194,11 @@ def build_learner(
         roles.build_critic(run.policy_path, critic_optim, seed=cfg.seed)
     if algorithm.uses_reference:
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
+    fingerprints = None
+    if cfg.debug.fingerprints and roles.on_actor:  # the actor pool's leader (global rank 0) writes them
+        fingerprints = FingerprintLog(run.run_dir, enabled=True, group=roles.env("actor").group)
     return Learner(
+        fingerprints=fingerprints,
         cfg=cfg,
         algorithm=algorithm,
         roles=roles,

@@ -53,6 +53,7 @@ __all__ = ["RESUMABLE_KEYS", "Recipe", "RunContext", "run_recipe"]
 
 #: keys that may differ between a run and its resumption (where things go and how they are logged)
 RESUMABLE_KEYS = (
+    "debug",
     "resume",
     "run_dir",
     "run_root",

@@ -120,9 +120,9 @@ def commit_run(cfg: RunConfig, env: Any, run: RunPaths, tokenizer: Any) -> None:
     run logged after its checkpoint."""
     if env.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(
-            run.run_dir / "metrics.jsonl", checkpoint_info(run.resume_from).step if run.resume_from else None
-        )
+        resumed_at = checkpoint_info(run.resume_from).step if run.resume_from else None
+        for log in ("metrics.jsonl", "fingerprints.jsonl"):  # what the crashed run wrote after its checkpoint goes
+            truncate_metrics(run.run_dir / log, resumed_at)
         if run.resume_from is None:
             (run.run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             if not cfg.model.path:

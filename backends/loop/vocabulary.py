@@ -63,6 +63,13 @@ Singletons = Literal["no_baseline", "zero", "error"]
 
 
 @attrs.frozen
+class DebugConfig:
+    #: write a fingerprint of every step's tensors (samples, scores, log-probs, advantages, losses, gradient norms,
+    #: weights) to runs/<run>/fingerprints.jsonl: python -m backends.loop.bisect compares two runs with them
+    fingerprints: bool = True
+
+
+@attrs.frozen
 class RunConfig:
     name: str = "run"  #: the run's name (the run dir is <run_root>/<name>-<time>); each recipe names its own
     seed: int = 0  #: seeds the data order, the sampling and the weights of a tiny model
@@ -86,6 +93,7 @@ class RunConfig:
     reward: RewardConfig = RewardConfig()  #: the reward functions
     eval: EvalConfig = EvalConfig()  #: held-out evaluation
     sft: SFTConfig = SFTConfig()  #: an optional SFT stage before RL
+    debug: DebugConfig = DebugConfig()  #: what a run records to be compared and debugged
     #: sampling (rollout.engine=vllm for vLLM)
     rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)
 

@@ -57,9 +57,15 @@ class ReferenceConfig:
             raise ValueError(f"reference.log_prob_micro_batch_size must be >= 1 (or none), got {value}")
 
 
-def reference_engine(cfg: ReferenceConfig, fsdp_cfg: FSDPConfig) -> TrainEngine:
-    """The training engine ``reference.backend`` names, with the reference's sizes (a bad name or size fails here)."""
-    return select_engine(cfg.backend, fsdp=fsdp_cfg, tp=cfg.tp, pp=cfg.pp, key="reference")
+def reference_engine(
+    cfg: ReferenceConfig, fsdp_cfg: FSDPConfig, actor_engine: TrainEngine | None = None
+) -> TrainEngine:
+    """The training engine ``reference.backend`` names, with the reference's sizes (a bad name or size fails here);
+    ``actor``: ``actor_engine``, or FSDP where no actor engine is given (a reference built on its own)."""
+    if cfg.backend == "actor" and actor_engine is not None:
+        return actor_engine
+    backend = "fsdp" if cfg.backend == "actor" else cfg.backend
+    return select_engine(backend, fsdp=fsdp_cfg, tp=cfg.tp, pp=cfg.pp, key="reference")
 
 
 def build_reference_role(

@@ -124,7 +124,7 @@ class Roles:
         it with the actor's engine and layout."""
         if self.placement.has("reference"):
             same = cfg.backend == "actor"
-            self.reference_engine = self.actor_engine if same else reference_engine(cfg, fsdp_cfg)
+            self.reference_engine = reference_engine(cfg, fsdp_cfg, self.actor_engine)
             self.reference = build_reference_role(
                 cfg,
                 model_path,
