@@ -94,6 +94,7 @@ def main() -> None:
     prompt_len = 32
     overrides = [
         f"prompts_per_step={args.prompts}",
+        f"algo.ppo_mini_batch_size={max(args.prompts // 2, 1)}",  # the preset's two optimizer steps per RL step
         f"rollout.max_new_tokens={args.max_new_tokens}",
         f"data.max_prompt_length={prompt_len}",
     ]
