@@ -2,7 +2,7 @@
 
     python -m backends.loop.bisect runs/grpo-a runs/grpo-b
 
-reads both runs' ``fingerprints.jsonl`` (written every step with ``debug.fingerprints=true``, the default) and
+reads both runs' ``fingerprints/rank<r>.jsonl`` (written every step with ``debug.fingerprints=true``, the default) and
 prints the first difference in the order a step makes its tensors (:data:`backends.loop.fingerprints.STAGES`:
 samples -> scores -> log-probs -> advantages -> loss -> gradient -> weights), with its size (the two sums and
 absolute maxima), or that the runs agree bit for bit on every step both logged. Exit status 0 when they agree, 1
@@ -12,14 +12,13 @@ when they differ, 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from backends.loop.fingerprints import STAGES
+from backends.loop.fingerprints import STAGES, read_run
 
 __all__ = ["Difference", "first_difference", "read_fingerprints", "main"]
 
@@ -50,18 +49,8 @@ class Difference:
 
 
 def read_fingerprints(run_dir: str | Path) -> dict[int, dict[str, Any]]:
-    """A run's fingerprints by step; a missing file or a bad line is an error naming it."""
-    path = Path(run_dir) / "fingerprints.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no fingerprints (a run writes them with debug.fingerprints=true)")
-    rows = {}
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
-        rows[row["step"]] = row
-    return rows
+    """A run's fingerprints by step (every rank's merged); a missing file or a bad line is an error naming it."""
+    return read_run(run_dir)
 
 
 def first_difference(a: dict[int, dict], b: dict[int, dict]) -> Difference | None:
@@ -81,7 +70,7 @@ def first_difference(a: dict[int, dict], b: dict[int, dict]) -> Difference | Non
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backends.loop.bisect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_a", help="a run dir (with fingerprints.jsonl)")
+    parser.add_argument("run_a", help="a run dir (with fingerprints/)")
     parser.add_argument("run_b", help="the run dir to compare it with")
     args = parser.parse_args(argv)
     try:

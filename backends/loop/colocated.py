@@ -145,11 +145,12 @@ class ColocatedLoop:
         if batch is not None:  # synchronous: sampled by the weights being updated
             batch, provenance = stamp_policy_version(batch, step - 1)
         t_update = time.time()
+        replica = roles.data_parallel()[0] if roles.on_actor else 0
+        seed = loss_seed(cfg.seed, step, replica=replica)
+        if ctx.recorder.wants(step):  # the step's complete inputs, for backends.loop.replay
+            ctx.recorder.save(step, learner, batch, seed=seed, on_policy=on_policy)
         with watchdog.phase("update", step=step, op="log-probs, values, advantages and the update(s)"):
-            replica = roles.data_parallel()[0] if roles.on_actor else 0
-            batch, metrics = learner.train(
-                batch, step, seed=loss_seed(cfg.seed, step, replica=replica), on_policy=on_policy
-            )
+            batch, metrics = learner.train(batch, step, seed=seed, on_policy=on_policy)
         t_sync = time.time()
         if learner.updates_actor(step):  # full tensors from the shards into the rollout engine (or the adapter alone)
             with watchdog.phase("weight_sync", step=step):

@@ -1,14 +1,16 @@
 """A fingerprint of every step: what went in and what came out, per tensor, cheap enough to log every step.
 
 Each tensor's fingerprint is two position-weighted sums of its bits (a hash: equal tensors give equal hashes, and a
-changed bit, a swapped pair of elements or a changed shape changes it) and two floats that size a difference (the
-sum and the absolute maximum). They are computed where the tensor lives (one reduction each on the GPU), stacked,
-and read back with one transfer per step, so the cost is a pass over the weights and the batch.
+changed bit or a swapped pair of different elements changes it; the shape is recorded beside it) and two floats
+that size a difference (the sum and the absolute maximum). They are computed where the tensor lives (a few
+reductions each, no copy of the tensor), stacked, and read back with one transfer per step, so the cost is a few
+reads of the weights and the batch.
 
 A step's record groups the tensors by stage, in the order the step makes them (:data:`STAGES`), so that comparing two
 runs names the first stage that differs: the sampled tokens and masks, the scores, the log-probs (old, reference,
 values), the advantages and returns, the losses, the gradient norms and the updated weights. With several ranks each
-rank's tensors are keyed ``name@rank``; the leader writes one line per step to ``fingerprints.jsonl``.
+rank writes its own line per step to ``fingerprints/rank<r>.jsonl``, and a reader merges them with each rank's tensors
+keyed ``name@rank``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["STAGES", "FingerprintLog", "batch_fingerprints", "fingerprint_tensors", "module_tensors", "scalars"]
+__all__ = [
+    "STAGES",
+    "FingerprintLog",
+    "merge_ranks",
+    "rank_files",
+    "read_run",
+    "batch_fingerprints",
+    "fingerprint_tensors",
+    "gather_fingerprints",
+    "module_tensors",
+    "scalars",
+]
 
 #: the stages of a step, in the order the step makes them
 STAGES = ("samples", "scores", "logprobs", "advantages", "loss", "gradient", "weights")
@@ -36,30 +49,81 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _bits(x: Tensor) -> Tensor:
-    """The tensor's elements as int64 bit patterns (floats reinterpreted, not converted)."""
-    flat = x.detach().contiguous().reshape(-1)
+    """The tensor's elements as integers of their own width (floats reinterpreted, not converted), flat."""
+    flat = x.detach().reshape(-1)
     if flat.dtype == torch.bool:
-        return flat.to(torch.int64)
+        return flat.view(torch.uint8)
     if flat.is_floating_point() or flat.is_complex():
-        flat = flat.view(_INT_OF_SIZE[flat.element_size()])
-    return flat.to(torch.int64)
+        return flat.view(_INT_OF_SIZE[flat.element_size()])
+    return flat
+
+
+def _columns(n: int) -> int:
+    """The row length a tensor of ``n`` elements is hashed in: the largest power of two up to 64 that divides it."""
+    return next(c for c in (64, 32, 16, 8, 4, 2, 1) if n % c == 0)
+
+
+class _Weights:
+    """Cached ``1..n`` position weights per (length, device): a step hashes the same shapes every time."""
+
+    def __init__(self) -> None:
+        self.cache: dict[tuple[int, Any], Tensor] = {}
+
+    def __call__(self, n: int, device: Any) -> Tensor:
+        key = (n, device)
+        if key not in self.cache:
+            self.cache[key] = torch.arange(1, n + 1, device=device, dtype=torch.int64)
+        return self.cache[key]
+
+
+_weights = _Weights()
+
+
+def _stats(x: Tensor) -> tuple[Tensor, Tensor]:
+    """A non-empty tensor's hash ``[by row, by column]`` (int64; see :func:`fingerprint_tensors`) and
+    ``[sum, min, max]`` (float64)."""
+    bits = _bits(x)
+    blocks = bits.view(-1, _columns(bits.numel()))
+    # 32-bit sums that wrap around (a hash needs no more, and they run several times faster than 64-bit ones)
+    accumulate = torch.int32 if bits.element_size() <= 4 else torch.int64
+    rows = blocks.sum(1, dtype=accumulate).to(torch.int64)
+    cols = blocks.sum(0, dtype=accumulate).to(torch.int64)
+    by_row = (rows * _weights(rows.numel(), rows.device)).sum()
+    by_col = (cols * _weights(cols.numel(), cols.device)).sum()
+    values = x.view(torch.uint8) if x.dtype == torch.bool else x
+    if values.dtype in (torch.float16, torch.bfloat16):
+        values = values.float()
+    low, high = torch.aminmax(values)
+    return torch.stack([by_row, by_col]), torch.stack([values.sum().double(), low.double(), high.double()])
 
 
 def fingerprint_tensors(tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Any]]:
-    """``{name: {"hash", "sum", "absmax", "shape"}}`` of every tensor, read back with two transfers."""
+    """``{name: {"hash", "sum", "absmax", "shape"}}`` of every tensor, read back with two transfers.
+
+    The hash is two int64 sums of the tensor's bits, seen as rows of up to 64 elements: the row sums weighted by
+    their row and the column sums weighted by their column. A changed element changes both; two swapped elements of
+    different values change one or the other. A few reads of the tensor, no copy of it."""
     if not tensors:
         return {}
     hashes, floats = [], []
     for x in tensors.values():
-        bits = _bits(x)
-        position = torch.arange(1, bits.numel() + 1, device=bits.device, dtype=torch.int64)
-        hashes.append(torch.stack([bits.sum(), (bits * position).sum()]).cpu())
-        values = x.detach().double() if x.numel() else torch.zeros(1, dtype=torch.float64, device=x.device)
-        floats.append(torch.stack([values.sum(), values.abs().max()]).cpu())
-    hashes, floats = torch.stack(hashes).tolist(), torch.stack(floats).tolist()
+        flat = x.detach().reshape(-1)
+        if flat.numel() == 0:
+            hashes.append(torch.zeros(2, dtype=torch.int64, device=flat.device))
+            floats.append(torch.zeros(3, dtype=torch.float64, device=flat.device))
+            continue
+        h, f = _stats(flat)
+        hashes.append(h)
+        floats.append(f)
+    hashes, floats = torch.stack(hashes).cpu().tolist(), torch.stack(floats).cpu().tolist()
     return {
-        name: {"hash": f"{h1 % 2**64:016x}{h2 % 2**64:016x}", "sum": s, "absmax": m, "shape": list(x.shape)}
-        for (name, x), (h1, h2), (s, m) in zip(tensors.items(), hashes, floats)
+        name: {
+            "hash": f"{h1 % 2**64:016x}{h2 % 2**64:016x}:{x.numel()}",
+            "sum": total,
+            "absmax": max(-low, high),
+            "shape": list(x.shape),
+        }
+        for (name, x), (h1, h2), (total, low, high) in zip(tensors.items(), hashes, floats)
     }
 
 
@@ -91,31 +155,70 @@ def scalars(metrics: Mapping[str, Any], names: Iterable[str]) -> dict[str, dict[
     return out
 
 
-class FingerprintLog:
-    """``fingerprints.jsonl`` in the run dir: one line per step, every rank's fingerprints gathered to the leader
-    (a collective of ``group``)."""
+def merge_ranks(ranks: list[dict]) -> dict[str, dict]:
+    """Every rank's fingerprints of a step in one record: tensors keyed ``name@rank`` with several ranks."""
+    many = len(ranks) > 1
+    return {
+        stage: {
+            (f"{name}@{r}" if many else name): fp
+            for r, mine in enumerate(ranks)
+            for name, fp in mine.get(stage, {}).items()
+        }
+        for stage in STAGES
+    }
 
-    def __init__(self, run_dir: Path, *, enabled: bool, group: Any = None) -> None:
-        self.path = Path(run_dir) / "fingerprints.jsonl"
-        self.enabled, self.group = enabled, group
+
+def gather_fingerprints(stages: dict[str, dict[str, dict[str, Any]]], group: Any = None) -> dict | None:
+    """Every rank's (of ``group``) fingerprints in one record (:func:`merge_ranks`) on the group's first rank, None
+    elsewhere. A collective of ``group``."""
+    ranks = [stages]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        ranks = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ranks, stages, group=group)
+        if dist.get_rank(group) != 0:
+            return None
+    return merge_ranks(ranks)
+
+
+class FingerprintLog:
+    """``fingerprints/rank<r>.jsonl`` in the run dir: one line per step from each rank of the actor's pool, written by
+    that rank (no collective: a step waits for no other rank to log); :func:`read_run` merges them."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool, rank: int = 0) -> None:
+        self.path = Path(run_dir) / "fingerprints" / f"rank{rank}.jsonl"
+        self.enabled = enabled
 
     def log(self, step: int, stages: dict[str, dict[str, dict[str, Any]]]) -> None:
         if not self.enabled:
             return
-        ranks = [stages]
-        if dist.is_initialized() and dist.get_world_size(self.group) > 1:
-            ranks = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(ranks, stages, group=self.group)
-            if dist.get_rank(self.group) != 0:
-                return
-        many = len(ranks) > 1
-        merged = {
-            stage: {
-                (f"{name}@{r}" if many else name): fp
-                for r, mine in enumerate(ranks)
-                for name, fp in mine.get(stage, {}).items()
-            }
-            for stage in STAGES
-        }
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, **merged}) + "\n")
+            f.write(json.dumps({"step": step, **stages}) + "\n")
+
+
+def rank_files(run_dir: str | Path) -> list[Path]:
+    """A run's fingerprint files, by rank."""
+    files = list((Path(run_dir) / "fingerprints").glob("rank*.jsonl"))
+    return sorted(files, key=lambda p: int(p.stem.removeprefix("rank")))
+
+
+def read_run(run_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """A run's fingerprints by step, every rank's merged (:func:`merge_ranks`); a missing file or a bad line is an
+    error naming it."""
+    files = rank_files(run_dir)
+    if not files:
+        raise FileNotFoundError(
+            f"{Path(run_dir) / 'fingerprints'}: no fingerprints (a run writes them with debug.fingerprints=true)"
+        )
+    per_rank = []
+    for path in files:
+        rows = {}
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+            rows[row["step"]] = row
+        per_rank.append(rows)
+    steps = sorted(set().union(*per_rank))
+    return {s: {"step": s, **merge_ranks([rows.get(s, {}) for rows in per_rank])} for s in steps}

@@ -13,6 +13,7 @@ learner carries between steps is explicit: the roles' states and the algorithm's
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import attrs
@@ -98,7 +99,9 @@ class Learner:
         if batch is not None:
             metrics["skipped_rows"] = _share_of_rows(skip, batch, roles)
             if self.fingerprints is not None:
+                t = time.perf_counter()
                 self.fingerprints.log(step, self.fingerprint(batch, metrics))
+                metrics["time/fingerprint_s"] = time.perf_counter() - t
         return batch, metrics
 
     def fingerprint(self, batch: rf.RolloutBatch, metrics: dict[str, float]) -> dict[str, dict]:
@@ -196,7 +199,7 @@ def build_learner(
         roles.build_reference(cfg.reference, run.policy_path, cfg.actor.fsdp)
     fingerprints = None
     if cfg.debug.fingerprints and roles.on_actor:  # the actor pool's leader (global rank 0) writes them
-        fingerprints = FingerprintLog(run.run_dir, enabled=True, group=roles.env("actor").group)
+        fingerprints = FingerprintLog(run.run_dir, enabled=True, rank=roles.env("actor").rank)
     return Learner(
         fingerprints=fingerprints,
         cfg=cfg,

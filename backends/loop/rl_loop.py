@@ -15,6 +15,7 @@ Both drive the same :class:`backends.loop.learner.Learner` (the training half of
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -28,6 +29,7 @@ from backends.distributed import watchdog
 from backends.distributed.setup import get_logger, init_distributed, seed_everything, shutdown
 from backends.loop.algorithm import Algorithm, max_context
 from backends.loop.colocated import run_colocated
+from backends.loop.records import StepRecorder
 from backends.loop.split import check_offpolicy, run_split
 from backends.loop.stages import (
     SHARED_REGISTRIES,
@@ -106,6 +108,7 @@ class RunContext:
     mini_batches: int  #: optimizer steps per pass over a step's batch
     metrics_log: Any
     t_start: float
+    recorder: StepRecorder  #: which steps to record (``debug.record_*``)
 
 
 def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
@@ -166,11 +169,33 @@ def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
         mini_batches=mini_batches,
         metrics_log=metrics_log(cfg, run, env, recipe.console_keys),
         t_start=time.time(),
+        recorder=StepRecorder(
+            run_dir=run.run_dir,
+            steps=cfg.debug.record_steps,
+            every=cfg.debug.record_every,
+            recipe=recipe_module_name(recipe),
+            argv=tuple(argv),
+            must_match=run.must_match,
+            total_steps=steps,
+        ),
     )
     summary = run_split(ctx) if cfg.offpolicy.rollout_ranks else run_colocated(ctx, roles)
     scorer.close()
     shutdown(env)
     return summary
+
+
+def recipe_module_name(recipe: Recipe) -> str:
+    """Where the recipe lives, for a replay to find it again: its module's name, or its file's path when it runs as a
+    script outside the repository's packages."""
+    name = recipe.algorithm.__module__
+    if name != "__main__":
+        return name
+    path = Path(sys.modules["__main__"].__file__).resolve()
+    root = Path(__file__).resolve().parents[2]
+    if path.is_relative_to(root):
+        return ".".join(path.relative_to(root).with_suffix("").parts)
+    return str(path)
 
 
 def check_placement(cfg: Any, engine: Any, algorithm: Algorithm) -> None:

@@ -131,6 +131,11 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
         )
     if not off.rollout_ranks:
         return
+    if cfg.debug.record_steps or cfg.debug.record_every:
+        raise ConfigError(
+            f"debug.record_steps / debug.record_every with offpolicy.rollout_ranks={off.rollout_ranks}: "
+            "step records are written by the colocated loop (offpolicy.rollout_ranks=0)"
+        )
     refuse_on_a_pool(
         cfg.rollout,
         f"offpolicy.rollout_ranks={off.rollout_ranks}",

@@ -27,6 +27,7 @@ from backends.data import Example, PromptStream, data_warnings, load_examples
 from backends.distributed import watchdog
 from backends.distributed.node_checks import check_shared_paths
 from backends.distributed.setup import barrier
+from backends.loop.fingerprints import rank_files
 from backends.loop.vocabulary import RunConfig
 from backends.metrics_log import LOGGERS, MetricsLog, plot_curves, read_jsonl, write_generations
 from backends.models import build_char_tokenizer, check_model_dir, load_tokenizer, write_tiny_model
@@ -121,8 +122,9 @@ def commit_run(cfg: RunConfig, env: Any, run: RunPaths, tokenizer: Any) -> None:
     if env.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_at = checkpoint_info(run.resume_from).step if run.resume_from else None
-        for log in ("metrics.jsonl", "fingerprints.jsonl"):  # what the crashed run wrote after its checkpoint goes
-            truncate_metrics(run.run_dir / log, resumed_at)
+        # what the crashed run wrote after its checkpoint goes
+        for log in [run.run_dir / "metrics.jsonl", *rank_files(run.run_dir)]:
+            truncate_metrics(log, resumed_at)
         if run.resume_from is None:
             (run.run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
             if not cfg.model.path:

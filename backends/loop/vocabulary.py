@@ -65,8 +65,12 @@ Singletons = Literal["no_baseline", "zero", "error"]
 @attrs.frozen
 class DebugConfig:
     #: write a fingerprint of every step's tensors (samples, scores, log-probs, advantages, losses, gradient norms,
-    #: weights) to runs/<run>/fingerprints.jsonl: python -m backends.loop.bisect compares two runs with them
+    #: weights) to runs/<run>/fingerprints/: python -m backends.loop.bisect compares two runs with them
     fingerprints: bool = True
+    #: save the complete inputs of these steps (the weights before them, the batch, the seeds) under
+    #: runs/<run>/records/step_<N>: python -m backends.loop.replay runs such a step again (colocated runs)
+    record_steps: tuple[int, ...] = ()
+    record_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: ... and every N-th step (0: none)
 
 
 @attrs.frozen
