@@ -206,6 +206,8 @@ def test_a_recorded_step_replays_bit_for_bit_and_a_what_if_changes_what_it_shoul
         "gradient": "differs",
         "weights": "differs",
     }
+    faster = _stages(_replay(run_dir, 2, "actor.optim.lr=0.1", nproc=nproc))
+    assert [stage for stage, status in faster.items() if status == "differs"] == ["weights"]
     if name == "grpo":  # another estimator: the advantages and what follows, the log-probs untouched
         rloo = _stages(_replay(run_dir, 2, "algo.estimator=rloo"))
         assert rloo["logprobs"] == "same" and rloo["advantages"] == "differs" and rloo["weights"] == "differs"
