@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from backends.loop.bisect import first_difference, read_fingerprints
 from tests.recipes import GRPO, PPO, arithmetic_data, run, start
 
 STEPS, KILL_AFTER = 6, 2
@@ -236,6 +237,10 @@ def test_sigkill_and_resume_is_exact(recipe, data_dir, uninterrupted, tmp_path):
             compared += 1
             assert diff <= 1e-6, f"step {step} {k}: uninterrupted {a[k]}, resumed {b[k]}"
     assert recipe.logged <= set(expected[STEPS]), recipe.logged - set(expected[STEPS])
+    # bit for bit: every step's samples, scores, log-probs, advantages, losses and weights (the fingerprints the
+    # crashed run logged after its checkpoint are cut back with the metrics)
+    difference = first_difference(read_fingerprints(uninterrupted / "run"), read_fingerprints(run_dir))
+    assert difference is None, difference.describe()
     assert any(expected[s]["reward_mean"] > 0 for s in expected)  # the comparison covers non-trivial rewards
     first = json.loads((uninterrupted / "run" / "summary.json").read_text())
     for key in ("eval_before", "eval_after", "before", "after"):

@@ -23,7 +23,7 @@ from backends.data import PromptStream
 from backends.distributed import watchdog
 from backends.loop.actor_loss import loss_seed
 from backends.loop.algorithm import max_context, rollout_logprobs_suffice, stamp_policy_version
-from backends.loop.learner import Learner, build_learner, step_stats
+from backends.loop.learner import Learner, learner_for, step_stats
 from backends.loop.sampling import sample_and_score
 from backends.loop.stages import checkpoint_or_stop, dump_generations, evaluate_policy, export_final, summarize
 from backends.loop.weight_bridge import logprob_gap, weight_bridge
@@ -36,19 +36,7 @@ __all__ = ["run_colocated"]
 def run_colocated(ctx: Any, roles: Any) -> dict:
     """The RL stage on ``roles`` (:class:`backends.training.roles.Roles`, built on the world); the summary."""
     cfg, run, env = ctx.cfg, ctx.run, ctx.env
-    learner = build_learner(
-        cfg,
-        ctx.algorithm,
-        roles,
-        run,
-        ctx.data,
-        ctx.tokenizer,
-        rl_optim=ctx.rl_optim,
-        critic_optim=ctx.critic_optim,
-        mini_batches=ctx.mini_batches,
-        metrics_log=ctx.metrics_log,
-        build_kwargs=ctx.build_kwargs,
-    )
+    learner = learner_for(ctx, roles)
     if cfg.checkpoint.every or run.resume_from:
         roles.checkpoint_states()  # an engine that cannot checkpoint says so here, before any RL work
     actor_env = roles.env("actor")

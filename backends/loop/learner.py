@@ -33,7 +33,7 @@ from backends.loop.fingerprints import (
 from backends.loop.stages import RunData, RunPaths, start_actor
 from backends.training.roles import Roles
 
-__all__ = ["Learner", "build_learner", "mean_metrics", "step_stats"]
+__all__ = ["Learner", "build_learner", "learner_for", "mean_metrics", "step_stats"]
 
 
 @attrs.define
@@ -208,6 +208,24 @@ def build_learner(
         state=algorithm.initial_state(),
         mini_batches=mini_batches,
         skip_zero_rows=zero_advantage_rows_are_skippable(cfg.algo, algorithm.policy_loss),
+    )
+
+
+def learner_for(ctx: Any, roles: Roles, before_sft_update: Callable[[int], None] | None = None) -> Learner:
+    """:func:`build_learner` with what the start-up prepared (``ctx``: :class:`backends.loop.rl_loop.RunContext`)."""
+    return build_learner(
+        ctx.cfg,
+        ctx.algorithm,
+        roles,
+        ctx.run,
+        ctx.data,
+        ctx.tokenizer,
+        rl_optim=ctx.rl_optim,
+        critic_optim=ctx.critic_optim,
+        mini_batches=ctx.mini_batches,
+        metrics_log=ctx.metrics_log,
+        build_kwargs=ctx.build_kwargs,
+        before_sft_update=before_sft_update,
     )
 
 

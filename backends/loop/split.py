@@ -66,7 +66,7 @@ from backends.distributed.weight_broadcast import WeightBroadcastError, broadcas
 from backends.loop.actor_loss import loss_seed
 from backends.loop.algorithm import max_context, stamp_policy_version
 from backends.loop.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
-from backends.loop.learner import Learner, build_learner, step_stats
+from backends.loop.learner import Learner, learner_for, step_stats
 from backends.loop.sampling import sample_share
 from backends.loop.stages import checkpoint_or_stop, dump_generations, evaluate_policy, export_final, summarize
 from backends.loop.vocabulary import OffPolicyConfig
@@ -490,18 +490,9 @@ def run_split(ctx: Any) -> dict:
         actor_engine=ctx.engine,
         critic_engine=ctx.critic_engine,
     )
-    trainer = build_learner(
-        cfg,
-        ctx.algorithm,
+    trainer = learner_for(
+        ctx,
         roles,
-        run,
-        ctx.data,
-        ctx.tokenizer,
-        rl_optim=ctx.rl_optim,
-        critic_optim=ctx.critic_optim,
-        mini_batches=ctx.mini_batches,
-        metrics_log=mlog,
-        build_kwargs=ctx.build_kwargs,
         before_sft_update=lambda step: sft_signal(split, _SFT_UPDATE, f"SFT update {step + 1} starts"),
     )
     if sft:
