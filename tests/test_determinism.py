@@ -66,6 +66,7 @@ def test_fingerprints_tell_bits_apart():
             marks=pytest.mark.distributed,
         ),
         pytest.param(("ppo", PPO, 1, ["algo.kl_ctrl=adaptive"]), id="ppo-colocated"),
+        pytest.param(("grpo", GRPO, 1, ["rollout.engine=vllm"]), id="grpo-vllm-cpu", marks=pytest.mark.vllm),
         pytest.param(("grpo", GRPO, 1, ["actor.lora.rank=4", "actor.optim.lr=1e-3"]), id="grpo-lora"),
         pytest.param(
             ("grpo", GRPO, 2, ["offpolicy.rollout_ranks=1", "offpolicy.mode=one_step_off"]),
