@@ -15,14 +15,12 @@ and compares every stage's fingerprints with the run's (``fingerprints/``).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
 from backends.checkpoint.dcp import load_checkpoint
-from backends.config import ConfigError, apply_overrides
+from backends.config import ConfigError, apply_overrides, resolve_function
 from backends.distributed.setup import init_distributed, shutdown
 from backends.loop.bisect import first_difference, read_fingerprints
 from backends.loop.fingerprints import STAGES, gather_fingerprints
@@ -93,13 +91,10 @@ def replay_step(run_dir: Path, step: int, overrides: list[str]) -> tuple[dict | 
 
 
 def recipe_module(ref: str) -> Any:
-    """The recipe's module: a module name (``experiments.grpo``) or the path of a recipe file outside the package."""
-    if not ref.endswith(".py"):
-        return importlib.import_module(ref)
-    spec = importlib.util.spec_from_file_location(Path(ref).stem, ref)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The recipe's module, a module name (``experiments.grpo``) or a recipe file's path, loaded by the config's
+    reference resolver (through the recipe's ``main``)."""
+    main = resolve_function(f"{ref}:main", {}, "the recorded recipe")
+    return sys.modules[main.__module__]
 
 
 def stage_changes(original: dict, replayed: dict) -> list[str]:

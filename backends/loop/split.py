@@ -72,6 +72,7 @@ from backends.loop.stages import checkpoint_or_stop, dump_generations, evaluate_
 from backends.loop.vocabulary import OffPolicyConfig
 from backends.loop.weight_bridge import WeightBridge, weight_bridge
 from backends.rollout.api import build_rollout, refuse_on_a_pool
+from backends.training.engines import select_engine
 from backends.training.reward_model import build_reward_model
 from backends.training.roles import Roles
 from backends.training.sft import sft_steps
@@ -148,8 +149,6 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
             f"offpolicy.rollout_ranks={off.rollout_ranks} on {world_size} ranks: need at least one "
             "trainer rank and no more rollout ranks than trainer ranks"
         )
-    from backends.training.engines import select_engine
-
     refused = {
         f"actor.backend={cfg.actor.backend}": not select_engine(
             cfg.actor.backend, tp=cfg.actor.tp, pp=cfg.actor.pp
