@@ -57,6 +57,7 @@ __all__ = ["RESUMABLE_KEYS", "Recipe", "RunContext", "run_recipe"]
 RESUMABLE_KEYS = (
     "debug",
     "resume",
+    "fork_from",
     "run_dir",
     "run_root",
     "checkpoint",
