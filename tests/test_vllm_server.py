@@ -34,7 +34,8 @@ PROMPT = [5, 9, 12, 7, 3]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    config = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    # the recipes' tiny model (tests/recipes.TINY_MODEL), so that the GRPO test can use this server too
+    config = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96)
     return write_tiny_model(tmp_path_factory.mktemp("model") / "m", config, build_char_tokenizer())
 
 
@@ -154,3 +155,38 @@ def test_an_agent_samples_through_the_openai_client(server, model_dir):
         openai.OpenAI(base_url=server.url, api_key=server.tokens.agent, max_retries=0).post(
             "/pause", cast_to=object, body={}
         )
+
+
+@pytest.mark.distributed
+def test_grpo_trains_through_a_vllm_server_with_the_weights_pushed_every_step(server, tmp_path):
+    """GRPO on 2 ranks with rollout.engine=vllm_server pointed at this module's server: rank 0 pushes the SFT'd policy
+    first and the weights after every update, both ranks sample from the server; every token of every step comes
+    from the version the step expects (the engine checks), and its log-probs are the trainer's to fp32 rounding."""
+    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
+    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data")
+    out = run(
+        GRPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data),
+        *TINY_MODEL,
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "rollout.engine=vllm_server",
+        "rollout.vllm_server.count=0",
+        f'rollout.vllm_server.urls=["{server.url}"]',
+        "actor.optim.lr=1e-3",
+        "eval.max_prompts=4",
+        "eval.n=1",
+        nproc=2,
+        timeout=600,
+        environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    rows = metrics(the_run_dir(tmp_path / "runs", "grpo"))
+    assert len(rows) == 3
+    assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]
+    assert server.client().weight_version() == "3"  # the policy's weights ("0"), then one push per update

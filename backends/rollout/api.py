@@ -21,10 +21,12 @@ import torch
 
 from backends.config import ConfigError
 from backends.rollout import native as rollout_native
+from backends.rollout import server_rollout
 from backends.rollout import vllm as rollout_vllm
 from backends.rollout.common import SamplingConfig, TurnOutput, decode_responses
 from backends.rollout.engine import RolloutEngine, RolloutEngineSpec
 from backends.rollout.environments import MultiTurnConfig
+from backends.rollout.server_rollout import ServerRolloutConfig
 from backends.rollout.vllm import VLLMConfig
 
 __all__ = [
@@ -40,17 +42,24 @@ __all__ = [
 ]
 
 #: name -> registration (``rollout.engine``)
-ROLLOUT_ENGINES: dict[str, RolloutEngineSpec] = {"native": rollout_native.ENGINE_SPEC, "vllm": rollout_vllm.ENGINE_SPEC}
+ROLLOUT_ENGINES: dict[str, RolloutEngineSpec] = {
+    "native": rollout_native.ENGINE_SPEC,
+    "vllm": rollout_vllm.ENGINE_SPEC,
+    "vllm_server": server_rollout.ENGINE_SPEC,
+}
 
 
 @attrs.frozen
 class RolloutConfig(SamplingConfig):
     """Sampling options (:class:`SamplingConfig`) plus which engine runs them."""
 
-    engine: str = attrs.field(default="native")  #: native: torch KV-cache engine; vllm: in-process vLLM
+    #: native: torch KV-cache engine; vllm: in-process vLLM; vllm_server: vLLM servers in processes of their own
+    engine: str = attrs.field(default="native")
     #: the native engine's weight dtype (synced weights are cast to it); the vLLM engine's is vllm.dtype
     dtype: Literal["float32", "bfloat16"] = attrs.field(default="float32")
     vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
+    #: rollout.engine=vllm_server: vLLM servers in processes of their own (started, or pointed at by URL)
+    vllm_server: ServerRolloutConfig = ServerRolloutConfig()
     #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on
     #: GPU, 16 on CPU (where gloo moves small buffers faster)
     sync_bucket_mb: float | None = None

@@ -43,6 +43,7 @@ __all__ = [
     "complete_set",
     "server_command",
     "start_vllm_server",
+    "transfer_backend",
 ]
 
 
@@ -67,12 +68,12 @@ class VLLMServerConfig:
     extra_args: tuple[str, ...] = ()  #: more ``vllm serve`` arguments
 
 
-def _transfer_backend(cfg: VLLMServerConfig) -> str:
-    if cfg.weight_transfer != "auto":
-        return cfg.weight_transfer
-    from backends.rollout.vllm_transfer import GLOO_BACKEND
-
-    return "nccl" if torch.cuda.is_available() else GLOO_BACKEND
+def transfer_backend(name: str = "auto") -> str:
+    """The weight-transfer engine ``name`` stands for: ``auto`` is vLLM's NCCL engine where CUDA is, rlfunc's gloo
+    engine elsewhere."""
+    if name != "auto":
+        return name
+    return "nccl" if torch.cuda.is_available() else "rlfunc_gloo"  # backends.rollout.vllm_transfer.GLOO_BACKEND
 
 
 def server_command(model_dir: str | Path, cfg: VLLMServerConfig, port: int) -> list[str]:
@@ -95,7 +96,7 @@ def server_command(model_dir: str | Path, cfg: VLLMServerConfig, port: int) -> l
         str(cfg.seed),
         "--enable-scale-out",
         "--weight-transfer-config",
-        json.dumps({"backend": _transfer_backend(cfg)}),
+        json.dumps({"backend": transfer_backend(cfg.weight_transfer)}),
         "--middleware",
         "backends.rollout.server_auth.RunTokenAuth",
         "--logprobs-mode",
