@@ -13,6 +13,7 @@ import re
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
@@ -190,3 +191,45 @@ def test_grpo_trains_through_a_vllm_server_with_the_weights_pushed_every_step(se
     assert len(rows) == 3
     assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]
     assert server.client().weight_version() == "3"  # the policy's weights ("0"), then one push per update
+
+
+@pytest.mark.distributed
+@pytest.mark.offpolicy
+def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_server(server, tmp_path):
+    """1 trainer rank + 1 rollout rank whose engine is this module's server: bounded with max_staleness=0 trains
+    bit for bit as sync (the same weights pushed before each step, the same per-prompt seeds)."""
+    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
+    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, run, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data")
+    reward = tmp_path / "length_reward.py"  # scores that differ within a group: real updates
+    reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
+    weights = {}
+    for mode in (["offpolicy.mode=bounded", "offpolicy.max_staleness=0"], ["offpolicy.mode=sync"]):
+        root = tmp_path / mode[0].split("=")[1]
+        out = run(
+            GRPO,
+            f"run_root={root}",
+            *data_args(data, sft_steps=0),
+            *TINY_MODEL,
+            "steps=3",
+            "prompts_per_step=4",
+            "rollout.n=4",
+            "rollout.max_new_tokens=8",
+            f"reward.fn={reward}:score",
+            "eval.max_prompts=4",
+            "eval.n=1",
+            "offpolicy.rollout_ranks=1",
+            *mode,
+            "rollout.engine=vllm_server",
+            "rollout.vllm_server.count=0",
+            f'rollout.vllm_server.urls=["{server.url}"]',
+            nproc=2,
+            timeout=600,
+            environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+        )
+        assert out.returncode == 0, out.stderr[-6000:]
+        (path,) = (the_run_dir(root, "grpo") / "final_model").glob("*.safetensors")
+        weights[mode[0]] = load_file(path)
+    bounded, sync = weights.values()
+    assert bounded.keys() == sync.keys() and all((bounded[k] == sync[k]).all() for k in bounded)

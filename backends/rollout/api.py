@@ -99,15 +99,19 @@ def build_rollout(
     seed: int = 0,
     max_context: int | None = None,
     device: str | torch.device | None = None,
+    group: Any = None,
 ) -> RolloutEngine:
     """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun).
 
     ``max_context``: the longest prompt plus response the recipe samples (its ``data.max_prompt_length +
     rollout.max_new_tokens``): vLLM sizes its KV cache for it (default: the model's max_position_embeddings).
     ``device``: where an engine that runs in torch places itself (the trainer's device: ``cuda:LOCAL_RANK`` on a
-    GPU node); vLLM places itself.
+    GPU node); vLLM places itself. ``group``: the ranks that build it together (a rollout pool's group; None: every
+    rank), for an engine whose ranks share servers.
     """
-    return rollout_engine_spec(cfg).build(cfg, model_path, tokenizer, seed=seed, max_context=max_context, device=device)
+    spec = rollout_engine_spec(cfg)
+    extra = {"group": group} if spec.takes_group else {}
+    return spec.build(cfg, model_path, tokenizer, seed=seed, max_context=max_context, device=device, **extra)
 
 
 def refuse_on_a_pool(cfg: RolloutConfig, placement: str, *, setting: str, colocated: str) -> None:

@@ -13,7 +13,8 @@ in-process engines.
   server (:class:`~backends.rollout.vllm_server.WeightPusher`: checked, paused, sent, finished under the new
   version, resumed), then every rank waits for it, so no rank samples from a server before its push.
 
-Multi-turn sessions and rollout pools of some of the ranks are refused for now (``check_config``, ``pool_refusal``).
+The ranks that build the engine together (every rank colocated; a split run's rollout pool) share its servers: the
+first of them starts them and pushes. Multi-turn sessions are refused for now (``check_config``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from backends.distributed.collectives import broadcast_object
 from backends.rollout.common import SamplingConfig, assemble_batch, check_group_ids, left_pad, prepare_prompts
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.server_auth import TRAINER_TOKEN_ENV, RunTokens, new_tokens
@@ -46,6 +46,20 @@ from backends.rollout.vllm_server import (
 from rlfunc.batch import RolloutBatch
 
 __all__ = ["ENGINE_SPEC", "ServerRollout", "ServerRolloutConfig", "build_server_rollout"]
+
+
+def _leads(group: Any) -> bool:
+    """Whether this rank is the first of ``group`` (None: of every rank): the one that starts servers and pushes."""
+    return not dist.is_initialized() or dist.get_rank(group) == 0
+
+
+def _from_leader(obj: Any, group: Any) -> Any:
+    """The first rank of ``group``'s ``obj`` on every rank of it."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
 
 
 @attrs.frozen
@@ -71,6 +85,7 @@ class ServerRollout:
     concurrency: int = 16
     pushers: tuple[WeightPusher, ...] = ()
     servers: tuple[RolloutServer, ...] = ()
+    group: Any = None  #: the ranks that share these servers (None: every rank)
     weights_version: int = 0
 
     def version_label(self) -> str:
@@ -142,8 +157,7 @@ class ServerRollout:
             except RolloutServerError as e:
                 error = str(e)
                 break
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            error = broadcast_object(error)  # the push happened (or failed) before any rank samples again
+        error = _from_leader(error, self.group)  # the push happened (or failed) before any rank samples again
         if error is not None:
             raise RolloutServerError(error)
         return attrs.evolve(self, weights_version=version)
@@ -165,9 +179,16 @@ class ServerRollout:
 
 
 def build_server_rollout(
-    cfg: Any, model_path: str | os.PathLike, tokenizer: Any = None, *, seed: int = 0, max_context: int | None = None
+    cfg: Any,
+    model_path: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    seed: int = 0,
+    max_context: int | None = None,
+    group: Any = None,
 ) -> ServerRollout:
-    """Start (rank 0) or reach the servers of ``cfg.vllm_server`` and connect every rank to them."""
+    """Start (the first rank of ``group``) or reach the servers of ``cfg.vllm_server`` and connect every rank of
+    ``group`` (None: every rank) to them."""
     from backends.models import load_tokenizer
     from backends.rollout.vllm import model_token_ids, read_hf_config
 
@@ -177,7 +198,7 @@ def build_server_rollout(
     eos, pad = model_token_ids(path, hf_cfg, tokenizer, None)
     context = int(max_context or hf_cfg.max_position_embeddings)
     settings: ServerRolloutConfig = cfg.vllm_server
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    rank0 = _leads(group)
     servers: list[RolloutServer] = []
     shared, error = None, None
     if rank0:
@@ -187,8 +208,7 @@ def build_server_rollout(
             shared = ([s.url for s in servers] + list(settings.urls), tokens)
         except (RolloutServerError, OSError, ValueError) as e:
             error = f"{type(e).__name__}: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        error, shared = broadcast_object((error, shared))
+    error, shared = _from_leader((error, shared), group)
     if error is not None:
         for server in servers:
             server.stop()
@@ -208,8 +228,7 @@ def build_server_rollout(
                 pusher.push(initial, version=0)
         except (RolloutServerError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        error = broadcast_object(error)
+    error = _from_leader(error, group)
     if error is not None:
         for server in servers:
             server.stop()
@@ -223,6 +242,7 @@ def build_server_rollout(
         concurrency=settings.concurrency,
         pushers=pushers,
         servers=tuple(servers),
+        group=group,
     )
 
 
@@ -294,19 +314,17 @@ def _build_from_config(
     seed: int = 0,
     max_context: int | None = None,
     device: Any = None,
+    group: Any = None,
 ) -> ServerRollout:
-    return build_server_rollout(cfg, model_path, tokenizer, seed=seed, max_context=max_context)
+    return build_server_rollout(cfg, model_path, tokenizer, seed=seed, max_context=max_context, group=group)
 
 
-#: ``rollout.engine=vllm_server``: weights in ``rollout.vllm.dtype``, pushed by rank 0
+#: ``rollout.engine=vllm_server``: weights in ``rollout.vllm.dtype``, pushed by the first rank of the engine's ranks
 ENGINE_SPEC = RolloutEngineSpec(
     build=_build_from_config,
     check_config=_check_config,
     weight_dtype=lambda cfg: getattr(torch, cfg.vllm.resolved(on_gpu=torch.cuda.is_available()).dtype),
     engine_type=ServerRollout,
     session_type=type(None),
-    pool_refusal=(
-        "the vLLM server engine pushes weights from the run's first rank, which a rollout pool of its own does not "
-        "hold yet"
-    ),
+    takes_group=True,
 )

@@ -247,6 +247,11 @@ class ServerClient:
     def resume(self) -> None:
         self.request("POST", "/resume")
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (vLLM's weight update keeps it); refused while requests hold blocks."""
+        if not self.request("POST", "/reset_prefix_cache")["success"]:
+            raise RolloutServerError(f"rollout server {self.url}: its prefix cache could not be reset (blocks in use)")
+
     # vLLM's VLLMWeightSyncClient protocol (vllm/distributed/weight_transfer/clients.py)
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.request("POST", "/init_weight_transfer_engine", json={"init_info": init_info})
@@ -352,7 +357,8 @@ class WeightPusher:
     """Pushes versions of the weights to one server through vLLM's weight-transfer API (see
     :mod:`backends.rollout.vllm_transfer`): the group is formed once, then each :meth:`push` checks the set against
     the server's checkpoint (:func:`complete_set`), pauses the server (running requests frozen, not dropped), sends
-    every tensor, finishes the update under its version and resumes. Only the trainer's rank 0 builds one."""
+    every tensor, finishes the update under its version, drops the prefix cache (vLLM's update keeps it) and
+    resumes. Only the trainer's rank 0 builds one."""
 
     def __init__(
         self,
@@ -392,6 +398,7 @@ class WeightPusher:
         self.client.pause("keep")
         try:
             self.engine.send_weights()
+            self.client.reset_prefix_cache()  # cached keys / values of the old weights must not serve the new
         except RolloutServerError as e:
             # the model may hold part of the new set (or its server stopped): it is not resumed on it
             raise RolloutServerError(
