@@ -212,8 +212,9 @@ def _sampling(body: Any, max_new_tokens: int, seed: int) -> SamplingConfig:
 
 def _check_openai_body(policy: ServedPolicy, body: Any, trajectory: Trajectory | None) -> None:
     if body.model != policy.model_name:
-        raise ServiceError(404, f"model {body.model!r} is not served here; this server serves {policy.model_name!r}",
-                           param="model")
+        raise ServiceError(
+            404, f"model {body.model!r} is not served here; this server serves {policy.model_name!r}", param="model"
+        )
     if body.stream:
         raise ServiceError(400, "stream=true is not supported by this server", param="stream")
     if trajectory is not None and body.n != 1:
@@ -231,16 +232,19 @@ def _render(policy: ServedPolicy, messages: list[dict[str, Any]], generation: bo
                 **kwargs,
             )
         except Exception as e:  # jinja's errors name neither the template nor the messages
-            raise ServiceError(400, f"the chat template failed on these messages: {type(e).__name__}: {e}",
-                               param="messages") from None
+            raise ServiceError(
+                400, f"the chat template failed on these messages: {type(e).__name__}: {e}", param="messages"
+            ) from None
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def completions(policy: ServedPolicy, body: CompletionBody, trajectory: Trajectory | None) -> dict[str, Any]:
     _check_openai_body(policy, body, trajectory)
-    raw = body.prompt if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int) else [
+    raw = (
         body.prompt
-    ]
+        if isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int)
+        else [body.prompt]
+    )
     prompts = []
     for p in raw:
         if isinstance(p, str):
@@ -255,7 +259,15 @@ def completions(policy: ServedPolicy, body: CompletionBody, trajectory: Trajecto
     batch, version = _generate(policy, prompts, sampling, sampling.seed)
     rows = _rows(policy, batch, prompts, body.n)
     if trajectory is not None:
-        policy.recorder.record(trajectory, prompts[0], rows[0].token_ids, rows[0].logprobs, version, reply=rows[0].text)
+        policy.recorder.record(
+            trajectory,
+            prompts[0],
+            rows[0].token_ids,
+            rows[0].logprobs,
+            version,
+            reply=rows[0].text,
+            finished=rows[0].finished,
+        )
     return completion_response(
         policy.model_name, prompts, rows, _pieces(policy, rows), logprobs=body.logprobs is not None, version=version
     )
@@ -281,7 +293,14 @@ def chat_completions(policy: ServedPolicy, body: ChatBody, trajectory: Trajector
     rows = _rows(policy, batch, [prompt], body.n)
     if trajectory is not None:
         policy.recorder.record(
-            trajectory, prompt, rows[0].token_ids, rows[0].logprobs, version, messages=messages, reply=rows[0].text
+            trajectory,
+            prompt,
+            rows[0].token_ids,
+            rows[0].logprobs,
+            version,
+            messages=messages,
+            reply=rows[0].text,
+            finished=rows[0].finished,
         )
     return chat_response(
         policy.model_name, prompt, rows, _pieces(policy, rows), logprobs=body.logprobs, version=version
@@ -381,8 +400,11 @@ def build_app(policy: ServedPolicy) -> Any:
             return await call_next(request)
         with policy.lock:
             if policy.draining:
-                return _error(503, "the server is draining: it finishes what it has and refuses new requests",
-                              "service_unavailable")
+                return _error(
+                    503,
+                    "the server is draining: it finishes what it has and refuses new requests",
+                    "service_unavailable",
+                )
             policy.in_flight += 1
         try:
             return await call_next(request)

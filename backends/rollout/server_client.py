@@ -184,8 +184,9 @@ def _call(
             message = response.json()["error"]["message"]
         except Exception:
             message = response.text[:500]
-        raise ServerError(f"rollout server {url}: {method} {path}: {response.status_code} {message}",
-                          response.status_code)
+        raise ServerError(
+            f"rollout server {url}: {method} {path}: {response.status_code} {message}", response.status_code
+        )
     return response.json()
 
 

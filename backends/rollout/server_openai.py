@@ -156,7 +156,13 @@ def _usage(rows: list[SampledRow], prompts: list[list[int]]) -> dict[str, int]:
 
 
 def completion_response(
-    model: str, prompts: list[list[int]], rows: list[SampledRow], pieces: list[list[str]], *, logprobs: bool, version: int
+    model: str,
+    prompts: list[list[int]],
+    rows: list[SampledRow],
+    pieces: list[list[str]],
+    *,
+    logprobs: bool,
+    version: int,
 ) -> dict[str, Any]:
     """An OpenAI ``Completion``: choice ``i`` is row ``i`` (``n`` rows per prompt, prompts in order); ``pieces``:
     each row's tokens as text."""

@@ -52,6 +52,7 @@ class Trajectory:
     messages: list[dict[str, Any]] | None = None
     broken: str | None = None  #: why the record no longer holds the conversation (None: it does)
     last_reply: str | None = None  #: the text of the last sampled reply
+    last_finished: bool = False  #: the last reply ended with an end-of-turn token (else its length cap cut it)
 
     def context(self) -> list[int]:
         """Every id recorded so far: prompt, then response."""
@@ -88,20 +89,29 @@ def _replies_emptied(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]
     return [{**m, "content": ""} if m.get("role") == "assistant" else dict(m) for m in messages]
 
 
-def appended_ids(render: Render, messages: list[dict[str, Any]], history_length: int) -> list[int] | None:
-    """The ids the chat template gives ``messages[history_length:]`` (with the generation prompt) after the first
-    ``history_length`` messages; None when no rendering of the history is a prefix of the whole one.
+def appended_ids(
+    render: Render, messages: list[dict[str, Any]], history_length: int, *, last_sampled: int | None, finished: bool
+) -> list[int] | None:
+    """The ids that follow the recorded ones when ``messages[:history_length]`` is the recorded history: the end
+    of the last reply as the chat template closes it (less the end-of-turn token the model sampled, if it did),
+    then the new messages with the generation prompt. None when the template's renderings share no prefix.
 
-    The history is rendered as sent, then with its assistant replies emptied: a template that rewrites earlier
-    replies (strips their reasoning) renders an empty reply the same wherever it stands, so the new messages'
-    ids still follow a common prefix.
+    The history is rendered with its assistant replies emptied: a template that rewrites earlier replies (strips
+    their reasoning) renders an empty reply the same wherever it stands, so the new messages' ids follow a
+    common prefix, and the recorded ids stand for the replies themselves.
     """
-    for history in (list(messages[:history_length]), _replies_emptied(messages[:history_length])):
-        head = render(history, False)
-        whole = render(history + list(messages[history_length:]), True)
-        if whole[: len(head)] == head:
-            return whole[len(head) :]
-    return None
+    history = _replies_emptied(messages[:history_length])
+    if not history or history[-1].get("role") != "assistant":
+        return None
+    before_reply = render(history[:-1], True)
+    head = render(history, False)
+    whole = render(history + list(messages[history_length:]), True)
+    if head[: len(before_reply)] != before_reply or whole[: len(head)] != head:
+        return None
+    closing = head[len(before_reply) :]
+    if finished and closing and closing[0] == last_sampled:
+        closing = closing[1:]
+    return closing + whole[len(head) :]
 
 
 class TrajectoryRecorder:
@@ -149,8 +159,12 @@ class TrajectoryRecorder:
             if rendered[: len(recorded)] == recorded:
                 return rendered
             history = trajectory.messages or []
+            last_sampled = trajectory.response_ids[-1] if trajectory.response_ids else None
+            finished = trajectory.last_finished
         # rendering is the slow part: outside the lock (one trajectory's calls come from one agent, in order)
-        tail = appended_ids(render, messages, len(history)) if same_history(history, messages) else None
+        tail = None
+        if same_history(history, messages):
+            tail = appended_ids(render, messages, len(history), last_sampled=last_sampled, finished=finished)
         with self._lock:
             if tail is None:
                 self._break(trajectory, "the chat history sent differs from the recorded one (an edited message)")
@@ -178,9 +192,11 @@ class TrajectoryRecorder:
         *,
         messages: list[dict[str, Any]] | None = None,
         reply: str = "",
+        finished: bool = False,
     ) -> None:
         """One call of ``trajectory``: it fed ``prompt_ids`` and sampled ``sampled_ids`` with ``logprobs`` under
-        policy ``version``; ``messages`` (chat calls): the history it was given, to which the reply is added."""
+        policy ``version``; ``messages`` (chat calls): the history it was given, to which the reply is added;
+        ``finished``: the reply ended with an end-of-turn token."""
         if len(sampled_ids) != len(logprobs):
             raise ValueError(f"{len(sampled_ids)} sampled ids but {len(logprobs)} log-probs")
         with self._lock:
@@ -205,6 +221,7 @@ class TrajectoryRecorder:
             trajectory.turn_ids += [turn] * len(sampled_ids)
             trajectory.calls += 1
             trajectory.last_reply = reply
+            trajectory.last_finished = finished
             if messages is not None:
                 trajectory.messages = [dict(m) for m in messages] + [{"role": "assistant", "content": reply}]
 
