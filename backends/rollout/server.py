@@ -366,6 +366,16 @@ def build_app(policy: ServedPolicy) -> Any:
     """The FastAPI app serving ``policy`` (see the module doc)."""
     app = FastAPI(title="rlfunc rollout server", docs_url=None, redoc_url=None, openapi_url=None)
 
+    _error_handlers(app)
+    _who_calls_and_draining(app, policy)
+    _admin_routes(app, policy)
+    _sampling_routes(app, policy)
+    _trajectory_routes(app, policy)
+    _weight_routes(app, policy)
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, e: ServiceError) -> Any:
         return _error(e.status, e.message, e.kind, e.param)
@@ -387,6 +397,8 @@ def build_app(policy: ServedPolicy) -> Any:
     async def _http(request: Request, e: HTTPException) -> Any:
         return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error")
 
+
+def _who_calls_and_draining(app: FastAPI, policy: ServedPolicy) -> None:
     @app.middleware("http")
     async def _count_in_flight(request: Request, call_next: Any) -> Any:
         # who is calling is settled before the body is read (a refusal costs no parsing); what they may call, in
@@ -412,6 +424,8 @@ def build_app(policy: ServedPolicy) -> Any:
             with policy.lock:
                 policy.in_flight -= 1
 
+
+def _admin_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.get("/health")
     def health(request: Request) -> dict[str, Any]:
         _caller(policy, request, agents=False)
@@ -439,6 +453,8 @@ def build_app(policy: ServedPolicy) -> Any:
             await asyncio.sleep(0.02)
         return {"drained": True, "version": policy.version}
 
+
+def _sampling_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/generate")
     def generate_route(body: GenerateBody, request: Request) -> dict[str, Any]:
         _caller(policy, request, agents=False)
@@ -458,6 +474,8 @@ def build_app(policy: ServedPolicy) -> Any:
     def chat_route(body: ChatBody, request: Request) -> dict[str, Any]:
         return chat_completions(policy, body, _caller(policy, request, agents=True))
 
+
+def _trajectory_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/trajectories")
     def register(body: RegisterBody, request: Request) -> dict[str, Any]:
         _caller(policy, request, agents=False)
@@ -476,6 +494,8 @@ def build_app(policy: ServedPolicy) -> Any:
         _caller(policy, request, agents=False)
         return _forget(policy, trajectory_id)
 
+
+def _weight_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/weights/begin")
     def weights_begin(body: WeightsVersionBody, request: Request) -> dict[str, Any]:
         _caller(policy, request, agents=False)
@@ -498,8 +518,6 @@ def build_app(policy: ServedPolicy) -> Any:
     def weights_commit(body: WeightsVersionBody, request: Request) -> dict[str, Any]:
         _caller(policy, request, agents=False)
         return _commit_weights(policy, body.version)
-
-    return app
 
 
 # ------------------------------------------------------------------------------------------------ the process

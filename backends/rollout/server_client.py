@@ -100,7 +100,7 @@ def start_servers(
     workdir: str | os.PathLike | None = None,
     startup_timeout_s: float = 180.0,
 ) -> list[ServerProcess]:
-    """``count`` servers of ``model_dir`` on this machine (each its own process, on a free loopback port), once
+    """``count`` servers of ``model_dir`` as local processes (each on a free loopback port), once
     every one answers ``/health``; logs and port files go to ``workdir`` (default: a new temporary dir)."""
     if count < 1:
         raise ValueError(f"start_servers needs count >= 1, got {count}")
