@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import secrets
 import socket
@@ -58,7 +59,7 @@ from backends.rollout.server_weights import WeightPushError, WeightStaging
 from backends.rollout.trajectories import Trajectory, TrajectoryRecorder
 from rlfunc.batch import RolloutBatch
 
-__all__ = ["ServedPolicy", "ServiceError", "build_app", "main"]
+__all__ = ["ServedPolicy", "ServiceError", "ThreadedServer", "build_app", "main"]
 
 #: names ``apply_chat_template`` takes itself: a request's ``chat_template_kwargs`` may not set them
 _TEMPLATE_OWN_ARGS = frozenset(
@@ -98,7 +99,8 @@ class ServedPolicy:
     model_name: str
     trainer_token: str = attrs.field(repr=False)
     staging: WeightStaging
-    max_new_tokens: int = 256  #: a chat call's default cap on sampled tokens
+    #: what a call leaves out: temperature, top-p, top-k, and a chat call's cap on sampled tokens
+    defaults: SamplingConfig = SamplingConfig(n=1, max_new_tokens=256)
     seed: int = 0  #: seeds of calls that send none: seed + a request counter
     chat_template: str | None = None  #: overrides the tokenizer's
     version: int = 0  #: the policy version being served
@@ -167,9 +169,15 @@ def _generate(
         return batch, policy.version
 
 
-def _call_seed(policy: ServedPolicy, seed: int | None) -> int:
+def _call_seed(policy: ServedPolicy, seed: int | None, trajectory: Trajectory | None) -> int:
+    """The request's seed; else, for a trajectory's call, one fixed by the server's seed, the trajectory and the
+    call's index (a run with the same agents samples the same tokens, whatever order their threads call in); else
+    the server's seed plus a count of such calls."""
     if seed is not None:
         return seed
+    if trajectory is not None:
+        digest = hashlib.sha256(f"{policy.seed}:{trajectory.id}:{trajectory.calls}".encode()).digest()
+        return int.from_bytes(digest[:7], "little")
     with policy.lock:
         policy.unseeded_calls += 1
         return policy.seed + policy.unseeded_calls
@@ -203,9 +211,9 @@ def _pieces(policy: ServedPolicy, rows: list[SampledRow]) -> list[list[str]]:
     return [[_decode(policy, [t]) for t in row.token_ids] for row in rows]
 
 
-def _sampling(body: Any, max_new_tokens: int, seed: int) -> SamplingConfig:
+def _sampling(policy: ServedPolicy, body: Any, max_new_tokens: int, seed: int) -> SamplingConfig:
     try:
-        return body.sampling(max_new_tokens, seed)
+        return body.sampling(policy.defaults, max_new_tokens, seed)
     except (ValueError, TypeError) as e:
         raise ServiceError(400, str(e)) from None
 
@@ -255,7 +263,7 @@ def completions(policy: ServedPolicy, body: CompletionBody, trajectory: Trajecto
         if len(prompts) != 1:
             raise ServiceError(400, f"a trajectory's call sends one prompt, got {len(prompts)}", param="prompt")
         prompts = [policy.recorder.completion_prompt(trajectory, prompts[0])]
-    sampling = _sampling(body, body.max_tokens or 16, _call_seed(policy, body.seed))
+    sampling = _sampling(policy, body, body.max_tokens or 16, _call_seed(policy, body.seed, trajectory))
     batch, version = _generate(policy, prompts, sampling, sampling.seed)
     rows = _rows(policy, batch, prompts, body.n)
     if trajectory is not None:
@@ -287,8 +295,8 @@ def chat_completions(policy: ServedPolicy, body: ChatBody, trajectory: Trajector
         prompt = render(messages, True)
     cap = body.max_completion_tokens or body.max_tokens
     if cap is None:
-        cap = max(1, min(policy.max_new_tokens, policy.engine.max_context - len(prompt)))
-    sampling = _sampling(body, cap, _call_seed(policy, body.seed))
+        cap = max(1, min(policy.defaults.max_new_tokens, policy.engine.max_context - len(prompt)))
+    sampling = _sampling(policy, body, cap, _call_seed(policy, body.seed, trajectory))
     batch, version = _generate(policy, [prompt], sampling, sampling.seed)
     rows = _rows(policy, batch, [prompt], body.n)
     if trajectory is not None:
@@ -520,6 +528,36 @@ def _weight_routes(app: FastAPI, policy: ServedPolicy) -> None:
         return _commit_weights(policy, body.version)
 
 
+# ------------------------------------------------------------------------------------------------ in a thread
+
+
+class ThreadedServer:
+    """A server of ``policy`` on a thread of this process, on a free loopback port: agents of an in-process engine
+    (the trainer updates the engine the policy holds; nothing is pushed)."""
+
+    def __init__(self, policy: ServedPolicy, *, host: str = "127.0.0.1", startup_timeout_s: float = 30.0) -> None:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, 0))
+        self.policy = policy
+        self.url = f"http://{host}:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(build_app(policy), log_level="warning", access_log=False))
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="rollout-server"
+        )
+        self.thread.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the in-process rollout server on {self.url} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10.0)
+
+
 # ------------------------------------------------------------------------------------------------ the process
 
 
@@ -561,7 +599,7 @@ def main(argv: list[str] | None = None) -> None:
         model_name=args.served_model_name or args.model,
         trainer_token=token,
         staging=staging,
-        max_new_tokens=args.max_new_tokens,
+        defaults=SamplingConfig(n=1, max_new_tokens=args.max_new_tokens),
         seed=args.seed,
         chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
     )

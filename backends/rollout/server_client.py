@@ -30,6 +30,7 @@ __all__ = [
     "TOKEN_ENV",
     "ServerError",
     "ServerProcess",
+    "close_trajectory",
     "drain",
     "generate",
     "new_token",
@@ -277,6 +278,11 @@ def register_trajectory(url: str, token: str, trajectory_id: str, *, deadline_s:
 def trajectory_tokens(url: str, token: str, trajectory_id: str) -> dict[str, Any]:
     """A trajectory's record: prompt_ids, response_ids, loss_mask, logprobs, versions, turn_ids, calls, broken."""
     return _call(url, token, "GET", f"/trajectories/{trajectory_id}")
+
+
+def close_trajectory(url: str, token: str, trajectory_id: str) -> None:
+    """Forget a trajectory on its server; its agent key stops working."""
+    _call(url, token, "DELETE", f"/trajectories/{trajectory_id}")
 
 
 def server_version(url: str, token: str) -> int:

@@ -71,12 +71,13 @@ class _OpenAISampling(_Strict):
     stream: bool = False
     user: str | None = None
 
-    def sampling(self, max_new_tokens: int, seed: int) -> SamplingConfig:
+    def sampling(self, defaults: SamplingConfig, max_new_tokens: int, seed: int) -> SamplingConfig:
+        """The request's options; what it leaves out comes from the server's ``defaults`` (the run's sampling)."""
         return SamplingConfig(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(0, self.top_k or 0),
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else max(0, self.top_k),
             max_new_tokens=max_new_tokens,
             seed=seed,
         )
