@@ -12,12 +12,16 @@ import json
 import threading
 from collections import Counter
 
+import attrs
 import openai
 import pytest
 import torch
 
 from backends.data import Example, prompt_token_ids
+from backends.loop.sampling import score_batch
+from backends.loop.vocabulary import RLConfig
 from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model
+from backends.rewards import RewardScorer
 from backends.rollout.agent_loop import sample
 from backends.rollout.agents import AgentRunner, agent_runner
 from backends.rollout.api import RolloutConfig, build_rollout
@@ -143,6 +147,23 @@ def test_agents_that_raise_hang_or_never_call_are_counted_and_dropped(engine):
     kept = episodes.batch.response_mask.any(-1).tolist()
     assert kept == [True, False, False, False] and episodes.finished == kept
     assert not episodes.batch.loss_mask[1:].any() and episodes.given_rewards == [None] * 4
+
+
+def test_an_agents_reward_replaces_the_reward_functions_score(engine):
+    rollout, tokenizer = engine
+    cfg = RLConfig()
+    cfg = attrs.evolve(cfg, reward=attrs.evolve(cfg.reward, fn=("arithmetic",)))
+    scorer = RewardScorer(cfg.reward)
+    examples = _examples(tokenizer, ["12", "30"])
+    batch = rollout.generate([list(e.prompt_ids) for e in examples], SamplingConfig(n=1, max_new_tokens=3), seed=0)
+    try:
+        plain, _ = score_batch(batch, examples, scorer, tokenizer, cfg, rollout.eos_token_ids)
+        given, _ = score_batch(
+            batch, examples, scorer, tokenizer, cfg, rollout.eos_token_ids, given_rewards=[0.75, None]
+        )
+    finally:
+        scorer.close()
+    assert given.scores.tolist() == [0.75, plain.scores[1].item()]
 
 
 def test_a_bad_agent_reference_fails_at_start_up():
