@@ -3,7 +3,8 @@ client and by the ``openai`` client.
 
 What it costs: one server start (a few seconds: a Python process importing torch, transformers and FastAPI) shared
 by the module, plus an in-process engine of the same model as the reference; each test then makes a handful of
-calls of at most a dozen tokens. The drain test comes last: it leaves the server refusing requests.
+calls of at most a dozen tokens. Every test leaves the server serving (the drain test resumes it), and compares
+it against the reference engine, which the weight test syncs with the server.
 """
 
 from __future__ import annotations
@@ -322,7 +323,7 @@ def test_malformed_requests_name_the_field(served):
         _client(served).chat.completions.create(model=MODEL, messages=chat, max_tokens=0)
 
 
-# ------------------------------------------------------------------------------------------------ drain (last)
+# ------------------------------------------------------------------------------------------------ drain
 
 
 def test_drain_finishes_in_flight_requests_then_refuses_new_ones(served):
@@ -330,16 +331,19 @@ def test_drain_finishes_in_flight_requests_then_refuses_new_ones(served):
     results = {}
 
     def long_call():
-        results["batch"] = server_client.generate(
-            url, token, [[5, 6]] * 8, SamplingConfig(n=8, max_new_tokens=48), seed=0
-        )
+        sampling = SamplingConfig(n=8, max_new_tokens=48)
+        results["batch"] = server_client.generate(url, token, [[5, 6]] * 8, sampling, seed=0)
 
     caller = threading.Thread(target=long_call)
     caller.start()
     time.sleep(0.3)
-    drained = server_client.drain(url, token)
-    caller.join(60)
-    assert drained["drained"] and "batch" in results  # the in-flight call got its answer
-    with pytest.raises(ServerError, match="503 the server is draining"):
-        server_client.generate(url, token, [[5]], SamplingConfig(n=1, max_new_tokens=2))
-    assert _http(served, "GET", "/health", token=token).json()["status"] == "draining"
+    try:
+        drained = server_client.drain(url, token)
+        caller.join(60)
+        assert drained["drained"] and "batch" in results  # the in-flight call got its answer
+        with pytest.raises(ServerError, match="503 the server is draining"):
+            server_client.generate(url, token, [[5]], SamplingConfig(n=1, max_new_tokens=2))
+        assert _http(served, "GET", "/health", token=token).json()["status"] == "draining"
+    finally:
+        assert _http(served, "POST", "/resume", token=token).status_code == 200
+    assert server_client.generate(url, token, [[5]], SamplingConfig(n=1, max_new_tokens=2))[0].response_ids.numel()

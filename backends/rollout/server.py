@@ -13,12 +13,14 @@ builds the engine with :func:`backends.rollout.api.build_rollout` (``--engine na
   checked buckets and applied whole (:mod:`backends.rollout.server_weights`);
 - ``POST /trajectories`` (a trajectory and the agent key that identifies it), ``GET /trajectories/<id>`` (its
   exact tokens, :mod:`backends.rollout.trajectories`), ``DELETE /trajectories/<id>``, ``GET /stats``;
-- ``GET /health``, ``GET /version``, ``POST /drain`` (finish in-flight requests, refuse new ones).
+- ``GET /health``, ``GET /version``, ``POST /drain`` (finish in-flight requests, refuse new ones), ``POST /resume``
+  (accept requests again).
 
 Who may call: every request carries ``Authorization: Bearer <token>``. The trainer's token (from the environment
 variable ``RLFUNC_SERVER_TOKEN``, generated per run by the parent; never logged, and removed from the environment
 the engine sees) may call everything; an agent's key (``POST /trajectories`` hands one out per trajectory) may call
-``/v1/*`` only, and only until its trajectory's deadline. Refusals are 401 (no or unknown token) and 403 (a
+``/v1/*`` only, and only until its trajectory's deadline (the weight, trajectory and admin endpoints need the
+trainer's). Refusals are 401 (no or unknown token) and 403 (a
 known token without the right), with an OpenAI-style JSON error. One engine call runs at a time.
 """
 
@@ -416,7 +418,7 @@ def _who_calls_and_draining(app: FastAPI, policy: ServedPolicy) -> None:
         except ServiceError as e:
             if e.status == 401:
                 return _error(e.status, e.message, e.kind)
-        if request.method == "GET" or request.url.path == "/drain":
+        if request.method == "GET" or request.url.path in ("/drain", "/resume"):
             return await call_next(request)
         with policy.lock:
             if policy.draining:
@@ -460,6 +462,13 @@ def _admin_routes(app: FastAPI, policy: ServedPolicy) -> None:
                     break
             await asyncio.sleep(0.02)
         return {"drained": True, "version": policy.version}
+
+    @app.post("/resume")
+    def resume(request: Request) -> dict[str, Any]:
+        _caller(policy, request, agents=False)
+        with policy.lock:
+            policy.draining = False
+        return {"draining": False, "version": policy.version}
 
 
 def _sampling_routes(app: FastAPI, policy: ServedPolicy) -> None:
