@@ -213,6 +213,12 @@ def _resume(resume: str, tmp: Path, must_match: dict | None = None) -> Any:
     )
 
 
+def _fork(fork_from: str, tmp: Path, model: dict) -> Any:
+    from backends.checkpoint.resume import fork_point
+
+    return fork_point(fork_from, run_dir=tmp / "fork", model=model)
+
+
 def _load_ckpt(path: Path) -> Any:
     from backends.checkpoint.dcp import load_checkpoint
 
@@ -806,6 +812,23 @@ CASES = [
             r"actor\.optim\.lr: checkpoint 1e-06, now 1e-05",
         ),
         ("resuming with another config", "the config matches, naming every differing key"),
+    ),
+    Case(
+        "fork-and-resume",
+        lambda tmp, ctx: grpo_config("fork_from=runs/a/checkpoints/step_2", "resume=runs/b/checkpoints/step_3"),
+        ConfigError,
+        (r"fork_from='runs/a/checkpoints/step_2' starts a new run .* resume='runs/b/checkpoints/step_3' continues",),
+        ("fork_from with resume=<a step dir>", "one starting checkpoint"),
+    ),
+    Case(
+        "fork-another-model",
+        lambda tmp, ctx: _fork(str(ctx.copy_checkpoint(tmp)), tmp, {"tiny": {"hidden_size": 64}}),
+        SystemExit,
+        (
+            r"CheckpointMismatchError: cannot fork from '.*/step_2': it was written for another model",
+            r"model\.tiny\.hidden_size: checkpoint <not set>, now 64",
+        ),
+        ("fork_from=<a checkpoint of another model>", "the model keys match, naming every differing key"),
     ),
     Case(
         "checkpoint-root-not-step",

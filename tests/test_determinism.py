@@ -55,6 +55,50 @@ def test_fingerprints_tell_bits_apart():
     assert fingerprint_tensors({"m": torch.tensor([True, False])})["m"]["sum"] == 1.0
 
 
+def _reference_hash(x) -> str:
+    """The documented hash, element by element: the tensor's bits as rows of up to 64 elements; the row sums (32-bit
+    wrapping for elements of 4 bytes or fewer) weighted by their row, the column sums by their column, mod 2**64."""
+    import torch
+
+    flat = x.reshape(-1)
+    width = flat.element_size()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
+    bits = (flat.view(torch.uint8) if flat.dtype == torch.bool else flat.view(ints)).tolist()
+    columns = next(c for c in (64, 32, 16, 8, 4, 2, 1) if len(bits) % c == 0)
+
+    def wrap(v):
+        return (v + 2**31) % 2**32 - 2**31 if width <= 4 else (v + 2**63) % 2**64 - 2**63
+
+    rows = [wrap(sum(bits[r * columns : (r + 1) * columns])) for r in range(len(bits) // columns)]
+    cols = [wrap(sum(bits[c::columns])) for c in range(columns)]
+    by_row = sum(v * (r + 1) for r, v in enumerate(rows)) % 2**64
+    by_col = sum(v * (c + 1) for c, v in enumerate(cols)) % 2**64
+    return f"{by_row:016x}{by_col:016x}:{len(bits)}"
+
+
+def test_fingerprints_follow_their_definition_alone_or_together():
+    """Tensors are hashed in groups of one dtype; a tensor's hash is the documented one whatever else is hashed
+    with it (of its dtype or another, before or after it)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "weights": torch.randn(96, 64, generator=gen) * 1e4,  # large values: the 32-bit row sums wrap
+        "bias": torch.randn(7, generator=gen),
+        "ids": torch.randint(0, 2**40, (3, 13), generator=gen),
+        "mask": torch.rand(5, 3, generator=gen) > 0.5,
+        "half": torch.randn(4, 6, generator=gen).bfloat16(),
+        "wide": torch.randn(10, dtype=torch.float64, generator=gen),
+        "empty": torch.empty(0, 4),
+    }
+    together = fingerprint_tensors(tensors)
+    for name, x in tensors.items():
+        assert together[name] == fingerprint_tensors({name: x})[name], name
+        if x.numel():
+            assert together[name]["hash"] == _reference_hash(x), name
+    assert together["ids"]["sum"] == float(tensors["ids"].sum()) and together["mask"]["absmax"] == 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "mode",
@@ -122,36 +166,76 @@ def score(response, ground_truth, **columns):
 
 @pytest.mark.slow
 def test_bisect_names_the_step_stage_and_tensor_of_planted_differences(tmp_path, data_dir, capsys):
-    """A reward that scores one row of step 4 differently; a learning-rate schedule that parts from step 2 on; another
-    sampling seed: each is found at its step, stage and tensor."""
+    """The issue's three planted differences, each found at its step, stage and tensor: a reward that scores one
+    row of step 4 differently; a learning rate changed from step 7 on; another sampling seed from step 3. The
+    changes are forks of one run (``fork_from``: its checkpoint, its logs up to there, any key changed), so
+    each pair shares its history up to the change, as when a run is resumed with another setting."""
     reward = tmp_path / "reward.py"
     reward.write_text(PLANTED_REWARD)
     args = [
         *data_args(data_dir),
         *COMMON,
-        "steps=5",
         f"reward.fn={reward}:score",
         "reward.workers=0",
         "eval.before_training=false",
+        "checkpoint.every=2",
+        "checkpoint.keep_last=4",
+        "debug.record_steps=[7]",
     ]
-    base = _run(tmp_path / "base", GRPO, "grpo", *args)
+    base = _run(tmp_path / "base", GRPO, "grpo", *args, "steps=7")
+    checkpoints = base / "checkpoints"
     rows_per_step = 2 * 4  # prompts_per_step x rollout.n: the reward's calls per step, in row order
-    planted = _run(tmp_path / "reward", GRPO, "grpo", *args, environ={"PLANT_AT_CALL": str(3 * rows_per_step + 2)})
-    lr = _run(tmp_path / "lr", GRPO, "grpo", *args, "actor.optim.lr_scheduler_type=cosine")
-    seed = _run(tmp_path / "seed", GRPO, "grpo", *args, "seed=1")
+    planted = _run(  # from step 2: the fork's second step is step 4
+        tmp_path / "reward",
+        GRPO,
+        "grpo",
+        *args,
+        "steps=4",
+        f"fork_from={checkpoints / 'step_2'}",
+        environ={"PLANT_AT_CALL": str(rows_per_step + 2)},
+    )
+    lr = _run(
+        tmp_path / "lr", GRPO, "grpo", *args, "steps=7", "actor.optim.lr=3e-5", f"fork_from={checkpoints / 'step_6'}"
+    )
+    seed = _run(tmp_path / "seed", GRPO, "grpo", *args, "steps=3", "seed=1", f"fork_from={checkpoints / 'step_2'}")
     fp = read_fingerprints(base)
     found = {
-        k: first_difference(fp, read_fingerprints(d)) for k, d in (("reward", planted), ("lr", lr), ("seed", seed))
+        k: first_difference({s: fp[s] for s in read_fingerprints(d)}, read_fingerprints(d))
+        for k, d in (("reward", planted), ("lr", lr), ("seed", seed))
     }
     assert (found["reward"].step, found["reward"].stage, found["reward"].tensor) == (4, "scores", "scores")
     assert found["reward"].b["sum"] != found["reward"].a["sum"]
-    # the first update runs at the peak rate under both schedules; the cosine rate is lower from the second on
-    assert (found["lr"].step, found["lr"].stage) == (2, "weights")
-    assert (found["seed"].step, found["seed"].stage) == (1, "samples")
-    assert main([str(base), str(planted)]) == 1
-    assert "first difference: step 4, stage scores, tensor scores: sum" in capsys.readouterr().out
-    assert STAGES.index("scores") < STAGES.index("weights")
-    assert json.loads((planted / "summary.json").read_text())["steps"] == 5
+    # the step-7 update is the first at the new rate: what it reads (samples ... gradient) is the same
+    assert (found["lr"].step, found["lr"].stage, found["lr"].tensor) == (
+        7,
+        "weights",
+        "actor.model.embed_tokens.weight",
+    )
+    assert (found["seed"].step, found["seed"].stage, found["seed"].tensor) == (3, "samples", "prompt_ids")
+    assert main([str(base), str(lr)]) == 1
+    report = capsys.readouterr().out.splitlines()
+    assert report[0].startswith("first difference: step 7, stage weights, tensor actor.model.embed_tokens.weight: sum")
+    # step 7 was recorded on both sides: each replays to its own run, and the first run's inputs under the second's
+    # settings (its learning rate) give the second run's step: the cause is in step 7, not before it
+    assert report[1] == f"replay of step 7 of {base}: identical to the run, every stage and tensor bit for bit"
+    assert report[2] == f"replay of step 7 of {lr}: identical to the run, every stage and tensor bit for bit"
+    assert report[3] == (
+        f"replay of step 7 of {base} with actor.optim.lr=3e-05: identical to the step of {lr}, every stage "
+        "and tensor bit for bit"
+    )
+    assert main([str(base), str(seed)]) == 1
+    assert "(step 3 was not recorded in both runs" in capsys.readouterr().out
+    summary = json.loads((lr / "summary.json").read_text())
+    assert summary["steps"] == 7 and json.loads((lr / "config.json").read_text())["actor"]["optim"]["lr"] == 3e-5
+    other_model = run(
+        GRPO,
+        f"run_root={tmp_path / 'x'}",
+        *args,
+        "model.tiny.num_layers=2",
+        f"fork_from={checkpoints / 'step_2'}",
+        timeout=300,
+    )
+    assert other_model.returncode != 0 and "model.tiny.num_layers: checkpoint 1, now 2" in other_model.stderr
 
 
 REPLAY = Path(__file__).resolve().parents[1] / "backends" / "loop" / "replay.py"

@@ -16,6 +16,9 @@ it builds anything::
   its last checkpoint are run, and logged, again.
 - A checkpoint written with a different config (any key outside the recipe's resumable keys, which
   only say where things go) is refused before anything is loaded, naming every differing key.
+- ``fork_from=<step_N dir>`` (:func:`fork_point`) is the way to change keys: a new run, in a run dir of its own,
+  that starts from another run's checkpoint with any key but the model's changed (a learning rate from step N+1
+  on, another seed).
 
 Rank 0 decides and broadcasts, so every rank resumes from the same checkpoint even while another run
 writes a newer one; an error is raised on every rank (``SystemExit`` with the message).
@@ -44,6 +47,7 @@ __all__ = [
     "CheckpointConfig",
     "check_writable",
     "checkpoint_dir",
+    "fork_point",
     "resume_point",
     "newest_whole_checkpoint",
     "truncate_metrics",
@@ -98,6 +102,48 @@ def resume_point(
     if error is not None:
         raise SystemExit(f"error: {error}")
     return (Path(resume_from) if resume_from else None), Path(run_dir)
+
+
+def fork_point(fork_from: str, *, run_dir: Path, model: dict) -> tuple[Path, Path]:
+    """``(checkpoint, the run dir that wrote it)`` for a new run at ``run_dir`` that starts from another run's
+    checkpoint (``fork_from``: a ``step_<N>`` dir), the same on every rank. The checkpoint must be whole and written
+    for the same model (``model``: this run's ``model`` config); every other key may differ, which is what a fork
+    is for. Rank 0 decides; an error is raised on every rank (``SystemExit`` with the message)."""
+    decided, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            path = resolve_resume(fork_from)
+            if path is None:
+                raise ValueError(f"fork_from={fork_from!r} names no checkpoint: give a step_<N> dir")
+            problem = damage(path)
+            if problem is not None:
+                raise CheckpointCorruptError(f"fork_from={fork_from!r}: {problem}")
+            info = checkpoint_info(path)
+            if "run_dir" not in info.marker.get("extra", {}):
+                raise ValueError(
+                    f"fork_from={fork_from!r}: the checkpoint names no run dir (a recipe's checkpoints do): a fork "
+                    "starts from a run's checkpoint and its models"
+                )
+            parent = Path(info.marker["extra"]["run_dir"])
+            if parent.resolve() == Path(run_dir).resolve():
+                raise ValueError(
+                    f"fork_from={fork_from!r} is a checkpoint of this run dir ({str(parent)!r}): a fork starts a new "
+                    "run; continue this one with resume=auto, or give another run_dir"
+                )
+            saved = {k: v for k, v in info.config.items() if k == "model" or k.startswith("model.")}
+            diff = config_diff(saved, flatten_config({"model": model}))
+            if diff:
+                raise CheckpointMismatchError(
+                    f"cannot fork from {str(path)!r}: it was written for another model "
+                    f"({len(diff)} key(s) differ):\n  " + "\n  ".join(diff)
+                )
+            decided = (str(path), str(parent))
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            error = f"{type(e).__name__}: {e}"
+    error, decided = broadcast_object((error, decided))
+    if error is not None:
+        raise SystemExit(f"error: {error}")
+    return Path(decided[0]), Path(decided[1])
 
 
 def newest_whole_checkpoint(ckpt_dir: str | Path) -> Path | None:

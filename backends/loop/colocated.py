@@ -199,7 +199,7 @@ class ColocatedLoop:
             ctx.metrics_log.log(0, self.before)
             return
         with watchdog.phase("checkpoint", op=f"load_checkpoint({ctx.run.resume_from})"):
-            states, extra = load_checkpoint(ctx.run.resume_from, self.learner.states(), config=ctx.run.must_match)
+            states, extra = load_checkpoint(ctx.run.resume_from, self.learner.states(), config=ctx.run.loaded_config)
         self.learner.load(states, extra["algorithm_state"])
         self.stream = PromptStream(ctx.data.train, seed=cfg.seed, shuffle=cfg.data.shuffle, drawn=extra["drawn"])
         self.first_step, self.before, self.wall_before = extra["step"] + 1, extra["eval_before"], extra["wall_seconds"]

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Hashable, Iterable, Mapping
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -29,7 +30,8 @@ __all__ = [
     "merge_ranks",
     "rank_files",
     "read_run",
-    "batch_fingerprints",
+    "batch_tensors",
+    "fingerprint_stages",
     "fingerprint_tensors",
     "gather_fingerprints",
     "module_tensors",
@@ -63,59 +65,93 @@ def _columns(n: int) -> int:
     return next(c for c in (64, 32, 16, 8, 4, 2, 1) if n % c == 0)
 
 
-class _Weights:
-    """Cached ``1..n`` position weights per (length, device): a step hashes the same shapes every time."""
+@attrs.frozen
+class _Layout:
+    """Which tensor each row and column sum of a group belongs to, and its weight (its position in that tensor, from
+    1)."""
 
-    def __init__(self) -> None:
-        self.cache: dict[tuple[int, Any], Tensor] = {}
-
-    def __call__(self, n: int, device: Any) -> Tensor:
-        key = (n, device)
-        if key not in self.cache:
-            self.cache[key] = torch.arange(1, n + 1, device=device, dtype=torch.int64)
-        return self.cache[key]
+    row_tensor: Tensor
+    row_weight: Tensor
+    column_tensor: Tensor
+    column_weight: Tensor
 
 
-_weights = _Weights()
+#: layouts kept (the weights' is the same every step; the batch's changes with its lengths)
+_LAYOUTS_KEPT = 16
+_layouts: dict[tuple, _Layout] = {}
 
 
-def _stats(x: Tensor) -> tuple[Tensor, Tensor]:
-    """A non-empty tensor's hash ``[by row, by column]`` (int64; see :func:`fingerprint_tensors`) and
-    ``[sum, min, max]`` (float64)."""
-    bits = _bits(x)
-    blocks = bits.view(-1, _columns(bits.numel()))
-    # 32-bit sums that wrap around (a hash needs no more, and they run several times faster than 64-bit ones)
-    accumulate = torch.int32 if bits.element_size() <= 4 else torch.int64
-    rows = blocks.sum(1, dtype=accumulate).to(torch.int64)
-    cols = blocks.sum(0, dtype=accumulate).to(torch.int64)
-    by_row = (rows * _weights(rows.numel(), rows.device)).sum()
-    by_col = (cols * _weights(cols.numel(), cols.device)).sum()
-    values = x.view(torch.uint8) if x.dtype == torch.bool else x
-    if values.dtype in (torch.float16, torch.bfloat16):
-        values = values.float()
-    low, high = torch.aminmax(values)
-    return torch.stack([by_row, by_col]), torch.stack([values.sum().double(), low.double(), high.double()])
+def _layout(rows: tuple[int, ...], columns: tuple[int, ...], device: Any) -> _Layout:
+    key = (rows, columns, device)
+    if key not in _layouts:
+
+        def numbering(sizes: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+            counts = torch.tensor(sizes, dtype=torch.int64)
+            owner = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+            position = torch.arange(int(counts.sum())) - (counts.cumsum(0) - counts)[owner] + 1
+            return owner.to(device), position.to(device)
+
+        if len(_layouts) >= _LAYOUTS_KEPT:
+            del _layouts[next(iter(_layouts))]
+        _layouts[key] = _Layout(*numbering(rows), *numbering(columns))
+    return _layouts[key]
 
 
-def fingerprint_tensors(tensors: Mapping[str, Tensor]) -> dict[str, dict[str, Any]]:
-    """``{name: {"hash", "sum", "absmax", "shape"}}`` of every tensor, read back with two transfers.
+def _wrap32(x: Tensor) -> Tensor:
+    """int64 values reduced to the int32 they wrap to (what a 32-bit running sum holds)."""
+    return ((x + 2**31) & (2**32 - 1)) - 2**31
+
+
+def _group_stats(flats: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """The fingerprints of non-empty tensors of one dtype on one device: ``[k, 2]`` int64 hashes (by row, by column;
+    see :func:`fingerprint_tensors`) and ``[k, 3]`` float64 ``[sum, min, max]``.
+
+    Each tensor costs four reductions (its row sums, column sums, sum, min and max); the weighting of the sums and
+    the stacking are done once for the group, so that many small tensors cost little more than their bytes."""
+    row_sums, column_sums, sums, lows, highs = [], [], [], [], []
+    for flat in flats:
+        bits = _bits(flat)
+        blocks = bits.view(-1, _columns(bits.numel()))
+        # 32-bit sums that wrap around (a hash needs no more, and they run several times faster than 64-bit ones)
+        accumulate = torch.int32 if bits.element_size() <= 4 else torch.int64
+        row_sums.append(blocks.sum(1, dtype=accumulate))
+        column_sums.append(blocks.sum(0, dtype=accumulate))
+        values = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+        if values.dtype in (torch.float16, torch.bfloat16):
+            values = values.float()
+        sums.append(values.sum())
+        low, high = torch.aminmax(values)
+        lows.append(low)
+        highs.append(high)
+    layout = _layout(tuple(r.numel() for r in row_sums), tuple(c.numel() for c in column_sums), flats[0].device)
+    k = len(flats)
+    hashes = torch.zeros(k, 2, dtype=torch.int64, device=flats[0].device)
+    hashes[:, 0].index_add_(0, layout.row_tensor, torch.cat(row_sums).to(torch.int64) * layout.row_weight)
+    hashes[:, 1].index_add_(0, layout.column_tensor, torch.cat(column_sums).to(torch.int64) * layout.column_weight)
+    floats = torch.stack([torch.stack(sums), torch.stack(lows), torch.stack(highs)], 1).double()
+    return hashes, floats
+
+
+@torch.inference_mode()  # no autograd bookkeeping on a parameter's reductions
+def fingerprint_tensors(tensors: Mapping[Hashable, Tensor]) -> dict[Hashable, dict[str, Any]]:
+    """``{name: {"hash", "sum", "absmax", "shape"}}`` of every tensor, read back with one transfer per device.
 
     The hash is two int64 sums of the tensor's bits, seen as rows of up to 64 elements: the row sums weighted by
     their row and the column sums weighted by their column. A changed element changes both; two swapped elements of
-    different values change one or the other. A few reads of the tensor, no copy of it."""
+    different values change one or the other. A few reads of each tensor, no copy of it; tensors of one dtype are
+    finished together (:func:`_group_stats`)."""
     if not tensors:
         return {}
-    hashes, floats = [], []
-    for x in tensors.values():
-        flat = x.detach().reshape(-1)
-        if flat.numel() == 0:
-            hashes.append(torch.zeros(2, dtype=torch.int64, device=flat.device))
-            floats.append(torch.zeros(3, dtype=torch.float64, device=flat.device))
-            continue
-        h, f = _stats(flat)
-        hashes.append(h)
-        floats.append(f)
-    hashes, floats = torch.stack(hashes).cpu().tolist(), torch.stack(floats).cpu().tolist()
+    flats = [x.detach().reshape(-1) for x in tensors.values()]
+    groups: dict[tuple[torch.dtype, Any], list[int]] = {}
+    for i, flat in enumerate(flats):
+        if flat.numel():
+            groups.setdefault((flat.dtype, flat.device), []).append(i)
+    read = [([0, 0], [0.0, 0.0, 0.0]) for _ in flats]  # an empty tensor's
+    for members in groups.values():
+        hashes, floats = _group_stats([flats[i] for i in members])
+        for i, h, f in zip(members, hashes.cpu().tolist(), floats.cpu().tolist()):
+            read[i] = (h, f)
     return {
         name: {
             "hash": f"{h1 % 2**64:016x}{h2 % 2**64:016x}:{x.numel()}",
@@ -123,17 +159,25 @@ def fingerprint_tensors(tensors: Mapping[str, Tensor]) -> dict[str, dict[str, An
             "absmax": max(-low, high),
             "shape": list(x.shape),
         }
-        for (name, x), (h1, h2), (total, low, high) in zip(tensors.items(), hashes, floats)
+        for (name, x), ((h1, h2), (total, low, high)) in zip(tensors.items(), read)
     }
 
 
-def batch_fingerprints(batch: Any) -> dict[str, dict[str, dict[str, Any]]]:
+def batch_tensors(batch: Any) -> dict[str, dict[str, Tensor]]:
     """The batch's fields by stage (``samples``, ``scores``, ``logprobs``, ``advantages``); absent fields are left
     out."""
-    out = {}
-    for stage, names in BATCH_STAGES.items():
-        fields = {n: getattr(batch, n) for n in names if getattr(batch, n, None) is not None}
-        out[stage] = fingerprint_tensors(fields)
+    return {
+        stage: {n: getattr(batch, n) for n in names if getattr(batch, n, None) is not None}
+        for stage, names in BATCH_STAGES.items()
+    }
+
+
+def fingerprint_stages(stages: Mapping[str, Mapping[str, Tensor]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """:func:`fingerprint_tensors` of tensors by stage, all at once (one group per dtype across the stages)."""
+    flat = fingerprint_tensors({(stage, name): x for stage, tensors in stages.items() for name, x in tensors.items()})
+    out: dict[str, dict[str, dict[str, Any]]] = {stage: {} for stage in stages}
+    for (stage, name), fp in flat.items():
+        out[stage][name] = fp
     return out
 
 

@@ -24,9 +24,10 @@ from backends.checkpoint.orbax import save_orbax
 from backends.distributed.collectives import all_reduce_max, all_reduce_sum
 from backends.loop.algorithm import Algorithm, reject_mismatched_tokens, zero_advantage_rows_are_skippable
 from backends.loop.fingerprints import (
+    STAGES,
     FingerprintLog,
-    batch_fingerprints,
-    fingerprint_tensors,
+    batch_tensors,
+    fingerprint_stages,
     module_tensors,
     scalars,
 )
@@ -112,12 +113,10 @@ class Learner:
         if roles.on_critic and roles.critic is not None:
             weights.update(module_tensors("critic", roles.critic.module))
         losses = ("loss", "pg_loss", "kl_loss", "critic/loss")
-        return {
-            **batch_fingerprints(batch),
-            "loss": scalars(metrics, losses),
-            "gradient": scalars(metrics, ("grad_norm", "critic/grad_norm")),
-            "weights": fingerprint_tensors(weights),
-        }
+        stages = fingerprint_stages({**batch_tensors(batch), "weights": weights})
+        stages["loss"] = scalars(metrics, losses)
+        stages["gradient"] = scalars(metrics, ("grad_norm", "critic/grad_norm"))
+        return {stage: stages[stage] for stage in STAGES}
 
     def _advantages(self, batch: rf.RolloutBatch) -> tuple[rf.RolloutBatch, dict[str, float]]:
         batch, rejected = reject_mismatched_tokens(batch, self.cfg.algo)

@@ -411,7 +411,7 @@ class RolloutRank:
         drawn = 0
         if run.resume_from is not None:  # this pool trains nothing: it takes part in the load for the step and stream
             with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
-                _, extra = load_checkpoint(run.resume_from, {}, config=run.must_match)
+                _, extra = load_checkpoint(run.resume_from, {}, config=run.loaded_config)
             self.start, self.before, self.wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
             drawn = extra["drawn"]
         self.received = self.start
@@ -520,7 +520,7 @@ class TrainerLoop:
         self.bound = StalenessBound(max_staleness=split.lag)
         if run.resume_from is not None:  # the trained states with their optimizers, every rank's RNG, the counts
             with watchdog.phase("checkpoint", op=f"load_checkpoint({run.resume_from})"):
-                states, extra = load_checkpoint(run.resume_from, self.trainer.states(), config=run.must_match)
+                states, extra = load_checkpoint(run.resume_from, self.trainer.states(), config=run.loaded_config)
             self.trainer.load(states, extra["algorithm_state"])
             self.start, self.before, self.wall_before = extra["step"], extra["eval_before"], extra["wall_seconds"]
             self.bound, self.drawn = StalenessBound(**extra["staleness"]), extra["drawn"]

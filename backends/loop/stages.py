@@ -12,6 +12,8 @@ its own algorithm and loop.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -21,7 +23,7 @@ import torch.distributed as dist
 import rlfunc as rf
 from backends.checkpoint.files import checkpoint_info
 from backends.checkpoint.hf_export import ExportError
-from backends.checkpoint.resume import checkpoint_dir, resume_point, truncate_metrics
+from backends.checkpoint.resume import checkpoint_dir, fork_point, resume_point, truncate_metrics
 from backends.config import ConfigError, config_to_dict
 from backends.data import Example, PromptStream, data_warnings, load_examples
 from backends.distributed import watchdog
@@ -72,7 +74,14 @@ class RunPaths:
     #: The rollout engine and the reference start from it; a resume loads the checkpoint into its architecture.
     policy_path: Path
     resume_from: Path | None
-    must_match: dict  #: the config a checkpoint must have been written with
+    must_match: dict  #: the config a checkpoint must have been written with (and this run's are written with)
+    forked_from: Path | None = None  #: the run dir of the checkpoint a fork starts from
+
+    @property
+    def loaded_config(self) -> dict | None:
+        """The config the checkpoint this run starts from must have (None: a fork's, whose model keys
+        :func:`backends.checkpoint.resume.fork_point` checked)."""
+        return None if self.forked_from is not None else self.must_match
 
 
 def prepare_run(cfg: RunConfig, env: Any, resumable_keys: Sequence[str]) -> RunPaths:
@@ -93,6 +102,9 @@ def prepare_run(cfg: RunConfig, env: Any, resumable_keys: Sequence[str]) -> RunP
             f"run_dir={str(run_dir)!r} holds a finished run (its summary.json): a fresh start would "
             f"overwrite its records; {how}, or give another run_dir"
         )
+    forked_from = None
+    if resume_from is None and cfg.fork_from:
+        resume_from, forked_from = fork_point(cfg.fork_from, run_dir=run_dir, model=must_match["model"])
     if cfg.model.path:
         check_model_dir(Path(cfg.model.path))
     model_path = Path(cfg.model.path) if cfg.model.path else run_dir / "base_model"
@@ -103,6 +115,7 @@ def prepare_run(cfg: RunConfig, env: Any, resumable_keys: Sequence[str]) -> RunP
         policy_path=run_dir / "sft_model" if cfg.sft.files else model_path,
         resume_from=resume_from,
         must_match=must_match,
+        forked_from=forked_from,
     )
 
 
@@ -110,6 +123,8 @@ def run_tokenizer(cfg: RunConfig, run: RunPaths) -> Any:
     """The run's tokenizer, with nothing written yet: ``model.path``'s or a resumed run's base model's, else the
     tiny model's, built as :func:`commit_run` will write it (it gives the same ids loaded back: the tokenizer
     tests check it)."""
+    if run.forked_from is not None and not cfg.model.path:
+        return load_tokenizer(run.forked_from / "base_model")
     if cfg.model.path or run.resume_from is not None:
         return load_tokenizer(run.model_path)
     return build_char_tokenizer(words=cfg.model.tiny_words, model_max_length=cfg.model.tiny.max_position_embeddings)
@@ -122,15 +137,39 @@ def commit_run(cfg: RunConfig, env: Any, run: RunPaths, tokenizer: Any) -> None:
     if env.is_main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         resumed_at = checkpoint_info(run.resume_from).step if run.resume_from else None
-        # what the crashed run wrote after its checkpoint goes
+        if run.forked_from is not None:
+            start_fork(cfg, run)
+        # what the crashed run (or a forked run after the fork's step) wrote after the checkpoint goes
         for log in [run.run_dir / "metrics.jsonl", *rank_files(run.run_dir)]:
             truncate_metrics(log, resumed_at)
-        if run.resume_from is None:
+        if run.resume_from is None or run.forked_from is not None:
             (run.run_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
-            if not cfg.model.path:
+            if not cfg.model.path and run.forked_from is None:
                 write_tiny_model(run.model_path, cfg.model.tiny, tokenizer)
     barrier()
     check_shared_paths(run.run_dir, {"model.path": run.model_path, **shared_inputs(cfg)})  # a node that does not
+
+
+def start_fork(cfg: RunConfig, run: RunPaths) -> None:
+    """A fork's run dir from its parent's: the models it starts from (hard links where the file system allows) and
+    the logs up to the fork's step (cut by the caller), so that the fork stands alone (resume, replay, export) and
+    a bisect against the parent compares whole histories."""
+    parent = run.forked_from
+    models = ([] if cfg.model.path else ["base_model"]) + ["sft_model"]
+    for name in models:
+        if (parent / name).is_dir() and not (run.run_dir / name).exists():
+            shutil.copytree(parent / name, run.run_dir / name, copy_function=_link_or_copy)
+    for log in [parent / "metrics.jsonl", *rank_files(parent)]:
+        target = run.run_dir / log.relative_to(parent)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(log, target)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def shared_inputs(cfg: RunConfig) -> dict[str, Path]:

@@ -38,6 +38,7 @@ from backends.training.reward_model import RewardModelConfig
 from backends.training.sft import SFTConfig
 
 __all__ = [
+    "RESUMABLE_KEYS",
     "RunConfig",
     "RLConfig",
     "ActorConfig",
@@ -73,6 +74,23 @@ class DebugConfig:
     record_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: ... and every N-th step (0: none)
 
 
+#: keys that may differ between a run and its resumption (where things go and how they are logged)
+RESUMABLE_KEYS = (
+    "debug",
+    "resume",
+    "fork_from",
+    "run_dir",
+    "run_root",
+    "checkpoint",
+    "deadlines",
+    "export",
+    "eval",
+    "logger",
+    "log_every",
+    "dump_generations_every",
+)
+
+
 @attrs.frozen
 class RunConfig:
     name: str = "run"  #: the run's name (the run dir is <run_root>/<name>-<time>); each recipe names its own
@@ -89,6 +107,9 @@ class RunConfig:
     run_root: str = "runs"  #: where run dirs go
     run_dir: str = ""  #: empty: <run_root>/<name>-<time>, or the resumed checkpoint's run dir
     resume: str = "never"  #: never | auto (the newest complete checkpoint, else a fresh start) | a step_N dir
+    #: a step_N dir of another run: a new run that starts from it with any key but model.* changed (its weights,
+    #: optimizer, RNG, data position and logs up to step N); resume=auto continues the fork itself
+    fork_from: str = attrs.field(default="")
     checkpoint: CheckpointConfig = CheckpointConfig()  #: when and where checkpoints go
     #: the longest each phase of a step may take (s); past it the rank exits
     deadlines: DeadlineConfig = DeadlineConfig()
@@ -100,6 +121,15 @@ class RunConfig:
     debug: DebugConfig = DebugConfig()  #: what a run records to be compared and debugged
     #: sampling (rollout.engine=vllm for vLLM)
     rollout: RolloutConfig = RolloutConfig(n=8, temperature=1.0, max_new_tokens=256)
+
+    @fork_from.validator
+    def _one_starting_checkpoint(self, attribute: attrs.Attribute, value: str) -> None:
+        if value and self.resume not in ("never", "auto"):
+            raise ValueError(
+                f"fork_from={value!r} starts a new run from another run's checkpoint and resume={self.resume!r} "
+                "continues from this one's: give one of them (resume=auto with fork_from continues the fork once it "
+                "has a checkpoint of its own)"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------
