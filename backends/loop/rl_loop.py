@@ -108,14 +108,7 @@ def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
     cfg = apply_overrides(recipe.config, argv, presets_dir=recipe.presets, renamed=recipe.renamed)
     algorithm = recipe.algorithm(cfg)
     scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
-    environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None
-    if cfg.rollout.agent:  # the user's agents, through an endpoint of this process's engine, in their place
-        environments = agent_runner(
-            cfg.rollout.agent,
-            deadline_s=cfg.rollout.agent_deadline_s,
-            workers=cfg.rollout.agent_workers,
-            chat_template=cfg.data.chat_template,
-        )
+    environments = trajectory_source(cfg)
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     build_kwargs = cfg.actor.lora.build_kwargs(engine)
@@ -178,6 +171,20 @@ def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
         environments.close()
     shutdown(env)
     return summary
+
+
+def trajectory_source(cfg: Any) -> Any:
+    """What samples a multi-turn trajectory: the user's agents (``rollout.agent``, through an endpoint of this
+    process's engine), the environment factory (``rollout.multi_turn.max_turns`` > 1), or None (single-turn).
+    Resolved here, at start-up, so a bad reference fails before any work."""
+    if cfg.rollout.agent:
+        return agent_runner(
+            cfg.rollout.agent,
+            deadline_s=cfg.rollout.agent_deadline_s,
+            workers=cfg.rollout.agent_workers,
+            chat_template=cfg.data.chat_template,
+        )
+    return environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None
 
 
 def recipe_module_name(recipe: Recipe) -> str:
