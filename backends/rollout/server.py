@@ -403,6 +403,11 @@ def _error_handlers(app: FastAPI) -> None:
         first = ".".join(str(x) for x in e.errors()[0]["loc"] if x != "body") if e.errors() else None
         return _error(400, "invalid request: " + "; ".join(problems), "invalid_request_error", first)
 
+    @app.exception_handler(Exception)
+    async def _failed(request: Request, e: Exception) -> Any:
+        # what the engine raised: the caller gets its message, not an HTML page
+        return _error(500, f"{request.method} {request.url.path} failed: {type(e).__name__}: {e}", "server_error")
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, e: HTTPException) -> Any:
         return _error(e.status_code, f"{request.method} {request.url.path}: {e.detail}", "invalid_request_error")

@@ -14,6 +14,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -154,6 +155,21 @@ def _wait_until_healthy(
     )
 
 
+_CLIENT_LOCK = threading.Lock()
+_CLIENTS: list[Any] = []
+
+
+def _http_client() -> Any:
+    """One connection pool for the process: a client per call costs a TLS context and a new connection each (tens
+    of ms), more than a tiny model's whole reply."""
+    import httpx
+
+    with _CLIENT_LOCK:
+        if not _CLIENTS:
+            _CLIENTS.append(httpx.Client(trust_env=False))
+        return _CLIENTS[0]
+
+
 def _call(
     url: str,
     token: str,
@@ -169,7 +185,7 @@ def _call(
     import httpx
 
     try:
-        response = httpx.request(
+        response = _http_client().request(
             method,
             url + path,
             json=json,

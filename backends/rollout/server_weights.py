@@ -42,9 +42,25 @@ class ExpectedTensor:
     required: bool  #: False for a tied ``lm_head.weight`` (the embedding stands for it)
 
 
-def _dtype_of_safetensors(name: str) -> torch.dtype:
-    table = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-    return table.get(name, torch.float32)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _dtype_of_safetensors(name: str, where: str) -> torch.dtype:
+    dtype = _SAFETENSORS_DTYPES.get(name)
+    if dtype is None:
+        raise ValueError(f"{where}: safetensors dtype {name} is not one a rollout server takes")
+    return dtype
 
 
 def expected_tensors(model_dir: str | os.PathLike, weight_dtype: torch.dtype) -> dict[str, ExpectedTensor]:
@@ -59,7 +75,7 @@ def expected_tensors(model_dir: str | os.PathLike, weight_dtype: torch.dtype) ->
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 piece = f.get_slice(name)
-                dtype = _dtype_of_safetensors(piece.get_dtype())
+                dtype = _dtype_of_safetensors(piece.get_dtype(), f"{path.name}: {name}")
                 expected[name] = ExpectedTensor(
                     tuple(piece.get_shape()), weight_dtype if dtype.is_floating_point else dtype, True
                 )
