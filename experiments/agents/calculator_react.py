@@ -19,11 +19,14 @@ import json
 import re
 from typing import Any
 
-from openai import OpenAI
+from openai import DefaultHttpxClient, OpenAI
 
 __all__ = ["calculate", "run", "run_tool"]
 
 MAX_TURNS = 3  #: model replies per trajectory
+#: one connection pool for every trajectory of the process: a client of its own per trajectory builds a TLS context
+#: each time, which costs more than a small model's reply
+_HTTP = DefaultHttpxClient()
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TOKEN = re.compile(r"\s*(\d+|[-+*/()])")
 
@@ -96,7 +99,7 @@ def run_tool(call: str) -> str:
 def run(row: dict[str, Any], *, base_url: str, api_key: str, model: str) -> None:
     """One trajectory of ``row`` (its chat ``prompt``): reply, tool, reply... Returns None: the reward function
     scores the last reply."""
-    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = OpenAI(base_url=base_url, api_key=api_key, max_retries=0, http_client=_HTTP)
     messages = [dict(m) for m in row["prompt"]]
     for _ in range(MAX_TURNS):
         reply = client.chat.completions.create(model=model, messages=messages).choices[0].message.content or ""
