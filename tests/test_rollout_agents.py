@@ -13,6 +13,7 @@ import threading
 from collections import Counter
 
 import attrs
+import httpx
 import openai
 import pytest
 import torch
@@ -29,6 +30,7 @@ from backends.rollout.common import SamplingConfig
 from experiments.agents.calculator_react import calculate, run_tool
 from experiments.tasks import calculator
 from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+from tests.test_rollout_server import STRIP_REASONING_TEMPLATE
 
 pytestmark = pytest.mark.service
 
@@ -42,7 +44,8 @@ RELEASE = threading.Event()
 
 
 def three_calls(row, *, base_url, api_key, model):
-    """Three model calls, each answered by a tool message; returns a reward for the rows whose answer is 12."""
+    """Three model calls, each answered by a message of the row's ``follow_up`` role (tool by default); returns a
+    reward for the rows whose answer is 12."""
     client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
     messages = [dict(m) for m in row["prompt"]]
     calls = []
@@ -50,9 +53,39 @@ def three_calls(row, *, base_url, api_key, model):
         reply = client.chat.completions.create(model=model, messages=messages, logprobs=True)
         choice = reply.choices[0]
         calls.append((reply.prompt_token_ids, choice.token_ids, [t.logprob for t in choice.logprobs.content]))
-        messages += [{"role": "assistant", "content": choice.message.content}, {"role": "tool", "content": f"r{i}"}]
+        messages += [
+            {"role": "assistant", "content": choice.message.content},
+            {"role": row.get("follow_up", "tool"), "content": f"r{i}"},
+        ]
     CALLS[api_key] = calls
     return 0.5 if row["ground_truth"] == "12" else None
+
+
+def _sampled_rows(batch) -> list[str]:
+    """Each row as (every id the trainer reads, the ids that carry loss, their log-probs), as JSON."""
+    rows = []
+    for r in range(batch.response_ids.shape[0]):
+        prompt = batch.prompt_ids[r][batch.prompt_mask[r]].tolist()
+        response = batch.response_ids[r][batch.response_mask[r]].tolist()
+        loss = batch.loss_mask[r][batch.response_mask[r]].tolist()
+        logprobs = batch.rollout_logprobs[r][batch.response_mask[r]].tolist()
+        sampled = [t for t, m in zip(response, loss) if m]
+        rows.append(json.dumps([prompt + response, sampled, [lp for lp, m in zip(logprobs, loss) if m]]))
+        assert [lp for lp, m in zip(logprobs, loss) if not m] == [0.0] * (len(loss) - sum(loss))
+    return rows
+
+
+def _agents_calls() -> list[str]:
+    """Each recorded trajectory as (the last call's prompt and reply, every reply's ids, their log-probs)."""
+    seen = []
+    for calls in CALLS.values():
+        last_prompt, last_ids, _ = calls[-1]
+        for earlier, later in zip(calls, calls[1:]):  # each call read the one before it, as sampled
+            assert later[0][: len(earlier[0]) + len(earlier[1])] == earlier[0] + earlier[1]
+        seen.append(
+            json.dumps([last_prompt + last_ids, sum((c[1] for c in calls), []), sum((c[2] for c in calls), [])])
+        )
+    return seen
 
 
 def misbehaving(row, *, base_url, api_key, model):
@@ -113,24 +146,48 @@ def test_the_batch_holds_exactly_the_tokens_the_agents_sampled(engine):
     assert batch.group_ids.tolist() == [7, 7, 8, 8] and len(CALLS) == 4
     assert episodes.metrics["agent/dropped"] == 0.0 and episodes.metrics["agent/calls"] == 3.0
     assert episodes.given_rewards == [0.5, 0.5, None, None]
-    rows, seen = [], []
     for r in range(4):
-        prompt = batch.prompt_ids[r][batch.prompt_mask[r]].tolist()
-        response = batch.response_ids[r][batch.response_mask[r]].tolist()
-        loss = batch.loss_mask[r][batch.response_mask[r]].tolist()
-        logprobs = batch.rollout_logprobs[r][batch.response_mask[r]].tolist()
-        sampled = [t for t, m in zip(response, loss) if m]
-        rows.append(json.dumps([prompt + response, sampled, [lp for lp, m in zip(logprobs, loss) if m]]))
-        assert [lp for lp, m in zip(logprobs, loss) if not m] == [0.0] * (len(loss) - sum(loss))
         assert batch.turn_ids[r][batch.response_mask[r]].max().item() == 2
-    for calls in CALLS.values():
-        last_prompt, last_ids, _ = calls[-1]
-        for earlier, later in zip(calls, calls[1:]):  # each call read the one before it, as sampled
-            assert later[0][: len(earlier[0]) + len(earlier[1])] == earlier[0] + earlier[1]
-        seen.append(
-            json.dumps([last_prompt + last_ids, sum((c[1] for c in calls), []), sum((c[2] for c in calls), [])])
-        )
-    assert Counter(rows) == Counter(seen)
+    assert Counter(_sampled_rows(batch)) == Counter(_agents_calls())
+
+
+def test_exact_tokens_through_a_chat_template_that_strips_earlier_reasoning(engine, tmp_path):
+    """The run's chat template renders a reply before the last user message without its reasoning (here: all of
+    it), so a re-rendered history never starts with the sampled ids; the batch still holds exactly those."""
+    rollout, tokenizer = engine
+    template = tmp_path / "strip_reasoning.jinja"
+    template.write_text(STRIP_REASONING_TEMPLATE)
+    runner = agent_runner(
+        "tests.test_rollout_agents:three_calls", deadline_s=60.0, workers=4, chat_template=str(template)
+    )
+    examples = [attrs.evolve(e, columns={"follow_up": "user"}) for e in _examples(tokenizer, ["5", "6"])]
+    CALLS.clear()
+    try:
+        episodes = runner.sample(rollout, examples, tokenizer, SamplingConfig(n=2, max_new_tokens=5), seed=9)
+        reused = httpx.get(
+            runner.server.url + "/stats", headers={"Authorization": f"Bearer {runner.server.policy.trainer_token}"}
+        ).json()
+    finally:
+        runner.close()
+    assert episodes.metrics["agent/dropped"] == 0.0 and reused["agent/prefix_reused"] == 8  # 2 later calls x 4
+    assert Counter(_sampled_rows(episodes.batch)) == Counter(_agents_calls())
+
+
+def test_the_same_seed_samples_the_same_trajectories_whatever_order_the_threads_call_in(engine):
+    rollout, tokenizer = engine
+    batches = []
+    for workers in (1, 4):  # one at a time, then interleaved
+        runner = AgentRunner(fn=three_calls, deadline_s=60.0, workers=workers)
+        try:
+            batches.append(
+                runner.sample(
+                    rollout, _examples(tokenizer, ["3"]), tokenizer, SamplingConfig(n=4, max_new_tokens=4), seed=5
+                )
+            )
+        finally:
+            runner.close()
+    for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "turn_ids"):
+        assert torch.equal(getattr(batches[0].batch, name), getattr(batches[1].batch, name)), name
 
 
 def test_agents_that_raise_hang_or_never_call_are_counted_and_dropped(engine):
