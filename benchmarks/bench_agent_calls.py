@@ -9,8 +9,8 @@ native engine in this process, it times (median of ``--repeats``):
 - ``openai``: the same through an in-process rollout server (``backends.rollout.server.ThreadedServer``), one
   ``openai`` client reused, calls one after another;
 - ``agents``: ``--trajectories`` trajectories of the calculator ReAct agent (``experiments/agents/
-  calculator_react.py``: a client per trajectory over one shared connection pool) through ``AgentRunner``, 32 threads, per model call
-  (registration and the read-back of every trajectory's tokens included).
+  calculator_react.py``: a client per trajectory over one shared connection pool) through ``AgentRunner``, 32
+  threads, per model call (registration and the read-back of every trajectory's tokens included).
 """
 
 from __future__ import annotations

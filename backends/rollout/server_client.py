@@ -259,7 +259,8 @@ def push_weights(
     """Push a full HF-named weight set as policy ``version`` to every server in ``urls``: begin, the buckets
     (safetensors bytes of at most ``bucket_mb`` MiB each, with their SHA-256), then commit. Each server checks
     every bucket and applies the set only at commit, whole; a refusal is a :class:`ServerError` naming the
-    server, and that server keeps serving its previous version. Returns buckets, bytes and seconds."""
+    server, and that server keeps serving its previous version (servers that committed before it serve the new one:
+    a push of a newer version brings them together again). Returns buckets, bytes and seconds."""
     urls = list(urls)
     if not urls:
         raise ValueError("push_weights needs at least one server url")
