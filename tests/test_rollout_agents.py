@@ -28,8 +28,8 @@ from backends.rollout.agents import AgentRunner, agent_runner
 from backends.rollout.api import RolloutConfig, build_rollout
 from backends.rollout.common import SamplingConfig
 from experiments.agents.calculator_react import calculate, run_tool
-from experiments.tasks import calculator
 from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+from tests.test_recipe_multiturn import calculator_run
 from tests.test_rollout_server import STRIP_REASONING_TEMPLATE
 
 pytestmark = pytest.mark.service
@@ -268,32 +268,12 @@ def test_grpo_through_the_react_agent_learns_the_calculator(tmp_path):
     ReAct agent's (experiments/agents/calculator_react.py, the openai client, its own tool): held-out success
     rises by 30 points or more (about 400 s on 2 ranks: the SFT stage, 20 steps and two evaluations).
     (test_recipe_multiturn.py runs the same with the built-in tool environment.)"""
-    data = calculator.write_dataset(
-        tmp_path / "data", calculator.CalculatorTask(num_train=4000, num_heldout=64), sft_examples=4000
-    )
-    result = run(
-        GRPO,
-        "preset=demo/calculator",
-        f"data.train_files={data / 'train.jsonl'}",
-        f"data.val_files={data / 'val.jsonl'}",
-        f"sft.files={data / 'sft.jsonl'}",
-        "steps=20",
-        "eval.every=0",
-        "eval.greedy=false",
-        f"run_root={tmp_path / 'runs'}",
-        "export.hf=false",
+    summary, rows = calculator_run(
+        tmp_path,
         "rollout.agent=experiments/agents/calculator_react.py:run",
         "rollout.multi_turn.max_turns=1",
-        nproc=2,
         timeout=900,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = the_run_dir(tmp_path / "runs", "grpo_calculator")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    print(
-        f"held-out success {summary['eval_before']:.3f} -> {summary['eval_after']:.3f} in {summary['wall_seconds']} s"
-    )
     assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
-    rows = metrics(run_dir)
     assert len(rows) == 20 and all(r["agent/dropped"] == 0.0 for r in rows)
     assert rows[-1]["agent/calls"] > 1.5  # it calls the tool, then answers
