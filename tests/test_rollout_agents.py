@@ -2,13 +2,14 @@
 samples through a server of the run's in-process engine, and the batch holds exactly the tokens it sampled.
 
 What it costs: one tiny in-process engine and an in-process server thread (no extra process) for the module; the
-deadline test waits about one second for its hung agent; the recipe test (slow) is two GRPO steps on a forked rank
+deadline test waits two seconds for its hung agent; the recipe test (slow) is two GRPO steps on a forked rank
 (about 20 s, most of it the recipe's start-up); the learning run (slow, distributed) about 400 s.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import Counter
 
@@ -190,10 +191,11 @@ def test_the_same_seed_samples_the_same_trajectories_whatever_order_the_threads_
         assert torch.equal(getattr(batches[0].batch, name), getattr(batches[1].batch, name)), name
 
 
-def test_agents_that_raise_hang_or_never_call_are_counted_and_dropped(engine):
+def test_agents_that_raise_hang_or_never_call_are_counted_and_dropped(engine, caplog):
     rollout, tokenizer = engine
+    caplog.set_level(logging.WARNING, logger="rlfunc.agents")
     RELEASE.clear()
-    runner = AgentRunner(fn=misbehaving, deadline_s=1.0, workers=4)
+    runner = AgentRunner(fn=misbehaving, deadline_s=2.0, workers=4)
     examples = _examples(tokenizer, ["1", "2", "3", "4"], ["ok", "raise", "silent", "hang"])
     try:
         episodes = runner.sample(rollout, examples, tokenizer, SamplingConfig(n=1, max_new_tokens=4), seed=0)
@@ -205,6 +207,10 @@ def test_agents_that_raise_hang_or_never_call_are_counted_and_dropped(engine):
     kept = episodes.batch.response_mask.any(-1).tolist()
     assert kept == [True, False, False, False] and episodes.finished == kept
     assert not episodes.batch.loss_mask[1:].any() and episodes.given_rewards == [None] * 4
+    assert (
+        "2 of 4 agent trajectories failed and were dropped; the first, of row 1: RuntimeError: the agent's own bug"
+        in (caplog.text)
+    )
 
 
 def test_an_agents_reward_replaces_the_reward_functions_score(engine):

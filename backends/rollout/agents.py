@@ -32,6 +32,7 @@ value of the current step.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import secrets
@@ -60,10 +61,14 @@ def agent_row(example: Example) -> dict[str, Any]:
     return {**dict(example.columns), "prompt": example.prompt, "ground_truth": example.ground_truth}
 
 
+log = logging.getLogger("rlfunc.agents")
+
+
 @attrs.define
 class _Outcome:
     reward: float | None = None
     failure: str | None = None  #: one of DROPS, or None
+    error: str | None = None  #: what the agent raised
     started: float | None = None
     done: bool = False
 
@@ -76,9 +81,9 @@ def _call_agent(fn: Callable, row: dict, url: str, key: str, model: str, outcome
             if not math.isfinite(reward):
                 raise ValueError(f"the agent returned a reward of {reward}")
         outcome.reward = reward
-    except Exception:
+    except Exception as e:
         late = outcome.started is not None and time.monotonic() > outcome.started + deadline_s
-        outcome.failure = "timeouts" if late else "errors"
+        outcome.failure, outcome.error = ("timeouts" if late else "errors"), f"{type(e).__name__}: {e}"
     outcome.done = True
 
 
@@ -108,6 +113,7 @@ def run_agents(
     for r in range(len(rows)):
         todo.put(r)
     cancelled = threading.Event()
+    ours: list[BaseException] = []  # a registration the server refused: the run's fault, not the agent's
 
     def worker() -> None:
         while not cancelled.is_set():
@@ -116,7 +122,13 @@ def run_agents(
             except queue.Empty:
                 return
             outcomes[r].started = time.monotonic()  # before registering: the wait below counts it as running
-            key = server_client.register_trajectory(url, token, ids[r], deadline_s=deadline_s)
+            try:
+                key = server_client.register_trajectory(url, token, ids[r], deadline_s=deadline_s)
+            except Exception as e:
+                ours.append(e)
+                outcomes[r].failure, outcomes[r].done = "errors", True
+                cancelled.set()
+                return
             _call_agent(fn, agent_row(rows[r]), url, key, model, outcomes[r], deadline_s)
 
     # daemon threads: an agent that hangs past its deadline is left behind without holding up the process's exit
@@ -131,10 +143,24 @@ def run_agents(
             break
         time.sleep(0.01)
     cancelled.set()
-    for o in outcomes:
-        if not o.done:
-            o.failure = "timeouts"
+    if ours:
+        raise ours[0]
+    # what each agent did, as of now: one still running is late, whatever it does next
+    outcomes = [
+        attrs.evolve(o) if o.done else attrs.evolve(o, failure="timeouts", error="did not return in time")
+        for o in outcomes
+    ]
     records = [_collect(url, token, i, o) for i, o in zip(ids, outcomes)]
+    failed = [(row, o) for row, o in zip(rows, outcomes) if o.failure in ("errors", "timeouts")]
+    if failed:
+        row, first = failed[0]
+        log.warning(
+            "%d of %d agent trajectories failed and were dropped; the first, of %s: %s",
+            len(failed),
+            len(rows),
+            row.where,
+            first.error,
+        )
     return _episodes(rows, records, outcomes, n, pad_token_id, group_ids)
 
 
