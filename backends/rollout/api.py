@@ -65,6 +65,12 @@ class RolloutConfig(SamplingConfig):
     sync_bucket_mb: float | None = None
     #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
     multi_turn: MultiTurnConfig = MultiTurnConfig()
+    #: your agent function (path/to/agent.py:run or package.module:run), called per trajectory with the data row,
+    #: a base_url and an api_key for the openai client; none: the engine samples (backends.rollout.agents)
+    agent: str | None = None
+    #: seconds an agent's trajectory may take from its start; later, its calls are refused and it is dropped
+    agent_deadline_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    agent_workers: int = attrs.field(default=32, validator=attrs.validators.ge(1))  #: agents run at a time (threads)
 
     @dtype.validator
     def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
