@@ -21,6 +21,7 @@ from backends.models import TinyModelConfig, build_char_tokenizer, load_causal_l
 from backends.rollout.server_auth import new_tokens  # noqa: E402
 from backends.rollout.vllm_server import (  # noqa: E402
     RolloutServerError,
+    ServerClient,
     VLLMServerConfig,
     WeightPusher,
     checkpoint_shapes,
@@ -233,3 +234,26 @@ def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_ser
         weights[mode[0]] = load_file(path)
     bounded, sync = weights.values()
     assert bounded.keys() == sync.keys() and all((bounded[k] == sync[k]).all() for k in bounded)
+
+
+def test_a_frozen_or_dead_server_is_named_not_waited_on(server):
+    """Last in the module (it ends the server): a server that stops answering is an error naming it once the request
+    deadline passes; one that died, at once."""
+    import os
+    import signal
+
+    client = ServerClient(server.url, server.tokens.trainer, timeout_s=3.0)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(
+            RolloutServerError,
+            match=rf"rollout server {re.escape(server.url)}/inference/v1/generate: "
+            r"ReadTimeout",
+        ):
+            client.generate(PROMPT, n=1, max_tokens=2, seed=0)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    os.killpg(server.process.pid, signal.SIGKILL)  # the server and its engine processes
+    server.process.wait()
+    with pytest.raises(RolloutServerError, match=rf"rollout server {re.escape(server.url)}/weight_info: ConnectError"):
+        client.weight_version()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -157,13 +158,22 @@ class RolloutServer:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 20.0) -> None:
+        """The server and vLLM's engine processes under it (its process group): asked, then killed."""
         if self.process.poll() is None:
-            self.process.terminate()
+            _signal_group(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)  # what is left of the group: an engine core, its workers
+        self.process.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def start_vllm_server(
