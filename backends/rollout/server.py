@@ -63,6 +63,11 @@ from rlfunc.batch import RolloutBatch
 
 __all__ = ["ServedPolicy", "ServiceError", "ThreadedServer", "build_app", "main"]
 
+#: how long the server keeps an idle connection open: longer than a client keeps one in its pool (httpx, and so the
+#: openai client, 5 s), or a client may send on a connection the server is closing at that moment and get
+#: "server disconnected without sending a response" (seen on a loaded 2-core box)
+KEEP_ALIVE_S = 75
+
 #: names ``apply_chat_template`` takes itself: a request's ``chat_template_kwargs`` may not set them
 _TEMPLATE_OWN_ARGS = frozenset(
     {
@@ -556,7 +561,9 @@ class ThreadedServer:
         sock.bind((host, 0))
         self.policy = policy
         self.url = f"http://{host}:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(policy), log_level="warning", access_log=False))
+        self.server = uvicorn.Server(
+            uvicorn.Config(build_app(policy), log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
+        )
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="rollout-server"
         )
@@ -626,7 +633,9 @@ def main(argv: list[str] | None = None) -> None:
         tmp.write_text(str(port))
         tmp.replace(args.port_file)
     print(f"rlfunc rollout server: {args.model} ({args.engine}) on http://{args.host}:{port}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(policy), log_level=args.log_level, access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(policy), log_level=args.log_level, access_log=False, timeout_keep_alive=KEEP_ALIVE_S)
+    )
     try:
         server.run(sockets=[sock])
     finally:

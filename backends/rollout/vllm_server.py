@@ -193,6 +193,9 @@ def start_vllm_server(
         **(environ or {}),
         **tokens.environ(),
         "VLLM_SERVER_DEV_MODE": "1",  # the weight-update and pause routes
+        # idle connections kept longer than a client pools them (httpx: 5 s, vLLM's default here: 5 s), so that no
+        # request goes out on a connection the server is closing
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
     }
     log_path = Path(log_path)
@@ -223,7 +226,12 @@ class ServerClient:
     def __init__(self, url: str, token: str, *, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.http = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s, trust_env=False
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            trust_env=False,
+            # an idle connection is dropped before a server (vLLM's default: after 5 s) may close it under a request
+            limits=httpx.Limits(keepalive_expiry=2.0),
         )
         self.pending_version: str | None = None  #: what finish_weight_update names the weights being sent
 
