@@ -268,6 +268,7 @@ def test_grpo_steps_through_the_react_agent(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.distributed
 def test_grpo_through_the_react_agent_learns_the_calculator(tmp_path):
     """The calculator preset's SFT stage on noisy tool-use traces, then 20 GRPO steps whose trajectories are the
