@@ -1,5 +1,5 @@
 """Sampling through vLLM rollout servers against the in-process vLLM engine, and the weight push against the
-in-process weight sync, in one run on this machine.
+in-process weight sync, in one run.
 
     python benchmarks/bench_rollout_servers.py [--prompts 64] [--n 8] [--max-new-tokens 32] [--repeats 3]
 

@@ -111,7 +111,7 @@ class RolloutEngineSpec:
     check_config: Callable[[Any], None]
     weight_dtype: Callable[[Any], torch.dtype]  #: ``(cfg) -> dtype`` the engine keeps its weights in
     engine_type: type  #: the engine's state class (a :class:`RolloutEngine`)
-    session_type: type  #: its multi-turn session class (a :class:`Session`)
+    session_type: type | None  #: its multi-turn session class (a :class:`Session`); None: none (check_config refuses)
     #: ``(cfg) -> bool``: the trainer sends a LoRA actor's adapter alone (else merged full weights)
     adapter_sync: Callable[[Any], bool] = _never
     #: ``(cfg, rank) -> cfg``: the config with the engine set up for adapters of ``rank`` (when ``adapter_sync``)

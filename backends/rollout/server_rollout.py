@@ -144,7 +144,9 @@ class ServerRollout:
             prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=n, group_ids=group_ids
         )
 
-    def start_session(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int):
+    def start_session(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> Any:
         raise NotImplementedError("rollout.engine=vllm_server has no multi-turn sessions (check_config refuses them)")
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> ServerRollout:
@@ -162,8 +164,12 @@ class ServerRollout:
             raise RolloutServerError(error)
         return attrs.evolve(self, weights_version=version)
 
-    def sync_adapter(self, adapter: Mapping[str, Tensor], **kwargs: Any) -> ServerRollout:
-        raise NotImplementedError("rollout.engine=vllm_server takes merged full weights")
+    def sync_adapter(
+        self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float, target_modules: Sequence[str], version: int
+    ) -> ServerRollout:
+        raise NotImplementedError(
+            "rollout.engine=vllm_server takes merged full weights (check_config refuses adapters)"
+        )
 
     def release_memory(self) -> ServerRollout:
         return self
@@ -325,6 +331,6 @@ ENGINE_SPEC = RolloutEngineSpec(
     check_config=_check_config,
     weight_dtype=lambda cfg: getattr(torch, cfg.vllm.resolved(on_gpu=torch.cuda.is_available()).dtype),
     engine_type=ServerRollout,
-    session_type=type(None),
+    session_type=None,
     takes_group=True,
 )
