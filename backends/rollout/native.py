@@ -61,6 +61,8 @@ from backends.rollout.common import (
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.native_session import NativeSession, start_session
+from backends.rollout.row_random import row_uniforms
+from backends.rollout.scheduler import BatchingLimits, generate_continuous
 from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch
 
@@ -73,6 +75,7 @@ __all__ = [
     "sample_tokens",
     "decode_responses",
     "TurnOutput",
+    "BatchingLimits",
     "ENGINE_SPEC",
 ]
 
@@ -110,6 +113,12 @@ class NativeRollout:
     #: the decoder's KV-cache / attention implementation: PyTorch on every device, which ``auto`` and
     #: ``torch`` both name
     decode_backend: Literal["auto", "torch"] = attrs.field(default="auto", validator=_check_decode_backend)
+    #: ``continuous``: :func:`generate` streams rows through slots of a paged KV cache (:mod:`backends.rollout.scheduler`);
+    #: ``lockstep``: the whole batch steps together over a contiguous cache, finished rows compacted away
+    batching: Literal["continuous", "lockstep"] = attrs.field(
+        default="continuous", validator=attrs.validators.in_(("continuous", "lockstep"))
+    )
+    batching_limits: BatchingLimits = BatchingLimits()  #: slots, prefill budget, block size, cache budget
     weights_version: int = 0
     #: what :func:`generate` keeps between calls (decoder weights, KV caches); shared by evolved copies
     workspace: Workspace = attrs.field(factory=Workspace, eq=False, repr=False)
@@ -188,6 +197,8 @@ def build_native_rollout(
     max_context: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     compact_fraction: float | None = None,
+    batching: Literal["continuous", "lockstep"] = "continuous",
+    batching_limits: BatchingLimits = BatchingLimits(),
 ) -> NativeRollout:
     """A rollout engine over a local HF dir, or over a private deep copy of an (unsharded) HF module.
 
@@ -220,6 +231,8 @@ def build_native_rollout(
         eos_token_ids=eos,
         max_context=int(max_context or cfg.max_position_embeddings),
         compact_fraction=compact_fraction,
+        batching=batching,
+        batching_limits=batching_limits,
     )
 
 
@@ -287,18 +300,23 @@ def generate(
     and including the first EOS (all true for a row cut at ``max_new_tokens``). ``rollout_logprobs``
     (fp32) are the raw model log-probs of the sampled tokens (see the module docstring), 0 where masked.
 
-    Randomness comes only from ``generator`` if given, else from a fresh generator seeded with ``seed``
-    (default ``sampling.seed``): the same seed and inputs give the same samples.
+    Randomness: row ``r``'s ``k``-th token inverts its CDF at ``row_uniforms(seed, r, k)``
+    (:mod:`backends.rollout.row_random`), ``seed`` defaulting to ``sampling.seed`` (or drawn once from
+    ``generator`` if given): the same seed and inputs give the same samples, in either batching mode and
+    whichever rows share a step.
     """
     prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
     group_ids = check_group_ids(group_ids, len(prompts))
-    if generator is None:
-        generator = torch.Generator(device=rollout.device)
-        generator.manual_seed(sampling.seed if seed is None else seed)
+    if generator is not None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    seed = sampling.seed if seed is None else seed
     prompt_ids, prompt_mask = left_pad(prompts, rollout.pad_token_id)
-    prompt_ids, prompt_mask = prompt_ids.to(rollout.device), prompt_mask.to(rollout.device)
     with torch.inference_mode():
-        tokens, logprobs = _generate_tokens(rollout, prompt_ids, prompt_mask, sampling, generator)
+        if rollout.batching == "continuous":
+            tokens, logprobs = generate_continuous(rollout, prompts, sampling, seed, rollout.batching_limits)
+        else:
+            ids, mask = prompt_ids.to(rollout.device), prompt_mask.to(rollout.device)
+            tokens, logprobs = _generate_tokens(rollout, ids, mask, sampling, seed)
     # fresh (non-inference) tensors, so the trainer may use them in autograd; on the host, as vLLM's batch is:
     # rewards, advantages and metrics are host-side, and the trainer moves each micro-batch to its device
     response_ids, response_mask, rollout_logprobs = (
@@ -334,9 +352,9 @@ def _generate_tokens(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     sampling: SamplingConfig,
-    generator: torch.Generator,
+    seed: int,
 ) -> tuple[Tensor, Tensor]:
-    """The decoding loop over left-padded prompts ``(num_prompts p)``. Returns raw tokens and log-probs
+    """The lock-step decoding loop over left-padded prompts ``(num_prompts p)``. Returns raw tokens and log-probs
     ``(b steps)`` (garbage after a row's EOS)."""
     device = rollout.device
     n, (num_prompts, p) = sampling.n, prompt_ids.shape
@@ -349,16 +367,16 @@ def _generate_tokens(
     out_tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
     out_logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
     active = None  # indices into the full batch of the working rows; None = all rows, in order
+    all_rows = torch.arange(rows, device=device)
     running = torch.ones(rows, dtype=torch.bool, device=device)  # per working row: no EOS yet
     steps = 0
     for s in range(max_new):
-        # one uniform per row of the whole batch every step, so a row's samples do not depend on which
-        # rows share its working batch (compaction changes nothing)
+        # each row's uniform is keyed by (seed, row, step), so a row's samples do not depend on which rows
+        # share its working batch (compaction changes nothing; the continuous scheduler draws the same)
         uniform = None
         if sampling.temperature > 0.0:
-            uniform = torch.rand((rows, 1), generator=generator, device=device)
-            uniform = uniform if active is None else uniform[active]
-        token = sample_tokens(logits, sampling, generator, uniform=uniform)
+            uniform = row_uniforms(seed, all_rows if active is None else active, s)[:, None]
+        token = sample_tokens(logits, sampling, None, uniform=uniform)
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         if active is None:
             out_tokens[:, s] = token

@@ -1,0 +1,265 @@
+"""A paged KV cache: fixed-size blocks in one pool per layer, a block table per cache slot, reference counts.
+
+The ``n`` samples of a prompt share the prompt's blocks: the prompt is prefilled once and its blocks are counted
+``n`` times. A partial last prompt block is shared too, until a sample writes its first own token into it: that
+sample gets a private copy (copy-on-write) unless it is the block's last holder, which writes in place. A slot's
+blocks go back to the pool when its row finishes (:meth:`PagedKVCache.release`).
+
+Layout: per layer ``(kv_heads, num_blocks * block_size, head_dim)``, so a token's keys are one row of each head's
+matrix and block ``b`` holds token rows ``[b * block_size, (b + 1) * block_size)``. Each slot keeps the pool row of
+every token it has written (``token_rows``); a decode step gathers those rows for its working slots (one
+``index_select`` per layer and tensor, over the longest row's length) and then runs the two batched matmuls of
+:class:`~backends.rollout.kv_cache.KVCache` over them. Row 0 (block 0) is never handed out: it is zeroed at
+:meth:`PagedKVCache.reset` and stands for every position a slot has not written, so a masked position always reads
+finite numbers.
+
+Memory is reserved, not just allocated: a row is admitted only when the pool can hold its longest possible length
+(:meth:`PagedKVCache.admit`), so a running row never waits for a block and no row is ever preempted.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from backends.rollout.kv_cache import apply_rope, softmax_last
+
+__all__ = ["BlockPool", "PagedKVCache", "blocks_for_request", "pool_blocks_for_budget", "request_too_large"]
+
+Buffers = Callable[[str, tuple[int, ...], torch.dtype, int], list[Tensor]]
+
+
+def blocks_for_request(prompt_len: int, n: int, max_new_tokens: int, block_size: int) -> int:
+    """Blocks that ``n`` samples of a ``prompt_len``-token prompt may hold at once: the prompt's blocks (shared,
+    the partial last one included) plus, per sample, the blocks of every position it may write (the last sampled
+    token is never fed, so ``max_new_tokens - 1`` of them) outside the prompt's full blocks."""
+    shared = -(-prompt_len // block_size)
+    own = -(-(prompt_len + max_new_tokens - 1) // block_size) - prompt_len // block_size
+    return shared + n * own
+
+
+def pool_blocks_for_budget(gib: float, *, layers: int, kv_heads: int, head_dim: int, block_size: int, itemsize: int):
+    """Blocks (the null block included) that ``gib`` GiB of keys and values hold."""
+    per_block = 2 * layers * kv_heads * head_dim * block_size * itemsize
+    return int(gib * 2**30) // per_block
+
+
+def request_too_large(index: int, prompt_len: int, n: int, max_new: int, need: int, usable: int, bs: int) -> str:
+    """The error of a request that can never fit the pool."""
+    return (
+        f"prompt {index} ({prompt_len} tokens, n={n} samples, max_new_tokens={max_new}) needs {need} KV-cache blocks "
+        f"of {bs} tokens, more than the whole cache holds ({usable} blocks): raise rollout.native.kv_cache_gib, or "
+        "lower n or max_new_tokens"
+    )
+
+
+class BlockPool:
+    """Which blocks are free, how many holders each block has, and how many free blocks are promised to admitted
+    rows. Host-side bookkeeping; block 0 (the null block) is never handed out."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a paged KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.refcount = [0] * num_blocks
+        self.free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
+        self.reserved = 0
+
+    @property
+    def usable(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def available(self) -> int:
+        """Free blocks not promised to an admitted row."""
+        return len(self.free) - self.reserved
+
+    def take(self, holders: int = 1, *, reserved: bool = False) -> int:
+        """A free block with ``holders`` holders; ``reserved``: one promised earlier (the promise is kept)."""
+        if reserved:
+            self.reserved -= 1
+        elif self.available < 1:
+            raise RuntimeError("paged KV cache: no unreserved block left (an admission check was skipped)")
+        block = self.free.pop()
+        self.refcount[block] = holders
+        return block
+
+    def drop(self, block: int) -> bool:
+        """One holder fewer; True when the block went back to the free list."""
+        self.refcount[block] -= 1
+        if self.refcount[block] == 0:
+            self.free.append(block)
+            return True
+        if self.refcount[block] < 0:
+            raise RuntimeError(f"paged KV cache: block {block} dropped more often than it was held")
+        return False
+
+
+class PagedKVCache:
+    """The pools, the per-slot block lists and token rows, and the attention of a decode step over them.
+
+    A slot is one running row (a sample). :meth:`admit` gives a prompt's slots its shared blocks; :meth:`grow`
+    gives each working slot a writable block for its next position; :meth:`begin_step` / :meth:`attend` run a
+    decode step; :meth:`release` frees a finished slot. Prefill goes through :meth:`begin_prefill` and the
+    :meth:`mask_prompts` / :meth:`write_prompt` pair that :meth:`Decoder.prefill` calls.
+    """
+
+    def __init__(
+        self,
+        k: list[Tensor],
+        v: list[Tensor],
+        *,
+        slots: int,
+        max_len: int,
+        block_size: int,
+        num_heads: int,
+        att_dtype: torch.dtype,
+        rope: tuple[Tensor, Tensor],
+        scale: float,
+        device: torch.device,
+    ) -> None:
+        self.k, self.v = k, v
+        self.block_size, self.num_heads, self.att_dtype, self.scale = block_size, num_heads, att_dtype, scale
+        self.cos, self.sin = rope
+        self.device = device
+        self.pool = BlockPool(k[0].shape[1] // block_size)
+        #: (slots, max_len) int64: the pool row of each position a slot has written; 0 (the null row) elsewhere
+        self.token_rows = torch.zeros(slots, max_len, dtype=torch.long, device=device)
+        self.blocks: list[list[int]] = [[] for _ in range(slots)]  #: each slot's blocks, in position order
+        self.reserve: list[int] = [0] * slots  #: blocks still promised to each slot
+        #: (slots,) int64: the block holding each slot's next position (valid after :meth:`grow`)
+        self.write_block = torch.zeros(slots, dtype=torch.long, device=device)
+        #: slots that have not yet written into their prompt's shared partial last block
+        self.shared_tail: set[int] = set()
+        self._prefill: tuple[Tensor, Tensor] | None = None
+        self._step: tuple | None = None
+
+    @classmethod
+    def allocate(
+        cls, *, slots: int, max_len: int, num_blocks: int, block_size: int, num_kv: int, head_dim: int, layers: int,
+        num_heads: int, att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor], scale: float,
+        buffers: Buffers,
+    ) -> PagedKVCache:  # fmt: skip
+        """Pools of ``num_blocks`` blocks from ``buffers`` (uninitialised: see :meth:`reset`)."""
+        shape = (num_kv, num_blocks * block_size, head_dim)
+        k, v = buffers("paged_k", shape, att_dtype, layers), buffers("paged_v", shape, att_dtype, layers)
+        return cls(
+            k, v, slots=slots, max_len=max_len, block_size=block_size, num_heads=num_heads, att_dtype=att_dtype,
+            rope=rope, scale=scale, device=device,
+        )  # fmt: skip
+
+    def reset(self) -> None:
+        """Zero the null block, the one row every unwritten position reads."""
+        for pool in (*self.k, *self.v):
+            pool[:, : self.block_size].zero_()
+
+    # ---------------------------------------------------------------------------------------------- blocks
+
+    def admit(self, slots: list[int], prompt_len: int, max_new_tokens: int) -> None:
+        """Give ``slots`` (the samples of one prompt) the prompt's blocks, each held by all of them, and promise
+        each the blocks it may still need. The caller checked :func:`blocks_for_request` against ``available``."""
+        bs, n = self.block_size, len(slots)
+        shared = [self.pool.take(n) for _ in range(-(-prompt_len // bs))]
+        own = -(-(prompt_len + max_new_tokens - 1) // bs) - prompt_len // bs
+        self.pool.reserved += n * own
+        rows = (torch.tensor(shared, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device))
+        rows = rows.flatten()[:prompt_len]
+        index = torch.tensor(slots, device=self.device)
+        self.token_rows[index, :prompt_len] = rows
+        for s in slots:
+            self.blocks[s] = list(shared)
+            self.reserve[s] = own
+        self.write_block[index] = shared[-1]
+        if prompt_len % bs:
+            self.shared_tail.update(slots)
+
+    def grow(self, slots: Tensor, positions: Tensor) -> None:
+        """Make the block of each slot's next position (``positions``) its own: a fresh block at a block
+        boundary, a copy of a shared partial block (copy-on-write) where others still hold it."""
+        bs = self.block_size
+        check = (positions % bs == 0).nonzero().squeeze(-1).tolist()
+        if self.shared_tail:
+            check = sorted({*check, *(i for i, s in enumerate(slots.tolist()) if s in self.shared_tail)})
+        for i in check:
+            slot, pos = int(slots[i]), int(positions[i])
+            if pos % bs == 0:
+                block = self.pool.take(reserved=True)
+                self.blocks[slot].append(block)
+            else:  # its first own token goes into the prompt's partial last block
+                self.shared_tail.discard(slot)
+                old = self.blocks[slot][-1]
+                if self.pool.refcount[old] == 1:
+                    continue  # the last holder writes in place
+                block = self.pool.take(reserved=True)
+                self.pool.drop(old)
+                start = pos - pos % bs
+                for pool in (*self.k, *self.v):
+                    pool[:, block * bs : block * bs + pos % bs] = pool[:, old * bs : old * bs + pos % bs]
+                self.blocks[slot][-1] = block
+                self.token_rows[slot, start:pos] = block * bs + torch.arange(pos % bs, device=self.device)
+            self.reserve[slot] -= 1
+            self.write_block[slot] = block
+
+    def release(self, slot: int) -> None:
+        """The slot's row has finished: drop its blocks and its unused promise; the slot reads nothing again."""
+        for block in self.blocks[slot]:
+            self.pool.drop(block)
+        self.pool.reserved -= self.reserve[slot]
+        self.blocks[slot], self.reserve[slot] = [], 0
+        self.shared_tail.discard(slot)
+        self.token_rows[slot].zero_()
+
+    # ---------------------------------------------------------------------------------------------- prefill
+
+    def begin_prefill(self, first_slots: Tensor, mask: Tensor) -> None:
+        """The next prefill runs left-padded prompts ``mask (b0 p)`` whose keys and values go to the rows of
+        ``first_slots (b0)`` (one slot per prompt: the others share its blocks)."""
+        index = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        dst = self.token_rows[first_slots[:, None], index][mask]
+        src = mask.flatten().nonzero().squeeze(-1)
+        self._prefill = (src, dst)
+
+    def mask_prompts(self, mask: Tensor, copies: int) -> None:
+        """Nothing to mask: padding is never written (see :meth:`write_prompt`)."""
+        if copies != 1:
+            raise ValueError("a paged cache prefills each prompt once (copies=1); its samples share the blocks")
+
+    def write_prompt(self, layer: int, k: Tensor, v: Tensor, copies: int) -> None:
+        """The real tokens' keys and values ``(b0 kv p d)`` into their pool rows."""
+        src, dst = self._prefill
+        kv, d = k.shape[1], k.shape[3]
+        for pool, x in ((self.k[layer], k), (self.v[layer], v)):
+            pool.index_copy_(1, dst, x.transpose(0, 1).reshape(kv, -1, d).index_select(1, src).to(pool.dtype))
+
+    # ---------------------------------------------------------------------------------------------- decode
+
+    def begin_step(self, slots: Tensor, positions: Tensor, length: int) -> None:
+        """The next :meth:`attend` calls are for one new token per slot of ``slots (b)`` at ``positions (b)``;
+        ``length`` > every position (the keys gathered per row)."""
+        bs = self.block_size
+        write = self.write_block[slots] * bs + positions % bs
+        self.token_rows[slots, positions] = write
+        read = self.token_rows[slots, :length]
+        offsets = torch.arange(length, device=self.device)
+        bias = torch.zeros(read.shape, dtype=self.att_dtype, device=self.device)
+        bias.masked_fill_(offsets[None] > positions[:, None], float("-inf"))
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
+        self._step = (cos, sin, bias[None, :, None], write, read.flatten(), length)
+
+    def attend(self, layer: int, qkv: Tensor) -> Tensor:
+        """RoPE on the new queries and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to their
+        pool rows, and the attention ``(b kv g d)`` of the queries over each slot's positions."""
+        cos, sin, bias, write, read, length = self._step
+        b, h, d = qkv.shape[0], self.num_heads, qkv.shape[2]
+        kv = (qkv.shape[1] - h) // 2
+        kp, vp = self.k[layer], self.v[layer]
+        qk = apply_rope(qkv[:, : h + kv], cos, sin)
+        kp.index_copy_(1, write, qk[:, h:].transpose(0, 1).to(kp.dtype))
+        vp.index_copy_(1, write, qkv[:, h + kv :].transpose(0, 1).to(vp.dtype))
+        keys = kp.index_select(1, read).view(kv, b, length, d)
+        values = vp.index_select(1, read).view(kv, b, length, d)
+        q = qk[:, :h].view(b, kv, h // kv, d).transpose(0, 1).to(self.att_dtype)  # (kv b g d)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
+        return torch.matmul(softmax_last(scores), values).transpose(0, 1).contiguous()
