@@ -302,7 +302,7 @@ def generate(
 
     Randomness: row ``r``'s ``k``-th token inverts its CDF at ``row_uniforms(seed, r, k)``
     (:mod:`backends.rollout.row_random`), ``seed`` defaulting to ``sampling.seed`` (or drawn once from
-    ``generator`` if given): the same seed and inputs give the same samples, in either batching mode and
+    ``generator`` if given, which advances it): the same seed and inputs give the same samples, in either batching mode and
     whichever rows share a step.
     """
     prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)

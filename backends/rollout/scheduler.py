@@ -124,6 +124,7 @@ class ContinuousBatcher:
         self.steps = 0  #: the most tokens any row has sampled
         self.iterations = 0
         self.peak_blocks = 0  #: the most blocks held at once
+        self.peak_rows = 0  #: the most rows decoded together
 
     def run(self) -> tuple[Tensor, Tensor]:
         """Raw tokens and log-probs ``(rows steps)``, as the lock-step loop returns them."""
@@ -137,6 +138,7 @@ class ContinuousBatcher:
                 raise RuntimeError("continuous batching: requests wait but none can be admitted (a check was skipped)")
             self.iterations += 1
             self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
+            self.peak_rows = max(self.peak_rows, work.row.numel())
             token = self._sample(work)
             running = ~(torch.isin(token, self.eos) | (work.drawn >= self.max_new))
             if not bool(running.all()):
