@@ -167,16 +167,18 @@ def test_a_prompts_samples_share_its_blocks_and_copy_the_partial_one_on_write():
     assert tails[:3] != [partial] * 3 and len(set(tails)) == 4 and tails[3] == partial  # the last holder keeps it
     assert all(cache.blocks[s][0] == prompt_blocks[0] for s in slots)  # the full block stays shared
     assert cache.pool.refcount[prompt_blocks[0]] == 4 and cache.pool.refcount[partial] == 1
-    for s, tail in zip(slots, tails):  # the copies hold the prompt's two tokens, and the slot reads them there
+    for s, tail in zip(slots, tails):  # the copies hold the prompt's two tokens (and zeros), the table points there
         for pool, old in zip((*cache.k, *cache.v), before):
             assert torch.equal(pool[:, tail * 4 : tail * 4 + 2], old)
-        assert cache.token_rows[s, 4:6].tolist() == [tail * 4, tail * 4 + 1]
+            assert tail == partial or not pool[:, tail * 4 + 2 : tail * 4 + 4].any()
+        assert cache.block_table[s, :2].tolist() == [prompt_blocks[0], tail]
     cache.grow(torch.tensor(slots), torch.tensor([8, 8, 8, 8]))  # a block boundary: a fresh block each
     assert all(len(cache.blocks[s]) == 3 for s in slots) and cache.pool.reserved == 4 * 2 - 3 - 4
+    assert all(cache.block_table[s, 2].item() == cache.blocks[s][2] for s in slots)
     for s in slots:
         cache.release(s)
     assert len(cache.pool.free) == cache.pool.usable and cache.pool.reserved == 0 and not any(cache.pool.refcount)
-    assert not cache.token_rows.any()
+    assert not cache.block_table.any()
 
 
 def test_block_pool_refuses_double_frees_and_unpromised_blocks():
@@ -209,7 +211,7 @@ def test_no_block_leaks_over_1000_requests(setup):
         tokens, _ = batcher.run()
     cache = batcher.cache
     assert len(cache.pool.free) == cache.pool.usable and cache.pool.reserved == 0 and not any(cache.pool.refcount)
-    assert sorted(batcher.free_slots) == list(range(24)) and not cache.token_rows.any()
+    assert sorted(batcher.free_slots) == list(range(24)) and not cache.block_table.any()
     assert batcher.peak_rows <= 24 and batcher.peak_blocks <= cache.pool.usable
     assert batcher.iterations > 2000 * 1 / 24  # rows streamed through the slots
     lockstep = generate(attrs.evolve(rollout, batching="lockstep"), prompts, sampling)
@@ -246,7 +248,7 @@ def test_a_request_larger_than_the_cache_is_refused_before_any_work(setup, monke
     prompts = [tok.encode("1+1="), tok.encode("12345678901234567890+1=")]
     # 512 KV bytes a token (2 layers x (k, v) x 1 head x 32 dims x 4 bytes): 8 KiB a 16-token block; 10 blocks,
     # one of them the null block
-    small = attrs.evolve(rollout, batching_limits=BatchingLimits(kv_cache_gib=10 * 8192 / 2**30))
+    small = attrs.evolve(rollout, batching_limits=BatchingLimits(kv_cache_gib=10 * 8192 / 2**30, block_size=16))
     with pytest.raises(ValueError, match=r"prompt 1 \(23 tokens, n=4 samples, max_new_tokens=16\) needs 10 KV-cache "
                                          r"blocks of 16 tokens, more than the whole cache holds \(9 blocks\).*"
                                          r"kv_cache_gib"):  # fmt: skip

@@ -5,13 +5,14 @@ The ``n`` samples of a prompt share the prompt's blocks: the prompt is prefilled
 sample gets a private copy (copy-on-write) unless it is the block's last holder, which writes in place. A slot's
 blocks go back to the pool when its row finishes (:meth:`PagedKVCache.release`).
 
-Layout: per layer ``(kv_heads, num_blocks * block_size, head_dim)``, so a token's keys are one row of each head's
-matrix and block ``b`` holds token rows ``[b * block_size, (b + 1) * block_size)``. Each slot keeps the pool row of
-every token it has written (``token_rows``); a decode step gathers those rows for its working slots (one
-``index_select`` per layer and tensor, over the longest row's length) and then runs the two batched matmuls of
-:class:`~backends.rollout.kv_cache.KVCache` over them. Row 0 (block 0) is never handed out: it is zeroed at
-:meth:`PagedKVCache.reset` and stands for every position a slot has not written, so a masked position always reads
-finite numbers.
+Layout: per layer ``(kv_heads, num_blocks * block_size, head_dim)``, so block ``b`` is token rows
+``[b * block_size, (b + 1) * block_size)`` of each head's matrix: ``block_size * head_dim`` contiguous numbers. A
+slot's block table (``block_table``) lists its blocks in position order; a decode step gathers the working slots'
+blocks whole (one ``index_select`` of contiguous blocks per layer and tensor, which on a CPU runs near memcpy speed,
+where a gather of single tokens' rows ran at a fraction of it) and runs the two batched matmuls of
+:class:`~backends.rollout.kv_cache.KVCache` over them, positions past each slot's own masked. Masked positions must
+hold finite numbers (a zero weight times NaN is NaN): block 0, the null block that pads every table, is zeroed by
+:meth:`PagedKVCache.reset` and never handed out, and every block is zeroed when it is handed out.
 
 Memory is reserved, not just allocated: a row is admitted only when the pool can hold its longest possible length
 (:meth:`PagedKVCache.admit`), so a running row never waits for a block and no row is ever preempted.
@@ -98,7 +99,7 @@ class BlockPool:
 
 
 class PagedKVCache:
-    """The pools, the per-slot block lists and token rows, and the attention of a decode step over them.
+    """The pools, the per-slot block tables, and the attention of a decode step over them.
 
     A slot is one running row (a sample). :meth:`admit` gives a prompt's slots its shared blocks; :meth:`grow`
     gives each working slot a writable block for its next position; :meth:`begin_step` / :meth:`attend` run a
@@ -125,12 +126,10 @@ class PagedKVCache:
         self.cos, self.sin = rope
         self.device = device
         self.pool = BlockPool(k[0].shape[1] // block_size)
-        #: (slots, max_len) int64: the pool row of each position a slot has written; 0 (the null row) elsewhere
-        self.token_rows = torch.zeros(slots, max_len, dtype=torch.long, device=device)
-        self.blocks: list[list[int]] = [[] for _ in range(slots)]  #: each slot's blocks, in position order
+        #: (slots, blocks a row may hold) int64: each slot's blocks in position order, 0 (the null block) after them
+        self.block_table = torch.zeros(slots, -(-max_len // block_size), dtype=torch.long, device=device)
+        self.blocks: list[list[int]] = [[] for _ in range(slots)]  #: the block table's rows, on the host
         self.reserve: list[int] = [0] * slots  #: blocks still promised to each slot
-        #: (slots,) int64: the block holding each slot's next position (valid after :meth:`grow`)
-        self.write_block = torch.zeros(slots, dtype=torch.long, device=device)
         #: slots that have not yet written into their prompt's shared partial last block
         self.shared_tail: set[int] = set()
         self._prefill: tuple[Tensor, Tensor] | None = None
@@ -151,9 +150,26 @@ class PagedKVCache:
         )  # fmt: skip
 
     def reset(self) -> None:
-        """Zero the null block, the one row every unwritten position reads."""
+        """Zero the null block, what every position past a slot's blocks reads."""
+        self._zero([0])
+
+    def _blocks_view(self, pool: Tensor) -> Tensor:
+        """``pool`` as ``(kv, num_blocks, block_size * head_dim)``: one contiguous row per block and head."""
+        return pool.view(pool.shape[0], -1, self.block_size * pool.shape[2])
+
+    def _gather(self, pool: Tensor, blocks: Tensor) -> Tensor:
+        """``(kv, len(blocks), block_size * head_dim)``: the blocks of each head, one ``index_select`` along dim 0
+        per head (along dim 1 of the whole pool the CPU kernel runs about 3x slower)."""
+        view = self._blocks_view(pool)
+        out = torch.empty((view.shape[0], blocks.shape[0], view.shape[2]), dtype=pool.dtype, device=pool.device)
+        for head in range(view.shape[0]):
+            torch.index_select(view[head], 0, blocks, out=out[head])
+        return out
+
+    def _zero(self, blocks: list[int]) -> None:
+        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
         for pool in (*self.k, *self.v):
-            pool[:, : self.block_size].zero_()
+            self._blocks_view(pool).index_fill_(1, index, 0.0)
 
     # ---------------------------------------------------------------------------------------------- blocks
 
@@ -162,16 +178,14 @@ class PagedKVCache:
         each the blocks it may still need. The caller checked :func:`blocks_for_request` against ``available``."""
         bs, n = self.block_size, len(slots)
         shared = [self.pool.take(n) for _ in range(-(-prompt_len // bs))]
+        self._zero(shared)
         own = -(-(prompt_len + max_new_tokens - 1) // bs) - prompt_len // bs
         self.pool.reserved += n * own
-        rows = (torch.tensor(shared, device=self.device)[:, None] * bs + torch.arange(bs, device=self.device))
-        rows = rows.flatten()[:prompt_len]
         index = torch.tensor(slots, device=self.device)
-        self.token_rows[index, :prompt_len] = rows
+        self.block_table[index, : len(shared)] = torch.tensor(shared, device=self.device)
         for s in slots:
             self.blocks[s] = list(shared)
             self.reserve[s] = own
-        self.write_block[index] = shared[-1]
         if prompt_len % bs:
             self.shared_tail.update(slots)
 
@@ -182,42 +196,47 @@ class PagedKVCache:
         check = (positions % bs == 0).nonzero().squeeze(-1).tolist()
         if self.shared_tail:
             check = sorted({*check, *(i for i, s in enumerate(slots.tolist()) if s in self.shared_tail)})
+        taken, copies = [], []
         for i in check:
             slot, pos = int(slots[i]), int(positions[i])
+            if pos % bs and self.pool.refcount[self.blocks[slot][-1]] == 1:
+                self.shared_tail.discard(slot)  # the partial block's last holder writes in place
+                continue
+            block = self.pool.take(reserved=True)
+            taken.append(block)
+            self.reserve[slot] -= 1
             if pos % bs == 0:
-                block = self.pool.take(reserved=True)
                 self.blocks[slot].append(block)
-            else:  # its first own token goes into the prompt's partial last block
+            else:  # its first own token goes into the prompt's partial last block, which others still hold
                 self.shared_tail.discard(slot)
                 old = self.blocks[slot][-1]
-                if self.pool.refcount[old] == 1:
-                    continue  # the last holder writes in place
-                block = self.pool.take(reserved=True)
                 self.pool.drop(old)
-                start = pos - pos % bs
-                for pool in (*self.k, *self.v):
-                    pool[:, block * bs : block * bs + pos % bs] = pool[:, old * bs : old * bs + pos % bs]
                 self.blocks[slot][-1] = block
-                self.token_rows[slot, start:pos] = block * bs + torch.arange(pos % bs, device=self.device)
-            self.reserve[slot] -= 1
-            self.write_block[slot] = block
+                copies.append((block, old, pos % bs))
+            self.block_table[slot, pos // bs] = block
+        if taken:
+            self._zero(taken)
+        for block, old, count in copies:
+            for pool in (*self.k, *self.v):
+                pool[:, block * bs : block * bs + count] = pool[:, old * bs : old * bs + count]
 
     def release(self, slot: int) -> None:
-        """The slot's row has finished: drop its blocks and its unused promise; the slot reads nothing again."""
+        """The slot's row has finished: drop its blocks and its unused promise."""
         for block in self.blocks[slot]:
             self.pool.drop(block)
         self.pool.reserved -= self.reserve[slot]
         self.blocks[slot], self.reserve[slot] = [], 0
         self.shared_tail.discard(slot)
-        self.token_rows[slot].zero_()
+        self.block_table[slot].zero_()
 
     # ---------------------------------------------------------------------------------------------- prefill
 
     def begin_prefill(self, first_slots: Tensor, mask: Tensor) -> None:
-        """The next prefill runs left-padded prompts ``mask (b0 p)`` whose keys and values go to the rows of
+        """The next prefill runs left-padded prompts ``mask (b0 p)`` whose keys and values go to the blocks of
         ``first_slots (b0)`` (one slot per prompt: the others share its blocks)."""
-        index = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-        dst = self.token_rows[first_slots[:, None], index][mask]
+        bs = self.block_size
+        position = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        dst = (self.block_table[first_slots[:, None], position // bs] * bs + position % bs)[mask]
         src = mask.flatten().nonzero().squeeze(-1)
         self._prefill = (src, dst)
 
@@ -237,16 +256,15 @@ class PagedKVCache:
 
     def begin_step(self, slots: Tensor, positions: Tensor, length: int) -> None:
         """The next :meth:`attend` calls are for one new token per slot of ``slots (b)`` at ``positions (b)``;
-        ``length`` > every position (the keys gathered per row)."""
+        ``length`` > every position (the keys attended per row)."""
         bs = self.block_size
-        write = self.write_block[slots] * bs + positions % bs
-        self.token_rows[slots, positions] = write
-        read = self.token_rows[slots, :length]
+        write = self.block_table[slots, positions // bs] * bs + positions % bs
+        read = self.block_table[slots, : -(-length // bs)].flatten()
         offsets = torch.arange(length, device=self.device)
-        bias = torch.zeros(read.shape, dtype=self.att_dtype, device=self.device)
+        bias = torch.zeros(slots.shape[0], length, dtype=self.att_dtype, device=self.device)
         bias.masked_fill_(offsets[None] > positions[:, None], float("-inf"))
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        self._step = (cos, sin, bias[None, :, None], write, read.flatten(), length)
+        self._step = (cos, sin, bias[None, :, None], write, read, length)
 
     def attend(self, layer: int, qkv: Tensor) -> Tensor:
         """RoPE on the new queries and keys of ``qkv (b, h + 2 kv, d)``, the new key and value written to their
@@ -258,8 +276,9 @@ class PagedKVCache:
         qk = apply_rope(qkv[:, : h + kv], cos, sin)
         kp.index_copy_(1, write, qk[:, h:].transpose(0, 1).to(kp.dtype))
         vp.index_copy_(1, write, qkv[:, h + kv :].transpose(0, 1).to(vp.dtype))
-        keys = kp.index_select(1, read).view(kv, b, length, d)
-        values = vp.index_select(1, read).view(kv, b, length, d)
+        # whole blocks (contiguous rows) gathered, then cut to the longest row: (kv b length d)
+        keys = self._gather(kp, read).view(kv, b, -1, d)[:, :, :length]
+        values = self._gather(vp, read).view(kv, b, -1, d)[:, :, :length]
         q = qk[:, :h].view(b, kv, h // kv, d).transpose(0, 1).to(self.att_dtype)  # (kv b g d)
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
         return torch.matmul(softmax_last(scores), values).transpose(0, 1).contiguous()
