@@ -272,3 +272,29 @@ def test_more_prompts_than_slots_all_complete(setup):
     ended = torch.isin(tokens, eos).any(-1)
     full = (logprobs < 0).all(-1)
     assert bool((ended | full).all())  # every row ended at an EOS or ran to max_new_tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Config: rollout.native.*
+
+
+def test_rollout_native_keys_reach_the_engine(setup, tmp_path):
+    from backends.config import ConfigError, apply_overrides
+    from backends.rollout.api import build_rollout
+    from experiments import grpo
+
+    model, tok, _ = setup
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    overrides = ["rollout.native.batching=lockstep", "rollout.native.block_size=4", "rollout.native.max_slots=16",
+                 "rollout.native.kv_cache_gib=0.5", "rollout.native.prefill_tokens=64"]  # fmt: skip
+    cfg = apply_overrides(grpo.Config(), overrides, presets_dir=grpo.PRESETS, renamed=grpo.RENAMED_GRPO)
+    rollout = build_rollout(cfg.rollout, path, tok)
+    assert rollout.batching == "lockstep"
+    assert rollout.batching_limits == BatchingLimits(max_slots=16, prefill_tokens=64, block_size=4, kv_cache_gib=0.5)
+    assert build_rollout(grpo.Config().rollout, path, tok).batching == "continuous"
+    for bad, named in (("rollout.native.block_size=0", "rollout.native.block_size must be positive, got 0"),
+                       ("rollout.native.batching=eager", "rollout.native.batching")):  # fmt: skip
+        with pytest.raises(ConfigError, match=named):
+            apply_overrides(grpo.Config(), [bad], presets_dir=grpo.PRESETS, renamed=grpo.RENAMED_GRPO)

@@ -76,6 +76,7 @@ __all__ = [
     "decode_responses",
     "TurnOutput",
     "BatchingLimits",
+    "NativeConfig",
     "ENGINE_SPEC",
 ]
 
@@ -88,6 +89,37 @@ def _check_decode_backend(instance: Any, attribute: attrs.Attribute, value: str)
         )
     if value not in ("auto", "torch"):
         raise ConfigError(f"NativeRollout.decode_backend must be 'auto' or 'torch', got {value!r}")
+
+
+def _positive_setting(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"rollout.native.{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class NativeConfig:
+    """How the native engine batches (``rollout.native.*``; ignored by the vLLM engine)."""
+
+    #: continuous: rows stream through slots of a paged KV cache shared by a prompt's samples, a finished row's slot
+    #: taking the next waiting one; lockstep: the whole batch steps together over a contiguous cache
+    batching: Literal["continuous", "lockstep"] = attrs.field(
+        default="continuous", validator=attrs.validators.in_(("continuous", "lockstep"))
+    )
+    #: continuous: rows decoded together; none: every row of a call, up to 1024
+    max_slots: int | None = attrs.field(default=None, validator=_positive_setting)
+    prefill_tokens: int = attrs.field(default=4096, validator=_positive_setting)  #: prompt tokens one step prefills
+    block_size: int = attrs.field(default=8, validator=_positive_setting)  #: continuous: tokens per KV-cache block
+    #: continuous: the KV cache's size in GiB (a request that can never fit is refused, naming it); none: enough for
+    #: max_slots rows at their longest
+    kv_cache_gib: float | None = attrs.field(default=None, validator=_positive_setting)
+
+    def limits(self) -> BatchingLimits:
+        return BatchingLimits(
+            max_slots=self.max_slots,
+            prefill_tokens=self.prefill_tokens,
+            block_size=self.block_size,
+            kv_cache_gib=self.kv_cache_gib,
+        )
 
 
 @attrs.frozen
@@ -429,7 +461,15 @@ def _build_from_config(
     max_context: int | None = None,
     device: str | torch.device | None = None,
 ) -> NativeRollout:
-    return build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype), device=device)
+    native = getattr(cfg, "native", NativeConfig())
+    return build_native_rollout(
+        model_path,
+        tokenizer,
+        dtype=getattr(torch, cfg.dtype),
+        device=device,
+        batching=native.batching,
+        batching_limits=native.limits(),
+    )
 
 
 #: ``rollout.engine=native``: weights in ``rollout.dtype``; runs on any ranks (it creates no process groups)
