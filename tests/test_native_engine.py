@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
+from backends.rollout import scheduler
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
 from backends.rollout.paged_kv import BlockPool, PagedKVCache, blocks_for_request
 from backends.rollout.row_random import fmix32, row_uniforms
-from backends.rollout import scheduler
 from backends.rollout.scheduler import ContinuousBatcher
 from rlfunc.logits import logprobs_from_logits
 
@@ -127,10 +127,9 @@ def test_logprobs_match_an_fp32_hf_forward(setup):
     limits = BatchingLimits(max_slots=5, block_size=4)
     batch = generate(attrs.evolve(rollout, batching_limits=limits), _prompts(tok, 10), SamplingConfig(n=2, seed=2))
     mask = batch.attention_mask
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(
-            input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=(mask.long().cumsum(-1) - 1).clamp(min=0)
-        ).logits
+        logits = model(input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=position_ids).logits
     p = batch.prompt_ids.shape[1]
     recomputed = logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids)
     diff = (recomputed - batch.rollout_logprobs)[batch.response_mask].abs().max().item()
@@ -158,8 +157,9 @@ def test_a_prompts_samples_share_its_blocks_and_copy_the_partial_one_on_write():
     assert len(prompt_blocks) == 2 and all(cache.blocks[s] == prompt_blocks for s in slots)
     assert [cache.pool.refcount[b] for b in prompt_blocks] == [4, 4]
     assert cache.pool.usable - len(cache.pool.free) == 2  # held: the prompt's blocks, once
-    # promised: per sample, the blocks of positions 6..9 outside the full prompt block: 2 (copy + one more)
-    assert cache.pool.reserved == 4 * 2 == blocks_for_request(6, 4, 5, 4) - 2
+    # promised: per sample, the blocks of positions 6..9 outside the full prompt block: 2 (copy + one more), but
+    # the partial block, taken already, is one sample's own
+    assert cache.pool.reserved == 4 * 2 - 1 == blocks_for_request(6, 4, 5, 4) - 2
     partial = prompt_blocks[1]
     before = [pool[:, partial * 4 : partial * 4 + 2].clone() for pool in (*cache.k, *cache.v)]
     cache.grow(torch.tensor(slots), torch.tensor([6, 6, 6, 6]))  # each sample's first own token
@@ -173,12 +173,36 @@ def test_a_prompts_samples_share_its_blocks_and_copy_the_partial_one_on_write():
             assert tail == partial or not pool[:, tail * 4 + 2 : tail * 4 + 4].any()
         assert cache.block_table[s, :2].tolist() == [prompt_blocks[0], tail]
     cache.grow(torch.tensor(slots), torch.tensor([8, 8, 8, 8]))  # a block boundary: a fresh block each
-    assert all(len(cache.blocks[s]) == 3 for s in slots) and cache.pool.reserved == 4 * 2 - 3 - 4
+    assert all(len(cache.blocks[s]) == 3 for s in slots) and cache.pool.reserved == 4 * 2 - 1 - 3 - 4 == 0
+    assert cache.reserve == [0] * 4 + [0] * 4
     assert all(cache.block_table[s, 2].item() == cache.blocks[s][2] for s in slots)
     for s in slots:
         cache.release(s)
     assert len(cache.pool.free) == cache.pool.usable and cache.pool.reserved == 0 and not any(cache.pool.refcount)
     assert not cache.block_table.any()
+
+
+@pytest.mark.parametrize("order", ["both-end-first", "one-ends-one-writes", "one-copies-one-ends"])
+def test_rows_that_end_before_writing_return_their_promises(order):
+    """Samples that end at their first token (an EOS) never write into the shared partial block: whichever order
+    they end and write in, every block and promise comes back."""
+    cache = _cache(num_blocks=12, block_size=4)
+    cache.admit([0, 1], prompt_len=6, max_new_tokens=5)
+    assert cache.pool.reserved == 2 * 2 - 1
+    if order == "both-end-first":
+        cache.release(0)
+        cache.release(1)
+    elif order == "one-ends-one-writes":
+        cache.release(0)
+        cache.grow(torch.tensor([1]), torch.tensor([6]))  # the last holder: in place, no block taken
+        assert len(cache.pool.free) == cache.pool.usable - 2 and cache.reserve[1] == 1
+        cache.release(1)
+    else:
+        cache.grow(torch.tensor([0]), torch.tensor([6]))  # a copy
+        cache.release(1)  # the partial block's last holder, never written: it goes back to the pool
+        assert cache.pool.reserved == cache.reserve[0] == 1
+        cache.release(0)
+    assert len(cache.pool.free) == cache.pool.usable and cache.pool.reserved == 0 and not any(cache.pool.refcount)
 
 
 def test_block_pool_refuses_double_frees_and_unpromised_blocks():
@@ -246,17 +270,32 @@ def test_a_request_larger_than_the_cache_is_refused_before_any_work(setup, monke
 
     monkeypatch.setattr(scheduler, "Decoder", no_work)
     prompts = [tok.encode("1+1="), tok.encode("12345678901234567890+1=")]
-    # 512 KV bytes a token (2 layers x (k, v) x 1 head x 32 dims x 4 bytes): 8 KiB a 16-token block; 10 blocks,
-    # one of them the null block
-    small = attrs.evolve(rollout, batching_limits=BatchingLimits(kv_cache_gib=10 * 8192 / 2**30, block_size=16))
-    with pytest.raises(ValueError, match=r"prompt 1 \(23 tokens, n=4 samples, max_new_tokens=16\) needs 10 KV-cache "
-                                         r"blocks of 16 tokens, more than the whole cache holds \(9 blocks\).*"
+    # 512 KV bytes a token (2 layers x (k, v) x 1 head x 32 dims x 4 bytes): 8 KiB a 16-token block; 9 blocks,
+    # one of them the null block; prompt 0 needs 8 (2 own per sample), prompt 1 its full block and 2 own per sample
+    small = attrs.evolve(rollout, batching_limits=BatchingLimits(kv_cache_gib=9 * 8192 / 2**30, block_size=16))
+    with pytest.raises(ValueError, match=r"prompt 1 \(23 tokens, n=4 samples, max_new_tokens=16\) needs 9 KV-cache "
+                                         r"blocks of 16 tokens, more than the whole cache holds \(8 blocks\).*"
                                          r"kv_cache_gib"):  # fmt: skip
         generate(small, prompts, SamplingConfig(n=4, max_new_tokens=16))
     with pytest.raises(ValueError, match="max_slots=2 is fewer than n=4"):
         generate(attrs.evolve(rollout, batching_limits=BatchingLimits(max_slots=2)), prompts, SamplingConfig(n=4))
     with pytest.raises(ValueError, match="BatchingLimits.block_size must be positive"):
         BatchingLimits(block_size=0)
+
+
+@pytest.mark.parametrize("text", ["1+22=", "1234567+", "12345678+1"], ids=["partial", "full", "full+partial"])
+def test_the_default_cache_holds_a_prompts_samples_exactly(setup, text):
+    """The default pool holds every slot at its longest; a request filling every slot fits it exactly, whether
+    or not its prompt ends in a partial block (whose last holder writes into it rather than a copy)."""
+    _, tok, rollout = setup
+    prompt = tok.encode(text)
+    with torch.inference_mode():
+        batcher = ContinuousBatcher(rollout, [prompt], SamplingConfig(n=4, max_new_tokens=6), 0, BatchingLimits())
+        batcher.run()
+    usable = batcher.cache.pool.usable
+    assert usable == 4 * -(-(len(prompt) + 6) // 8)
+    assert batcher.peak_blocks <= blocks_for_request(len(prompt), 4, 6, 8) <= usable
+    assert batcher.cache.pool.reserved == 0 and len(batcher.cache.pool.free) == usable
 
 
 def test_more_prompts_than_slots_all_complete(setup):

@@ -145,8 +145,9 @@ class NativeRollout:
     #: the decoder's KV-cache / attention implementation: PyTorch on every device, which ``auto`` and
     #: ``torch`` both name
     decode_backend: Literal["auto", "torch"] = attrs.field(default="auto", validator=_check_decode_backend)
-    #: ``continuous``: :func:`generate` streams rows through slots of a paged KV cache (:mod:`backends.rollout.scheduler`);
-    #: ``lockstep``: the whole batch steps together over a contiguous cache, finished rows compacted away
+    #: ``continuous``: :func:`generate` streams rows through slots of a paged KV cache
+    #: (:mod:`backends.rollout.scheduler`); ``lockstep``: the whole batch steps together over a contiguous cache,
+    #: finished rows compacted away
     batching: Literal["continuous", "lockstep"] = attrs.field(
         default="continuous", validator=attrs.validators.in_(("continuous", "lockstep"))
     )
@@ -334,8 +335,8 @@ def generate(
 
     Randomness: row ``r``'s ``k``-th token inverts its CDF at ``row_uniforms(seed, r, k)``
     (:mod:`backends.rollout.row_random`), ``seed`` defaulting to ``sampling.seed`` (or drawn once from
-    ``generator`` if given, which advances it): the same seed and inputs give the same samples, in either batching mode and
-    whichever rows share a step.
+    ``generator`` if given, which advances it): the same seed and inputs give the same samples, in either batching
+    mode and whichever rows share a step.
     """
     prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
     group_ids = check_group_ids(group_ids, len(prompts))

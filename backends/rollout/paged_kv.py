@@ -33,12 +33,12 @@ Buffers = Callable[[str, tuple[int, ...], torch.dtype, int], list[Tensor]]
 
 
 def blocks_for_request(prompt_len: int, n: int, max_new_tokens: int, block_size: int) -> int:
-    """Blocks that ``n`` samples of a ``prompt_len``-token prompt may hold at once: the prompt's blocks (shared,
-    the partial last one included) plus, per sample, the blocks of every position it may write (the last sampled
-    token is never fed, so ``max_new_tokens - 1`` of them) outside the prompt's full blocks."""
-    shared = -(-prompt_len // block_size)
+    """The most blocks ``n`` samples of a ``prompt_len``-token prompt hold at once: the prompt's full blocks (shared)
+    plus, per sample, the blocks of every position it may write (the last sampled token is never fed, so
+    ``max_new_tokens - 1`` of them) outside those. A partial last prompt block counts among a sample's own: all
+    but its last holder copy it, and that one writes into it."""
     own = -(-(prompt_len + max_new_tokens - 1) // block_size) - prompt_len // block_size
-    return shared + n * own
+    return prompt_len // block_size + n * own
 
 
 def pool_blocks_for_budget(gib: float, *, layers: int, kv_heads: int, head_dim: int, block_size: int, itemsize: int):
@@ -180,7 +180,8 @@ class PagedKVCache:
         shared = [self.pool.take(n) for _ in range(-(-prompt_len // bs))]
         self._zero(shared)
         own = -(-(prompt_len + max_new_tokens - 1) // bs) - prompt_len // bs
-        self.pool.reserved += n * own
+        # a partial last block is one of its last holder's own blocks, taken already
+        self.pool.reserved += n * own - (1 if prompt_len % bs else 0)
         index = torch.tensor(slots, device=self.device)
         self.block_table[index, : len(shared)] = torch.tensor(shared, device=self.device)
         for s in slots:
@@ -200,7 +201,8 @@ class PagedKVCache:
         for i in check:
             slot, pos = int(slots[i]), int(positions[i])
             if pos % bs and self.pool.refcount[self.blocks[slot][-1]] == 1:
-                self.shared_tail.discard(slot)  # the partial block's last holder writes in place
+                self.shared_tail.discard(slot)  # the partial block's last holder writes in place: one of its own
+                self.reserve[slot] -= 1
                 continue
             block = self.pool.take(reserved=True)
             taken.append(block)
@@ -222,9 +224,11 @@ class PagedKVCache:
 
     def release(self, slot: int) -> None:
         """The slot's row has finished: drop its blocks and its unused promise."""
-        for block in self.blocks[slot]:
-            self.pool.drop(block)
-        self.pool.reserved -= self.reserve[slot]
+        freed = [self.pool.drop(block) for block in self.blocks[slot]]
+        # the last holder of a partial prompt block it never wrote: that block was one of its promised own blocks,
+        # counted out of the promise at admission, and it is free again now
+        settled = 1 if slot in self.shared_tail and freed and freed[-1] else 0
+        self.pool.reserved -= self.reserve[slot] - settled
         self.blocks[slot], self.reserve[slot] = [], 0
         self.shared_tail.discard(slot)
         self.block_table[slot].zero_()

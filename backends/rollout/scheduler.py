@@ -104,7 +104,12 @@ class ContinuousBatcher:
             num_blocks = slots * -(-self.max_len // bs) + 1
         else:
             num_blocks = pool_blocks_for_budget(
-                limits.kv_cache_gib, layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=bs, itemsize=itemsize
+                limits.kv_cache_gib,
+                layers=layers,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                block_size=bs,
+                itemsize=itemsize,
             )
         self.needs = [blocks_for_request(len(p), n, max_new, bs) for p in prompts]
         for i, need in enumerate(self.needs):
