@@ -1,8 +1,14 @@
 """A native torch rollout engine: batched autoregressive sampling with a KV cache, in-process.
 
 The engine keeps its own unsharded copy of a Llama / Qwen2 model (eval mode, no grads) and runs the
-decoder itself (:mod:`backends.rollout.decoder`), straight from the HF module's parameters, with a
-preallocated KV cache:
+decoder itself (:mod:`backends.rollout.decoder`), straight from the HF module's parameters. ``generate`` batches
+in one of two ways (``NativeRollout.batching``, ``rollout.native.batching``):
+
+- ``continuous`` (the default; :mod:`backends.rollout.scheduler` over :mod:`backends.rollout.paged_kv`): rows
+  stream through a fixed number of slots; a prompt's ``n`` samples share its KV-cache blocks (prefilled once,
+  a partial last block copied on write), a finished row frees its slot and blocks at once and the next waiting
+  prompt takes them, so more prompts than slots pass through a bounded cache;
+- ``lockstep``: the whole batch steps together over a preallocated contiguous cache:
 
 1. prefill each distinct prompt once (left-padded, ``position_ids = cumsum(mask) - 1``) and copy its
    keys/values into the cache rows of its ``n`` samples;
@@ -10,6 +16,10 @@ preallocated KV cache:
 3. drop finished rows from the working batch (compaction), so the work per step follows the number of
    sequences still running: the caches are copied down once 1/8 of the working rows have finished;
 4. stop when every row has produced EOS or ``max_new_tokens`` tokens.
+
+Both draw row ``r``'s ``k``-th token from a uniform keyed by ``(seed, r, k)``
+(:mod:`backends.rollout.row_random`), so they sample the same tokens for the same seed and weights
+(tests/test_native_engine.py).
 
 ``sync_weights`` copies full HF-named tensors into the model's parameters in place, so the decoder
 always reads the newest weights.
