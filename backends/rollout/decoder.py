@@ -249,24 +249,11 @@ class Decoder:
                 return list(torch.empty((count, *shape), dtype=dtype).unbind(0))
             return [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(count)]
 
-        if make_cache is not None:
-            self.cache = make_cache(
-                num_heads=self.num_heads,
-                num_kv=self.num_kv,
-                head_dim=self.head_dim,
-                layers=len(self.layers),
-                att_dtype=self.att_dtype,
-                device=self.device,
-                rope=(self.cos, self.sin),
-                scale=self.scale,
-                buffers=buffers,
-            )
-            return
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
-        # to it, so no slot is read before it is written
-        self.cache = KVCache.allocate(
-            rows=rows,
-            total_len=total_len,
+        # to it, so no slot is read before it is written (the paged cache says how it keeps to that)
+        if make_cache is None:
+            make_cache = functools.partial(KVCache.allocate, rows=rows, total_len=total_len)
+        self.cache = make_cache(
             num_heads=self.num_heads,
             num_kv=self.num_kv,
             head_dim=self.head_dim,
