@@ -180,6 +180,7 @@ def test_bisect_names_the_step_stage_and_tensor_of_planted_differences(tmp_path,
         "eval.before_training=false",
         "checkpoint.every=2",
         "checkpoint.keep_last=4",
+        "debug.record_steps=[7]",
     ]
     base = _run(tmp_path / "base", GRPO, "grpo", *args, "steps=7")
     checkpoints = base / "checkpoints"
@@ -212,9 +213,18 @@ def test_bisect_names_the_step_stage_and_tensor_of_planted_differences(tmp_path,
     )
     assert (found["seed"].step, found["seed"].stage, found["seed"].tensor) == (3, "samples", "prompt_ids")
     assert main([str(base), str(lr)]) == 1
-    assert "first difference: step 7, stage weights, tensor actor.model.embed_tokens.weight: sum" in (
-        capsys.readouterr().out
+    report = capsys.readouterr().out.splitlines()
+    assert report[0].startswith("first difference: step 7, stage weights, tensor actor.model.embed_tokens.weight: sum")
+    # step 7 was recorded on both sides: each replays to its own run, and the first run's inputs under the second's
+    # settings (its learning rate) give the second run's step: the cause is in step 7, not before it
+    assert report[1] == f"replay of step 7 of {base}: identical to the run, every stage and tensor bit for bit"
+    assert report[2] == f"replay of step 7 of {lr}: identical to the run, every stage and tensor bit for bit"
+    assert report[3] == (
+        f"replay of step 7 of {base} with actor.optim.lr=3e-05: identical to the step of {lr}, every stage "
+        "and tensor bit for bit"
     )
+    assert main([str(base), str(seed)]) == 1
+    assert "(step 3 was not recorded in both runs" in capsys.readouterr().out
     summary = json.loads((lr / "summary.json").read_text())
     assert summary["steps"] == 7 and json.loads((lr / "config.json").read_text())["actor"]["optim"]["lr"] == 3e-5
     other_model = run(

@@ -132,6 +132,7 @@ def _group_stats(flats: list[Tensor]) -> tuple[Tensor, Tensor]:
     return hashes, floats
 
 
+@torch.inference_mode()  # no autograd bookkeeping on a parameter's reductions
 def fingerprint_tensors(tensors: Mapping[Hashable, Tensor]) -> dict[Hashable, dict[str, Any]]:
     """``{name: {"hash", "sum", "absmax", "shape"}}`` of every tensor, read back with one transfer per device.
 

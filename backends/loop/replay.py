@@ -4,12 +4,14 @@ weight or learning rate) without sampling again.
 
     python -m backends.loop.replay runs/grpo-<time> --step 7                       # one-process runs
     torchrun --nproc_per_node 2 -m backends.loop.replay runs/grpo-<time> --step 7 algo.policy_loss=gspo
+    python -m backends.loop.replay runs/grpo-A --step 7 --against runs/grpo-B actor.optim.lr=1e-4
 
 The step must have been recorded (``debug.record_steps=[7]`` or ``debug.record_every=N``, see
 :mod:`backends.loop.records`); the replay runs on as many ranks as the run did. It builds the recipe's roles from
 the run's command line (plus the overrides), loads the recorded weights, optimizer state, RNG and algorithm state,
 trains on the recorded batch with the recorded seeds through the loop's :class:`~backends.loop.learner.Learner`,
-and compares every stage's fingerprints with the run's (``fingerprints/``).
+and compares every stage's fingerprints with the run's (``fingerprints/``), or with another run's (``--against``: do
+this run's recorded inputs, under that run's settings, give that run's step?).
 """
 
 from __future__ import annotations
@@ -120,23 +122,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m backends.loop.replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="the run dir (runs/<name>-<time>)")
     parser.add_argument("--step", type=int, required=True, help="the recorded step to run again")
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="compare with this run's fingerprints of the step instead (with overrides: does this run's step "
+        "come from the recorded inputs under the overridden settings?)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value settings that replace the run's (a what-if)")
     args = parser.parse_intermixed_args(argv)  # --step may come between the run dir and the overrides
     replayed, _ = replay_step(args.run_dir, args.step, args.overrides)
     if replayed is None:  # not the first rank: rank 0 reports
         return 0
-    original = read_fingerprints(args.run_dir)[args.step]
+    against = args.against or args.run_dir
+    original = read_fingerprints(against)[args.step]
     what = f"step {args.step} of {args.run_dir}" + (f" with {' '.join(args.overrides)}" if args.overrides else "")
     difference = first_difference({args.step: original}, {args.step: replayed})
-    if not args.overrides:
-        if difference is None:
-            print(f"replay of {what}: identical to the run, every stage and tensor bit for bit")
-            return 0
-        print(f"replay of {what}: differs from the run; first difference: {difference.describe()}")
-        return 1
-    print(f"replay of {what}, against the run:")
-    print("\n".join(stage_changes(original, replayed)))
-    return 0
+    if args.overrides and args.against is None:
+        print(f"replay of {what}, against the run:")
+        print("\n".join(stage_changes(original, replayed)))
+        return 0
+    run = "the run" if args.against is None else f"the step of {against}"
+    if difference is None:
+        print(f"replay of {what}: identical to {run}, every stage and tensor bit for bit")
+        return 0
+    print(f"replay of {what}: differs from {run}; first difference: {difference.describe()}")
+    return 1
 
 
 if __name__ == "__main__":

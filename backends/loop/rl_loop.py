@@ -42,7 +42,7 @@ from backends.loop.stages import (
     summarize,
     warn_once,
 )
-from backends.loop.vocabulary import RLConfig
+from backends.loop.vocabulary import RESUMABLE_KEYS, RLConfig
 from backends.loop.weight_bridge import check_adapter_sync
 from backends.rewards import RewardScorer
 from backends.rollout.api import build_rollout, refuse_on_a_pool
@@ -51,23 +51,7 @@ from backends.training.engines import TRAIN_ENGINES, select_engine
 from backends.training.optim import with_total_steps
 from backends.training.roles import build_roles
 
-__all__ = ["RESUMABLE_KEYS", "Recipe", "RunContext", "run_recipe"]
-
-#: keys that may differ between a run and its resumption (where things go and how they are logged)
-RESUMABLE_KEYS = (
-    "debug",
-    "resume",
-    "fork_from",
-    "run_dir",
-    "run_root",
-    "checkpoint",
-    "deadlines",
-    "export",
-    "eval",
-    "logger",
-    "log_every",
-    "dump_generations_every",
-)
+__all__ = ["Recipe", "RunContext", "run_recipe"]
 
 
 @attrs.frozen

@@ -38,6 +38,7 @@ from backends.training.reward_model import RewardModelConfig
 from backends.training.sft import SFTConfig
 
 __all__ = [
+    "RESUMABLE_KEYS",
     "RunConfig",
     "RLConfig",
     "ActorConfig",
@@ -71,6 +72,23 @@ class DebugConfig:
     #: runs/<run>/records/step_<N>: python -m backends.loop.replay runs such a step again (colocated runs)
     record_steps: tuple[int, ...] = ()
     record_every: int = attrs.field(default=0, validator=attrs.validators.ge(0))  #: ... and every N-th step (0: none)
+
+
+#: keys that may differ between a run and its resumption (where things go and how they are logged)
+RESUMABLE_KEYS = (
+    "debug",
+    "resume",
+    "fork_from",
+    "run_dir",
+    "run_root",
+    "checkpoint",
+    "deadlines",
+    "export",
+    "eval",
+    "logger",
+    "log_every",
+    "dump_generations_every",
+)
 
 
 @attrs.frozen

