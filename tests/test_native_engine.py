@@ -277,7 +277,7 @@ def test_a_request_larger_than_the_cache_is_refused_before_any_work(setup, monke
                                          r"blocks of 16 tokens, more than the whole cache holds \(8 blocks\).*"
                                          r"kv_cache_gib"):  # fmt: skip
         generate(small, prompts, SamplingConfig(n=4, max_new_tokens=16))
-    with pytest.raises(ValueError, match="max_slots=2 is fewer than n=4"):
+    with pytest.raises(ValueError, match=r"rollout\.native\.max_slots=2 is fewer than rollout\.n=4"):
         generate(attrs.evolve(rollout, batching_limits=BatchingLimits(max_slots=2)), prompts, SamplingConfig(n=4))
     with pytest.raises(ValueError, match="BatchingLimits.block_size must be positive"):
         BatchingLimits(block_size=0)

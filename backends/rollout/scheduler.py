@@ -91,7 +91,10 @@ class ContinuousBatcher:
         rows = len(prompts) * n
         slots = min(rows, limits.max_slots or DEFAULT_MAX_SLOTS)
         if slots < n:
-            raise ValueError(f"max_slots={slots} is fewer than n={n}: a prompt's samples are admitted together")
+            raise ValueError(
+                f"rollout.native.max_slots={slots} is fewer than rollout.n={n}: a prompt's samples are admitted "
+                "together, so the slots must hold n rows at least"
+            )
         self.max_len = max(map(len, prompts)) + max_new
         bs = limits.block_size
         cfg = rollout.model.config
