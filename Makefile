@@ -49,10 +49,14 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 TORCH_ELASTIC_SHUTDOWN_TIMEOUT=90 $(VENV)/bin/torchrun --standalone --nproc_per_node $(NPROC) \
 		experiments/grpo.py preset=demo/arithmetic $(ARGS)
 
-## The whole suite (unit, property, distributed and end-to-end tests); it ends with its 20 slowest tests, so
-## the suite's time stays visible in every log.
+## The whole suite (unit, property, distributed and end-to-end tests) but the `long` learning runs; it ends with its
+## 20 slowest tests, so the suite's time stays visible in every log.
 test: $(TEST_STAMP)
-	$(PY) -m pytest --durations=20 $(PYTEST_ARGS)
+	$(PY) -m pytest -m "not long" --durations=20 $(PYTEST_ARGS)
+
+## The learning runs that take several minutes each (marker `long`; benchmarks/RESULTS.md has their last results).
+test-long: $(TEST_STAMP)
+	$(PY) -m pytest -m long --durations=0 $(PYTEST_ARGS)
 
 ## The fast set (about two minutes on two cores): single-process unit and property tests (no process groups of
 ## ranks, no vLLM engine), spread over the machine's cores.

@@ -90,6 +90,7 @@ class Example:
     source: str  #: the data_source column ("default" when the row has none)
     columns: Mapping[str, Any]  #: every column but the prompt and the answer (data_source included)
     where: str  #: file and row, for messages: "train.jsonl:line 3" / "data.parquet[row 2]"
+    prompt: Any = None  #: the prompt as the row gives it (a string or chat messages): what an agent reads
 
 
 @attrs.frozen
@@ -362,6 +363,7 @@ def load_examples(
                     source=str(source) if source not in (None, "") else "default",
                     columns=columns,
                     where=where,
+                    prompt=prompt,
                 )
             )
     if rows == 0:

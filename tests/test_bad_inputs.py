@@ -814,6 +814,20 @@ CASES = [
         ("resuming with another config", "the config matches, naming every differing key"),
     ),
     Case(
+        "vllm-server-nowhere",
+        lambda tmp, ctx: grpo_config("rollout.engine=vllm_server", "rollout.vllm_server.count=0"),
+        ConfigError,
+        (r"rollout.engine=vllm_server needs rollout.vllm_server.count > 0 or rollout.vllm_server.urls",),
+        ("rollout.engine=vllm_server with no server started or named", "a server to sample from"),
+    ),
+    Case(
+        "vllm-server-multi-turn",
+        lambda tmp, ctx: grpo_config("rollout.engine=vllm_server", "rollout.multi_turn.max_turns=2"),
+        ConfigError,
+        (r"rollout.engine=vllm_server has no multi-turn sessions",),
+        ("rollout.engine=vllm_server with multi-turn rollouts", "the engine has sessions"),
+    ),
+    Case(
         "fork-and-resume",
         lambda tmp, ctx: grpo_config("fork_from=runs/a/checkpoints/step_2", "resume=runs/b/checkpoints/step_3"),
         ConfigError,

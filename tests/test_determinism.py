@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from backends.loop.bisect import first_difference, main, read_fingerprints
-from backends.loop.fingerprints import STAGES, fingerprint_tensors
+from backends.loop.fingerprints import fingerprint_tensors
 from experiments.tasks import calculator
 from tests.recipes import GRPO, PPO, TINY_MODEL, arithmetic_data, data_args, run, the_run_dir
 

@@ -13,6 +13,7 @@ import re
 import httpx
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("vllm")
 
@@ -20,6 +21,7 @@ from backends.models import TinyModelConfig, build_char_tokenizer, load_causal_l
 from backends.rollout.server_auth import new_tokens  # noqa: E402
 from backends.rollout.vllm_server import (  # noqa: E402
     RolloutServerError,
+    ServerClient,
     VLLMServerConfig,
     WeightPusher,
     checkpoint_shapes,
@@ -34,7 +36,8 @@ PROMPT = [5, 9, 12, 7, 3]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    config = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    # the recipes' tiny model (tests/recipes.TINY_MODEL), so that the GRPO test can use this server too
+    config = TinyModelConfig(hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=96)
     return write_tiny_model(tmp_path_factory.mktemp("model") / "m", config, build_char_tokenizer())
 
 
@@ -154,3 +157,103 @@ def test_an_agent_samples_through_the_openai_client(server, model_dir):
         openai.OpenAI(base_url=server.url, api_key=server.tokens.agent, max_retries=0).post(
             "/pause", cast_to=object, body={}
         )
+
+
+@pytest.mark.distributed
+def test_grpo_trains_through_a_vllm_server_with_the_weights_pushed_every_step(server, tmp_path):
+    """GRPO on 2 ranks with rollout.engine=vllm_server pointed at this module's server: rank 0 pushes the SFT'd policy
+    first and the weights after every update, both ranks sample from the server; every token of every step comes
+    from the version the step expects (the engine checks), and its log-probs are the trainer's to fp32 rounding."""
+    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
+    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data")
+    out = run(
+        GRPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data),
+        *TINY_MODEL,
+        "steps=3",
+        "prompts_per_step=4",
+        "rollout.n=4",
+        "rollout.max_new_tokens=8",
+        "rollout.engine=vllm_server",
+        "rollout.vllm_server.count=0",
+        f'rollout.vllm_server.urls=["{server.url}"]',
+        "actor.optim.lr=1e-3",
+        "eval.max_prompts=4",
+        "eval.n=1",
+        nproc=2,
+        timeout=600,
+        environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    rows = metrics(the_run_dir(tmp_path / "runs", "grpo"))
+    assert len(rows) == 3
+    assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]
+    assert server.client().weight_version() == "3"  # the policy's weights ("0"), then one push per update
+
+
+@pytest.mark.distributed
+@pytest.mark.offpolicy
+def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_server(server, tmp_path):
+    """1 trainer rank + 1 rollout rank whose engine is this module's server: bounded with max_staleness=0 trains
+    bit for bit as sync (the same weights pushed before each step, the same per-prompt seeds)."""
+    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
+    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, run, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data")
+    reward = tmp_path / "length_reward.py"  # scores that differ within a group: real updates
+    reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
+    weights = {}
+    for mode in (["offpolicy.mode=bounded", "offpolicy.max_staleness=0"], ["offpolicy.mode=sync"]):
+        root = tmp_path / mode[0].split("=")[1]
+        out = run(
+            GRPO,
+            f"run_root={root}",
+            *data_args(data, sft_steps=0),
+            *TINY_MODEL,
+            "steps=3",
+            "prompts_per_step=4",
+            "rollout.n=4",
+            "rollout.max_new_tokens=8",
+            f"reward.fn={reward}:score",
+            "eval.max_prompts=4",
+            "eval.n=1",
+            "offpolicy.rollout_ranks=1",
+            *mode,
+            "rollout.engine=vllm_server",
+            "rollout.vllm_server.count=0",
+            f'rollout.vllm_server.urls=["{server.url}"]',
+            nproc=2,
+            timeout=600,
+            environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+        )
+        assert out.returncode == 0, out.stderr[-6000:]
+        (path,) = (the_run_dir(root, "grpo") / "final_model").glob("*.safetensors")
+        weights[mode[0]] = load_file(path)
+    bounded, sync = weights.values()
+    assert bounded.keys() == sync.keys() and all((bounded[k] == sync[k]).all() for k in bounded)
+
+
+def test_a_frozen_or_dead_server_is_named_not_waited_on(server):
+    """Last in the module (it ends the server): a server that stops answering is an error naming it once the request
+    deadline passes; one that died, at once."""
+    import os
+    import signal
+
+    client = ServerClient(server.url, server.tokens.trainer, timeout_s=3.0)
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(
+            RolloutServerError,
+            match=rf"rollout server {re.escape(server.url)}/inference/v1/generate: "
+            r"ReadTimeout",
+        ):
+            client.generate(PROMPT, n=1, max_tokens=2, seed=0)
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+    os.killpg(server.process.pid, signal.SIGKILL)  # the server and its engine processes
+    server.process.wait()
+    with pytest.raises(RolloutServerError, match=rf"rollout server {re.escape(server.url)}/weight_info: ConnectError"):
+        client.weight_version()

@@ -50,14 +50,13 @@ BATCH_STAGES = {
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _bits(x: Tensor) -> Tensor:
-    """The tensor's elements as integers of their own width (floats reinterpreted, not converted), flat."""
-    flat = x.detach().reshape(-1)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    if flat.is_floating_point() or flat.is_complex():
-        return flat.view(_INT_OF_SIZE[flat.element_size()])
-    return flat
+def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer type of a dtype's width: its elements' bits are read as it (floats reinterpreted, not converted)."""
+    if dtype == torch.bool:
+        return torch.uint8
+    if dtype.is_floating_point or dtype.is_complex:
+        return _INT_OF_SIZE[torch.empty((), dtype=dtype).element_size()]
+    return dtype
 
 
 def _columns(n: int) -> int:
@@ -97,11 +96,6 @@ def _layout(rows: tuple[int, ...], columns: tuple[int, ...], device: Any) -> _La
     return _layouts[key]
 
 
-def _wrap32(x: Tensor) -> Tensor:
-    """int64 values reduced to the int32 they wrap to (what a 32-bit running sum holds)."""
-    return ((x + 2**31) & (2**32 - 1)) - 2**31
-
-
 def _group_stats(flats: list[Tensor]) -> tuple[Tensor, Tensor]:
     """The fingerprints of non-empty tensors of one dtype on one device: ``[k, 2]`` int64 hashes (by row, by column;
     see :func:`fingerprint_tensors`) and ``[k, 3]`` float64 ``[sum, min, max]``.
@@ -109,15 +103,16 @@ def _group_stats(flats: list[Tensor]) -> tuple[Tensor, Tensor]:
     Each tensor costs four reductions (its row sums, column sums, sum, min and max); the weighting of the sums and
     the stacking are done once for the group, so that many small tensors cost little more than their bytes."""
     row_sums, column_sums, sums, lows, highs = [], [], [], [], []
-    for flat in flats:
-        bits = _bits(flat)
-        blocks = bits.view(-1, _columns(bits.numel()))
-        # 32-bit sums that wrap around (a hash needs no more, and they run several times faster than 64-bit ones)
-        accumulate = torch.int32 if bits.element_size() <= 4 else torch.int64
+    dtype = flats[0].dtype
+    bits_dtype = _bits_dtype(dtype)
+    # 32-bit sums that wrap around (a hash needs no more, and they run several times faster than 64-bit ones)
+    accumulate = torch.int32 if flats[0].element_size() <= 4 else torch.int64
+    for flat in flats:  # as few dispatches per tensor as its reductions need: on a CPU each costs microseconds
+        blocks = flat.view(bits_dtype).view(-1, _columns(flat.numel()))
         row_sums.append(blocks.sum(1, dtype=accumulate))
         column_sums.append(blocks.sum(0, dtype=accumulate))
-        values = flat.view(torch.uint8) if flat.dtype == torch.bool else flat
-        if values.dtype in (torch.float16, torch.bfloat16):
+        values = flat.view(torch.uint8) if dtype == torch.bool else flat
+        if dtype in (torch.float16, torch.bfloat16):
             values = values.float()
         sums.append(values.sum())
         low, high = torch.aminmax(values)
@@ -142,7 +137,7 @@ def fingerprint_tensors(tensors: Mapping[Hashable, Tensor]) -> dict[Hashable, di
     finished together (:func:`_group_stats`)."""
     if not tensors:
         return {}
-    flats = [x.detach().reshape(-1) for x in tensors.values()]
+    flats = [x.reshape(-1) for x in tensors.values()]  # under inference mode: no autograd, no detach needed
     groups: dict[tuple[torch.dtype, Any], list[int]] = {}
     for i, flat in enumerate(flats):
         if flat.numel():
@@ -181,6 +176,7 @@ def fingerprint_stages(stages: Mapping[str, Mapping[str, Tensor]]) -> dict[str, 
     return out
 
 
+@torch.no_grad()  # a DTensor's to_local is a differentiable op: no graph for a fingerprint
 def module_tensors(prefix: str, module: Any) -> dict[str, Tensor]:
     """A module's parameters by ``prefix.name``, each rank's own shard (a DTensor's local tensor)."""
     out = {}

@@ -45,6 +45,7 @@ from backends.loop.stages import (
 from backends.loop.vocabulary import RESUMABLE_KEYS, RLConfig
 from backends.loop.weight_bridge import check_adapter_sync
 from backends.rewards import RewardScorer
+from backends.rollout.agents import AgentRunner, agent_runner
 from backends.rollout.api import build_rollout, refuse_on_a_pool
 from backends.rollout.environments import environment_factory
 from backends.training.engines import TRAIN_ENGINES, select_engine
@@ -107,7 +108,7 @@ def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
     cfg = apply_overrides(recipe.config, argv, presets_dir=recipe.presets, renamed=recipe.renamed)
     algorithm = recipe.algorithm(cfg)
     scorer = RewardScorer(cfg.reward)  # ... and an unknown reward function
-    environments = environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None
+    environments = trajectory_source(cfg)
     engine = select_engine(cfg.actor.backend, fsdp=cfg.actor.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     critic_engine = select_engine(cfg.actor.backend, fsdp=cfg.critic.fsdp, tp=cfg.actor.tp, pp=cfg.actor.pp)
     build_kwargs = cfg.actor.lora.build_kwargs(engine)
@@ -166,8 +167,24 @@ def run_recipe(recipe: Recipe, argv: list[str]) -> dict:
     )
     summary = run_split(ctx) if cfg.offpolicy.rollout_ranks else run_colocated(ctx, roles)
     scorer.close()
+    if isinstance(environments, AgentRunner):
+        environments.close()
     shutdown(env)
     return summary
+
+
+def trajectory_source(cfg: Any) -> Any:
+    """What samples a multi-turn trajectory: the user's agents (``rollout.agent``, through an endpoint of this
+    process's engine), the environment factory (``rollout.multi_turn.max_turns`` > 1), or None (single-turn).
+    Resolved here, at start-up, so a bad reference fails before any work."""
+    if cfg.rollout.agent:
+        return agent_runner(
+            cfg.rollout.agent,
+            deadline_s=cfg.rollout.agent_deadline_s,
+            workers=cfg.rollout.agent_workers,
+            chat_template=cfg.data.chat_template,
+        )
+    return environment_factory(cfg.rollout.multi_turn) if cfg.rollout.multi_turn.max_turns > 1 else None
 
 
 def recipe_module_name(recipe: Recipe) -> str:

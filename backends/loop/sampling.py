@@ -54,7 +54,16 @@ def sample_share(
     )
     rows = [examples[g - group_offset] for g in episodes.batch.group_ids.tolist()]
     with watchdog.phase("reward", op="reward functions / reward model on the sampled responses"):
-        batch, metrics = score_batch(episodes.batch, rows, scorer, tokenizer, cfg, rollout.eos_token_ids, reward_model)
+        batch, metrics = score_batch(
+            episodes.batch,
+            rows,
+            scorer,
+            tokenizer,
+            cfg,
+            rollout.eos_token_ids,
+            reward_model,
+            given_rewards=episodes.given_rewards,
+        )
     return batch, rows, {**metrics, **episodes.metrics}
 
 
@@ -118,12 +127,19 @@ def score_batch(
     cfg: Any,
     eos_token_ids: tuple[int, ...],
     reward_model: Any = None,
+    *,
+    given_rewards: Sequence[float | None] | None = None,
 ) -> tuple[rf.RolloutBatch, dict[str, float]]:
-    """The batch with its scores (the reward functions on the answer, plus a reward model's weighted score, a
+    """The batch with its scores (the reward functions on the answer, or the reward an agent returned for its
+    trajectory (``given_rewards``, None where it left it to them), plus a reward model's weighted score, a
     multi-turn trajectory's turn rewards and DAPO's overlong shaping), the reward functions' success rate and, with
     the overlong filter, a loss mask without truncated responses."""
     result = scorer.score(answer_texts(tokenizer, batch), rows)
     scores, extra = result.scores, {}
+    if given_rewards is not None:
+        given = [float("nan") if g is None else float(g) for g in given_rewards]
+        given_t = torch.tensor(given, dtype=scores.dtype)
+        scores = torch.where(torch.isnan(given_t), scores, given_t)
     if batch.token_rewards is not None:  # the environment's per-turn rewards
         scores = scores + batch.token_rewards.sum(-1).to(scores.dtype)
     if reward_model is not None:

@@ -405,6 +405,7 @@ class RolloutRank:
             seed=cfg.seed,
             device=ctx.env.device,
             max_context=max_context(cfg),
+            group=self.pool_env.group,
         )
         if cfg.reward_model.path:  # the pool scores with a replicated reward model
             self.reward_model = build_reward_model(cfg.reward_model.path, self.pool_env, cfg.reward_model)

@@ -55,6 +55,9 @@ class Episodes:
     #: own metrics as multi_turn/<name> (tool_calls, tool_call_errors, errors, timeouts), plus
     #: multi_turn/tool_call_validity (the share of tool calls that ran)
     metrics: dict[str, float]
+    #: per trajectory: the reward its agent returned (backends.rollout.agents), which replaces the reward
+    #: functions' score; None: the reward functions score it. None for the whole batch without agents.
+    given_rewards: list[float | None] | None = None
 
 
 def sample(
@@ -70,7 +73,11 @@ def sample(
     chat_template: str = "auto",
 ) -> Episodes:
     """``sampling.n`` samples of each example: one response (``multi_turn.max_turns`` 1), or a multi-turn
-    trajectory through ``environments(example)`` (:func:`run_episodes`)."""
+    trajectory through ``environments(example)`` (:func:`run_episodes`), or, when ``environments`` is the run's
+    agents (:class:`backends.rollout.agents.AgentRunner`: it has a ``sample`` method), their trajectories."""
+    agents = getattr(environments, "sample", None)
+    if agents is not None:
+        return agents(rollout, examples, tokenizer, sampling, seed=seed, group_ids=group_ids)
     if multi_turn.max_turns == 1:
         batch = rollout.generate([list(e.prompt_ids) for e in examples], sampling, seed=seed, group_ids=group_ids)
         rows = len(examples) * sampling.n

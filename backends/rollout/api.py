@@ -21,10 +21,12 @@ import torch
 
 from backends.config import ConfigError
 from backends.rollout import native as rollout_native
+from backends.rollout import server_rollout
 from backends.rollout import vllm as rollout_vllm
 from backends.rollout.common import SamplingConfig, TurnOutput, decode_responses
 from backends.rollout.engine import RolloutEngine, RolloutEngineSpec
 from backends.rollout.environments import MultiTurnConfig
+from backends.rollout.server_rollout import ServerRolloutConfig
 from backends.rollout.vllm import VLLMConfig
 
 __all__ = [
@@ -40,23 +42,36 @@ __all__ = [
 ]
 
 #: name -> registration (``rollout.engine``)
-ROLLOUT_ENGINES: dict[str, RolloutEngineSpec] = {"native": rollout_native.ENGINE_SPEC, "vllm": rollout_vllm.ENGINE_SPEC}
+ROLLOUT_ENGINES: dict[str, RolloutEngineSpec] = {
+    "native": rollout_native.ENGINE_SPEC,
+    "vllm": rollout_vllm.ENGINE_SPEC,
+    "vllm_server": server_rollout.ENGINE_SPEC,
+}
 
 
 @attrs.frozen
 class RolloutConfig(SamplingConfig):
     """Sampling options (:class:`SamplingConfig`) plus which engine runs them."""
 
-    engine: str = attrs.field(default="native")  #: native: torch KV-cache engine; vllm: in-process vLLM
+    #: native: torch KV-cache engine; vllm: in-process vLLM; vllm_server: vLLM servers in processes of their own
+    engine: str = attrs.field(default="native")
     #: the native engine's weight dtype (synced weights are cast to it); the vLLM engine's is vllm.dtype
     dtype: Literal["float32", "bfloat16"] = attrs.field(default="float32")
     vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
     native: rollout_native.NativeConfig = rollout_native.NativeConfig()  #: how the native engine batches
+    #: rollout.engine=vllm_server: vLLM servers in processes of their own (started, or pointed at by URL)
+    vllm_server: ServerRolloutConfig = ServerRolloutConfig()
     #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on
     #: GPU, 16 on CPU (where gloo moves small buffers faster)
     sync_bucket_mb: float | None = None
     #: multi-turn / tool rollouts (max_turns > 1); see BUILD.md's multi-turn section
     multi_turn: MultiTurnConfig = MultiTurnConfig()
+    #: your agent function (path/to/agent.py:run or package.module:run), called per trajectory with the data row,
+    #: a base_url and an api_key for the openai client; none: the engine samples (backends.rollout.agents)
+    agent: str | None = None
+    #: seconds an agent's trajectory may take from its start; later, its calls are refused and it is dropped
+    agent_deadline_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+    agent_workers: int = attrs.field(default=32, validator=attrs.validators.ge(1))  #: agents run at a time (threads)
 
     @dtype.validator
     def _known_dtype(self, attribute: attrs.Attribute, value: str) -> None:
@@ -91,15 +106,19 @@ def build_rollout(
     seed: int = 0,
     max_context: int | None = None,
     device: str | torch.device | None = None,
+    group: Any = None,
 ) -> RolloutEngine:
     """The engine ``cfg.engine`` names, over a local HF dir (every rank calls it under torchrun).
 
     ``max_context``: the longest prompt plus response the recipe samples (its ``data.max_prompt_length +
     rollout.max_new_tokens``): vLLM sizes its KV cache for it (default: the model's max_position_embeddings).
     ``device``: where an engine that runs in torch places itself (the trainer's device: ``cuda:LOCAL_RANK`` on a
-    GPU node); vLLM places itself.
+    GPU node); vLLM places itself. ``group``: the ranks that build it together (a rollout pool's group; None: every
+    rank), for an engine whose ranks share servers.
     """
-    return rollout_engine_spec(cfg).build(cfg, model_path, tokenizer, seed=seed, max_context=max_context, device=device)
+    spec = rollout_engine_spec(cfg)
+    extra = {"group": group} if spec.takes_group else {}
+    return spec.build(cfg, model_path, tokenizer, seed=seed, max_context=max_context, device=device, **extra)
 
 
 def refuse_on_a_pool(cfg: RolloutConfig, placement: str, *, setting: str, colocated: str) -> None:

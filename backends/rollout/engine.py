@@ -118,3 +118,5 @@ class RolloutEngineSpec:
     with_adapter_rank: Callable[[Any, int], Any] | None = None
     #: why the engine cannot be built on a pool of some of the ranks (None: it can)
     pool_refusal: str | None = None
+    #: ``build`` takes ``group=``: the process group of the ranks that build the engine together (None: every rank)
+    takes_group: bool = False

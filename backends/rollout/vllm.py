@@ -124,6 +124,8 @@ __all__ = [
     "checkpoint_bytes",
     "check_vllm_version",
     "MIN_VLLM_VERSION",
+    "model_token_ids",
+    "read_hf_config",
     "shutdown_vllm",
     "decode_responses",
     "ENGINE_SPEC",
@@ -248,7 +250,7 @@ def _under_torchrun() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and "RANK" in os.environ
 
 
-def _read_hf_config(path: Path) -> Any:
+def read_hf_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     if not (path / "config.json").is_file():
@@ -273,7 +275,7 @@ def build_vllm_rollout(
     the native engine). Under torchrun every rank must call this together (vLLM creates process groups).
     """
     path = Path(model_path)
-    hf_cfg = _read_hf_config(path)
+    hf_cfg = read_hf_config(path)
     on_gpu = torch.cuda.is_available()
     config = config.resolved(on_gpu=on_gpu)
     _check_build(path, hf_cfg, config, on_gpu)
@@ -281,7 +283,7 @@ def build_vllm_rollout(
         from backends.models import load_tokenizer
 
         tokenizer = load_tokenizer(path)
-    eos, pad = _token_ids(path, hf_cfg, tokenizer, eos_token_ids)
+    eos, pad = model_token_ids(path, hf_cfg, tokenizer, eos_token_ids)
     context = int(max_context or hf_cfg.max_position_embeddings)
     if context > hf_cfg.max_position_embeddings:
         raise ValueError(
@@ -377,7 +379,7 @@ def check_vllm_version(installed: str | None = None) -> None:
         )
 
 
-def _token_ids(
+def model_token_ids(
     path: Path, hf_cfg: Any, tokenizer: Any, eos_token_ids: Sequence[int] | None
 ) -> tuple[tuple[int, ...], int]:
     """The EOS ids (given, else as the native engine finds them) and the pad id (else the first EOS)."""

@@ -22,6 +22,7 @@ __all__ = [
     "as_sampling_config",
     "build_requests",
     "gather_tp_inputs",
+    "prompt_seed",
     "run_requests",
     "to_sampling_params",
     "wake_up",
@@ -133,6 +134,12 @@ def gather_tp_inputs(rollout: Any, inputs: Any, error: Exception | None, *, call
     return [g[0] for g in gathered], torch.distributed.get_rank(group)
 
 
+def prompt_seed(seed: int, index: int, n: int) -> int:
+    """The seed of prompt ``index``'s request (vLLM seeds its sample ``j`` with this + ``j``): distinct streams for
+    every row of a batch of ``n`` samples per prompt."""
+    return (seed * 1_000_003 + index * n) % 2**62
+
+
 def build_requests(
     prompts: list[list[int]], sampling: SamplingConfig, eos: Sequence[int], seed: int
 ) -> tuple[list, list]:
@@ -144,7 +151,7 @@ def build_requests(
     n = sampling.n
     if sampling.temperature == 0.0:  # vLLM refuses greedy with n > 1; the n rows are copies of one anyway
         sampling = attrs.evolve(sampling, n=1)
-    params = [to_sampling_params(sampling, eos, seed=(seed * 1_000_003 + i * n) % 2**62) for i in range(len(prompts))]
+    params = [to_sampling_params(sampling, eos, seed=prompt_seed(seed, i, n)) for i in range(len(prompts))]
     return [{"prompt_token_ids": p} for p in prompts], params
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +44,7 @@ __all__ = [
     "complete_set",
     "server_command",
     "start_vllm_server",
+    "transfer_backend",
 ]
 
 
@@ -67,12 +69,12 @@ class VLLMServerConfig:
     extra_args: tuple[str, ...] = ()  #: more ``vllm serve`` arguments
 
 
-def _transfer_backend(cfg: VLLMServerConfig) -> str:
-    if cfg.weight_transfer != "auto":
-        return cfg.weight_transfer
-    from backends.rollout.vllm_transfer import GLOO_BACKEND
-
-    return "nccl" if torch.cuda.is_available() else GLOO_BACKEND
+def transfer_backend(name: str = "auto") -> str:
+    """The weight-transfer engine ``name`` stands for: ``auto`` is vLLM's NCCL engine where CUDA is, rlfunc's gloo
+    engine elsewhere."""
+    if name != "auto":
+        return name
+    return "nccl" if torch.cuda.is_available() else "rlfunc_gloo"  # backends.rollout.vllm_transfer.GLOO_BACKEND
 
 
 def server_command(model_dir: str | Path, cfg: VLLMServerConfig, port: int) -> list[str]:
@@ -95,7 +97,7 @@ def server_command(model_dir: str | Path, cfg: VLLMServerConfig, port: int) -> l
         str(cfg.seed),
         "--enable-scale-out",
         "--weight-transfer-config",
-        json.dumps({"backend": _transfer_backend(cfg)}),
+        json.dumps({"backend": transfer_backend(cfg.weight_transfer)}),
         "--middleware",
         "backends.rollout.server_auth.RunTokenAuth",
         "--logprobs-mode",
@@ -156,13 +158,22 @@ class RolloutServer:
             time.sleep(0.5)
 
     def stop(self, grace_s: float = 20.0) -> None:
+        """The server and vLLM's engine processes under it (its process group): asked, then killed."""
         if self.process.poll() is None:
-            self.process.terminate()
+            _signal_group(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(grace_s)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                pass
+        _signal_group(self.process.pid, signal.SIGKILL)  # what is left of the group: an engine core, its workers
+        self.process.wait()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def start_vllm_server(
@@ -182,6 +193,9 @@ def start_vllm_server(
         **(environ or {}),
         **tokens.environ(),
         "VLLM_SERVER_DEV_MODE": "1",  # the weight-update and pause routes
+        # idle connections kept longer than a client pools them (httpx: 5 s, vLLM's default here: 5 s), so that no
+        # request goes out on a connection the server is closing
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "75",
         "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
     }
     log_path = Path(log_path)
@@ -212,7 +226,12 @@ class ServerClient:
     def __init__(self, url: str, token: str, *, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.http = httpx.Client(
-            base_url=self.url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s, trust_env=False
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=timeout_s,
+            trust_env=False,
+            # an idle connection is dropped before a server (vLLM's default: after 5 s) may close it under a request
+            limits=httpx.Limits(keepalive_expiry=2.0),
         )
         self.pending_version: str | None = None  #: what finish_weight_update names the weights being sent
 
@@ -245,6 +264,11 @@ class ServerClient:
 
     def resume(self) -> None:
         self.request("POST", "/resume")
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (vLLM's weight update keeps it); refused while requests hold blocks."""
+        if not self.request("POST", "/reset_prefix_cache")["success"]:
+            raise RolloutServerError(f"rollout server {self.url}: its prefix cache could not be reset (blocks in use)")
 
     # vLLM's VLLMWeightSyncClient protocol (vllm/distributed/weight_transfer/clients.py)
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -351,7 +375,8 @@ class WeightPusher:
     """Pushes versions of the weights to one server through vLLM's weight-transfer API (see
     :mod:`backends.rollout.vllm_transfer`): the group is formed once, then each :meth:`push` checks the set against
     the server's checkpoint (:func:`complete_set`), pauses the server (running requests frozen, not dropped), sends
-    every tensor, finishes the update under its version and resumes. Only the trainer's rank 0 builds one."""
+    every tensor, finishes the update under its version, drops the prefix cache (vLLM's update keeps it) and
+    resumes. Only the trainer's rank 0 builds one."""
 
     def __init__(
         self,
@@ -391,6 +416,7 @@ class WeightPusher:
         self.client.pause("keep")
         try:
             self.engine.send_weights()
+            self.client.reset_prefix_cache()  # cached keys / values of the old weights must not serve the new
         except RolloutServerError as e:
             # the model may hold part of the new set (or its server stopped): it is not resumed on it
             raise RolloutServerError(
