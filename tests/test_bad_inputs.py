@@ -957,7 +957,29 @@ CASES = [
         (r"clip_low must be in \[0, 1\), got 1\.5",),
         ("clip_low=1.5", "the clip range"),
     ),
+    Case(
+        "rollout-request-larger-than-the-kv-cache",
+        lambda tmp, ctx: _generate_in_a_small_kv_cache(ctx),
+        ValueError,
+        (
+            r"prompt 1 \(40 tokens, n=2 samples, max_new_tokens=16\) needs 9 KV-cache blocks of 8 tokens, more than "
+            r"the whole cache holds \(8 blocks\)",
+            r"rollout\.native\.kv_cache_gib",
+        ),
+        (
+            "`rollout.native.kv_cache_gib=0.000018` and a prompt whose 2 samples can never fit it",
+            "each request against the native engine's whole KV cache, before any decoding",
+        ),
+    ),
 ]
+
+
+def _generate_in_a_small_kv_cache(ctx: Ctx) -> Any:
+    from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout
+
+    rollout = build_native_rollout(ctx.model_dir, batching_limits=BatchingLimits(kv_cache_gib=0.000018))
+    prompts = [[5, 6, 7], list(range(3, 43))]
+    return rollout.generate(prompts, SamplingConfig(n=2, max_new_tokens=16))
 
 
 @pytest.fixture(scope="module")

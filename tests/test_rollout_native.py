@@ -16,6 +16,7 @@ from backends.config import ConfigError
 from backends.models import TinyModelConfig, build_tiny_model, load_causal_lm, write_tiny_model
 from backends.rollout import decoder as rollout_decoder
 from backends.rollout.native import (
+    BatchingLimits,
     NativeRollout,
     SamplingConfig,
     build_native_rollout,
@@ -216,7 +217,7 @@ def test_compaction_does_not_change_results(setup, many_eos, temperature):
     _, _, _, tok, _ = setup
     sampling = SamplingConfig(n=2, temperature=temperature, max_new_tokens=12)
     outs = [
-        generate(attrs.evolve(many_eos, compact_fraction=f), _prompts(tok), sampling, seed=9)
+        generate(attrs.evolve(many_eos, compact_fraction=f, batching="lockstep"), _prompts(tok), sampling, seed=9)
         for f in (None, 0.0, 0.5, 1.0)
     ]
     assert (~outs[0].response_mask).any()  # some rows finished early, so compaction ran
@@ -242,11 +243,15 @@ def test_rows_to_keep():
     assert _rows_to_keep(torch.ones(5, dtype=torch.bool), 5, 0.0) is None
 
 
-def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch):
+@pytest.mark.parametrize("batching", ["lockstep", "continuous"])
+def test_unwritten_cache_slots_are_never_read(setup, many_eos, monkeypatch, batching):
     """The KV caches are allocated uninitialised; filled with NaN instead, the samples and log-probs
-    are the same (through left padding, compaction and every step), so no slot is read unwritten."""
+    are the same (through left padding, compaction, block growth, copy-on-write and every step), so no
+    slot is read unwritten (the paged cache's null block is zeroed by each call: it is what unwritten
+    positions read)."""
     _, _, _, tok, _ = setup
-    rollout = many_eos
+    limits = BatchingLimits(max_slots=4, block_size=4)  # rows wait for slots; prompts share partial blocks
+    rollout = attrs.evolve(many_eos, batching=batching, batching_limits=limits)
     sampling = SamplingConfig(n=2, temperature=1.0, max_new_tokens=12)
     prompts = _prompts(tok, TEXTS + ["1"])  # prompts of different lengths: left padding
     clean = generate(rollout, prompts, sampling, seed=3)
@@ -352,8 +357,12 @@ def test_same_seed_same_samples_different_seed_different(setup):
         assert (va is None and vb is None) or torch.equal(va, vb)
     c = generate(rollout, _prompts(tok), sampling, seed=12)
     assert not torch.equal(a.response_ids, c.response_ids)
-    d = generate(rollout, _prompts(tok), sampling, generator=torch.Generator().manual_seed(11))
-    assert torch.equal(a.response_ids, d.response_ids)
+    # a generator stands for one seed drawn from it: the same generator state, the same samples; it advances
+    g = torch.Generator().manual_seed(11)
+    drawn = int(torch.randint(0, 2**62, (1,), generator=torch.Generator().manual_seed(11)))
+    d = generate(rollout, _prompts(tok), sampling, generator=g)
+    assert torch.equal(d.response_ids, generate(rollout, _prompts(tok), sampling, seed=drawn).response_ids)
+    assert not torch.equal(d.response_ids, generate(rollout, _prompts(tok), sampling, generator=g).response_ids)
     # samples within a group differ (they are independent draws)
     assert not torch.equal(a.response_ids[0], a.response_ids[1])
 

@@ -58,6 +58,7 @@ class RolloutConfig(SamplingConfig):
     #: the native engine's weight dtype (synced weights are cast to it); the vLLM engine's is vllm.dtype
     dtype: Literal["float32", "bfloat16"] = attrs.field(default="float32")
     vllm: VLLMConfig = VLLMConfig()  #: how the vLLM engine is built (ignored by the native engine)
+    native: rollout_native.NativeConfig = rollout_native.NativeConfig()  #: how the native engine batches
     #: rollout.engine=vllm_server: vLLM servers in processes of their own (started, or pointed at by URL)
     vllm_server: ServerRolloutConfig = ServerRolloutConfig()
     #: weight sync: MiB of gathered weights per all-gather (verl's update_weights_bucket_megabytes); none: 512 on

@@ -11,7 +11,7 @@ weights and caches between calls.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -203,6 +203,10 @@ class Decoder:
     ``own_cache``: allocate the caches here rather than take the workspace's, so that they outlive other
     calls on the same workspace (a multi-turn rollout keeps its cache across turns while ``generate``
     may run in between); :meth:`release` drops them.
+
+    ``make_cache``: build another cache in place of the contiguous one (the paged cache of
+    :mod:`backends.rollout.paged_kv`), from keyword arguments ``num_heads``, ``num_kv``, ``head_dim``,
+    ``layers``, ``att_dtype``, ``device``, ``rope``, ``scale`` and ``buffers``; it is stepped by :meth:`step_paged`.
     """
 
     def __init__(
@@ -214,6 +218,7 @@ class Decoder:
         workspace: Workspace | None = None,
         *,
         own_cache: bool = False,
+        make_cache: Callable[..., Any] | None = None,
     ) -> None:
         workspace = workspace if workspace is not None else Workspace()
         cfg = model.config
@@ -245,10 +250,10 @@ class Decoder:
             return [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(count)]
 
         # uninitialised: prefill writes every prompt slot, and a step writes its slot before reading up
-        # to it, so no slot is read before it is written
-        self.cache = KVCache.allocate(
-            rows=rows,
-            total_len=total_len,
+        # to it, so no slot is read before it is written (the paged cache says how it keeps to that)
+        if make_cache is None:
+            make_cache = functools.partial(KVCache.allocate, rows=rows, total_len=total_len)
+        self.cache = make_cache(
             num_heads=self.num_heads,
             num_kv=self.num_kv,
             head_dim=self.head_dim,
@@ -322,12 +327,22 @@ class Decoder:
         cache's ``B`` rows, those not masked) only those rows step: ``tokens``, ``positions`` and the logits are
         theirs, and the masked rows cost nothing but their slot's mask.
         """
-        b = tokens.shape[0]
-        h, kv, d = self.num_heads, self.num_kv, self.head_dim
-        x = F.embedding(tokens, self.embed)  # (b hidden)
         if masked is not None:
             self.cache.mask_slot(slot, masked)
         self.cache.begin_step(positions, slot, rows)
+        return self._decode_layers(tokens)
+
+    def step_paged(self, tokens: Tensor, slots: Tensor, positions: Tensor, length: int) -> Tensor:
+        """:meth:`step` over a paged cache: ``tokens (b)`` of cache slots ``slots (b)`` at ``positions (b)`` (each
+        slot's blocks grown to hold them); ``length`` > every position. Returns the logits ``(b v)``."""
+        self.cache.begin_step(slots, positions, length)
+        return self._decode_layers(tokens)
+
+    def _decode_layers(self, tokens: Tensor) -> Tensor:
+        """The layers over one token per working row, attending through the cache's prepared step."""
+        b = tokens.shape[0]
+        h, kv, d = self.num_heads, self.num_kv, self.head_dim
+        x = F.embedding(tokens, self.embed)  # (b hidden)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1)).view(b, h + 2 * kv, d)
             att = self.cache.attend(i, qkv)

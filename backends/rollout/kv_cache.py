@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-__all__ = ["KVCache", "apply_rope"]
+__all__ = ["KVCache", "apply_rope", "softmax_last"]
 
 #: ``buffers(name, shape, dtype, count)``: ``count`` uninitialised tensors of ``shape`` (the workspace's,
 #: reused between calls on the CPU)
@@ -24,7 +24,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
-def _softmax(x: Tensor) -> Tensor:
+def softmax_last(x: Tensor) -> Tensor:
     """``softmax(x, -1)``; as exp / sum when the last dim is under 16 on CPU, where PyTorch's softmax
     takes a slow path for short rows."""
     if x.shape[-1] >= 16 or x.device.type != "cpu":
@@ -129,7 +129,7 @@ class KVCache:
             kc[rows, :, slot] = qk[:, h:].to(kc.dtype)
             keys, values = kc[rows, :, : slot + 1], vc[rows, :, : slot + 1]
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
-        return torch.matmul(_softmax(scores), values)
+        return torch.matmul(softmax_last(scores), values)
 
     def begin_chunk(self, positions: Tensor, slot: int) -> None:
         """The next :meth:`attend_chunk` calls are for ``c`` new tokens per row at RoPE ``positions (b c)``, cache
@@ -152,7 +152,7 @@ class KVCache:
         q = qk[:, :, :h].reshape(b, c, kv, h // kv, d).permute(0, 2, 3, 1, 4).to(self.att_dtype)  # (b kv g c d)
         keys, values = kc[:, :, None, : slot + c], vc[:, :, None, : slot + c]  # (b kv 1 L d)
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)  # (b kv g c L)
-        return torch.matmul(_softmax(scores), values).permute(0, 3, 1, 2, 4).reshape(b, c, h, d)
+        return torch.matmul(softmax_last(scores), values).permute(0, 3, 1, 2, 4).reshape(b, c, h, d)
 
     def keep_rows(self, index: Tensor) -> None:
         """Keep working rows ``index`` (int64, into the current working batch), in that order."""

@@ -1,8 +1,14 @@
 """A native torch rollout engine: batched autoregressive sampling with a KV cache, in-process.
 
 The engine keeps its own unsharded copy of a Llama / Qwen2 model (eval mode, no grads) and runs the
-decoder itself (:mod:`backends.rollout.decoder`), straight from the HF module's parameters, with a
-preallocated KV cache:
+decoder itself (:mod:`backends.rollout.decoder`), straight from the HF module's parameters. ``generate`` batches
+in one of two ways (``NativeRollout.batching``, ``rollout.native.batching``):
+
+- ``continuous`` (the default; :mod:`backends.rollout.scheduler` over :mod:`backends.rollout.paged_kv`): rows
+  stream through a fixed number of slots; a prompt's ``n`` samples share its KV-cache blocks (prefilled once,
+  a partial last block copied on write), a finished row frees its slot and blocks at once and the next waiting
+  prompt takes them, so more prompts than slots pass through a bounded cache;
+- ``lockstep``: the whole batch steps together over a preallocated contiguous cache:
 
 1. prefill each distinct prompt once (left-padded, ``position_ids = cumsum(mask) - 1``) and copy its
    keys/values into the cache rows of its ``n`` samples;
@@ -10,6 +16,10 @@ preallocated KV cache:
 3. drop finished rows from the working batch (compaction), so the work per step follows the number of
    sequences still running: the caches are copied down once 1/8 of the working rows have finished;
 4. stop when every row has produced EOS or ``max_new_tokens`` tokens.
+
+Both draw row ``r``'s ``k``-th token from a uniform keyed by ``(seed, r, k)``
+(:mod:`backends.rollout.row_random`), so they sample the same tokens for the same seed and weights
+(tests/test_native_engine.py).
 
 ``sync_weights`` copies full HF-named tensors into the model's parameters in place, so the decoder
 always reads the newest weights.
@@ -61,6 +71,8 @@ from backends.rollout.common import (
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.native_session import NativeSession, start_session
+from backends.rollout.row_random import row_uniforms
+from backends.rollout.scheduler import BatchingLimits, generate_continuous
 from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch
 
@@ -73,6 +85,8 @@ __all__ = [
     "sample_tokens",
     "decode_responses",
     "TurnOutput",
+    "BatchingLimits",
+    "NativeConfig",
     "ENGINE_SPEC",
 ]
 
@@ -85,6 +99,37 @@ def _check_decode_backend(instance: Any, attribute: attrs.Attribute, value: str)
         )
     if value not in ("auto", "torch"):
         raise ConfigError(f"NativeRollout.decode_backend must be 'auto' or 'torch', got {value!r}")
+
+
+def _positive_setting(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"rollout.native.{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class NativeConfig:
+    """How the native engine batches (``rollout.native.*``; ignored by the vLLM engine)."""
+
+    #: continuous: rows stream through slots of a paged KV cache shared by a prompt's samples, a finished row's slot
+    #: taking the next waiting one; lockstep: the whole batch steps together over a contiguous cache
+    batching: Literal["continuous", "lockstep"] = attrs.field(
+        default="continuous", validator=attrs.validators.in_(("continuous", "lockstep"))
+    )
+    #: continuous: rows decoded together; none: every row of a call, up to 1024
+    max_slots: int | None = attrs.field(default=None, validator=_positive_setting)
+    prefill_tokens: int = attrs.field(default=4096, validator=_positive_setting)  #: prompt tokens one step prefills
+    block_size: int = attrs.field(default=8, validator=_positive_setting)  #: continuous: tokens per KV-cache block
+    #: continuous: the KV cache's size in GiB (a request that can never fit is refused, naming it); none: enough for
+    #: max_slots rows at their longest
+    kv_cache_gib: float | None = attrs.field(default=None, validator=_positive_setting)
+
+    def limits(self) -> BatchingLimits:
+        return BatchingLimits(
+            max_slots=self.max_slots,
+            prefill_tokens=self.prefill_tokens,
+            block_size=self.block_size,
+            kv_cache_gib=self.kv_cache_gib,
+        )
 
 
 @attrs.frozen
@@ -110,6 +155,13 @@ class NativeRollout:
     #: the decoder's KV-cache / attention implementation: PyTorch on every device, which ``auto`` and
     #: ``torch`` both name
     decode_backend: Literal["auto", "torch"] = attrs.field(default="auto", validator=_check_decode_backend)
+    #: ``continuous``: :func:`generate` streams rows through slots of a paged KV cache
+    #: (:mod:`backends.rollout.scheduler`); ``lockstep``: the whole batch steps together over a contiguous cache,
+    #: finished rows compacted away
+    batching: Literal["continuous", "lockstep"] = attrs.field(
+        default="continuous", validator=attrs.validators.in_(("continuous", "lockstep"))
+    )
+    batching_limits: BatchingLimits = BatchingLimits()  #: slots, prefill budget, block size, cache budget
     weights_version: int = 0
     #: what :func:`generate` keeps between calls (decoder weights, KV caches); shared by evolved copies
     workspace: Workspace = attrs.field(factory=Workspace, eq=False, repr=False)
@@ -188,6 +240,8 @@ def build_native_rollout(
     max_context: int | None = None,
     eos_token_ids: Sequence[int] | None = None,
     compact_fraction: float | None = None,
+    batching: Literal["continuous", "lockstep"] = "continuous",
+    batching_limits: BatchingLimits = BatchingLimits(),
 ) -> NativeRollout:
     """A rollout engine over a local HF dir, or over a private deep copy of an (unsharded) HF module.
 
@@ -220,6 +274,8 @@ def build_native_rollout(
         eos_token_ids=eos,
         max_context=int(max_context or cfg.max_position_embeddings),
         compact_fraction=compact_fraction,
+        batching=batching,
+        batching_limits=batching_limits,
     )
 
 
@@ -287,18 +343,23 @@ def generate(
     and including the first EOS (all true for a row cut at ``max_new_tokens``). ``rollout_logprobs``
     (fp32) are the raw model log-probs of the sampled tokens (see the module docstring), 0 where masked.
 
-    Randomness comes only from ``generator`` if given, else from a fresh generator seeded with ``seed``
-    (default ``sampling.seed``): the same seed and inputs give the same samples.
+    Randomness: row ``r``'s ``k``-th token inverts its CDF at ``row_uniforms(seed, r, k)``
+    (:mod:`backends.rollout.row_random`), ``seed`` defaulting to ``sampling.seed`` (or drawn once from
+    ``generator`` if given, which advances it): the same seed and inputs give the same samples, in either batching
+    mode and whichever rows share a step.
     """
     prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
     group_ids = check_group_ids(group_ids, len(prompts))
-    if generator is None:
-        generator = torch.Generator(device=rollout.device)
-        generator.manual_seed(sampling.seed if seed is None else seed)
+    if generator is not None:
+        seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+    seed = sampling.seed if seed is None else seed
     prompt_ids, prompt_mask = left_pad(prompts, rollout.pad_token_id)
-    prompt_ids, prompt_mask = prompt_ids.to(rollout.device), prompt_mask.to(rollout.device)
     with torch.inference_mode():
-        tokens, logprobs = _generate_tokens(rollout, prompt_ids, prompt_mask, sampling, generator)
+        if rollout.batching == "continuous":
+            tokens, logprobs = generate_continuous(rollout, prompts, sampling, seed, rollout.batching_limits)
+        else:
+            ids, mask = prompt_ids.to(rollout.device), prompt_mask.to(rollout.device)
+            tokens, logprobs = _generate_tokens(rollout, ids, mask, sampling, seed)
     # fresh (non-inference) tensors, so the trainer may use them in autograd; on the host, as vLLM's batch is:
     # rewards, advantages and metrics are host-side, and the trainer moves each micro-batch to its device
     response_ids, response_mask, rollout_logprobs = (
@@ -334,9 +395,9 @@ def _generate_tokens(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     sampling: SamplingConfig,
-    generator: torch.Generator,
+    seed: int,
 ) -> tuple[Tensor, Tensor]:
-    """The decoding loop over left-padded prompts ``(num_prompts p)``. Returns raw tokens and log-probs
+    """The lock-step decoding loop over left-padded prompts ``(num_prompts p)``. Returns raw tokens and log-probs
     ``(b steps)`` (garbage after a row's EOS)."""
     device = rollout.device
     n, (num_prompts, p) = sampling.n, prompt_ids.shape
@@ -349,16 +410,16 @@ def _generate_tokens(
     out_tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
     out_logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
     active = None  # indices into the full batch of the working rows; None = all rows, in order
+    all_rows = torch.arange(rows, device=device)
     running = torch.ones(rows, dtype=torch.bool, device=device)  # per working row: no EOS yet
     steps = 0
     for s in range(max_new):
-        # one uniform per row of the whole batch every step, so a row's samples do not depend on which
-        # rows share its working batch (compaction changes nothing)
+        # each row's uniform is keyed by (seed, row, step), so a row's samples do not depend on which rows
+        # share its working batch (compaction changes nothing; the continuous scheduler draws the same)
         uniform = None
         if sampling.temperature > 0.0:
-            uniform = torch.rand((rows, 1), generator=generator, device=device)
-            uniform = uniform if active is None else uniform[active]
-        token = sample_tokens(logits, sampling, generator, uniform=uniform)
+            uniform = row_uniforms(seed, all_rows if active is None else active, s)[:, None]
+        token = sample_tokens(logits, sampling, None, uniform=uniform)
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         if active is None:
             out_tokens[:, s] = token
@@ -411,7 +472,15 @@ def _build_from_config(
     max_context: int | None = None,
     device: str | torch.device | None = None,
 ) -> NativeRollout:
-    return build_native_rollout(model_path, tokenizer, dtype=getattr(torch, cfg.dtype), device=device)
+    native = getattr(cfg, "native", NativeConfig())
+    return build_native_rollout(
+        model_path,
+        tokenizer,
+        dtype=getattr(torch, cfg.dtype),
+        device=device,
+        batching=native.batching,
+        batching_limits=native.limits(),
+    )
 
 
 #: ``rollout.engine=native``: weights in ``rollout.dtype``; runs on any ranks (it creates no process groups)

@@ -1,0 +1,217 @@
+"""Continuous batching for the native engine: a fixed number of slots, requests admitted as rows finish.
+
+A request is one prompt and its ``n`` samples. Each iteration of :meth:`ContinuousBatcher.run`:
+
+1. admits waiting requests, in order, while their samples find free slots, the paged cache can promise their
+   longest possible length (:func:`backends.rollout.paged_kv.blocks_for_request`) and their prompts fit the
+   iteration's prefill budget (``prefill_tokens``; the first request of an iteration is admitted whatever its
+   length);
+2. prefills the admitted prompts together, once per prompt (the samples share its blocks);
+3. samples one token for every working row (the new rows from their prompt's last logits), with the uniform keyed
+   by the row's index in the output and its number of tokens so far (:func:`backends.rollout.row_random.row_uniforms`);
+4. frees the rows that ended (EOS, or ``max_new_tokens`` tokens) and their slots and blocks;
+5. runs one decode step of the rows still running, each at its own position.
+
+So a short row's slot takes the next request at once instead of idling until the batch's longest row ends, and
+more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
+rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
+
+Rows are numbered as :func:`backends.rollout.native.generate` numbers them (prompt ``i``'s samples are rows
+``i*n .. i*n+n-1``), so the lock-step loop and this one draw the same uniforms for the same row and token.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from backends.rollout.common import SamplingConfig, left_pad, sample_tokens
+from backends.rollout.decoder import Decoder
+from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
+from backends.rollout.row_random import row_uniforms
+
+__all__ = ["BatchingLimits", "ContinuousBatcher", "generate_continuous"]
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"BatchingLimits.{attribute.name} must be positive, got {value}")
+
+
+@attrs.frozen
+class BatchingLimits:
+    """How much continuous batching runs at once (``NativeRollout.batching_limits``)."""
+
+    #: rows decoded together (each a slot); None: every row of the call, up to :data:`DEFAULT_MAX_SLOTS`
+    max_slots: int | None = attrs.field(default=None, validator=_positive)
+    prefill_tokens: int = attrs.field(default=4096, validator=_positive)  #: prompt tokens one iteration prefills
+    #: tokens per KV-cache block: a decode step gathers whole blocks, so the longest row's last block is padding; on
+    #: a CPU 8 ran config B's decode faster than 16 or 4 (less padding, blocks still long enough to copy fast)
+    block_size: int = attrs.field(default=8, validator=_positive)
+    #: keys and values of the pool, in GiB; None: enough for ``max_slots`` rows at their longest
+    kv_cache_gib: float | None = attrs.field(default=None, validator=_positive)
+
+
+#: the default number of slots: rows beyond it wait for a free one
+DEFAULT_MAX_SLOTS = 1024
+
+
+@attrs.define
+class _Working:
+    """The running rows, in the order the decode step computes them (tensors of length ``b``)."""
+
+    slot: Tensor  #: cache slot
+    row: Tensor  #: row of the output batch
+    position: Tensor  #: position of the next token to feed (the tokens the row holds)
+    drawn: Tensor  #: tokens sampled so far
+    logits: Tensor  #: (b v) fp32: next-token logits
+
+    def keep(self, index: Tensor) -> None:
+        for name in ("slot", "row", "position", "drawn", "logits"):
+            setattr(self, name, getattr(self, name)[index])
+
+    def extend(self, other: _Working) -> None:
+        for name in ("slot", "row", "position", "drawn", "logits"):
+            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+
+
+class ContinuousBatcher:
+    """One call's scheduler: its requests, slots, paged cache and outputs (see the module docstring)."""
+
+    def __init__(self, rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
+                 limits: BatchingLimits) -> None:  # fmt: skip
+        self.rollout, self.prompts, self.sampling, self.seed = rollout, prompts, sampling, seed
+        device, n, max_new = rollout.device, sampling.n, sampling.max_new_tokens
+        self.device, self.n, self.max_new = device, n, max_new
+        rows = len(prompts) * n
+        slots = min(rows, limits.max_slots or DEFAULT_MAX_SLOTS)
+        if slots < n:
+            raise ValueError(
+                f"rollout.native.max_slots={slots} is fewer than rollout.n={n}: a prompt's samples are admitted "
+                "together, so the slots must hold n rows at least"
+            )
+        self.max_len = max(map(len, prompts)) + max_new
+        bs = limits.block_size
+        cfg = rollout.model.config
+        kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # the decoder keeps keys and values in fp32 on the CPU, in the weights' dtype elsewhere
+        itemsize = 4 if device.type == "cpu" else rollout.model.get_input_embeddings().weight.dtype.itemsize
+        if limits.kv_cache_gib is None:
+            # every slot at its longest, as if no block were shared, plus the null block
+            num_blocks = slots * -(-self.max_len // bs) + 1
+        else:
+            num_blocks = pool_blocks_for_budget(
+                limits.kv_cache_gib,
+                layers=layers,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                block_size=bs,
+                itemsize=itemsize,
+            )
+        self.needs = [blocks_for_request(len(p), n, max_new, bs) for p in prompts]
+        for i, need in enumerate(self.needs):
+            if need > num_blocks - 1:
+                raise ValueError(request_too_large(i, len(prompts[i]), n, max_new, need, max(num_blocks - 1, 0), bs))
+        make_cache = functools.partial(
+            PagedKVCache.allocate, slots=slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
+        )
+        self.decoder = Decoder(rollout.model, slots, self.max_len, rollout.prepack_cpu_weights, rollout.workspace,
+                               make_cache=make_cache)  # fmt: skip
+        self.cache: PagedKVCache = self.decoder.cache
+        self.cache.reset()
+        self.prefill_tokens = limits.prefill_tokens
+        self.waiting = collections.deque(range(len(prompts)))
+        self.free_slots = list(range(slots - 1, -1, -1))
+        self.eos = torch.tensor(rollout.eos_token_ids, device=device)
+        self.tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
+        self.logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        self.steps = 0  #: the most tokens any row has sampled
+        self.iterations = 0
+        self.peak_blocks = 0  #: the most blocks held at once
+        self.peak_rows = 0  #: the most rows decoded together
+
+    def run(self) -> tuple[Tensor, Tensor]:
+        """Raw tokens and log-probs ``(rows steps)``, as the lock-step loop returns them."""
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        work = _Working(empty, empty, empty, empty, torch.zeros(0, self.rollout.vocab_size, device=self.device))
+        while self.waiting or work.row.numel():
+            admitted = self._admit()
+            if admitted:
+                work.extend(self._prefill(admitted))
+            if not work.row.numel():
+                raise RuntimeError("continuous batching: requests wait but none can be admitted (a check was skipped)")
+            self.iterations += 1
+            self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
+            self.peak_rows = max(self.peak_rows, work.row.numel())
+            token = self._sample(work)
+            running = ~(torch.isin(token, self.eos) | (work.drawn >= self.max_new))
+            if not bool(running.all()):
+                for slot in work.slot[~running].tolist():
+                    self.cache.release(slot)
+                    self.free_slots.append(slot)
+                keep = running.nonzero().squeeze(-1)
+                work.keep(keep)
+                token = token[keep]
+            if work.row.numel():
+                self.cache.grow(work.slot, work.position)
+                length = int(work.position.max()) + 1
+                work.logits = self.decoder.step_paged(token, work.slot, work.position, length).float()
+                work.position = work.position + 1
+        return self.tokens[:, : self.steps], self.logprobs[:, : self.steps]
+
+    def _admit(self) -> list[tuple[int, list[int]]]:
+        """Waiting requests that fit now, each with its slots."""
+        admitted, tokens = [], 0
+        pool = self.cache.pool
+        while self.waiting:
+            i = self.waiting[0]
+            prompt_len = len(self.prompts[i])
+            if len(self.free_slots) < self.n or self.needs[i] > pool.available:
+                break
+            if admitted and tokens + prompt_len > self.prefill_tokens:
+                break
+            self.waiting.popleft()
+            slots = [self.free_slots.pop() for _ in range(self.n)]
+            self.cache.admit(slots, prompt_len, self.max_new)
+            admitted.append((i, slots))
+            tokens += prompt_len
+        return admitted
+
+    def _prefill(self, admitted: list[tuple[int, list[int]]]) -> _Working:
+        """Prefill the admitted prompts once each; their samples as new working rows."""
+        n, device = self.n, self.device
+        prompts = [self.prompts[i] for i, _ in admitted]
+        ids, mask = left_pad(prompts, self.rollout.pad_token_id)
+        ids, mask = ids.to(device), mask.to(device)
+        self.cache.begin_prefill(torch.tensor([slots[0] for _, slots in admitted], device=device), mask)
+        logits = self.decoder.prefill(ids, mask, copies=1).float().repeat_interleave(n, dim=0)
+        slot = torch.tensor([s for _, slots in admitted for s in slots], dtype=torch.long, device=device)
+        row = torch.tensor([i * n + j for i, _ in admitted for j in range(n)], dtype=torch.long, device=device)
+        position = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
+        return _Working(slot, row, position, torch.zeros_like(row), logits)
+
+    def _sample(self, work: _Working) -> Tensor:
+        """One token per working row, recorded in the outputs; counts it in ``work.drawn``."""
+        uniform = None
+        if self.sampling.temperature > 0.0:
+            uniform = row_uniforms(self.seed, work.row, work.drawn)[:, None]
+        token = sample_tokens(work.logits, self.sampling, None, uniform=uniform)
+        logprob = torch.log_softmax(work.logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        self.tokens[work.row, work.drawn] = token
+        self.logprobs[work.row, work.drawn] = logprob
+        work.drawn = work.drawn + 1
+        self.steps = max(self.steps, int(work.drawn.max()))
+        return token
+
+
+def generate_continuous(
+    rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, seed: int, limits: BatchingLimits
+) -> tuple[Tensor, Tensor]:
+    """Raw tokens and log-probs ``(rows steps)`` of ``prompts`` (checked) through continuous batching."""
+    return ContinuousBatcher(rollout, prompts, sampling, seed, limits).run()
