@@ -32,7 +32,7 @@ def test_vllm_on_the_rollout_ranks_of_a_split_is_refused_with_what_works():
         ConfigError,
         match=r"rollout.engine=vllm with offpolicy.rollout_ranks=1: an in-process vLLM "
         r"engine creates its process groups over every rank .* What works: "
-        r"rollout.engine=native with offpolicy.rollout_ranks .* or "
+        r"rollout.engine=native or vllm_server with offpolicy.rollout_ranks .* or "
         r"rollout.engine=vllm with offpolicy.rollout_ranks=0",
     ):
         check_offpolicy(vllm, 2)
@@ -46,7 +46,7 @@ def test_vllm_with_ppos_split_placement_is_refused_before_any_work():
     with pytest.raises(
         ConfigError,
         match=r"rollout.engine=vllm with placement.mode=split: .* What works: "
-        r"rollout.engine=native with placement.mode=split .* "
+        r"rollout.engine=native or vllm_server with placement.mode=split .* "
         r"placement.mode=colocated",
     ):
         check_placement(

@@ -236,6 +236,38 @@ def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_ser
     assert bounded.keys() == sync.keys() and all((bounded[k] == sync[k]).all() for k in bounded)
 
 
+@pytest.mark.distributed
+def test_ppo_with_its_critic_on_a_pool_of_its_own_samples_from_the_server(server, tmp_path):
+    """PPO with placement.mode=split: the actor's pool (rank 0) builds the engine and pushes, the critic's pool (rank 1)
+    holds none: the engine's collectives run on the actor's pool alone."""
+    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
+    from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data")
+    out = run(
+        PPO,
+        f"run_root={tmp_path / 'runs'}",
+        *data_args(data, sft_steps=0),
+        *TINY_MODEL,
+        "steps=2",
+        "prompts_per_step=4",
+        "rollout.n=2",
+        "rollout.max_new_tokens=8",
+        "placement.mode=split",
+        "rollout.engine=vllm_server",
+        "rollout.vllm_server.count=0",
+        f'rollout.vllm_server.urls=["{server.url}"]',
+        "eval.max_prompts=4",
+        "eval.n=1",
+        nproc=2,
+        timeout=600,
+        environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+    )
+    assert out.returncode == 0, out.stderr[-6000:]
+    rows = metrics(the_run_dir(tmp_path / "runs", "ppo"))
+    assert [r["step"] for r in rows] == [1, 2] and all(r["logprob_gap/max"] < 1e-3 for r in rows)
+
+
 def test_a_frozen_server_is_named_once_the_request_deadline_passes(server):
     import os
     import signal

@@ -56,6 +56,7 @@ def run_colocated(ctx: Any, roles: Any) -> dict:
         seed=cfg.seed,
         device=env.device,
         max_context=max_context(cfg),
+        group=actor_env.group if actor_env is not None else None,  # the ranks that build it (the actor's pool)
     )
     loop = ColocatedLoop(
         ctx=ctx,
