@@ -102,10 +102,12 @@ LIMITS = {
 @pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
 @pytest.mark.parametrize(
     "sampling",
-    [SamplingConfig(n=3, max_new_tokens=14, seed=4), SamplingConfig(n=2, max_new_tokens=10, temperature=0.7, top_k=8,
-                                                                     top_p=0.9, seed=5)],
+    [
+        SamplingConfig(n=3, max_new_tokens=14, seed=4),
+        SamplingConfig(n=2, max_new_tokens=10, temperature=0.7, top_k=8, top_p=0.9, seed=5),
+    ],
     ids=["t1", "t0.7-k8-p0.9"],
-)  # fmt: skip
+)
 def test_continuous_batching_gives_the_lockstep_samples(setup, limits, sampling):
     """Rows stream through fewer slots than rows, prompts of many lengths share partial blocks, and still each
     row samples the tokens the lock-step engine samples: its uniforms are keyed by (seed, row, draw), and its
@@ -145,8 +147,18 @@ def _cache(num_blocks: int, block_size: int, slots: int = 8, max_len: int = 32) 
     k = [torch.randn(kv, num_blocks * block_size, d) for _ in range(layers)]
     v = [torch.randn(kv, num_blocks * block_size, d) for _ in range(layers)]
     rope = (torch.ones(max_len, d), torch.zeros(max_len, d))
-    return PagedKVCache(k, v, slots=slots, max_len=max_len, block_size=block_size, num_heads=2,
-                        att_dtype=torch.float32, rope=rope, scale=0.5, device=torch.device("cpu"))  # fmt: skip
+    return PagedKVCache(
+        k,
+        v,
+        slots=slots,
+        max_len=max_len,
+        block_size=block_size,
+        num_heads=2,
+        att_dtype=torch.float32,
+        rope=rope,
+        scale=0.5,
+        device=torch.device("cpu"),
+    )
 
 
 def test_a_prompts_samples_share_its_blocks_and_copy_the_partial_one_on_write():
@@ -273,9 +285,12 @@ def test_a_request_larger_than_the_cache_is_refused_before_any_work(setup, monke
     # 512 KV bytes a token (2 layers x (k, v) x 1 head x 32 dims x 4 bytes): 8 KiB a 16-token block; 9 blocks,
     # one of them the null block; prompt 0 needs 8 (2 own per sample), prompt 1 its full block and 2 own per sample
     small = attrs.evolve(rollout, batching_limits=BatchingLimits(kv_cache_gib=9 * 8192 / 2**30, block_size=16))
-    with pytest.raises(ValueError, match=r"prompt 1 \(23 tokens, n=4 samples, max_new_tokens=16\) needs 9 KV-cache "
-                                         r"blocks of 16 tokens, more than the whole cache holds \(8 blocks\).*"
-                                         r"kv_cache_gib"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"prompt 1 \(23 tokens, n=4 samples, max_new_tokens=16\) needs 9 KV-cache "
+        r"blocks of 16 tokens, more than the whole cache holds \(8 blocks\).*"
+        r"kv_cache_gib",
+    ):
         generate(small, prompts, SamplingConfig(n=4, max_new_tokens=16))
     with pytest.raises(ValueError, match=r"rollout\.native\.max_slots=2 is fewer than rollout\.n=4"):
         generate(attrs.evolve(rollout, batching_limits=BatchingLimits(max_slots=2)), prompts, SamplingConfig(n=4))
@@ -326,14 +341,21 @@ def test_rollout_native_keys_reach_the_engine(setup, tmp_path):
     path = tmp_path / "model"
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    overrides = ["rollout.native.batching=lockstep", "rollout.native.block_size=4", "rollout.native.max_slots=16",
-                 "rollout.native.kv_cache_gib=0.5", "rollout.native.prefill_tokens=64"]  # fmt: skip
+    overrides = [
+        "rollout.native.batching=lockstep",
+        "rollout.native.block_size=4",
+        "rollout.native.max_slots=16",
+        "rollout.native.kv_cache_gib=0.5",
+        "rollout.native.prefill_tokens=64",
+    ]
     cfg = apply_overrides(grpo.Config(), overrides, presets_dir=grpo.PRESETS, renamed=grpo.RENAMED_GRPO)
     rollout = build_rollout(cfg.rollout, path, tok)
     assert rollout.batching == "lockstep"
     assert rollout.batching_limits == BatchingLimits(max_slots=16, prefill_tokens=64, block_size=4, kv_cache_gib=0.5)
     assert build_rollout(grpo.Config().rollout, path, tok).batching == "continuous"
-    for bad, named in (("rollout.native.block_size=0", "rollout.native.block_size must be positive, got 0"),
-                       ("rollout.native.batching=eager", "rollout.native.batching")):  # fmt: skip
+    for bad, named in (
+        ("rollout.native.block_size=0", "rollout.native.block_size must be positive, got 0"),
+        ("rollout.native.batching=eager", "rollout.native.batching"),
+    ):
         with pytest.raises(ConfigError, match=named):
             apply_overrides(grpo.Config(), [bad], presets_dir=grpo.PRESETS, renamed=grpo.RENAMED_GRPO)

@@ -137,17 +137,37 @@ class PagedKVCache:
 
     @classmethod
     def allocate(
-        cls, *, slots: int, max_len: int, num_blocks: int, block_size: int, num_kv: int, head_dim: int, layers: int,
-        num_heads: int, att_dtype: torch.dtype, device: torch.device, rope: tuple[Tensor, Tensor], scale: float,
+        cls,
+        *,
+        slots: int,
+        max_len: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv: int,
+        head_dim: int,
+        layers: int,
+        num_heads: int,
+        att_dtype: torch.dtype,
+        device: torch.device,
+        rope: tuple[Tensor, Tensor],
+        scale: float,
         buffers: Buffers,
-    ) -> PagedKVCache:  # fmt: skip
+    ) -> PagedKVCache:
         """Pools of ``num_blocks`` blocks from ``buffers`` (uninitialised: see :meth:`reset`)."""
         shape = (num_kv, num_blocks * block_size, head_dim)
         k, v = buffers("paged_k", shape, att_dtype, layers), buffers("paged_v", shape, att_dtype, layers)
         return cls(
-            k, v, slots=slots, max_len=max_len, block_size=block_size, num_heads=num_heads, att_dtype=att_dtype,
-            rope=rope, scale=scale, device=device,
-        )  # fmt: skip
+            k,
+            v,
+            slots=slots,
+            max_len=max_len,
+            block_size=block_size,
+            num_heads=num_heads,
+            att_dtype=att_dtype,
+            rope=rope,
+            scale=scale,
+            device=device,
+        )
 
     def reset(self) -> None:
         """Zero the null block, what every position past a slot's blocks reads."""

@@ -83,8 +83,9 @@ class _Working:
 class ContinuousBatcher:
     """One call's scheduler: its requests, slots, paged cache and outputs (see the module docstring)."""
 
-    def __init__(self, rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, seed: int,
-                 limits: BatchingLimits) -> None:  # fmt: skip
+    def __init__(
+        self, rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, seed: int, limits: BatchingLimits
+    ) -> None:
         self.rollout, self.prompts, self.sampling, self.seed = rollout, prompts, sampling, seed
         device, n, max_new = rollout.device, sampling.n, sampling.max_new_tokens
         self.device, self.n, self.max_new = device, n, max_new
@@ -121,8 +122,9 @@ class ContinuousBatcher:
         make_cache = functools.partial(
             PagedKVCache.allocate, slots=slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
         )
-        self.decoder = Decoder(rollout.model, slots, self.max_len, rollout.prepack_cpu_weights, rollout.workspace,
-                               make_cache=make_cache)  # fmt: skip
+        self.decoder = Decoder(
+            rollout.model, slots, self.max_len, rollout.prepack_cpu_weights, rollout.workspace, make_cache=make_cache
+        )
         self.cache: PagedKVCache = self.decoder.cache
         self.cache.reset()
         self.prefill_tokens = limits.prefill_tokens
