@@ -67,6 +67,31 @@ def _logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
     return logp.gather(1, torch.tensor(ids)[:, None])[:, 0]
 
 
+def _through(server, recipe, root, data, *args, sft_steps: int = 4):
+    """``recipe`` on 2 ranks with the tiny model on ``data``, sampling from ``server`` (``rollout.engine=vllm_server``
+    pointed at it, its trainer token in the environment), plus ``args``."""
+    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
+    from tests.recipes import TINY_MODEL, data_args, run
+
+    return run(
+        recipe,
+        f"run_root={root}",
+        *data_args(data, sft_steps=sft_steps),
+        *TINY_MODEL,
+        "prompts_per_step=4",
+        "rollout.max_new_tokens=8",
+        "rollout.engine=vllm_server",
+        "rollout.vllm_server.count=0",
+        f'rollout.vllm_server.urls=["{server.url}"]',
+        "eval.max_prompts=4",
+        "eval.n=1",
+        *args,
+        nproc=2,
+        timeout=600,
+        environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+    )
+
+
 def test_every_route_needs_the_run_token_and_an_agent_only_samples(server):
     def status(method, path, token=None, **kw):
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -164,29 +189,10 @@ def test_grpo_trains_through_a_vllm_server_with_the_weights_pushed_every_step(se
     """GRPO on 2 ranks with rollout.engine=vllm_server pointed at this module's server: rank 0 pushes the SFT'd policy
     first and the weights after every update, both ranks sample from the server; every token of every step comes
     from the version the step expects (the engine checks), and its log-probs are the trainer's to fp32 rounding."""
-    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
-    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+    from tests.recipes import GRPO, arithmetic_data, metrics, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
-    out = run(
-        GRPO,
-        f"run_root={tmp_path / 'runs'}",
-        *data_args(data),
-        *TINY_MODEL,
-        "steps=3",
-        "prompts_per_step=4",
-        "rollout.n=4",
-        "rollout.max_new_tokens=8",
-        "rollout.engine=vllm_server",
-        "rollout.vllm_server.count=0",
-        f'rollout.vllm_server.urls=["{server.url}"]',
-        "actor.optim.lr=1e-3",
-        "eval.max_prompts=4",
-        "eval.n=1",
-        nproc=2,
-        timeout=600,
-        environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
-    )
+    out = _through(server, GRPO, tmp_path / "runs", data, "steps=3", "rollout.n=4", "actor.optim.lr=1e-3")
     assert out.returncode == 0, out.stderr[-6000:]
     rows = metrics(the_run_dir(tmp_path / "runs", "grpo"))
     assert len(rows) == 3
@@ -199,8 +205,7 @@ def test_grpo_trains_through_a_vllm_server_with_the_weights_pushed_every_step(se
 def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_server(server, tmp_path):
     """1 trainer rank + 1 rollout rank whose engine is this module's server: bounded with max_staleness=0 trains
     bit for bit as sync (the same weights pushed before each step, the same per-prompt seeds)."""
-    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
-    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, run, the_run_dir
+    from tests.recipes import GRPO, arithmetic_data, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
     reward = tmp_path / "length_reward.py"  # scores that differ within a group: real updates
@@ -208,26 +213,17 @@ def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_ser
     weights = {}
     for mode in (["offpolicy.mode=bounded", "offpolicy.max_staleness=0"], ["offpolicy.mode=sync"]):
         root = tmp_path / mode[0].split("=")[1]
-        out = run(
+        out = _through(
+            server,
             GRPO,
-            f"run_root={root}",
-            *data_args(data, sft_steps=0),
-            *TINY_MODEL,
+            root,
+            data,
             "steps=3",
-            "prompts_per_step=4",
             "rollout.n=4",
-            "rollout.max_new_tokens=8",
             f"reward.fn={reward}:score",
-            "eval.max_prompts=4",
-            "eval.n=1",
             "offpolicy.rollout_ranks=1",
             *mode,
-            "rollout.engine=vllm_server",
-            "rollout.vllm_server.count=0",
-            f'rollout.vllm_server.urls=["{server.url}"]',
-            nproc=2,
-            timeout=600,
-            environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+            sft_steps=0,
         )
         assert out.returncode == 0, out.stderr[-6000:]
         (path,) = (the_run_dir(root, "grpo") / "final_model").glob("*.safetensors")
@@ -240,29 +236,10 @@ def test_bounded_zero_equals_sync_on_a_split_with_the_rollout_rank_on_a_vllm_ser
 def test_ppo_with_its_critic_on_a_pool_of_its_own_samples_from_the_server(server, tmp_path):
     """PPO with placement.mode=split: the actor's pool (rank 0) builds the engine and pushes, the critic's pool (rank 1)
     holds none: the engine's collectives run on the actor's pool alone."""
-    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
-    from tests.recipes import PPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+    from tests.recipes import PPO, arithmetic_data, metrics, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
-    out = run(
-        PPO,
-        f"run_root={tmp_path / 'runs'}",
-        *data_args(data, sft_steps=0),
-        *TINY_MODEL,
-        "steps=2",
-        "prompts_per_step=4",
-        "rollout.n=2",
-        "rollout.max_new_tokens=8",
-        "placement.mode=split",
-        "rollout.engine=vllm_server",
-        "rollout.vllm_server.count=0",
-        f'rollout.vllm_server.urls=["{server.url}"]',
-        "eval.max_prompts=4",
-        "eval.n=1",
-        nproc=2,
-        timeout=600,
-        environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
-    )
+    out = _through(server, PPO, tmp_path / "runs", data, "steps=2", "rollout.n=2", "placement.mode=split", sft_steps=0)
     assert out.returncode == 0, out.stderr[-6000:]
     rows = metrics(the_run_dir(tmp_path / "runs", "ppo"))
     assert [r["step"] for r in rows] == [1, 2] and all(r["logprob_gap/max"] < 1e-3 for r in rows)
@@ -294,8 +271,7 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(server, tmp_path):
     import threading
     import time
 
-    from backends.rollout.server_auth import TRAINER_TOKEN_ENV
-    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+    from tests.recipes import GRPO, arithmetic_data, metrics, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
     runs = tmp_path / "runs"
@@ -312,23 +288,16 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(server, tmp_path):
     killer = threading.Thread(target=kill_after_step_1, daemon=True)
     killer.start()
     try:
-        out = run(
+        out = _through(
+            server,
             GRPO,
-            f"run_root={runs}",
-            *data_args(data, sft_steps=0),
-            *TINY_MODEL,
+            runs,
+            data,
             "steps=50",
-            "prompts_per_step=4",
             "rollout.n=4",
-            "rollout.max_new_tokens=8",
-            "rollout.engine=vllm_server",
-            "rollout.vllm_server.count=0",
-            f'rollout.vllm_server.urls=["{server.url}"]',
             "eval.before_training=false",
             "deadlines.process_group=60",
-            nproc=2,
-            timeout=300,
-            environ={TRAINER_TOKEN_ENV: server.tokens.trainer},
+            sft_steps=0,
         )
     finally:
         stop.set()
