@@ -6,6 +6,10 @@ continuous-batching scheduler step different sets of rows at different times; bo
 ``row_uniforms(seed, row, k)`` for its ``k``-th sampled token, so a row samples the same tokens in either (given
 the same logits), and a request admitted late draws what it would have drawn first.
 
+A call that runs several requests' prompts as one batch (a rollout server gathering its agents' calls) passes
+:class:`RowKeys` as its seed instead of an int: row ``r`` then draws what row ``rows[r]`` of a call seeded
+``seeds[r]`` draws, so each request samples what it would alone, whichever requests share the call.
+
 The hash is MurmurHash3's 32-bit finaliser (``fmix32``) chained over the key's 32-bit words; each product is
 split into 16-bit halves so no intermediate leaves int64's range. The uniform is the hash's top 24 bits times
 2**-24: exactly representable in float32, in [0, 1).
@@ -13,10 +17,13 @@ split into 16-bit halves so no intermediate leaves int64's range. The uniform is
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["row_uniforms", "fmix32"]
+__all__ = ["RowKeys", "row_uniforms", "fmix32"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: separates the words of the key
@@ -43,13 +50,46 @@ def _seed_word(seed: int) -> int:
     return fmix32(fmix32((seed & _MASK32) ^ _GOLDEN) ^ (seed >> 32))
 
 
-def row_uniforms(seed: int, rows: Tensor, draws: Tensor | int) -> Tensor:
-    """float32 uniforms in [0, 1): element ``i`` is keyed by ``(seed, rows[i], draws[i])`` (``draws`` broadcasts).
+def _check_keys(instance: RowKeys, attribute: attrs.Attribute, value: tuple[int, ...]) -> None:
+    if len(instance.seeds) != len(instance.rows):
+        raise ValueError(f"RowKeys: {len(instance.seeds)} seeds for {len(instance.rows)} rows; give one seed per row")
+    if any(r < 0 for r in instance.rows):
+        raise ValueError(f"RowKeys: rows must be non-negative, got {min(instance.rows)}")
+
+
+@attrs.frozen
+class RowKeys:
+    """The key of each row of one batched call: row ``r`` draws as row ``rows[r]`` of a call seeded ``seeds[r]``."""
+
+    seeds: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(x) for x in v))
+    rows: tuple[int, ...] = attrs.field(converter=lambda v: tuple(int(x) for x in v), validator=_check_keys)
+    #: the seeds as hash words, once (a decode step asks for them every token)
+    words: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "words", tuple(_seed_word(s) for s in self.seeds))
+
+    @classmethod
+    def of_requests(cls, seeds: Sequence[int], row_counts: Sequence[int]) -> RowKeys:
+        """The keys of requests laid end to end: request ``i`` has ``row_counts[i]`` rows, seeded ``seeds[i]``."""
+        return cls(
+            seeds=[s for s, count in zip(seeds, row_counts) for _ in range(count)],
+            rows=[r for count in row_counts for r in range(count)],
+        )
+
+
+def row_uniforms(seed: int | RowKeys, rows: Tensor, draws: Tensor | int) -> Tensor:
+    """float32 uniforms in [0, 1): element ``i`` is keyed by ``(seed, rows[i], draws[i])`` (``draws`` broadcasts);
+    with :class:`RowKeys`, by ``(seed.seeds[rows[i]], seed.rows[rows[i]], draws[i])``.
 
     ``rows`` and ``draws`` are non-negative integer tensors (or ``draws`` an int) below 2**32.
     """
-    key = _seed_word(seed)
     rows = rows.long()
+    if isinstance(seed, RowKeys):
+        key = torch.tensor(seed.words, dtype=torch.long, device=rows.device)[rows]
+        rows = torch.tensor(seed.rows, dtype=torch.long, device=rows.device)[rows]
+    else:
+        key = _seed_word(seed)
     draws = torch.as_tensor(draws, dtype=torch.long, device=rows.device)
     h = fmix32((rows & _MASK32) ^ key)
     h = fmix32((h + _GOLDEN) & _MASK32 ^ (draws & _MASK32))

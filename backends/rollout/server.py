@@ -21,7 +21,8 @@ variable ``RLFUNC_SERVER_TRAINER_TOKEN``, generated per run by the parent; never
 environment the engine sees) may call everything; an agent's key (``POST /trajectories`` hands one out per
 trajectory) may call ``/v1/*`` only, and only until its trajectory's deadline (the weight, trajectory and admin
 endpoints need the trainer's). Refusals are 401 (no or unknown token) and 403 (a
-known token without the right), with an OpenAI-style JSON error. One engine call runs at a time.
+known token without the right), with an OpenAI-style JSON error. One engine call runs at a time; concurrent
+agents' calls share engine calls (:mod:`backends.rollout.server_batching`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from backends.rollout.common import SamplingConfig
+from backends.rollout.row_random import RowKeys
+from backends.rollout.server_batching import EngineBatcher, SampledRows
 from backends.rollout.server_client import TOKEN_ENV
 from backends.rollout.server_openai import (
     ChatBody,
@@ -113,6 +116,8 @@ class ServedPolicy:
     version: int = 0  #: the policy version being served
     recorder: TrajectoryRecorder = attrs.field(factory=TrajectoryRecorder)
     agent_keys: dict[str, str] = attrs.field(factory=dict, repr=False)  #: agent key -> trajectory id
+    max_batch_rows: int = 64  #: rows of one engine call that runs concurrent agents' calls together
+    batcher: EngineBatcher | None = None  #: the engine's worker, built with the app
     draining: bool = False
     in_flight: int = 0
     unseeded_calls: int = 0
@@ -162,18 +167,32 @@ def _caller(policy: ServedPolicy, request: Any, *, agents: bool) -> Trajectory |
 # ------------------------------------------------------------------------------------------------ sampling
 
 
-def _generate(
-    policy: ServedPolicy, prompts: list[list[int]], sampling: SamplingConfig, seed: int, group_ids: Any = None
+def _engine_call(
+    policy: ServedPolicy, prompts: list[list[int]], sampling: SamplingConfig, seed: int | RowKeys, group_ids: Any = None
 ) -> tuple[RolloutBatch, int]:
     import torch
 
     groups = None if group_ids is None else torch.tensor(group_ids, dtype=torch.long)
     with policy.engine_lock:
-        try:
-            batch = policy.engine.generate(prompts, sampling, seed=seed, group_ids=groups)
-        except (ValueError, TypeError) as e:  # the engines' input checks: the request's fault
-            raise ServiceError(400, str(e)) from None
-        return batch, policy.version
+        return policy.engine.generate(prompts, sampling, seed=seed, group_ids=groups), policy.version
+
+
+def _generate(
+    policy: ServedPolicy, prompts: list[list[int]], sampling: SamplingConfig, seed: int, group_ids: Any = None
+) -> tuple[RolloutBatch, int]:
+    try:
+        return _engine_call(policy, prompts, sampling, seed, group_ids)
+    except (ValueError, TypeError) as e:  # the engines' input checks: the request's fault
+        raise ServiceError(400, str(e)) from None
+
+
+def _sample(policy: ServedPolicy, prompts: list[list[int]], sampling: SamplingConfig) -> SampledRows:
+    """An agent's call, run by the engine's worker together with the calls waiting beside it."""
+    assert policy.batcher is not None, "the policy's batcher is built with its app (build_app)"
+    try:
+        return policy.batcher.sample(prompts, sampling, sampling.seed)
+    except (ValueError, TypeError) as e:  # the engines' input checks: the request's fault
+        raise ServiceError(400, str(e)) from None
 
 
 def _call_seed(policy: ServedPolicy, seed: int | None, trajectory: Trajectory | None) -> int:
@@ -190,17 +209,17 @@ def _call_seed(policy: ServedPolicy, seed: int | None, trajectory: Trajectory | 
         return policy.seed + policy.unseeded_calls
 
 
-def _rows(policy: ServedPolicy, batch: RolloutBatch, prompts: list[list[int]], n: int) -> list[SampledRow]:
+def _rows(policy: ServedPolicy, sampled: SampledRows, prompts: list[list[int]], n: int) -> list[SampledRow]:
     eos = set(policy.engine.eos_token_ids)
     rows = []
-    lengths = batch.response_mask.sum(-1).tolist()
+    lengths = sampled.response_mask.sum(-1).tolist()
     for i, length in enumerate(lengths):
-        ids = batch.response_ids[i, :length].tolist()
+        ids = sampled.response_ids[i, :length].tolist()
         rows.append(
             SampledRow(
                 prompt_ids=prompts[i // n],
                 token_ids=ids,
-                logprobs=batch.rollout_logprobs[i, :length].tolist(),
+                logprobs=sampled.logprobs[i, :length].tolist(),
                 finished=bool(ids) and ids[-1] in eos,
                 text=_decode(policy, [t for t in ids if t not in eos]),
             )
@@ -271,8 +290,8 @@ def completions(policy: ServedPolicy, body: CompletionBody, trajectory: Trajecto
             raise ServiceError(400, f"a trajectory's call sends one prompt, got {len(prompts)}", param="prompt")
         prompts = [policy.recorder.completion_prompt(trajectory, prompts[0])]
     sampling = _sampling(policy, body, body.max_tokens or 16, _call_seed(policy, body.seed, trajectory))
-    batch, version = _generate(policy, prompts, sampling, sampling.seed)
-    rows = _rows(policy, batch, prompts, body.n)
+    sampled = _sample(policy, prompts, sampling)
+    rows, version = _rows(policy, sampled, prompts, body.n), sampled.version
     if trajectory is not None:
         policy.recorder.record(
             trajectory,
@@ -304,8 +323,8 @@ def chat_completions(policy: ServedPolicy, body: ChatBody, trajectory: Trajector
     if cap is None:
         cap = max(1, min(policy.defaults.max_new_tokens, policy.engine.max_context - len(prompt)))
     sampling = _sampling(policy, body, cap, _call_seed(policy, body.seed, trajectory))
-    batch, version = _generate(policy, [prompt], sampling, sampling.seed)
-    rows = _rows(policy, batch, [prompt], body.n)
+    sampled = _sample(policy, [prompt], sampling)
+    rows, version = _rows(policy, sampled, [prompt], body.n), sampled.version
     if trajectory is not None:
         policy.recorder.record(
             trajectory,
@@ -380,6 +399,11 @@ def _forget(policy: ServedPolicy, trajectory_id: str) -> dict[str, Any]:
 def build_app(policy: ServedPolicy) -> Any:
     """The FastAPI app serving ``policy`` (see the module doc)."""
     app = FastAPI(title="rlfunc rollout server", docs_url=None, redoc_url=None, openapi_url=None)
+    if policy.batcher is None:
+        policy.batcher = EngineBatcher(
+            lambda prompts, sampling, keys: _engine_call(policy, prompts, sampling, keys),
+            max_rows=policy.max_batch_rows,
+        )
 
     _error_handlers(app)
     _who_calls_and_draining(app, policy)
@@ -459,7 +483,8 @@ def _admin_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.get("/stats")
     def stats(request: Request) -> dict[str, Any]:
         _caller(policy, request, agents=False)
-        return {**policy.recorder.counts, "version": policy.version, "in_flight": policy.in_flight}
+        batched = policy.batcher.stats if policy.batcher is not None else {}
+        return {**policy.recorder.counts, **batched, "version": policy.version, "in_flight": policy.in_flight}
 
     @app.post("/drain")
     async def drain(request: Request) -> dict[str, Any]:
@@ -577,6 +602,8 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10.0)
+        if self.policy.batcher is not None:
+            self.policy.batcher.close()
 
 
 # ------------------------------------------------------------------------------------------------ the process
@@ -595,6 +622,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="a chat call's default max_tokens")
     parser.add_argument("--served-model-name", default=None, help="the name agents pass as model (default: --model)")
     parser.add_argument("--chat-template", default=None, help="a jinja file used instead of the tokenizer's")
+    parser.add_argument("--max-batch-rows", type=int, default=64, help="rows of one engine call of agents' calls")
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -623,6 +651,7 @@ def main(argv: list[str] | None = None) -> None:
         defaults=SamplingConfig(n=1, max_new_tokens=args.max_new_tokens),
         seed=args.seed,
         chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
+        max_batch_rows=args.max_batch_rows,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -639,6 +668,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.run(sockets=[sock])
     finally:
+        if policy.batcher is not None:
+            policy.batcher.close()
         policy.engine.shutdown()
 
 

@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from backends.rollout.common import SamplingConfig
+from backends.rollout.row_random import RowKeys
 from backends.rollout.vllm_sleep import SLEEP_POOLS, wake_pools
 
 __all__ = [
@@ -134,9 +135,13 @@ def gather_tp_inputs(rollout: Any, inputs: Any, error: Exception | None, *, call
     return [g[0] for g in gathered], torch.distributed.get_rank(group)
 
 
-def prompt_seed(seed: int, index: int, n: int) -> int:
+def prompt_seed(seed: int | RowKeys, index: int, n: int) -> int:
     """The seed of prompt ``index``'s request (vLLM seeds its sample ``j`` with this + ``j``): distinct streams for
-    every row of a batch of ``n`` samples per prompt."""
+    every row of a batch of ``n`` samples per prompt. With :class:`RowKeys` (requests batched into one call), the
+    seed the prompt's request would have had in a call of its own."""
+    if isinstance(seed, RowKeys):
+        row = index * n
+        return prompt_seed(seed.seeds[row], seed.rows[row] // n, n)
     return (seed * 1_000_003 + index * n) % 2**62
 
 
