@@ -1,6 +1,6 @@
 """What an agent's model call costs through the endpoint, against the engine's own generate.
 
-Run: ``.venv/bin/python benchmarks/bench_agent_calls.py [--trajectories 64] [--repeats 3]``.
+Run: ``.venv/bin/python benchmarks/bench_agent_calls.py [--trajectories 64] [--repeats 3] [--agents 1 8 32]``.
 
 On the calculator preset's model size (hidden 128, 3 layers, random init, the task's tiny tokenizer), with the
 native engine in this process, it times (median of ``--repeats``):
@@ -8,9 +8,10 @@ native engine in this process, it times (median of ``--repeats``):
 - ``generate``: the engine's ``generate`` of one chat prompt, one row, ``max_new_tokens=16``, per call;
 - ``openai``: the same through an in-process rollout server (``backends.rollout.server.ThreadedServer``), one
   ``openai`` client reused, calls one after another;
-- ``agents``: ``--trajectories`` trajectories of the calculator ReAct agent (``experiments/agents/
-  calculator_react.py``: a client per trajectory over one shared connection pool) through ``AgentRunner``, 32
-  threads, per model call (registration and the read-back of every trajectory's tokens included).
+- ``agents xK``: ``--trajectories`` trajectories of the calculator ReAct agent (``experiments/agents/
+  calculator_react.py``: a client per trajectory over one shared connection pool) through ``AgentRunner`` with K
+  agents at a time (``--agents``), per model call (registration and the read-back of every trajectory's tokens
+  included), and as model calls (requests) and sampled tokens per second of the whole round.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trajectories", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20, help="calls per repeat of generate / openai")
+    parser.add_argument("--agents", type=int, nargs="+", default=[1, 8, 32], help="agents at a time (threads)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_char_tokenizer(words=calculator.TOKENIZER_WORDS)
@@ -72,8 +74,12 @@ def main(argv: list[str] | None = None) -> None:
         )
         server = ThreadedServer(policy)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="bench", max_retries=0)
-        runner = agent_runner("experiments/agents/calculator_react.py:run", deadline_s=120.0, workers=32)
-        results: dict[str, list[float]] = {"generate": [], "openai": [], "agents": []}
+        runners = {
+            k: agent_runner("experiments/agents/calculator_react.py:run", deadline_s=120.0, workers=k)
+            for k in args.agents
+        }
+        results: dict[str, list[float]] = {"generate": [], "openai": [], **{f"agents x{k}": [] for k in args.agents}}
+        rates: dict[str, list[tuple[float, float]]] = {f"agents x{k}": [] for k in args.agents}
         try:
             for repeat in range(args.repeats):
                 start = time.perf_counter()
@@ -84,19 +90,29 @@ def main(argv: list[str] | None = None) -> None:
                 for i in range(args.calls):
                     client.chat.completions.create(model="policy", messages=examples[0].prompt, seed=i)
                 results["openai"].append((time.perf_counter() - start) / args.calls)
-                start = time.perf_counter()
-                episodes = runner.sample(
-                    engine, examples, tokenizer, SamplingConfig(n=8, max_new_tokens=16), seed=repeat
-                )
-                calls = episodes.metrics["agent/calls"] * len(examples) * 8
-                results["agents"].append((time.perf_counter() - start) / calls)
+                for k, runner in runners.items():
+                    start = time.perf_counter()
+                    episodes = runner.sample(
+                        engine, examples, tokenizer, SamplingConfig(n=8, max_new_tokens=16), seed=repeat
+                    )
+                    wall = time.perf_counter() - start
+                    calls = episodes.metrics["agent/calls"] * len(examples) * 8
+                    tokens = int(episodes.batch.loss_mask.sum())  # the sampled ones; tool results carry no loss
+                    results[f"agents x{k}"].append(wall / calls)
+                    rates[f"agents x{k}"].append((calls / wall, tokens / wall))
         finally:
-            runner.close()
+            for runner in runners.values():
+                runner.close()
             server.stop()
     base = statistics.median(results["generate"])
     for name, values in results.items():
         median = statistics.median(values)
-        print(f"{name:9s} {median * 1000:7.1f} ms per model call ({median / base:.2f}x generate)")
+        line = f"{name:10s} {median * 1000:7.1f} ms per model call ({median / base:.2f}x generate)"
+        if name in rates:
+            requests = statistics.median(r for r, _ in rates[name])
+            tokens = statistics.median(t for _, t in rates[name])
+            line += f"; {requests:6.1f} requests/s, {tokens:7.1f} sampled tokens/s"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ samples through a server of the run's in-process engine, and the batch holds exa
 
 What it costs: one tiny in-process engine and an in-process server thread (no extra process) for the module; the
 deadline test waits two seconds for its hung agent; the recipe test (slow) is two GRPO steps on a forked rank
-(about 20 s, most of it the recipe's start-up); the learning run (slow, distributed) about 400 s.
+(about 20 s, most of it the recipe's start-up); the learning run (slow, distributed) 65-130 s on 2 shared cores, half
+of it the SFT stage.
 """
 
 from __future__ import annotations
@@ -271,19 +272,37 @@ def test_grpo_steps_through_the_react_agent(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.long
 @pytest.mark.distributed
 def test_grpo_through_the_react_agent_learns_the_calculator(tmp_path):
-    """The calculator preset's SFT stage on noisy tool-use traces, then 20 GRPO steps whose trajectories are the
-    ReAct agent's (experiments/agents/calculator_react.py, the openai client, its own tool): held-out success
-    rises by 30 points or more (about 400 s on 2 ranks: the SFT stage, 20 steps and two evaluations).
-    (test_recipe_multiturn.py runs the same with the built-in tool environment.)"""
+    """The calculator preset's SFT stage on noisy tool-use traces, then 12 GRPO steps of 8 prompts x 8 trajectories
+    that are the ReAct agent's (experiments/agents/calculator_react.py, the openai client, its own tool), its calls
+    sharing engine calls on the server: held-out success (64 prompts, 4 samples each) rises by 15 points or more.
+    Seeds 0, 1 and 2 rose by 34, 24 and 27 points. (test_recipe_multiturn.py runs the preset with the built-in tool
+    environment.)"""
     summary, rows = calculator_run(
         tmp_path,
         "rollout.agent=experiments/agents/calculator_react.py:run",
         "rollout.multi_turn.max_turns=1",
+        "steps=12",
+        "prompts_per_step=8",
+    )
+    assert summary["eval_after"] >= summary["eval_before"] + 0.15, summary
+    assert len(rows) == 12 and all(r["agent/dropped"] == 0.0 for r in rows)
+    assert rows[-1]["agent/calls"] > 1.5  # it calls the tool, then answers
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.distributed
+def test_a_longer_grpo_run_through_the_react_agent_learns_more(tmp_path):
+    """The same through 40 steps of 16 prompts x 8 trajectories: held-out success rises by 30 points or more and ends
+    at 0.6 or more (seed 0: 0.266 -> 0.707, against 0.609 after the short run; about 240 s on 2 shared cores)."""
+    summary, rows = calculator_run(
+        tmp_path,
+        "rollout.agent=experiments/agents/calculator_react.py:run",
+        "rollout.multi_turn.max_turns=1",
+        "steps=40",
         timeout=900,
     )
-    assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
-    assert len(rows) == 20 and all(r["agent/dropped"] == 0.0 for r in rows)
-    assert rows[-1]["agent/calls"] > 1.5  # it calls the tool, then answers
+    assert summary["eval_after"] >= summary["eval_before"] + 0.3 and summary["eval_after"] >= 0.6, summary
+    assert len(rows) == 40 and all(r["agent/dropped"] == 0.0 for r in rows)
