@@ -261,6 +261,88 @@ def test_a_frozen_server_is_named_once_the_request_deadline_passes(server):
     assert client.healthy()
 
 
+def _api_server_pids(marker: str) -> list[int]:
+    """The vLLM API servers whose command line names ``marker`` (each leads its own process group)."""
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and any(marker.encode() in a for a in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.distributed
+def test_a_server_the_run_started_is_restarted_with_the_current_weights_when_killed(tmp_path):
+    """GRPO on 2 ranks with a server the run starts itself (rollout.vllm_server.count=1) and restart on: the server
+    (with its engine processes) is killed once step 1 is logged; the first rank starts it again, pushes the weights
+    of the current version, and the run finishes. Every token of every step carried the version the engine expected
+    (it checks), and the log-probs after the restart are the trainer's (a server left on the starting weights would
+    be far off after updates at lr 1e-3). Two server starts: the most expensive test of the module."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+
+    data = arithmetic_data(tmp_path / "data")
+    runs = tmp_path / "runs"
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_after_step_1() -> None:
+        while not stop.is_set():
+            logs = list(runs.glob("grpo-*/metrics.jsonl"))
+            if logs and '"step": 1,' in logs[0].read_text():
+                for pid in _api_server_pids(str(tmp_path)):
+                    os.killpg(pid, signal.SIGKILL)
+                    killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_after_step_1, daemon=True)
+    killer.start()
+    try:
+        out = run(
+            GRPO,
+            f"run_root={runs}",
+            *data_args(data, sft_steps=0),
+            *TINY_MODEL,
+            "prompts_per_step=4",
+            "rollout.max_new_tokens=8",
+            "rollout.engine=vllm_server",
+            "rollout.vllm_server.count=1",
+            "rollout.vllm_server.restart=true",
+            "rollout.vllm_server.max_restarts=1",
+            "eval.before_training=false",
+            "eval.max_prompts=4",
+            "eval.n=1",
+            "steps=3",
+            "rollout.n=4",
+            "actor.optim.lr=1e-3",
+            nproc=2,
+            timeout=600,
+        )
+    finally:
+        stop.set()
+    assert out.returncode == 0, out.stderr[-6000:]
+    assert len(killed) == 1, killed
+    rows = metrics(the_run_dir(runs, "grpo"))
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["rollout/server_restarts"] == 0.0 and rows[-1]["rollout/server_restarts"] == 1.0
+    assert all(r["logprob_gap/max"] < 1e-3 for r in rows), [r["logprob_gap/max"] for r in rows]
+    (restarted,) = [line for line in out.stderr.splitlines() if "restarted it (1 of at most 1 restarts)" in line]
+    print(restarted)  # which request found the server dead: a step's generate, or the weight push after an update
+    assert _api_server_pids(str(tmp_path)) == []  # the restarted server ended with the run
+
+
 @pytest.mark.distributed
 def test_a_server_killed_mid_run_stops_the_run_naming_it(server, tmp_path):
     """Last in the module (it ends the server): GRPO on 2 ranks samples from the server, which is killed (with its

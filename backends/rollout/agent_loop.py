@@ -81,8 +81,15 @@ def sample(
     if multi_turn.max_turns == 1:
         batch = rollout.generate([list(e.prompt_ids) for e in examples], sampling, seed=seed, group_ids=group_ids)
         rows = len(examples) * sampling.n
+        # what an engine of servers reports of them (its restarts); the in-process engines have no such method
+        server_metrics = getattr(rollout, "server_metrics", None)
+        metrics = server_metrics() if server_metrics is not None else {}
         return Episodes(
-            batch=batch, turn_rewards=[[] for _ in range(rows)], turns=[1] * rows, finished=[True] * rows, metrics={}
+            batch=batch,
+            turn_rewards=[[] for _ in range(rows)],
+            turns=[1] * rows,
+            finished=[True] * rows,
+            metrics=metrics,
         )
     if environments is None:
         raise ValueError("multi-turn sampling (rollout.multi_turn.max_turns > 1) needs an environment factory")

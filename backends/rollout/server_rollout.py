@@ -13,6 +13,10 @@ in-process engines.
   server (:class:`~backends.rollout.vllm_server.WeightPusher`: checked, paused, sent, finished under the new
   version, resumed), then every rank waits for it, so no rank samples from a server before its push.
 
+- **Restarts** (``rollout.vllm_server.restart``): a started server that dies or stops answering is started again
+  with the current weights and the step's unanswered requests are sent again (:mod:`backends.rollout.server_restart`);
+  without it, the run stops with an error naming the server.
+
 The ranks that build the engine together (every rank colocated; a split run's rollout pool) share its servers: the
 first of them starts them and pushes. Multi-turn sessions are refused for now (``check_config``).
 """
@@ -33,6 +37,7 @@ from torch import Tensor
 from backends.rollout.common import SamplingConfig, assemble_batch, check_group_ids, left_pad, prepare_prompts
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.server_auth import TRAINER_TOKEN_ENV, RunTokens, new_tokens
+from backends.rollout.server_restart import ServerKeeper
 from backends.rollout.vllm_server import (
     RolloutServer,
     RolloutServerError,
@@ -53,6 +58,15 @@ def _leads(group: Any) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
+def _from_every_rank(obj: Any, group: Any) -> list[Any]:
+    """Every rank of ``group``'s ``obj``, in rank order."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group=group)
+    return gathered
+
+
 def _from_leader(obj: Any, group: Any) -> Any:
     """The first rank of ``group``'s ``obj`` on every rank of it."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
@@ -71,6 +85,11 @@ class ServerRolloutConfig:
     startup_timeout_s: float = 900.0  #: the longest a started server may take to answer /health
     request_timeout_s: float = 600.0  #: the longest one generate or weight request may take
     concurrency: int = attrs.field(default=16, validator=attrs.validators.ge(1))  #: requests in flight per rank
+    #: a started server that dies or stops answering is started again with the current weights and the step's
+    #: unanswered requests sent again (servers pointed at by urls never are); false: the run stops naming it
+    restart: bool = False
+    #: restarts allowed over the run (restart=true); a failure after them stops the run naming the server
+    max_restarts: int = attrs.field(default=2, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen
@@ -83,10 +102,11 @@ class ServerRollout:
     max_context: int
     vocab_size: int
     concurrency: int = 16
-    pushers: tuple[WeightPusher, ...] = ()
-    servers: tuple[RolloutServer, ...] = ()
+    pushers: list[WeightPusher] = attrs.Factory(list)  #: one per client, on the first rank (a restart replaces one)
+    servers: list[RolloutServer] = attrs.Factory(list)  #: the started ones: the first clients
     group: Any = None  #: the ranks that share these servers (None: every rank)
     weights_version: int = 0
+    keeper: ServerKeeper | None = None  #: with rollout.vllm_server.restart
 
     def version_label(self) -> str:
         return str(self.weights_version)  # the label each push finishes under (the policy's own weights: "0")
@@ -121,8 +141,11 @@ class ServerRollout:
                 stop_token_ids=self.eos_token_ids,
             )
 
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
-            answers = list(pool.map(one, range(len(prompts))))
+        if self.keeper is None:
+            with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+                answers = list(pool.map(one, range(len(prompts))))
+        else:
+            answers = self._answers_with_restarts(one, len(prompts))
         responses = [r for answer in answers for r in (answer * n if greedy else answer)]
         expected = self.version_label()
         for r in responses:
@@ -144,6 +167,48 @@ class ServerRollout:
             prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=n, group_ids=group_ids
         )
 
+    def _answers_with_restarts(self, one: Any, count: int) -> list:
+        """``one(i)`` for every request ``i``; a server that does not answer is restarted (the first rank, after
+        every rank of the group has said which of its servers failed) and its requests sent again."""
+        answers: list = [None] * count
+        while True:
+            todo = [i for i in range(count) if answers[i] is None]
+            failures: dict[int, str] = {}
+            refused = None
+            with ThreadPoolExecutor(max_workers=max(1, min(self.concurrency, len(todo)))) as pool:
+                futures = {i: pool.submit(one, i) for i in todo}
+            for i, future in futures.items():
+                try:
+                    answers[i] = future.result()
+                except RolloutServerError as e:
+                    if e.unreachable:
+                        failures.setdefault(i % len(self.clients), str(e))
+                    else:
+                        refused = refused or str(e)
+            # every rank learns every failure, so that they all restart (or stop) together
+            reports = _from_every_rank((refused, failures), self.group)
+            refused = next((r for r, _ in reports if r is not None), None)
+            failures = {k: v for _, f in reports for k, v in f.items()}
+            if refused is not None:
+                raise RolloutServerError(refused)
+            if not failures:
+                return answers
+            outcome: tuple[str | None, list[str] | None, int] = (None, None, 0)
+            if _leads(self.group):
+                try:
+                    outcome = (None, self.keeper.restart(failures, self), self.keeper.restarts)
+                except RolloutServerError as e:
+                    outcome = (str(e), None, self.keeper.restarts)
+            error, urls, self.keeper.restarts = _from_leader(outcome, self.group)
+            if error is not None:
+                raise RolloutServerError(error)
+            for client, url in zip(self.clients, urls):
+                client.move_to(url)
+
+    def server_metrics(self) -> dict[str, float]:
+        """``rollout/server_restarts``: the restarts of the run's servers so far (with restart on)."""
+        return {} if self.keeper is None else {"rollout/server_restarts": float(self.keeper.restarts)}
+
     def start_session(
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
     ) -> Any:
@@ -152,17 +217,33 @@ class ServerRollout:
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> ServerRollout:
         named = list(named_tensors)  # every rank consumes the trainer's gathered stream
         version = self.weights_version + 1
-        error = None
-        for pusher in self.pushers:
+        synced = attrs.evolve(self, weights_version=version)
+        error, failures = None, {}
+        for i, pusher in enumerate(self.pushers):
             try:
                 pusher.push(named, version)
             except RolloutServerError as e:
-                error = str(e)
-                break
-        error = _from_leader(error, self.group)  # the push happened (or failed) before any rank samples again
+                if self.keeper is None or not e.unreachable:
+                    error = str(e)
+                    break
+                failures[i] = str(e)  # a server that died since the last step: restarted below
+        urls = None
+        if self.keeper is not None and error is None:
+            self.keeper.remember(named)
+            if failures:
+                try:
+                    urls = self.keeper.restart(failures, synced)
+                except RolloutServerError as e:
+                    error = str(e)
+        # the push happened (or failed) before any rank samples again
+        error, urls, restarts = _from_leader((error, urls, self.keeper.restarts if self.keeper else 0), self.group)
         if error is not None:
             raise RolloutServerError(error)
-        return attrs.evolve(self, weights_version=version)
+        if self.keeper is not None:
+            self.keeper.restarts = restarts
+        for client, url in zip(self.clients, urls or ()):
+            client.move_to(url)
+        return synced
 
     def sync_adapter(
         self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float, target_modules: Sequence[str], version: int
@@ -221,12 +302,12 @@ def build_server_rollout(
         raise RolloutServerError(f"rollout.engine=vllm_server: {error}")
     urls, tokens = shared
     clients = tuple(ServerClient(url, tokens.trainer, timeout_s=settings.request_timeout_s) for url in urls)
-    pushers: tuple[WeightPusher, ...] = ()
+    pushers: list[WeightPusher] = []
     error = None
     if rank0:
         try:
             expected = checkpoint_shapes(path)
-            pushers = tuple(WeightPusher(c, backend=transfer_backend("auto"), expected=expected) for c in clients)
+            pushers = [WeightPusher(c, backend=transfer_backend("auto"), expected=expected) for c in clients]
             # a server pointed at holds whatever it was started on, a started one the same weights under vLLM's own
             # label: each gets this policy's weights under one label, so every token's version can be checked
             initial = _checkpoint_tensors(path, hf_cfg)
@@ -247,8 +328,42 @@ def build_server_rollout(
         vocab_size=int(hf_cfg.vocab_size),
         concurrency=settings.concurrency,
         pushers=pushers,
-        servers=tuple(servers),
+        servers=servers,
         group=group,
+        keeper=_keeper(path, hf_cfg, cfg, settings, tokens, seed=seed, context=context, leads=rank0)
+        if settings.restart
+        else None,
+    )
+
+
+def _keeper(
+    path: Path,
+    hf_cfg: Any,
+    cfg: Any,
+    settings: ServerRolloutConfig,
+    tokens: RunTokens,
+    *,
+    seed: int,
+    context: int,
+    leads: bool,
+) -> ServerKeeper:
+    """What restarts the servers (``leads``: on the rank that started them); elsewhere, only their count."""
+    if not leads:
+        return ServerKeeper(max_restarts=settings.max_restarts)
+    server_cfg = _server_config(cfg, settings, seed=seed, context=context)
+    logs = Path(tempfile.mkdtemp(prefix="rlfunc-restarts-"))
+
+    def start(index: int, port: int | None, attempt: int) -> RolloutServer:
+        log_path = logs / f"server{index}-restart{attempt}.log"
+        return start_vllm_server(path, server_cfg, tokens, log_path=log_path, port=port)
+
+    expected = checkpoint_shapes(path)
+    return ServerKeeper(
+        max_restarts=settings.max_restarts,
+        start=start,
+        pusher_for=lambda client: WeightPusher(client, backend=transfer_backend("auto"), expected=expected),
+        initial_weights=lambda: _checkpoint_tensors(path, hf_cfg),
+        host=server_cfg.host,
     )
 
 
@@ -274,16 +389,7 @@ def _run_tokens(settings: ServerRolloutConfig) -> RunTokens:
 def _start_servers(
     path: Path, cfg: Any, settings: ServerRolloutConfig, tokens: RunTokens, *, seed: int, context: int
 ) -> list[RolloutServer]:
-    vllm = cfg.vllm.resolved(on_gpu=torch.cuda.is_available())
-    server_cfg = VLLMServerConfig(
-        dtype=vllm.dtype,
-        max_model_len=context,
-        seed=seed,
-        kv_cache_gib=vllm.kv_cache_gib,
-        enforce_eager=bool(vllm.enforce_eager),
-        startup_timeout_s=settings.startup_timeout_s,
-        request_timeout_s=settings.request_timeout_s,
-    )
+    server_cfg = _server_config(cfg, settings, seed=seed, context=context)
     logs = Path(tempfile.mkdtemp(prefix="rlfunc-servers-"))
     servers = [
         start_vllm_server(path, server_cfg, tokens, log_path=logs / f"server{i}.log", wait=False)
@@ -297,6 +403,19 @@ def _start_servers(
             server.stop()
         raise
     return servers
+
+
+def _server_config(cfg: Any, settings: ServerRolloutConfig, *, seed: int, context: int) -> VLLMServerConfig:
+    vllm = cfg.vllm.resolved(on_gpu=torch.cuda.is_available())
+    return VLLMServerConfig(
+        dtype=vllm.dtype,
+        max_model_len=context,
+        seed=seed,
+        kv_cache_gib=vllm.kv_cache_gib,
+        enforce_eager=bool(vllm.enforce_eager),
+        startup_timeout_s=settings.startup_timeout_s,
+        request_timeout_s=settings.request_timeout_s,
+    )
 
 
 def _check_config(cfg: Any) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "WeightPusher",
     "checkpoint_shapes",
     "complete_set",
+    "port_is_free",
     "server_command",
     "start_vllm_server",
     "transfer_backend",
@@ -49,7 +50,13 @@ __all__ = [
 
 
 class RolloutServerError(RuntimeError):
-    """A rollout server that failed to start, died, or answered with an error; the message names it."""
+    """A rollout server that failed to start, died, or answered with an error; the message names it.
+    ``unreachable``: it did not answer at all (connection refused or cut, no answer in time), as a dead or frozen
+    server does, rather than refusing the request."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 @attrs.frozen
@@ -115,6 +122,17 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server may listen on ``port`` (as vLLM binds: SO_REUSEADDR, so a dead server's port counts)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 @attrs.define
 class RolloutServer:
     """A started server process: its URL, its log, its tokens."""
@@ -123,6 +141,10 @@ class RolloutServer:
     url: str
     log_path: Path
     tokens: RunTokens = attrs.field(repr=False)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     def client(self, *, agent: bool = False, timeout_s: float = 600.0) -> ServerClient:
         return ServerClient(self.url, self.tokens.agent if agent else self.tokens.trainer, timeout_s=timeout_s)
@@ -238,11 +260,19 @@ class ServerClient:
     def __repr__(self) -> str:
         return f"ServerClient({self.url})"
 
+    def move_to(self, url: str) -> None:
+        """Send to ``url`` from now on (a restarted server on another port); the token stays."""
+        url = url.rstrip("/")
+        if url != self.url:
+            self.url, self.http.base_url = url, url
+
     def request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.TransportError as e:
-            raise RolloutServerError(f"rollout server {self.url}{path}: {type(e).__name__}: {e}") from e
+            raise RolloutServerError(
+                f"rollout server {self.url}{path}: {type(e).__name__}: {e}", unreachable=True
+            ) from e
         if response.status_code >= 400:
             raise RolloutServerError(
                 f"rollout server {self.url}{path} answered {response.status_code}: {response.text[:2000]}"
@@ -420,7 +450,8 @@ class WeightPusher:
         except RolloutServerError as e:
             # the model may hold part of the new set (or its server stopped): it is not resumed on it
             raise RolloutServerError(
-                f"{e}\n(weight push of version {version} failed; {self.client.url} stays paused until a complete push)"
+                f"{e}\n(weight push of version {version} failed; {self.client.url} stays paused until a complete push)",
+                unreachable=e.unreachable,
             ) from e
         self.client.resume()
 
