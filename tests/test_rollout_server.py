@@ -291,6 +291,37 @@ def test_who_may_call_what(served):
     assert _http(served, "GET", "/health", token=token).json()["status"] == "ok"
 
 
+def test_both_server_stacks_refuse_alike(served, monkeypatch):
+    """rlfunc's server and vLLM's (its middleware, here around a bare app) refuse with the same check
+    (backends/rollout/server_auth.py): the same status and JSON error for no token, an unknown one, and an agent's
+    token off the sampling routes."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from backends.rollout.server_auth import AGENT_TOKEN_ENV, TRAINER_TOKEN_ENV, RunTokenAuth
+
+    key = server_client.register_trajectory(served["url"], served["token"], "auth-alike")
+    monkeypatch.setenv(TRAINER_TOKEN_ENV, served["token"])
+    monkeypatch.setenv(AGENT_TOKEN_ENV, key)
+    bare = FastAPI()
+    bare.add_api_route("/v1/models", lambda: {"data": []}, methods=["GET"])
+    bare.add_api_route("/weights/begin", lambda: {}, methods=["POST"])
+    bare.add_middleware(RunTokenAuth)
+    vllm_like = TestClient(bare)
+    for method, path, token in [
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/models", "not-a-token"),
+        ("POST", "/weights/begin", key),
+    ]:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        ours = _http(served, method, path, token=token, json={"version": 1})
+        theirs = vllm_like.request(method, path, headers=headers, json={"version": 1})
+        assert ours.status_code == theirs.status_code in (401, 403), (path, token)
+        assert ours.json() == theirs.json(), (ours.json(), theirs.json())
+    assert vllm_like.get("/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    server_client.close_trajectory(served["url"], served["token"], "auth-alike")
+
+
 def test_malformed_requests_name_the_field(served):
     token = served["token"]
     chat = [{"role": "user", "content": "1"}]

@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException
 
 from backends.rollout.common import SamplingConfig
 from backends.rollout.row_random import RowKeys
+from backends.rollout.server_auth import TokenRefused, bearer_token, who_calls
 from backends.rollout.server_batching import EngineBatcher, SampledRows
 from backends.rollout.server_client import TOKEN_ENV
 from backends.rollout.server_openai import (
@@ -130,30 +131,24 @@ class ServedPolicy:
 # ------------------------------------------------------------------------------------------------ who may call
 
 
-def _bearer(request: Any) -> str | None:
-    scheme, _, value = request.headers.get("authorization", "").partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
-
-
-def _caller(policy: ServedPolicy, request: Any, *, agents: bool) -> Trajectory | None:
-    """The trajectory an agent's key names (None for the trainer); a refusal when the caller may not call here."""
-    token = _bearer(request)
-    if token is None:
-        raise ServiceError(
-            401, "missing bearer token: send the header 'Authorization: Bearer <token>'", kind="authentication_error"
-        )
-    if secrets.compare_digest(token.encode(), policy.trainer_token.encode()):
-        return None
+def _caller(policy: ServedPolicy, request: Any) -> Trajectory | None:
+    """The trajectory an agent's key names (None for the trainer); a refusal when the caller may not call here
+    (:func:`backends.rollout.server_auth.who_calls`, then the trajectory's own state)."""
+    token = bearer_token(request.headers.get("authorization", ""))
     with policy.lock:
-        trajectory_id = policy.agent_keys.get(token)
-    if trajectory_id is None:
-        raise ServiceError(401, "the bearer token is not one this server accepts", kind="authentication_error")
-    if not agents:
-        raise ServiceError(
-            403,
-            f"an agent's key may call /v1/* only; {request.method} {request.url.path} needs the trainer's token",
-            kind="permission_error",
+        trajectory_id = policy.agent_keys.get(token) if token is not None else None
+    try:
+        who = who_calls(
+            token,
+            request.method,
+            request.url.path,
+            trainer=policy.trainer_token,
+            is_agent=lambda _: trajectory_id is not None,
         )
+    except TokenRefused as e:
+        raise ServiceError(e.status, e.message, kind=e.kind) from None
+    if who == "trainer":
+        return None
     trajectory = policy.recorder.get(trajectory_id)
     if trajectory is None:
         raise ServiceError(403, f"trajectory {trajectory_id!r} is closed", kind="permission_error")
@@ -448,10 +443,9 @@ def _who_calls_and_draining(app: FastAPI, policy: ServedPolicy) -> None:
         # who is calling is settled before the body is read (a refusal costs no parsing); what they may call, in
         # the route
         try:
-            _caller(policy, request, agents=True)
+            _caller(policy, request)
         except ServiceError as e:
-            if e.status == 401:
-                return _error(e.status, e.message, e.kind)
+            return _error(e.status, e.message, e.kind)
         if request.method == "GET" or request.url.path in ("/drain", "/resume"):
             return await call_next(request)
         with policy.lock:
@@ -472,23 +466,23 @@ def _who_calls_and_draining(app: FastAPI, policy: ServedPolicy) -> None:
 def _admin_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.get("/health")
     def health(request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         return {"status": "draining" if policy.draining else "ok", "version": policy.version}
 
     @app.get("/version")
     def version(request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         return {"version": policy.version, "model": policy.model_name}
 
     @app.get("/stats")
     def stats(request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         batched = policy.batcher.stats if policy.batcher is not None else {}
         return {**policy.recorder.counts, **batched, "version": policy.version, "in_flight": policy.in_flight}
 
     @app.post("/drain")
     async def drain(request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         with policy.lock:
             policy.draining = True
         while True:
@@ -500,7 +494,7 @@ def _admin_routes(app: FastAPI, policy: ServedPolicy) -> None:
 
     @app.post("/resume")
     def resume(request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         with policy.lock:
             policy.draining = False
         return {"draining": False, "version": policy.version}
@@ -509,33 +503,33 @@ def _admin_routes(app: FastAPI, policy: ServedPolicy) -> None:
 def _sampling_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/generate")
     def generate_route(body: GenerateBody, request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         return generate(policy, body)
 
     @app.get("/v1/models")
     def models(request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=True)
+        _caller(policy, request)
         card = {"id": policy.model_name, "object": "model", "created": 0, "owned_by": "rlfunc"}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     def completions_route(body: CompletionBody, request: Request) -> dict[str, Any]:
-        return completions(policy, body, _caller(policy, request, agents=True))
+        return completions(policy, body, _caller(policy, request))
 
     @app.post("/v1/chat/completions")
     def chat_route(body: ChatBody, request: Request) -> dict[str, Any]:
-        return chat_completions(policy, body, _caller(policy, request, agents=True))
+        return chat_completions(policy, body, _caller(policy, request))
 
 
 def _trajectory_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/trajectories")
     def register(body: RegisterBody, request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         return _register(policy, body)
 
     @app.get("/trajectories/{trajectory_id}")
     def trajectory(trajectory_id: str, request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         snapshot = policy.recorder.snapshot(trajectory_id)
         if snapshot is None:
             raise ServiceError(404, f"no trajectory {trajectory_id!r} on this server")
@@ -543,21 +537,21 @@ def _trajectory_routes(app: FastAPI, policy: ServedPolicy) -> None:
 
     @app.delete("/trajectories/{trajectory_id}")
     def close(trajectory_id: str, request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         return _forget(policy, trajectory_id)
 
 
 def _weight_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/weights/begin")
     def weights_begin(body: WeightsVersionBody, request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         with policy.weights_lock:
             policy.staging.begin(body.version, policy.version)
         return {"version": body.version, "serving": policy.version}
 
     @app.post("/weights/bucket")
     async def weights_bucket(request: Request, version: int) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         blob = await request.body()
 
         def put() -> list[str]:
@@ -568,7 +562,7 @@ def _weight_routes(app: FastAPI, policy: ServedPolicy) -> None:
 
     @app.post("/weights/commit")
     def weights_commit(body: WeightsVersionBody, request: Request) -> dict[str, Any]:
-        _caller(policy, request, agents=False)
+        _caller(policy, request)
         return _commit_weights(policy, body.version)
 
 
