@@ -13,6 +13,9 @@ At most ``rollout.vllm_server.max_restarts`` restarts over the run; a failure af
 server and the count. A server pointed at (``rollout.vllm_server.urls``) is not restarted: its failure is an error
 that says so. To push the current weights, the first rank keeps the last set it pushed (references to the tensors
 ``sync_weights`` received).
+
+The native engine's server (:mod:`backends.rollout.server`) has no such restart: a run starts it only on a thread of
+its own process (the agents' endpoint), never as a process of its own.
 """
 
 from __future__ import annotations
