@@ -17,6 +17,9 @@ few rows are left out) and each row's keys and values so far, so one step takes 
 copy of 2 GiB: bytes read + written over its time), and the nominal figure of a known device is printed beside it.
 Tokens/s of each engine are printed as a fraction of ``rows / that time``.
 
+Engines: ``continuous`` (the default engine: continuous batching over the paged cache, its decode step replayed
+from CUDA graphs), ``continuous-eager`` (the same without graphs), ``lockstep`` and ``generate``.
+
 ``--device cpu --tiny`` runs the same code on a tiny model (a check of the script, not a measurement).
 """
 
@@ -42,7 +45,7 @@ import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
-from backends.rollout.native import build_native_rollout, generate  # noqa: E402
+from backends.rollout.native import BatchingLimits, build_native_rollout, generate  # noqa: E402
 
 #: bytes/s of HBM as the vendors state it (GPU name substring -> bandwidth)
 NOMINAL_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 PCIe": 2.0e12, "A100-SXM4-80GB": 2.04e12}
@@ -104,7 +107,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt (rows / n prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--runs", type=int, default=2, help="timed runs per engine and batch (after one warm-up)")
-    ap.add_argument("--engines", nargs="+", default=["continuous", "lockstep", "generate"])
+    ap.add_argument("--engines", nargs="+", default=["continuous", "continuous-eager", "lockstep", "generate"])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a tiny fp32 model (checks the script on a CPU)")
     ap.add_argument("--profile", action="store_true", help="profile one continuous-batching call per batch")
@@ -124,11 +127,14 @@ def main() -> None:
             model_dir = write_checkpoint(Path(tmp))
         model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device)
         never = model.config.vocab_size + 5  # an id outside the vocabulary: no row stops before max_new_tokens
+        variants = {
+            "continuous": dict(batching="continuous"),
+            "continuous-eager": dict(batching="continuous", batching_limits=BatchingLimits(cuda_graphs=False)),
+            "lockstep": dict(batching="lockstep"),
+        }
         engines = {
-            name: build_native_rollout(
-                model_dir, tokenizer, dtype=dtype, device=device, eos_token_ids=[never], batching=name
-            )
-            for name in ("continuous", "lockstep")
+            name: build_native_rollout(model_dir, tokenizer, dtype=dtype, device=device, eos_token_ids=[never], **kw)
+            for name, kw in variants.items()
             if name in args.engines
         }
         pad = tokenizer.pad_token_id
@@ -166,7 +172,7 @@ def main() -> None:
                     sync(device)
                     dt = time.perf_counter() - t0
                     rates[engine].append(tokens / dt)
-                    print(f"rows {rows} {engine:10s} run {r}: {tokens} tokens in {dt:.2f} s", flush=True)
+                    print(f"rows {rows} {engine:16s} run {r}: {tokens} tokens in {dt:.2f} s", flush=True)
                 if device.type == "cuda":
                     peaks[engine] = torch.cuda.max_memory_allocated(device) / 2**30
             mean_context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
@@ -181,7 +187,7 @@ def main() -> None:
             for engine, values in rates.items():
                 rate = statistics.median(values)
                 print(
-                    f"  {engine:10s}: {rate:10,.0f} tokens/s = {rate / hf:5.2f}x generate = {rate / bound:.3f} of the "
+                    f"  {engine:16s}: {rate:10,.0f} tokens/s = {rate / hf:5.2f}x generate = {rate / bound:.3f} of the "
                     f"bound; peak memory {peaks.get(engine, float('nan')):.2f} GiB"
                 )
             if args.profile and "continuous" in engines:

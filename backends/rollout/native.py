@@ -122,6 +122,8 @@ class NativeConfig:
     #: continuous: the KV cache's size in GiB (a request that can never fit is refused, naming it); none: enough for
     #: max_slots rows at their longest
     kv_cache_gib: float | None = attrs.field(default=None, validator=_positive_setting)
+    #: continuous, on CUDA: replay the decode step from CUDA graphs, one per bucket of rows (no launch overhead)
+    cuda_graphs: bool = True
 
     def limits(self) -> BatchingLimits:
         return BatchingLimits(
@@ -129,6 +131,7 @@ class NativeConfig:
             prefill_tokens=self.prefill_tokens,
             block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib,
+            cuda_graphs=self.cuda_graphs,
         )
 
 

@@ -126,8 +126,11 @@ class PagedKVCache:
         self.cos, self.sin = rope
         self.device = device
         self.pool = BlockPool(k[0].shape[1] // block_size)
-        #: (slots, blocks a row may hold) int64: each slot's blocks in position order, 0 (the null block) after them
-        self.block_table = torch.zeros(slots, -(-max_len // block_size), dtype=torch.long, device=device)
+        #: (slots + 1, blocks a row may hold) int64: each slot's blocks in position order, 0 (the null block) after
+        #: them; the last row is the spare slot's, never admitted, all null block: the padding rows of a decode step
+        #: at fixed shapes (:mod:`backends.rollout.decode_graphs`) write there, into the null block
+        self.block_table = torch.zeros(slots + 1, -(-max_len // block_size), dtype=torch.long, device=device)
+        self.spare_slot = slots
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  #: the block table's rows, on the host
         self.reserve: list[int] = [0] * slots  #: blocks still promised to each slot
         #: slots that have not yet written into their prompt's shared partial last block
@@ -178,9 +181,11 @@ class PagedKVCache:
         return pool.view(pool.shape[0], -1, self.block_size * pool.shape[2])
 
     def _gather(self, pool: Tensor, blocks: Tensor) -> Tensor:
-        """``(kv, len(blocks), block_size * head_dim)``: the blocks of each head, one ``index_select`` along dim 0
-        per head (along dim 1 of the whole pool the CPU kernel runs about 3x slower)."""
+        """``(kv, len(blocks), block_size * head_dim)``: the blocks of each head; on a CPU one ``index_select``
+        along dim 0 per head (along dim 1 of the whole pool the CPU kernel runs about 3x slower)."""
         view = self._blocks_view(pool)
+        if pool.device.type != "cpu":  # one indexing kernel, with no host synchronisation (CUDA graphs capture it)
+            return view[:, blocks]
         out = torch.empty((view.shape[0], blocks.shape[0], view.shape[2]), dtype=pool.dtype, device=pool.device)
         for head in range(view.shape[0]):
             torch.index_select(view[head], 0, blocks, out=out[head])

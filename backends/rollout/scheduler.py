@@ -10,7 +10,8 @@ A request is one prompt and its ``n`` samples. Each iteration of :meth:`Continuo
 3. samples one token for every working row (the new rows from their prompt's last logits), with the uniform keyed
    by the row's index in the output and its number of tokens so far (:func:`backends.rollout.row_random.row_uniforms`);
 4. frees the rows that ended (EOS, or ``max_new_tokens`` tokens) and their slots and blocks;
-5. runs one decode step of the rows still running, each at its own position.
+5. runs one decode step of the rows still running, each at its own position (on CUDA replayed from a CUDA graph
+   of the step at fixed shapes: :mod:`backends.rollout.decode_graphs`).
 
 So a short row's slot takes the next request at once instead of idling until the batch's longest row ends, and
 more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from backends.rollout.common import SamplingConfig, left_pad, sample_tokens
+from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
 from backends.rollout.row_random import row_uniforms
@@ -55,6 +57,8 @@ class BatchingLimits:
     block_size: int = attrs.field(default=8, validator=_positive)
     #: keys and values of the pool, in GiB; None: enough for ``max_slots`` rows at their longest
     kv_cache_gib: float | None = attrs.field(default=None, validator=_positive)
+    #: on CUDA, replay the decode step from CUDA graphs (:mod:`backends.rollout.decode_graphs`)
+    cuda_graphs: bool = True
 
 
 #: the default number of slots: rows beyond it wait for a free one
@@ -127,6 +131,8 @@ class ContinuousBatcher:
         )
         self.cache: PagedKVCache = self.decoder.cache
         self.cache.reset()
+        graphed = device.type == "cuda" and limits.cuda_graphs
+        self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, self.max_len) if graphed else None
         self.prefill_tokens = limits.prefill_tokens
         self.waiting = collections.deque(range(len(prompts)))
         self.free_slots = list(range(slots - 1, -1, -1))
@@ -162,8 +168,12 @@ class ContinuousBatcher:
                 token = token[keep]
             if work.row.numel():
                 self.cache.grow(work.slot, work.position)
-                length = int(work.position.max()) + 1
-                work.logits = self.decoder.step_paged(token, work.slot, work.position, length).float()
+                if self.graphed_step is not None:
+                    logits = self.graphed_step(token, work.slot, work.position)
+                else:
+                    length = int(work.position.max()) + 1
+                    logits = self.decoder.step_paged(token, work.slot, work.position, length)
+                work.logits = logits.float()  # read before the next step: a graph's logits are overwritten there
                 work.position = work.position + 1
         return self.tokens[:, : self.steps], self.logprobs[:, : self.steps]
 
