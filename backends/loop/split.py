@@ -40,6 +40,11 @@ ranks build their engine from it once trainer rank 0 says the stage is over. It 
 update, so a rollout rank waits one update at a time, under the update's deadline, not the whole stage in one
 collective.
 
+**Partial rollouts** (``offpolicy.partial_rollouts``, bounded mode): a rollout rank's generation takes newer
+weights at chunk boundaries, one version a boundary up to ``step - 1`` (:mod:`backends.loop.partial_rollouts`); each
+version is received there as between steps, with its evaluation and checkpoint / stop check, and the batch travels
+with the oldest version its tokens hold.
+
 **Dynamic sampling** (``algo.dynamic_sampling``): a rollout rank samples rounds for a batch until every share of the
 pool holds informative groups, all with the weights the schedule gives that batch, so the bound holds and the run
 is as reproducible as without it.
