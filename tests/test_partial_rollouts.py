@@ -19,20 +19,11 @@ import rlfunc as rf
 from backends.loop.algorithm import stamp_policy_version
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
-from rlfunc.logits import logprobs_from_logits
+from tests.test_native_engine import TEXTS, TINY  # sharp, position-dependent distributions
+from tests.test_rollout_native import trainer_logprobs  # an fp32 HF forward over prompt + response
 
 pytestmark = pytest.mark.native_engine
 
-TINY = dict(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=128,
-    max_position_embeddings=96,
-    initializer_range=0.2,  # sharp, position-dependent distributions: other weights give other log-probs
-)
-TEXTS = ["1+2=", "12+34=", "7+80=", "99+99=", "1", "123456789+987654321=", "5+5=", "0+0="]
 CHUNK = 3  #: decode iterations between boundaries
 
 
@@ -79,17 +70,8 @@ def _engine(models, **kwargs):
     return build_native_rollout(path, tok, eos_token_ids=eos, **kwargs)
 
 
-def _prompts(tok, count=len(TEXTS)):
-    return [tok.encode(TEXTS[i] if i < len(TEXTS) else f"{i}+{i % 7}=") for i in range(count)]
-
-
-def _hf_logprobs(model, batch):
-    mask = batch.attention_mask
-    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=position_ids).logits
-    p = batch.prompt_ids.shape[1]
-    return logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids)
+def _prompts(tok):
+    return [tok.encode(text) for text in TEXTS]
 
 
 SAMPLING = SamplingConfig(n=2, max_new_tokens=10, seed=3)
@@ -147,7 +129,7 @@ def test_logprobs_before_the_boundary_are_the_old_weights_and_after_it_the_new(m
     _, old_model, new_model, _, _, _ = models
     batch, _ = _partial_batch(models, limits)
     mask, version = batch.response_mask, batch.policy_version
-    old_lp, new_lp = _hf_logprobs(old_model, batch), _hf_logprobs(new_model, batch)
+    old_lp, new_lp = trainer_logprobs(old_model, batch), trainer_logprobs(new_model, batch)
     before, after = mask & (version == 0), mask & (version == 1)
     assert before.any() and after.any()
     assert (batch.rollout_logprobs - old_lp)[before].abs().max() < 1e-5
@@ -190,7 +172,7 @@ def test_the_corrections_see_the_versions(models):
     torch.testing.assert_close(metrics["staleness/frac_1"], 1 - new_share)
     assert metrics["staleness/min"] == 0.0 and metrics["staleness/max"] == 1.0
     weights, _ = rf.rollout_is_weights(
-        _hf_logprobs(new_model, batch), rollout_logprobs=batch.rollout_logprobs, response_mask=mask, upper=1e6
+        trainer_logprobs(new_model, batch), rollout_logprobs=batch.rollout_logprobs, response_mask=mask, upper=1e6
     )
     after, before = mask & (version == 1), mask & (version == 0)
     torch.testing.assert_close(weights[after], torch.ones_like(weights[after]), rtol=0, atol=1e-4)

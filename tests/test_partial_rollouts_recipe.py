@@ -8,7 +8,8 @@ import pytest
 
 from backends.config import ConfigError, apply_overrides
 from backends.loop.split import check_offpolicy
-from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
+from tests.recipes import arithmetic_data, metrics, the_run_dir
+from tests.test_offpolicy_recipe import split_run
 
 pytestmark = [pytest.mark.native_engine, pytest.mark.offpolicy]
 
@@ -24,23 +25,8 @@ def _split_run(root, data_dir, *args: str, steps: int = 4):
     reward = root / "length_reward.py"
     reward.parent.mkdir(parents=True, exist_ok=True)
     reward.write_text("def score(response, ground_truth, **columns):\n    return float(len(response) % 3)\n")
-    out = run(
-        GRPO,
-        f"run_root={root}",
-        *data_args(data_dir, sft_steps=0),
-        *TINY_MODEL,
-        f"steps={steps}",
-        "prompts_per_step=4",
-        "rollout.n=4",
-        "eval.max_prompts=8",
-        "eval.before_training=false",
-        "offpolicy.rollout_ranks=1",
-        "offpolicy.mode=bounded",
-        f"reward.fn={reward}:score",
-        "actor.optim.lr=1e-2",
-        *args,
-        nproc=2,
-    )
+    extra = ("offpolicy.mode=bounded", f"reward.fn={reward}:score", "actor.optim.lr=1e-2", "eval.before_training=false")
+    out = split_run(root, data_dir, *extra, *args, steps=steps)
     assert out.returncode == 0, out.stderr[-4000:]
     return the_run_dir(root, "grpo")
 
