@@ -123,3 +123,22 @@ def test_what_partial_rollouts_refuse_before_any_work(overrides, message):
         return
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_offpolicy(_config(*overrides), world_size=4)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_stop_at_a_boundary_drops_the_generation_and_stops_every_rank_after_the_same_step(tmp_path, data_dir):
+    """SIGTERM reaches the rollout rank as it starts sampling batch 3 (with version 1); at its first boundary it
+    takes version 2 and joins the trainers' stop agreement there, mid-generation: the generation is dropped, and
+    every rank stops after step 2 with nothing in flight; exit code 0. One recipe run on 2 ranks."""
+    import os
+    from unittest import mock
+
+    args = ("offpolicy.max_staleness=2", "offpolicy.partial_rollouts=true", "offpolicy.partial_chunk_tokens=2")
+    with mock.patch.dict(os.environ, {"RLFUNC_FAULT": "term:rank=1:step=3:phase=rollout"}):
+        out = split_run(tmp_path, data_dir, "offpolicy.mode=bounded", *args, steps=5)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert [r["step"] for r in metrics(the_run_dir(tmp_path, "grpo"))] == [1, 2]
+    assert "stopped after step 2" in out.stdout + out.stderr
+    assert "0 batch(es) from rank 1 in flight, dropped" in out.stdout + out.stderr
