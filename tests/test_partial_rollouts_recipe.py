@@ -61,7 +61,7 @@ def test_generations_take_one_version_a_boundary_and_runs_repeat(tmp_path, data_
     truncated importance sampling runs on the per-token behaviour log-probs. Two runs end with the same weights and
     log the same metrics (the versions come on a fixed schedule). Two recipe runs of 4 steps on 2 ranks."""
     args = ("offpolicy.max_staleness=2", "offpolicy.partial_rollouts=true", "offpolicy.partial_chunk_tokens=2")
-    args += ("algo.rollout_is=token",)
+    args += ("algo.rollout_is=token", "eval.every=2")
     a = _split_run(tmp_path / "a", data_dir, *args)
     rl = metrics(a)
     assert [r["step"] for r in rl] == [1, 2, 3, 4]
@@ -74,6 +74,8 @@ def test_generations_take_one_version_a_boundary_and_runs_repeat(tmp_path, data_
     assert rl[0]["staleness/frac_0"] == 1.0
     assert all(r["staleness/rejected"] == 0.0 for r in rl) and max(r["staleness/run_max"] for r in rl) <= 2.0
     assert "is_weight_mean" in json.dumps(rl[-1]) and rl[0]["grad_norm"] > 0
+    # version 2 is taken at a boundary of batch 3: its evaluation runs there, in the middle of that generation
+    assert ["val/mean@1" in r for r in rl] == [False, True, False, True]
     b = _split_run(tmp_path / "b", data_dir, *args)
     assert _same_weights(a, b)
     assert _untimed(a) == _untimed(b)
