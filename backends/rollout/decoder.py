@@ -226,10 +226,8 @@ class Decoder:
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
-        self.layers, self.lm_head = workspace.weights(model, rows, prepack)
-        self.embed = model.get_input_embeddings().weight
-        self.norm_w = model.model.norm.weight
-        self.norm_eps = model.model.norm.variance_epsilon
+        self._weights_of = (model, rows, prepack, workspace)
+        self.reload_weights()
         weight = self.embed
         self.dtype, self.device = weight.dtype, weight.device
         # cos/sin of every position from the model's own rotary module (handles rope scaling variants)
@@ -264,6 +262,17 @@ class Decoder:
             scale=self.scale,
             buffers=buffers,
         )
+
+    def reload_weights(self) -> None:
+        """Read the model's current parameters again: the fused QKV weight and the prepacked linears are copies,
+        so after new weights were copied into the model (``sync_weights``) the decoder would still run the old
+        ones. The caches are left as they are: keys and values computed by the old weights are the caller's to
+        recompute (:meth:`backends.rollout.scheduler.ContinuousBatcher` prefills its rows again)."""
+        model, rows, prepack, workspace = self._weights_of
+        self.layers, self.lm_head = workspace.weights(model, rows, prepack)
+        self.embed = model.get_input_embeddings().weight
+        self.norm_w = model.model.norm.weight
+        self.norm_eps = model.model.norm.variance_epsilon
 
     @property
     def k_cache(self) -> list[Tensor]:

@@ -101,6 +101,10 @@ def _never(cfg: Any) -> bool:
     return False
 
 
+def _one_set_of_weights(cfg: Any) -> str:
+    return "it samples each response under one set of weights (it cannot take new ones in the middle)"
+
+
 @attrs.frozen
 class RolloutEngineSpec:
     """A rollout engine's registration (:data:`backends.rollout.api.ROLLOUT_ENGINES`)."""
@@ -120,3 +124,7 @@ class RolloutEngineSpec:
     pool_refusal: str | None = None
     #: ``build`` takes ``group=``: the process group of the ranks that build the engine together (None: every rank)
     takes_group: bool = False
+    #: ``(cfg) -> None | str``: None where the engine does partial rollouts (its value has
+    #: ``with_weight_updates(updates)``: generation takes newer weights at chunk boundaries, the batch carries
+    #: ``policy_version (b t)``), else why not
+    partial_rollouts: Callable[[Any], str | None] = _one_set_of_weights

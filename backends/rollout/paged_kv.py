@@ -269,6 +269,20 @@ class PagedKVCache:
         src = mask.flatten().nonzero().squeeze(-1)
         self._prefill = (src, dst)
 
+    def begin_refill(self, slots: Tensor, mask: Tensor) -> None:
+        """The next prefill runs the whole sequences (prompt and tokens so far) of ``slots (b0)``, left-padded
+        ``mask (b0 p)``, whose keys and values go to each slot's own blocks: after new weights every position
+        is computed again. A block the samples of a prompt share is written once (the first slot's values):
+        their prompt tokens are the same."""
+        bs = self.block_size
+        position = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        dst = (self.block_table[slots[:, None], position // bs] * bs + position % bs)[mask]
+        src = mask.flatten().nonzero().squeeze(-1)
+        dst, order = dst.sort(stable=True)
+        first = torch.ones_like(dst, dtype=torch.bool)
+        first[1:] = dst[1:] != dst[:-1]
+        self._prefill = (src[order][first], dst[first])
+
     def mask_prompts(self, mask: Tensor, copies: int) -> None:
         """Nothing to mask: padding is never written (see :meth:`write_prompt`)."""
         if copies != 1:
