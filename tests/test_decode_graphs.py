@@ -16,6 +16,9 @@ from backends.rollout.decode_graphs import PaddedDecodeStep, row_bucket
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
 from backends.rollout.scheduler import ContinuousBatcher
 from rlfunc.logits import logprobs_from_logits
+from tests.test_native_engine import TEXTS
+from tests.test_partial_rollouts import NewWeightsAt
+from tests.test_rollout_native import trainer_logprobs
 
 pytestmark = pytest.mark.native_engine
 
@@ -37,6 +40,16 @@ def setup(tmp_path_factory):
     model, tok = load_causal_lm(path)
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in "0123456789abcdefghij"]
     return path, model, tok, eos
+
+
+@pytest.fixture(scope="module")
+def partial_models(setup, tmp_path_factory):
+    """(setup's model dir as the old weights, its HF model, another HF model of that shape, its weights by HF name,
+    tokenizer, EOS ids)."""
+    path, old_model, tok, eos = setup
+    new_model, _ = load_causal_lm(write_tiny_model(tmp_path_factory.mktemp("new"), attrs.evolve(TINY, seed=1)))
+    weights = {k: v.clone() for k, v in new_model.state_dict().items()}
+    return path, old_model, new_model, weights, tok, eos
 
 
 def _prompts(tok, count: int) -> list[list[int]]:
@@ -100,3 +113,21 @@ def test_the_decode_step_replays_from_cuda_graphs_with_the_trainers_logprobs(set
     want = logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids)
     gap = (batch.rollout_logprobs - want).abs().masked_fill(~batch.response_mask, 0.0).max()
     assert float(gap) < 1e-4
+
+
+@pytest.mark.gpu
+def test_new_weights_at_a_boundary_are_replayed_by_new_graphs(partial_models):
+    """Partial rollouts on CUDA: after the boundary's weights the graphs are captured again (a graph replays the
+    weights it captured), so the tokens after it carry the new weights' log-probs and those before the old ones'."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path, old_model, new_model, weights, tok, eos = partial_models
+    rollout = build_native_rollout(path, tok, eos_token_ids=eos, device="cuda")
+    updates = NewWeightsAt(rollout, weights)
+    sampling = SamplingConfig(n=2, max_new_tokens=10, seed=3)
+    batch = generate(rollout.with_weight_updates(updates), [tok.encode(t) for t in TEXTS], sampling)
+    mask, version = batch.response_mask, batch.policy_version
+    before, after = mask & (version == 0), mask & (version == 1)
+    assert updates.current == 1 and before.any() and after.any()
+    assert (batch.rollout_logprobs - trainer_logprobs(old_model, batch))[before].abs().max() < 1e-4
+    assert (batch.rollout_logprobs - trainer_logprobs(new_model, batch))[after].abs().max() < 1e-4

@@ -89,6 +89,11 @@ class GraphedDecodeStep(PaddedDecodeStep):
         graph.replay()
         return logits[: tokens.shape[0]]
 
+    def forget(self) -> None:
+        """Drop the graphs: the decoder read its weights again (partial rollouts), and a graph replays the
+        addresses it captured, the fused and copied weights of before among them."""
+        self.graphs.clear()
+
     def _capture(self, bucket: int) -> None:
         """Record the bucket's step: one run on a side stream first (libraries set up their per-stream state
         outside the capture, as PyTorch's CUDA-graph notes ask), then the capture on that stream. Both write the

@@ -284,6 +284,8 @@ class ContinuousBatcher:
         self.rollout, self.version = new, self.updates.version()
         self.weight_loads += 1
         self.decoder.reload_weights()
+        if self.graphed_step is not None:
+            self.graphed_step.forget()
         if work.row.numel():
             work.logits = self._refill(work)
 
