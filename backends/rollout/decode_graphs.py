@@ -91,8 +91,11 @@ class GraphedDecodeStep(PaddedDecodeStep):
 
     def forget(self) -> None:
         """Drop the graphs: the decoder read its weights again (partial rollouts), and a graph replays the
-        addresses it captured, the fused and copied weights of before among them."""
+        addresses it captured, the fused and copied weights of before among them. The next captures take a new
+        memory pool: the dropped graphs were the old pool's last users, and PyTorch's allocator releases a pool with
+        its last graph (capturing into the released pool's handle fails an internal assert of the allocator)."""
         self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
 
     def _capture(self, bucket: int) -> None:
         """Record the bucket's step: one run on a side stream first (libraries set up their per-stream state
