@@ -364,11 +364,23 @@ class Decoder:
         :meth:`step`'s ``masked`` rows). Returns the logits ``(b v)`` after each row's last valid token (rows
         without one get the logits of a dummy: the caller keeps its own).
         """
-        b, c = tokens.shape
-        h, kv, d = self.num_heads, self.num_kv, self.head_dim
-        for j in range(c):
+        for j in range(tokens.shape[1]):
             self.cache.mask_slot(slot + j, ~valid[:, j])
         self.cache.begin_chunk(positions, slot)
+        return self._chunk_layers(tokens, valid)
+
+    def extend_paged(self, tokens: Tensor, slots: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+        """:meth:`extend` over a paged cache: ``tokens (b c)`` of cache slots ``slots (b)`` at ``positions (b c)``
+        (each slot's blocks grown to hold them), ``valid (b c)`` the real ones. Returns the logits ``(b v)`` after
+        each row's last valid token."""
+        self.cache.begin_chunk(slots, positions, valid)
+        return self._chunk_layers(tokens, valid)
+
+    def _chunk_layers(self, tokens: Tensor, valid: Tensor) -> Tensor:
+        """The layers over ``tokens (b c)``, attending through the cache's prepared chunk; the logits after each
+        row's last valid token."""
+        b, c = tokens.shape
+        h, kv, d = self.num_heads, self.num_kv, self.head_dim
         x = F.embedding(tokens, self.embed).view(b * c, -1)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1)).view(b, c, h + 2 * kv, d)

@@ -76,6 +76,7 @@ from backends.rollout.common import (
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.native_session import NativeSession, start_session
+from backends.rollout.native_turns import NativeTurnStream
 from backends.rollout.row_random import row_uniforms
 from backends.rollout.scheduler import BatchingLimits, WeightUpdates, generate_continuous
 from backends.rollout.weight_sync import check_sync_tensor
@@ -200,6 +201,16 @@ class NativeRollout:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
     ) -> NativeSession:
         return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
+
+    def start_turn_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> NativeTurnStream | None:
+        """With continuous batching, a :class:`~backends.rollout.engine.TurnStream` over ``prompts`` (the arguments
+        of :meth:`start_session`; :mod:`backends.rollout.native_turns`); lock-step batching has none (None)."""
+        if self.batching != "continuous":
+            return None
+        sampling = sampling_options(sampling)
+        return NativeTurnStream(self, prompts, sampling, seed=seed, max_slots=max_slots, limits=self.batching_limits)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> NativeRollout:
         return sync_weights(self, named_tensors, strict=strict)

@@ -137,6 +137,7 @@ class PagedKVCache:
         self.shared_tail: set[int] = set()
         self._prefill: tuple[Tensor, Tensor] | None = None
         self._step: tuple | None = None
+        self._chunk: tuple | None = None
 
     @classmethod
     def allocate(
@@ -325,3 +326,43 @@ class PagedKVCache:
         q = qk[:, :h].view(b, kv, h // kv, d).transpose(0, 1).to(self.att_dtype)  # (kv b g d)
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
         return torch.matmul(softmax_last(scores), values).transpose(0, 1).contiguous()
+
+    # ---------------------------------------------------------------------------------------------- chunks
+
+    def begin_chunk(self, slots: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """The next :meth:`attend_chunk` calls are for up to ``c`` given tokens per slot of ``slots (b)`` at
+        ``positions (b c)`` (each slot's blocks grown to hold them); ``valid (b c)`` marks the real ones. A token
+        attends to its slot's positions up to its own: what the slot held before the chunk and, causally, the chunk's
+        earlier tokens. Padding tokens write nothing; their queries read finite numbers and their outputs are the
+        caller's to drop."""
+        bs = self.block_size
+        length = int(positions.max()) + 1
+        write = (self.block_table[slots[:, None], positions // bs] * bs + positions % bs)[valid]
+        read = self.block_table[slots, : -(-length // bs)].flatten()
+        offsets = torch.arange(length, device=self.device)
+        bias = torch.zeros(*positions.shape, length, dtype=self.att_dtype, device=self.device)
+        bias.masked_fill_(offsets > positions[..., None], float("-inf"))  # (b c length)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        self._chunk = (cos, sin, bias, write, valid.flatten().nonzero().squeeze(-1), read, length)
+
+    def attend_chunk(self, layer: int, qkv: Tensor) -> Tensor:
+        """RoPE on ``qkv (b c h+2kv d)``, the real tokens' keys and values written to their pool rows, and the
+        attention ``(b c h d)`` of every query over its slot's positions."""
+        cos, sin, bias, write, real, read, length = self._chunk
+        b, c, d = qkv.shape[0], qkv.shape[1], qkv.shape[3]
+        h = self.num_heads
+        kv = (qkv.shape[2] - h) // 2
+        kp, vp = self.k[layer], self.v[layer]
+        qk = apply_rope(qkv[:, :, : h + kv], cos, sin)
+        new_k = qk[:, :, h:].reshape(b * c, kv, d).index_select(0, real)
+        new_v = qkv[:, :, h + kv :].reshape(b * c, kv, d).index_select(0, real)
+        kp.index_copy_(1, write, new_k.transpose(0, 1).to(kp.dtype))
+        vp.index_copy_(1, write, new_v.transpose(0, 1).to(vp.dtype))
+        keys = self._gather(kp, read).view(kv, b, -1, d)[:, :, :length]  # (kv b length d)
+        values = self._gather(vp, read).view(kv, b, -1, d)[:, :, :length]
+        g = h // kv
+        q = qk[:, :, :h].reshape(b, c, kv, g, d).permute(2, 0, 3, 1, 4).reshape(kv, b, g * c, d).to(self.att_dtype)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).view(kv, b, g, c, length)
+        scores.add_(bias[None, :, None])
+        out = torch.matmul(softmax_last(scores).view(kv, b, g * c, length), values)  # (kv b g*c d)
+        return out.view(kv, b, g, c, d).permute(1, 3, 0, 2, 4).reshape(b, c, h, d)

@@ -47,7 +47,7 @@ from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
 from backends.rollout.row_random import row_uniforms
 
-__all__ = ["BatchingLimits", "ContinuousBatcher", "WeightUpdates", "generate_continuous"]
+__all__ = ["BatchingLimits", "ContinuousBatcher", "WeightUpdates", "generate_continuous", "pool_blocks"]
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -109,6 +109,25 @@ class _Working:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
 
+def pool_blocks(rollout: Any, limits: BatchingLimits, slots: int, max_len: int) -> int:
+    """Blocks of a paged cache (the null block included) for ``slots`` rows of at most ``max_len`` positions:
+    ``limits.kv_cache_gib`` worth, or, without a budget, every slot at its longest as if no block were shared."""
+    bs = limits.block_size
+    if limits.kv_cache_gib is None:
+        return slots * -(-max_len // bs) + 1
+    cfg = rollout.model.config
+    # the decoder keeps keys and values in fp32 on the CPU, in the weights' dtype elsewhere
+    weight_dtype = rollout.model.get_input_embeddings().weight.dtype
+    return pool_blocks_for_budget(
+        limits.kv_cache_gib,
+        layers=cfg.num_hidden_layers,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        block_size=bs,
+        itemsize=4 if rollout.device.type == "cpu" else weight_dtype.itemsize,
+    )
+
+
 class ContinuousBatcher:
     """One call's scheduler: its requests, slots, paged cache and outputs (see the module docstring)."""
 
@@ -136,23 +155,7 @@ class ContinuousBatcher:
             )
         self.max_len = max(map(len, prompts)) + max_new
         bs = limits.block_size
-        cfg = rollout.model.config
-        kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # the decoder keeps keys and values in fp32 on the CPU, in the weights' dtype elsewhere
-        itemsize = 4 if device.type == "cpu" else rollout.model.get_input_embeddings().weight.dtype.itemsize
-        if limits.kv_cache_gib is None:
-            # every slot at its longest, as if no block were shared, plus the null block
-            num_blocks = slots * -(-self.max_len // bs) + 1
-        else:
-            num_blocks = pool_blocks_for_budget(
-                limits.kv_cache_gib,
-                layers=layers,
-                kv_heads=kv_heads,
-                head_dim=head_dim,
-                block_size=bs,
-                itemsize=itemsize,
-            )
+        num_blocks = pool_blocks(rollout, limits, slots, self.max_len)
         self.needs = [blocks_for_request(len(p), n, max_new, bs) for p in prompts]
         for i, need in enumerate(self.needs):
             if need > num_blocks - 1:
