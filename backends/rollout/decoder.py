@@ -376,6 +376,29 @@ class Decoder:
         self.cache.begin_chunk(slots, positions, valid)
         return self._chunk_layers(tokens, valid)
 
+    def step_and_extend_paged(
+        self, step: tuple[Tensor, Tensor, Tensor], chunk: tuple[Tensor, Tensor, Tensor, Tensor]
+    ) -> Tensor:
+        """:meth:`step_paged` of ``step = (tokens (b1), slots, positions)`` and :meth:`extend_paged` of ``chunk =
+        (tokens (b2 c), slots, positions, valid)`` in one forward: the linears run once over both rows' tokens (a
+        small batch's forward costs about its launches, not its rows), the attention apart. Returns the logits
+        ``(b1 + b2, v)``: the step's rows, then each chunk row's after its last valid token."""
+        tokens, slots, positions = step
+        chunk_tokens, chunk_slots, chunk_positions, valid = chunk
+        b1, (b2, c) = tokens.shape[0], chunk_tokens.shape
+        h, kv, d = self.num_heads, self.num_kv, self.head_dim
+        self.cache.begin_step(slots, positions, int(positions.max()) + 1)
+        self.cache.begin_chunk(chunk_slots, chunk_positions, valid)
+        x = F.embedding(torch.cat([tokens, chunk_tokens.flatten()]), self.embed)
+        for i, lw in enumerate(self.layers):
+            qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1))
+            stepped = self.cache.attend(i, qkv[:b1].view(b1, h + 2 * kv, d)).reshape(b1, h * d)
+            chunked = self.cache.attend_chunk(i, qkv[b1:].view(b2, c, h + 2 * kv, d)).reshape(b2 * c, h * d)
+            x = self._mlp(lw.o.add_to(x, torch.cat([stepped, chunked]).to(self.dtype)), lw)
+        last = (valid.sum(-1) - 1).clamp_(min=0)
+        ends = x[b1:].view(b2, c, -1)[torch.arange(b2, device=x.device), last]
+        return self._logits(torch.cat([x[:b1], ends]))
+
     def _chunk_layers(self, tokens: Tensor, valid: Tensor) -> Tensor:
         """The layers over ``tokens (b c)``, attending through the cache's prepared chunk; the logits after each
         row's last valid token."""

@@ -179,14 +179,13 @@ class NativeTurnStream:
         self._check_open()
         with torch.inference_mode():
             self._admit()
-            self._feed_resumed()
-            if not self.work_rows:
+            feeding = self._take_resumed()
+            if not self.work_rows and not feeding:
                 return []
             self.iterations += 1
             self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
-            ended, token = self._sample()
-            if self.work_rows:
-                self._decode(token)
+            ended, token = self._sample() if self.work_rows else ([], None)
+            self._forward(token, feeding)
         return ended
 
     # ---------------------------------------------------------------------------------------------- one iteration
@@ -216,11 +215,11 @@ class NativeTurnStream:
                 self.slot_of[row], self.position[row] = slot, len(self.prompts[i])
                 self.parked[row] = row_logits
 
-    def _feed_resumed(self) -> None:
-        """Resumed, admitted rows join the working batch: those with tokens to feed after one forward over them."""
+    def _take_resumed(self) -> list[tuple[int, list[int]]]:
+        """Resumed, admitted rows: those with nothing to feed (a first turn) join the working batch with their
+        prompt's logits; the others, with the tokens they feed (the one that ended their last turn, then the given
+        ones), are returned."""
         ready = [r for r, q in enumerate(self.queue) if q is not None and self.slot_of[r] >= 0]
-        if not ready:
-            return
         parked, feeding = [], []
         for r in ready:
             pending = ([self.unfed[r]] if self.unfed[r] is not None else []) + self.queue[r]
@@ -233,21 +232,43 @@ class NativeTurnStream:
             if pending:
                 feeding.append((r, pending))
                 self.parked.pop(r, None)
-            else:  # a first turn: the prompt's logits
+            else:
                 parked.append(r)
-        logits = [self.work_logits]
         if parked:
-            logits.append(torch.stack([self.parked.pop(r) for r in parked]))
-        if feeding:
-            logits.append(self._feed(feeding))
-        self.work_rows += parked + [r for r, _ in feeding]
-        self.work_logits = torch.cat(logits)
+            self.work_rows += parked
+            self.work_logits = torch.cat([self.work_logits, torch.stack([self.parked.pop(r) for r in parked])])
+        return feeding
 
-    def _feed(self, feeding: list[tuple[int, list[int]]]) -> Tensor:
-        """Each row's pending tokens into its own blocks in one forward; the logits ``(b v)`` after them."""
+    def _forward(self, token: Tensor | None, feeding: list[tuple[int, list[int]]]) -> None:
+        """The working rows' decode step (each feeds the token it just sampled) and the resumed rows' tokens, in
+        one forward where the step is not replayed from a CUDA graph; the resumed rows join the working batch."""
+        if not self.work_rows and not feeding:
+            return  # every working row's turn ended, and no row resumed: the next rows come with later answers
+        step = self._step_inputs(token) if self.work_rows else None
+        chunk = self._chunk_inputs(feeding) if feeding else None
+        if step is not None and chunk is not None and self.graphed_step is None:
+            logits = self.decoder.step_and_extend_paged(step, chunk)
+        else:
+            parts = []
+            if step is not None:
+                if self.graphed_step is not None:
+                    parts.append(self.graphed_step(*step).float())  # read now: a replay overwrites its logits
+                else:
+                    parts.append(self.decoder.step_paged(*step, int(step[2].max()) + 1))
+            if chunk is not None:
+                parts.append(self.decoder.extend_paged(*chunk))
+            logits = torch.cat(parts)
+        for r in self.work_rows:
+            self.position[r] += 1
+        for r, pending in feeding:
+            self.position[r] += len(pending)
+        self.work_rows += [r for r, _ in feeding]
+        self.work_logits = logits.float()
+
+    def _chunk_inputs(self, feeding: list[tuple[int, list[int]]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Tokens, slots, positions and valid marks ``(b c)`` of the rows' pending tokens, their blocks grown."""
         width = max(len(p) for _, p in feeding)
-        b = len(feeding)
-        tokens = torch.full((b, width), self.rollout.pad_token_id, dtype=torch.long)
+        tokens = torch.full((len(feeding), width), self.rollout.pad_token_id, dtype=torch.long)
         for i, (_, pending) in enumerate(feeding):
             tokens[i, : len(pending)] = torch.tensor(pending, dtype=torch.long)
         lengths = torch.tensor([len(p) for _, p in feeding], dtype=torch.long)
@@ -260,9 +281,14 @@ class NativeTurnStream:
         for j in range(width):  # each position's block made the row's own, one position per slot at a time
             rows = valid[:, j].nonzero().squeeze(-1)
             self.cache.grow(slots[rows], positions[rows, j])
-        for r, pending in feeding:
-            self.position[r] += len(pending)
-        return self.decoder.extend_paged(tokens, slots, positions, valid).float()
+        return tokens, slots, positions, valid
+
+    def _step_inputs(self, token: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Tokens, slots and positions of the working rows' decode step, their blocks grown."""
+        slots = torch.tensor([self.slot_of[r] for r in self.work_rows], dtype=torch.long, device=self.device)
+        positions = torch.tensor([self.position[r] for r in self.work_rows], dtype=torch.long, device=self.device)
+        self.cache.grow(slots, positions)
+        return token, slots, positions
 
     def _sample(self) -> tuple[list[EndedTurn], Tensor]:
         """One token for every working row; the turns that ended, and the tokens of the rows still in theirs."""
@@ -291,16 +317,3 @@ class NativeTurnStream:
             self.work_rows = [self.work_rows[i] for i in keep]
             self.work_logits, token = logits[index], token[index]
         return ended, token
-
-    def _decode(self, token: Tensor) -> None:
-        """One decode step of the working rows, each feeding the token it just sampled."""
-        slots = torch.tensor([self.slot_of[r] for r in self.work_rows], dtype=torch.long, device=self.device)
-        positions = torch.tensor([self.position[r] for r in self.work_rows], dtype=torch.long, device=self.device)
-        self.cache.grow(slots, positions)
-        if self.graphed_step is not None:
-            logits = self.graphed_step(token, slots, positions)
-        else:
-            logits = self.decoder.step_paged(token, slots, positions, int(positions.max()) + 1)
-        self.work_logits = logits.float()  # read before the next step: a graph's logits are overwritten there
-        for r in self.work_rows:
-            self.position[r] += 1
