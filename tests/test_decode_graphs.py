@@ -18,27 +18,19 @@ from backends.rollout.decode_graphs import PaddedDecodeStep, row_bucket
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
 from backends.rollout.scheduler import ContinuousBatcher
 from rlfunc.logits import logprobs_from_logits
-from tests.test_native_engine import TEXTS
+from tests.test_native_engine import TEXTS, TINY
 from tests.test_partial_rollouts import NewWeightsAt
 from tests.test_rollout_native import trainer_logprobs
 
 pytestmark = pytest.mark.native_engine
 
-TINY = TinyModelConfig(
-    hidden_size=64,
-    num_layers=2,
-    num_heads=2,
-    num_kv_heads=1,
-    intermediate_size=128,
-    max_position_embeddings=96,
-    initializer_range=0.2,
-)
+TINY_MODEL = TinyModelConfig(arch="qwen2", **TINY)  # sharp, position-dependent distributions
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(model dir, HF model, tokenizer, EOS ids: every digit and a-j, so rows end at many lengths)."""
-    path = write_tiny_model(tmp_path_factory.mktemp("qwen2"), TINY)
+    path = write_tiny_model(tmp_path_factory.mktemp("qwen2"), TINY_MODEL)
     model, tok = load_causal_lm(path)
     eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in "0123456789abcdefghij"]
     return path, model, tok, eos
@@ -49,7 +41,7 @@ def partial_models(setup, tmp_path_factory):
     """(setup's model dir as the old weights, its HF model, another HF model of that shape, its weights by HF name,
     tokenizer, EOS ids)."""
     path, old_model, tok, eos = setup
-    new_model, _ = load_causal_lm(write_tiny_model(tmp_path_factory.mktemp("new"), attrs.evolve(TINY, seed=1)))
+    new_model, _ = load_causal_lm(write_tiny_model(tmp_path_factory.mktemp("new"), attrs.evolve(TINY_MODEL, seed=1)))
     weights = {k: v.clone() for k, v in new_model.state_dict().items()}
     return path, old_model, new_model, weights, tok, eos
 
