@@ -64,14 +64,17 @@ test-fast: $(TEST_STAMP)
 	$(PY) -m pytest -m "not slow and not distributed and not vllm" -n auto --durations=20 $(PYTEST_ARGS)
 
 ## On a machine with CUDA GPUs (a venv with the CUDA torch and vLLM, BUILD.md "GPU clusters"): the gpu-marked
-## tests, then a short GRPO run with every installed rollout engine in bf16 on every GPU, with its numbers.
+## tests, then a short GRPO run with every installed rollout engine in bf16 on every GPU, the native engine's decode
+## throughput at a real model's shape against `generate` and the bandwidth bound, and the GRPO recipe at that shape.
 ## GPU_PYTHON=python3 uses a Python that already holds CUDA torch and the packages instead of building .venv
 ## (a machine with no package index).
 GPU_PYTHON ?=
 GPU_PY := $(or $(GPU_PYTHON),$(PY))
+BENCH_DECODE_ARGS ?=
 test-gpu: $(if $(GPU_PYTHON),,$(TEST_STAMP))
 	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS)
 	$(GPU_PY) benchmarks/gpu_smoke.py
+	$(GPU_PY) benchmarks/bench_decode_gpu.py $(BENCH_DECODE_ARGS)
 	$(GPU_PY) benchmarks/gpu_real_scale.py --steps 2
 
 ## The formatter and linter (ruff, pinned in the `test` extra; its rules are in pyproject.toml, [tool.ruff]):

@@ -3,9 +3,13 @@
 Three ways to sample model tokens on one random-init model (config B of benchmarks/bench_grpo_vs_trl.py:
 Qwen2, hidden 256, 4 layers, fp32, one torch thread), all rows at once:
 
-- ``session``: up to ``--turns`` turns of at most ``--turn-tokens`` tokens through the agent loop
-  (``run_episodes``), an environment answering every turn with an observation of ``--obs-chars`` characters;
-  the engine keeps its KV cache across turns and feeds each observation in one forward. A random model
+- ``stream``: up to ``--turns`` turns of at most ``--turn-tokens`` tokens through the agent loop
+  (``run_episodes``), an environment answering every turn with an observation of ``--obs-chars`` characters,
+  on the engine's continuous batching (``rollout.native.batching=continuous``): a row's observation is fed into
+  its own blocks of the paged KV cache and its next turn starts as soon as its environment answered, while the
+  other rows are still in their turns (:mod:`backends.rollout.native_turns`);
+- ``session``: the same turns on the turn-by-turn session (``batching=lockstep``): every turn waits for the
+  batch's longest; the engine keeps its KV cache across turns and feeds each observation in one forward. A random model
   rarely samples its EOS, so the digits end a turn too (``eos_token_ids``): turns end at random lengths, and
   a turn cut by its token limit ends the trajectory, as in training;
 - ``reprefill``: the same conversations, but every turn starts a fresh ``generate`` from the whole
@@ -14,17 +18,20 @@ Qwen2, hidden 256, 4 layers, fp32, one torch thread), all rows at once:
   per trajectory on average (EOS only, so it runs to its limit).
 
 Model tokens per second are printed for each (a token counts when the model sampled it, up to and including
-its turn's EOS), with ``session``'s ratio to the other two. Runs alternate between the modes, so a noisy
+its turn's EOS), with the ratios of ``stream`` and ``session`` to ``single``. ``--env-ms`` delays the environments
+of ``stream`` and ``session`` (not ``reprefill``'s, which has none). Runs alternate between the modes, so a noisy
 neighbour hits all alike; medians over ``--reps``.
 
     python benchmarks/bench_multiturn.py                      # 16 prompts x 4 samples, 4 turns
     python benchmarks/bench_multiturn.py --turns 8 --obs-chars 32
+    python benchmarks/bench_multiturn.py --env-ms 50          # environments answer in 0-50 ms
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -35,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import attrs  # noqa: E402
 import torch  # noqa: E402
 
 from backends.data import Example, prompt_token_ids  # noqa: E402
@@ -46,12 +54,15 @@ from backends.rollout.native import build_native_rollout, generate  # noqa: E402
 
 
 class FixedObservation:
-    """Answers every turn with the same tool message and never ends the trajectory."""
+    """Answers every turn with the same tool message and never ends the trajectory, after ``delay_ms`` (a tool's
+    latency: each answer waits a uniform draw in [0, delay_ms] ms from the environment's own seeded generator)."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    def __init__(self, text: str, delay_ms: float = 0.0, seed: int = 0) -> None:
+        self.text, self.delay_ms, self.rng = text, delay_ms, random.Random(seed)
 
     def step(self, response: str) -> Observation:
+        if self.delay_ms:
+            time.sleep(self.rng.uniform(0.0, self.delay_ms) / 1000)
         return Observation(messages=[{"role": "tool", "content": self.text}])
 
 
@@ -67,9 +78,17 @@ def run_single(rollout, prompts, args, seed: int) -> int:
 
 
 def run_session(rollout, examples, tokenizer, sampling, args, seed: int) -> int:
-    cfg = MultiTurnConfig(max_turns=args.turns, max_total_tokens=args.max_total_tokens, workers=4)
+    rows = len(examples) * sampling.n
+    cfg = MultiTurnConfig(max_turns=args.turns, max_total_tokens=args.max_total_tokens, workers=rows)
+    made = iter(range(rows))
     episodes = run_episodes(
-        rollout, examples, tokenizer, sampling, cfg, lambda e: FixedObservation(args.obs_text), seed=seed
+        rollout,
+        examples,
+        tokenizer,
+        sampling,
+        cfg,
+        lambda e: FixedObservation(args.obs_text, args.env_ms, seed + next(made)),
+        seed=seed,
     )
     args.session_tokens.append(model_tokens(episodes.batch) / len(episodes.turns))
     return model_tokens(episodes.batch)
@@ -103,6 +122,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn-tokens", type=int, default=32, help="most sampled tokens per model turn")
     parser.add_argument("--obs-chars", type=int, default=16, help="characters of each observation")
+    parser.add_argument("--env-ms", type=float, default=0.0, help="most milliseconds an environment takes to answer")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -125,6 +145,7 @@ def main() -> None:
             max_context=args.max_total_tokens + 8,
             eos_token_ids=[tokenizer.eos_token_id, *digits],
         )
+        turn_by_turn = attrs.evolve(rollout, batching="lockstep")
         plain = build_native_rollout(model_dir, tokenizer, dtype=torch.float32, max_context=args.max_total_tokens + 8)
         examples = [
             Example(prompt_ids=tuple(p), ground_truth=None, source="bench", columns={}, where=f"prompt {i}")
@@ -132,10 +153,11 @@ def main() -> None:
         ]
         sampling = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.turn_tokens)
         args.session_tokens = []
-        run_session(rollout, examples, tokenizer, sampling, args, seed=12345)  # sets the single-turn length
+        run_session(turn_by_turn, examples, tokenizer, sampling, args, seed=12345)  # sets the single-turn length
         args.single_tokens = max(1, round(args.session_tokens[0]))
         modes = {
-            "session": lambda seed: run_session(rollout, examples, tokenizer, sampling, args, seed),
+            "stream": lambda seed: run_session(rollout, examples, tokenizer, sampling, args, seed),
+            "session": lambda seed: run_session(turn_by_turn, examples, tokenizer, sampling, args, seed),
             "reprefill": lambda seed: run_reprefill(rollout, prompts, tokenizer, args, seed),
             "single": lambda seed: run_single(plain, prompts, args, seed),
         }
@@ -150,14 +172,17 @@ def main() -> None:
     print(
         f"{args.prompts} prompts x {args.n} samples, <= {args.turns} turns x <= {args.turn_tokens} model tokens, "
         f"{len(observation)}-token observations, {statistics.mean(args.session_tokens):.1f} model tokens per "
-        f"trajectory (single: {args.single_tokens}), config B fp32, {args.threads} thread(s), median of {args.reps}"
+        f"trajectory (single: {args.single_tokens}), environments answer in 0-{args.env_ms:g} ms, config B fp32, "
+        f"{args.threads} thread(s), median of {args.reps}"
     )
     median = {name: statistics.median(r) for name, r in rates.items()}
     for name, value in median.items():
         print(f"  {name:10s} {value:9.0f} model tokens/s")
     print(
-        f"  session / reprefill {median['session'] / median['reprefill']:.2f}x, "
-        f"session / single {median['session'] / median['single']:.2f}x"
+        f"  stream / single {median['stream'] / median['single']:.2f}x, "
+        f"session / single {median['session'] / median['single']:.2f}x, "
+        f"stream / session {median['stream'] / median['session']:.2f}x, "
+        f"session / reprefill {median['session'] / median['reprefill']:.2f}x"
     )
 
 

@@ -21,7 +21,8 @@ Last, it times the decoding GEMMs alone (every linear layer and the lm_head for 
 through the faster of ``F.linear`` and the engine's oneDNN-prepacked path, in the native engine's
 dtype) and prints the tokens/s they allow as a multiple of ``generate``'s: the most any implementation
 whose matmuls run through those kernels could reach on the machine it runs on, attention, norms and
-sampling costing nothing.
+sampling costing nothing. And the KV cache's memory: bytes per token, and the paged cache's peak against the
+contiguous cache of the lock-step engine (which holds a prompt once per sample and every row at full length).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  #
 from backends.rollout.common import SamplingConfig  # noqa: E402
 from backends.rollout.decoder import Linear  # noqa: E402
 from backends.rollout.native import BatchingLimits, build_native_rollout, generate  # noqa: E402
+from backends.rollout.scheduler import ContinuousBatcher  # noqa: E402
 from benchmarks.timing import median_seconds  # noqa: E402
 
 
@@ -188,8 +190,26 @@ def main() -> None:
         f"decoding GEMMs alone ({native_dtype}, {rows} rows: {floor_ms:.2f} ms per step) : {ceiling:8.0f} tokens/s = "
         f"{ceiling / hf:.2f}x generate, the most an implementation through these GEMM kernels could reach"
     )
+    print(kv_memory(native, prompts, sampling))
     if tmp is not None:
         tmp.cleanup()
+
+
+def kv_memory(native, prompts: list[list[int]], sampling: SamplingConfig) -> str:
+    """KV bytes per token, and the paged cache's peak (blocks held at once, a prompt's blocks once for its samples)
+    beside the contiguous cache the lock-step engine allocates (every row at the longest prompt + max_new_tokens)."""
+    with torch.inference_mode():
+        batcher = ContinuousBatcher(native, prompts, sampling, 0, native.batching_limits)
+        batcher.run()
+    cache = batcher.cache
+    per_token = 2 * sum(k.element_size() * k.shape[0] * k.shape[2] for k in cache.k)
+    paged = batcher.peak_blocks * cache.block_size * per_token
+    contiguous = len(prompts) * sampling.n * batcher.max_len * per_token
+    return (
+        f"KV cache: {per_token} bytes per token; paged peak {paged / 2**20:.1f} MiB ({batcher.peak_blocks} blocks of "
+        f"{cache.block_size} tokens, {batcher.peak_rows} rows at once) vs {contiguous / 2**20:.1f} MiB contiguous "
+        f"(lock-step) = {paged / contiguous:.2f}x"
+    )
 
 
 if __name__ == "__main__":

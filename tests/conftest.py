@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -30,6 +31,12 @@ def _no_process_group_outlives_its_module():
 
 
 def pytest_collection_modifyitems(config, items):
+    # a GPU image may hold torch without megatron-core (the `megatron` extra): its tests skip, as vLLM's do
+    if importlib.util.find_spec("megatron") is None:
+        skip_megatron = pytest.mark.skip(reason="the megatron marker needs megatron-core (the megatron extra)")
+        for item in items:
+            if "megatron" in item.keywords:
+                item.add_marker(skip_megatron)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

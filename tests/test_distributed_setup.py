@@ -24,6 +24,7 @@ from backends.distributed.collectives import (
     barrier,
     broadcast_object,
     global_masked_whiten,
+    sum_and_max,
 )
 from backends.distributed.setup import DistEnv, device_mesh, get_logger, init_distributed, seed_everything, shutdown
 from tests.distributed import run_distributed
@@ -89,7 +90,7 @@ def test_rank_without_world_size_is_an_error():
 def test_collectives_are_the_identity_without_a_group():
     """Without a group (or in a group of one) every collective leaves the value as it is."""
     x = torch.tensor([1.0, -2.0])
-    for out in (all_reduce_sum(x), all_reduce_max(x)):
+    for out in (all_reduce_sum(x), all_reduce_max(x), *sum_and_max(x, x)):
         torch.testing.assert_close(out, x)
         assert out is not x
     assert broadcast_object([1, "a"]) == [1, "a"]
@@ -132,6 +133,7 @@ def _two_ranks(rank: int, world_size: int) -> dict:
     x = torch.tensor([float(rank + 1), 10.0 * rank])
     out["sum"] = all_reduce_sum(x)
     out["max"] = all_reduce_max(x)
+    out["sum_and_max"] = sum_and_max(torch.tensor([rank + 1.0, 2.0]), torch.tensor([5.0 * rank, -1.0 - rank]))
     out["input_after"] = x
     out["broadcast"] = broadcast_object({"from": rank}, src=1)
     out["ranks"] = (collectives.world_rank(), collectives.world_size())
@@ -163,6 +165,9 @@ def test_two_gloo_ranks():
         assert out["mesh2"] == ((2, 1), ("dp", "tp"))
         torch.testing.assert_close(out["sum"], torch.tensor([3.0, 10.0]))
         torch.testing.assert_close(out["max"], torch.tensor([2.0, 10.0]))
+        sums, maxima = out["sum_and_max"]  # one collective: sums, and maxima below zero too
+        torch.testing.assert_close(sums, torch.tensor([3.0, 4.0]))
+        torch.testing.assert_close(maxima, torch.tensor([5.0, -1.0]))
         torch.testing.assert_close(out["input_after"], torch.tensor([float(rank + 1), 10.0 * rank]))
         assert out["broadcast"] == {"from": 1}
         assert out["ranks"] == (rank, 2)

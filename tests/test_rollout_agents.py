@@ -16,7 +16,6 @@ from collections import Counter
 
 import attrs
 import httpx
-import openai
 import pytest
 import torch
 
@@ -29,10 +28,13 @@ from backends.rollout.agent_loop import sample
 from backends.rollout.agents import AgentRunner, agent_runner
 from backends.rollout.api import RolloutConfig, build_rollout
 from backends.rollout.common import SamplingConfig
-from experiments.agents.calculator_react import calculate, run_tool
 from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 from tests.test_recipe_multiturn import calculator_run
 from tests.test_rollout_server import STRIP_REASONING_TEMPLATE
+
+openai = pytest.importorskip("openai", reason="the agent tests talk through the openai client (the train extra)")
+
+from experiments.agents.calculator_react import calculate, run_tool  # noqa: E402 (imports openai)
 
 pytestmark = pytest.mark.service
 

@@ -14,7 +14,6 @@ import threading
 import time
 
 import httpx
-import openai
 import pytest
 import torch
 from safetensors.torch import save
@@ -25,6 +24,8 @@ from backends.rollout import server_client
 from backends.rollout.api import RolloutConfig, build_rollout
 from backends.rollout.common import SamplingConfig
 from backends.rollout.server_client import ServerError
+
+openai = pytest.importorskip("openai", reason="the agent tests talk through the openai client (the train extra)")
 
 pytestmark = pytest.mark.service
 

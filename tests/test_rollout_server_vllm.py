@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 
 import httpx
-import openai
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -20,6 +19,8 @@ from backends.models import TinyModelConfig, build_char_tokenizer, write_tiny_mo
 from backends.rollout import server_client
 from backends.rollout.common import SamplingConfig
 from backends.rollout.server_client import ServerError
+
+openai = pytest.importorskip("openai", reason="the agent tests talk through the openai client (the train extra)")
 
 pytestmark = [
     pytest.mark.service,

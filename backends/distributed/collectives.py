@@ -20,6 +20,7 @@ __all__ = [
     "state_ranks",
     "all_reduce_sum",
     "all_reduce_max",
+    "sum_and_max",
     "mean_over_ranks",
     "global_masked_whiten",
     "broadcast_object",
@@ -66,6 +67,20 @@ def all_reduce_max(tensor: Tensor, group: Any = None) -> Tensor:
     if world_size() > 1:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     return out
+
+
+def sum_and_max(sums: Tensor, maxima: Tensor, group: Any = None) -> tuple[Tensor, Tensor]:
+    """``(all_reduce_sum(sums), all_reduce_max(maxima))`` of 1-d tensors in one collective: each rank's maxima go to
+    its own row of a ``(ranks, len(maxima))`` block that the sum fills in (a zero plus a number is that number
+    exactly), and the rows' max is taken here."""
+    if world_size() == 1:
+        return sums.clone(), maxima.clone()
+    ranks = dist.get_world_size(group)
+    block = maxima.new_zeros(ranks, maxima.numel())
+    block[dist.get_rank(group)] = maxima
+    out = torch.cat([sums.to(maxima.dtype), block.flatten()])
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out[: sums.numel()].to(sums.dtype), out[sums.numel() :].view(ranks, -1).amax(0)
 
 
 def mean_over_ranks(metrics: dict[str, float], group: Any = None) -> dict[str, float]:

@@ -29,6 +29,7 @@ from backends.distributed.collectives import (  # noqa: F401 - re-exported
     global_masked_whiten,
     mean_over_ranks,
     state_ranks,
+    sum_and_max,
     world_rank,
     world_size,
 )

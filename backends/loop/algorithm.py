@@ -124,8 +124,11 @@ def stamp_policy_version(
 ) -> tuple[rf.RolloutBatch, dict[str, torch.Tensor]]:
     """Every sampled token carries the policy version that produced it (the weights after ``version`` updates)
     and the staleness of the batch's tokens at this update (the trainer at version ``current``, default ``version``)
-    is logged: ``staleness/min``, ``mean``, ``max`` and the histogram ``frac_0`` ... ``frac_ge_3``."""
-    batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
+    is logged: ``staleness/min``, ``mean``, ``max`` and the histogram ``frac_0`` ... ``frac_ge_3`` (the share of the
+    tokens of each age). A batch whose engine stamped its tokens already (partial rollouts: a row's tokens may come
+    from several versions) keeps its versions; ``version`` is then its oldest."""
+    if batch.policy_version is None:
+        batch = batch.replace(policy_version=torch.full_like(batch.response_ids, version))
     _, metrics = rf.staleness(
         batch.policy_version,
         current_version=version if current is None else current,

@@ -21,7 +21,7 @@ import torch
 
 import rlfunc as rf
 from backends.checkpoint.orbax import save_orbax
-from backends.distributed.collectives import all_reduce_max, all_reduce_sum
+from backends.distributed.collectives import all_reduce_sum, sum_and_max
 from backends.loop.algorithm import Algorithm, reject_mismatched_tokens, zero_advantage_rows_are_skippable
 from backends.loop.fingerprints import (
     STAGES,
@@ -250,11 +250,11 @@ def step_stats(batch: rf.RolloutBatch, times: dict[str, float], dp_size: int, gr
             mask.sum().float(),
         ]
     )
-    score_sum, length_sum, rows, num_tokens, values_sum, returns_sum, tokens = all_reduce_sum(
-        local, group=group
-    ).tolist()
     lengths = mask.sum(-1).float()
-    longest = all_reduce_max(torch.cat([lengths, lengths.new_zeros(1)]).max(), group=group).item()  # a long tail's cost
+    local_longest = torch.cat([lengths, lengths.new_zeros(1)]).max()[None]  # a long tail's cost
+    sums, longest = sum_and_max(local, local_longest, group=group)
+    score_sum, length_sum, rows, num_tokens, values_sum, returns_sum, tokens = sums.tolist()
+    longest = longest.item()
     world_per_replica = max(rows, 1.0) / max(float(rf.batch_size(batch)) * dp_size, 1.0)  # megatron peers repeat rows
     stats = {
         "reward_mean": score_sum / max(rows, 1.0),

@@ -40,6 +40,11 @@ ranks build their engine from it once trainer rank 0 says the stage is over. It 
 update, so a rollout rank waits one update at a time, under the update's deadline, not the whole stage in one
 collective.
 
+**Partial rollouts** (``offpolicy.partial_rollouts``, bounded mode): a rollout rank's generation takes newer
+weights at chunk boundaries, one version a boundary up to ``step - 1`` (:mod:`backends.loop.partial_rollouts`); each
+version is received there as between steps, with its evaluation and checkpoint / stop check, and the batch travels
+with the oldest version its tokens hold.
+
 **Dynamic sampling** (``algo.dynamic_sampling``): a rollout rank samples rounds for a batch until every share of the
 pool holds informative groups, all with the weights the schedule gives that batch, so the bound holds and the run
 is as reproducible as without it.
@@ -67,6 +72,7 @@ from backends.loop.actor_loss import loss_seed
 from backends.loop.algorithm import max_context, stamp_policy_version
 from backends.loop.dynamic_sampling import GroupFiller, any_short, round_seed, rounds_metrics
 from backends.loop.learner import Learner, learner_for, step_stats
+from backends.loop.partial_rollouts import NewerWeightsAtBoundaries, StoppedAtBoundary, check_partial_rollouts
 from backends.loop.sampling import sample_share
 from backends.loop.stages import checkpoint_or_stop, dump_generations, evaluate_policy, export_final, summarize
 from backends.loop.vocabulary import OffPolicyConfig
@@ -132,6 +138,8 @@ def check_offpolicy(cfg: Any, world_size: int) -> None:
         )
     if not off.rollout_ranks:
         return
+    if off.partial_rollouts:  # first: it names the engine, where the pool's check below would only say "colocated"
+        check_partial_rollouts(cfg)
     if cfg.debug.record_steps or cfg.debug.record_every:
         raise ConfigError(
             f"debug.record_steps / debug.record_every with offpolicy.rollout_ranks={off.rollout_ranks}: "
@@ -365,22 +373,35 @@ class RolloutRank:
             stopped = self.receive_through(sampling_version(step, split.lag, cfg.checkpoint.every, self.start))
             if stopped:
                 break
-            with watchdog.phase("rollout", step=step):
-                batches = sample_step(
-                    self.rollout,
-                    self.stream,
-                    ctx.tokenizer,
-                    cfg,
-                    step,
-                    split,
-                    scorer=ctx.scorer,
-                    environments=ctx.environments,
-                    reward_model=self.reward_model,
-                    pool_group=self.pool_env.group,
+            oldest, updates = self.received, None  # the batch's tokens are this version or newer
+            rollout = self.rollout
+            if cfg.offpolicy.partial_rollouts:
+                updates = NewerWeightsAtBoundaries(
+                    self, newest=step - 1, chunk_tokens=cfg.offpolicy.partial_chunk_tokens
                 )
+                rollout = rollout.with_weight_updates(updates)
+            try:
+                with watchdog.phase("rollout", step=step):
+                    batches = sample_step(
+                        rollout,
+                        self.stream,
+                        ctx.tokenizer,
+                        cfg,
+                        step,
+                        split,
+                        scorer=ctx.scorer,
+                        environments=ctx.environments,
+                        reward_model=self.reward_model,
+                        pool_group=self.pool_env.group,
+                    )
+            except StoppedAtBoundary:
+                stopped = True
+                break
             for t, (batch, metrics, _) in batches.items():
+                if updates is not None:
+                    metrics = {**metrics, "partial/weight_loads": float(updates.loads)}
                 payload = batch_payload(batch, metrics, self.stream.drawn)
-                sender.send_samples(payload, dst=split.trainers[t], version=self.received, step=step)
+                sender.send_samples(payload, dst=split.trainers[t], version=oldest, step=step)
             if cfg.dump_generations_every and step % cfg.dump_generations_every == 0:
                 dump_samples(ctx.run, step, ctx.tokenizer, list(batches.values()), ctx.algorithm, self.pool_env)
         if not stopped:  # the updates after the last batch

@@ -347,6 +347,19 @@ class OffPolicyConfig:
     max_staleness: int = attrs.field(default=1, validator=attrs.validators.ge(0))  #: bounded: the lag in steps
     #: ranks that only sample (the last ones of the world); 0: every rank samples and trains (colocated)
     rollout_ranks: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    #: bounded: a generation takes newer weights at chunk boundaries (one version a boundary, never past the trainer's
+    #: version at the batch's update) and each token carries the version that sampled it (native engine)
+    partial_rollouts: bool = attrs.field(default=False)
+    #: partial_rollouts: decode iterations between two chunk boundaries
+    partial_chunk_tokens: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+
+    @partial_rollouts.validator
+    def _bounded_only(self, attribute: attrs.Attribute, value: bool) -> None:
+        if value and self.mode != "bounded":
+            raise ValueError(
+                f"offpolicy.partial_rollouts=true needs offpolicy.mode=bounded (its offpolicy.max_staleness bounds "
+                f"the versions a generation may take), got offpolicy.mode={self.mode}"
+            )
 
 
 @attrs.frozen

@@ -21,6 +21,7 @@ turn (:func:`backends.rollout.common.answer_texts`).
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -30,7 +31,7 @@ import torch
 
 from backends.data import Example
 from backends.rollout.common import SamplingConfig, assemble_batch, left_pad
-from backends.rollout.engine import RolloutEngine
+from backends.rollout.engine import RolloutEngine, TurnStream
 from backends.rollout.environments import Environment, MultiTurnConfig, Observation, observation_token_ids
 from rlfunc.batch import RolloutBatch
 from rlfunc.turns import turn_rewards_to_tokens
@@ -137,10 +138,21 @@ def run_episodes(
     # the native engine advances every row one cache slot per step, so a batch's turns can take up to
     # max_turns x the budget slots; both engines need the prompt plus the slots to fit their context
     slots = min(cfg.max_turns * max(budget), rollout.max_context - max(len(p) for p in prompts))
-    session = rollout.start_session(prompts, sampling, seed=seed, max_slots=slots)
     state = _Rows(len(rows), rollout.eos_token_ids)
+    start_stream = getattr(rollout, "start_turn_stream", None)
+    stream = start_stream(prompts, sampling, seed=seed, max_slots=slots) if start_stream is not None else None
+    if stream is not None:
+        calls = _EnvironmentCalls(envs, rows, cfg)
+        try:
+            observe = functools.partial(observation_token_ids, tokenizer=tokenizer, chat_template=chat_template)
+            _stream_episodes(stream, calls, state, budget, sampling, cfg, tokenizer, observe)
+        finally:
+            calls.shutdown()
+            stream.end()
+        return state.episodes(prompts, sampling, rollout.pad_token_id, group_ids)
+    session = rollout.start_session(prompts, sampling, seed=seed, max_slots=slots)
     forced: list[list[int]] = [[] for _ in rows]
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.workers)
+    calls = _EnvironmentCalls(envs, rows, cfg)
     try:
         for turn in range(cfg.max_turns):
             # a trajectory whose observation alone would exhaust its budget is cut here
@@ -158,7 +170,11 @@ def run_episodes(
             # a token limit ended the turn
             state.cut([r for r in range(len(rows)) if active[r] and not out.finished[r]])
             answered = [r for r in range(len(rows)) if active[r] and out.finished[r]]
-            for r, obs in _step_environments(pool, envs, answered, state, tokenizer, cfg, rows).items():
+            for r in answered:
+                calls.submit(r, state.turn_text(r, tokenizer))
+            while calls.pending:
+                calls.collect(block=True)
+            for r, obs in sorted(calls.take().items()):
                 state.observe(r, obs)
                 if obs.done or not obs.messages:
                     state.end(r, finished=True)
@@ -167,67 +183,134 @@ def run_episodes(
                 else:
                     forced[r] = observation_token_ids(obs.messages, tokenizer, chat_template=chat_template)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        calls.shutdown()
         session.end()
     return state.episodes(prompts, sampling, rollout.pad_token_id, group_ids)
 
 
-def _step_environments(
-    pool: Any,
-    envs: list[Environment],
-    rows: list[int],
+def _stream_episodes(
+    stream: TurnStream,
+    calls: "_EnvironmentCalls",
     state: "_Rows",
-    tokenizer: Any,
+    budget: list[int],
+    sampling: SamplingConfig,
     cfg: MultiTurnConfig,
-    examples: list[Example],
-) -> dict[int, Observation]:
-    """Every environment whose model turn ended answers it, concurrently, each within ``cfg.call_timeout_s`` of
-    starting. A step still queued behind hung ones times out too, once the whole batch could have run
-    (``call_timeout_s`` per round of ``cfg.workers`` steps, plus one), so this never waits without bound."""
-    started: dict[int, float] = {}
+    tokenizer: Any,
+    observe: Callable[[Any], list[int]],
+) -> None:
+    """:func:`run_episodes` over an engine's :class:`TurnStream`: the same turns, limits and endings as the
+    turn-by-turn loop, but a row's environment is called as soon as its turn ended and its next turn starts as soon
+    as the answer is there, while the engine steps the rows still in theirs."""
 
-    def step(r: int, text: str) -> Any:
-        started[r] = time.monotonic()
-        return envs[r].step(text)
+    def begin_turn(r: int, forced: list[int]) -> None:
+        if budget[r] <= len(forced):  # its observation alone would exhaust its budget
+            state.cut([r])
+            stream.close(r)
+            return
+        stream.resume(r, forced, min(budget[r] - len(forced), sampling.max_new_tokens))
 
-    submitted = time.monotonic()
-    futures = {pool.submit(step, r, state.turn_text(r, tokenizer)): r for r in rows}
-    queue_deadline = submitted + cfg.call_timeout_s * (math.ceil(len(rows) / cfg.workers) + 1)
-    answers: dict[int, Observation] = {}
-    pending = set(futures)
-    while pending:
-        deadlines = {
-            f: started[futures[f]] + cfg.call_timeout_s if futures[f] in started else queue_deadline for f in pending
-        }
-        done, _ = concurrent.futures.wait(
-            pending,
-            timeout=max(0.0, min(deadlines.values()) - time.monotonic()),
-            return_when=concurrent.futures.FIRST_COMPLETED,
-        )
-        now = time.monotonic()
-        for f in list(pending):
-            r = futures[f]
-            if f in done:
-                try:
-                    answers[r] = f.result()
-                except Exception as e:
-                    answers[r] = _failed(cfg, examples[r], f"raised {type(e).__name__}: {e}", "errors")
-            elif now >= deadlines[f]:
-                f.cancel()  # a queued step never starts; a running one is left to finish on its own
-                answers[r] = _failed(
-                    cfg,
-                    examples[r],
-                    f"did not answer within rollout.multi_turn.call_timeout_s={cfg.call_timeout_s:g}",
-                    "timeouts",
-                )
+    for r in range(len(budget)):
+        begin_turn(r, [])
+    while stream.busy or calls.pending:
+        for turn in stream.step() if stream.busy else []:
+            r = turn.row
+            state.record_row(r, turn.tokens, turn.logprobs, turn.sampled, state.turns[r])
+            budget[r] -= len(turn.tokens)
+            if turn.finished:
+                calls.submit(r, state.turn_text(r, tokenizer))
+            else:  # a token limit ended the turn
+                state.cut([r])
+                stream.close(r)
+        calls.collect(block=not stream.busy)
+        for r, obs in sorted(calls.take().items()):
+            state.observe(r, obs)
+            if obs.done or not obs.messages:
+                state.end(r, finished=True)
+                stream.close(r)
+            elif state.turns[r] == cfg.max_turns:
+                state.end(r, finished=False)  # out of turns while the environment still had something to say
+                stream.close(r)
             else:
-                continue
-            pending.discard(f)
-            if not isinstance(answers[r], Observation):
-                raise EnvironmentStepError(
-                    f"the environment of {examples[r].where} returned {type(answers[r]).__name__}, not an Observation"
-                )
-    return answers
+                begin_turn(r, observe(obs.messages))
+
+
+class _EnvironmentCalls:
+    """Environment steps of model turns that ended, run concurrently on ``cfg.workers`` threads, each within
+    ``cfg.call_timeout_s`` of starting. A step still queued behind hung ones times out too, once the steps ahead
+    of it could have run (``call_timeout_s`` per round of ``cfg.workers`` steps, plus one), so this never waits
+    without bound."""
+
+    def __init__(self, envs: list[Environment], examples: list[Example], cfg: MultiTurnConfig) -> None:
+        self.envs, self.examples, self.cfg = envs, examples, cfg
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=cfg.workers)
+        self.started: dict[int, float] = {}
+        self.queue_deadline: dict[Any, float] = {}
+        self.futures: dict[Any, int] = {}  #: pending step -> its row
+        self.answers: dict[int, Observation] = {}
+
+    @property
+    def pending(self) -> bool:
+        return bool(self.futures)
+
+    def submit(self, r: int, text: str) -> None:
+        def step() -> Any:
+            self.started[r] = time.monotonic()
+            return self.envs[r].step(text)
+
+        self.started.pop(r, None)
+        rounds = math.ceil((len(self.futures) + 1) / self.cfg.workers) + 1
+        future = self.pool.submit(step)
+        self.futures[future] = r
+        self.queue_deadline[future] = time.monotonic() + self.cfg.call_timeout_s * rounds
+
+    def collect(self, *, block: bool) -> None:
+        """Gather the steps that answered or ran out of time; ``block``: wait until at least one did."""
+        while self.futures:
+            deadlines = {
+                f: self.started[r] + self.cfg.call_timeout_s if r in self.started else self.queue_deadline[f]
+                for f, r in self.futures.items()
+            }
+            timeout = max(0.0, min(deadlines.values()) - time.monotonic()) if block else 0.0
+            done, _ = concurrent.futures.wait(
+                self.futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            now = time.monotonic()
+            gathered = False
+            for f in list(self.futures):
+                r = self.futures[f]
+                if f in done:
+                    try:
+                        answer = f.result()
+                    except Exception as e:
+                        answer = _failed(self.cfg, self.examples[r], f"raised {type(e).__name__}: {e}", "errors")
+                elif now >= deadlines[f]:
+                    f.cancel()  # a queued step never starts; a running one is left to finish on its own
+                    answer = _failed(
+                        self.cfg,
+                        self.examples[r],
+                        f"did not answer within rollout.multi_turn.call_timeout_s={self.cfg.call_timeout_s:g}",
+                        "timeouts",
+                    )
+                else:
+                    continue
+                del self.futures[f], self.queue_deadline[f]
+                if not isinstance(answer, Observation):
+                    raise EnvironmentStepError(
+                        f"the environment of {self.examples[r].where} returned {type(answer).__name__}, not an "
+                        "Observation"
+                    )
+                self.answers[r] = answer
+                gathered = True
+            if gathered or not block:
+                return
+
+    def take(self) -> dict[int, Observation]:
+        """The answers gathered since the last call, by row."""
+        answers, self.answers = self.answers, {}
+        return answers
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _failed(cfg: MultiTurnConfig, example: Example, what: str, metric: str) -> Observation:
@@ -254,7 +337,8 @@ class _Rows:
         self.finished = [False] * count
         self.turn_rewards: list[list[float]] = [[] for _ in range(count)]
         self.turns = [0] * count
-        self.metrics: dict[str, float] = {}
+        #: per row, the environment's metrics of each answer: summed in row order, whenever the answers came
+        self.row_metrics: list[list[Any]] = [[] for _ in range(count)]
 
     def end(self, r: int, *, finished: bool) -> None:
         self.live[r], self.finished[r] = False, finished
@@ -265,14 +349,16 @@ class _Rows:
 
     def record(self, out: Any, turn: int, active: list[bool]) -> None:
         for r, is_active in enumerate(active):
-            if not is_active:
-                continue
-            self.tokens[r] += out.tokens[r]
-            self.sampled[r] += out.sampled[r]
-            self.logprobs[r] += out.logprobs[r]
-            self.turn[r] += [turn] * len(out.tokens[r])
-            self.last_turn[r] = [t for t, s in zip(out.tokens[r], out.sampled[r]) if s]
-            self.turns[r] += 1
+            if is_active:
+                self.record_row(r, out.tokens[r], out.logprobs[r], out.sampled[r], turn)
+
+    def record_row(self, r: int, tokens: list[int], logprobs: list[float], sampled: list[bool], turn: int) -> None:
+        self.tokens[r] += tokens
+        self.sampled[r] += sampled
+        self.logprobs[r] += logprobs
+        self.turn[r] += [turn] * len(tokens)
+        self.last_turn[r] = [t for t, s in zip(tokens, sampled) if s]
+        self.turns[r] += 1
 
     def turn_text(self, r: int, tokenizer: Any) -> str:
         """The model's latest turn as the environment reads it: markers such as ``<tool_call>`` kept (they may be
@@ -281,8 +367,7 @@ class _Rows:
 
     def observe(self, r: int, obs: Observation) -> None:
         self.turn_rewards[r].append(float(obs.reward))
-        for key, value in obs.metrics.items():
-            self.metrics[key] = self.metrics.get(key, 0.0) + float(value)
+        self.row_metrics[r].append(obs.metrics)
 
     def episodes(
         self, prompts: list[list[int]], sampling: SamplingConfig, pad: int, group_ids: torch.Tensor | None
@@ -307,7 +392,11 @@ class _Rows:
         batch = assemble_batch(
             prompt_ids, prompt_mask, response_ids, response_mask, logprobs, n=sampling.n, group_ids=group_ids
         ).replace(loss_mask=loss_mask, turn_ids=turn_ids, token_rewards=token_rewards)
-        totals = {"errors": 0.0, "timeouts": 0.0, **self.metrics}
+        totals = {"errors": 0.0, "timeouts": 0.0}
+        for answers in self.row_metrics:
+            for metrics in answers:
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + float(value)
         metrics = {f"multi_turn/{key}": value / b for key, value in totals.items()}
         metrics["multi_turn/turns"] = sum(self.turns) / b
         metrics["multi_turn/finished"] = sum(self.finished) / b

@@ -19,6 +19,7 @@ from rlfunc.batch import RolloutBatch, validate
 __all__ = [
     "SamplingConfig",
     "TurnOutput",
+    "EndedTurn",
     "default_eos_token_ids",
     "prepare_prompts",
     "check_group_ids",
@@ -74,6 +75,18 @@ class TurnOutput:
     sampled: list[list[bool]]
     #: per row: the turn ended with an EOS token (False: cut by the budget, or inactive)
     finished: list[bool]
+
+
+@attrs.frozen
+class EndedTurn:
+    """One row's model turn that ended (what a :class:`backends.rollout.engine.TurnStream` step returns): the
+    tokens, log-probs and kinds of a :class:`TurnOutput` row."""
+
+    row: int
+    tokens: list[int]  #: the forced tokens first, then the sampled ones up to and including the EOS (or the cut)
+    logprobs: list[float]  #: raw log-probs of the sampled tokens; 0.0 for forced ones
+    sampled: list[bool]  #: True for sampled (model) tokens
+    finished: bool  #: the turn ended with an EOS token (False: its token limit cut it)
 
 
 def sampling_options(sampling: SamplingConfig) -> SamplingConfig:

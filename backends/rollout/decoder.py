@@ -226,10 +226,8 @@ class Decoder:
         self.num_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
-        self.layers, self.lm_head = workspace.weights(model, rows, prepack)
-        self.embed = model.get_input_embeddings().weight
-        self.norm_w = model.model.norm.weight
-        self.norm_eps = model.model.norm.variance_epsilon
+        self._weights_of = (model, rows, prepack, workspace)
+        self.reload_weights()
         weight = self.embed
         self.dtype, self.device = weight.dtype, weight.device
         # cos/sin of every position from the model's own rotary module (handles rope scaling variants)
@@ -264,6 +262,17 @@ class Decoder:
             scale=self.scale,
             buffers=buffers,
         )
+
+    def reload_weights(self) -> None:
+        """Read the model's current parameters again: the fused QKV weight and the prepacked linears are copies,
+        so after new weights were copied into the model (``sync_weights``) the decoder would still run the old
+        ones. The caches are left as they are: keys and values computed by the old weights are the caller's to
+        recompute (:meth:`backends.rollout.scheduler.ContinuousBatcher` prefills its rows again)."""
+        model, rows, prepack, workspace = self._weights_of
+        self.layers, self.lm_head = workspace.weights(model, rows, prepack)
+        self.embed = model.get_input_embeddings().weight
+        self.norm_w = model.model.norm.weight
+        self.norm_eps = model.model.norm.variance_epsilon
 
     @property
     def k_cache(self) -> list[Tensor]:
@@ -355,11 +364,46 @@ class Decoder:
         :meth:`step`'s ``masked`` rows). Returns the logits ``(b v)`` after each row's last valid token (rows
         without one get the logits of a dummy: the caller keeps its own).
         """
-        b, c = tokens.shape
-        h, kv, d = self.num_heads, self.num_kv, self.head_dim
-        for j in range(c):
+        for j in range(tokens.shape[1]):
             self.cache.mask_slot(slot + j, ~valid[:, j])
         self.cache.begin_chunk(positions, slot)
+        return self._chunk_layers(tokens, valid)
+
+    def extend_paged(self, tokens: Tensor, slots: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+        """:meth:`extend` over a paged cache: ``tokens (b c)`` of cache slots ``slots (b)`` at ``positions (b c)``
+        (each slot's blocks grown to hold them), ``valid (b c)`` the real ones. Returns the logits ``(b v)`` after
+        each row's last valid token."""
+        self.cache.begin_chunk(slots, positions, valid)
+        return self._chunk_layers(tokens, valid)
+
+    def step_and_extend_paged(
+        self, step: tuple[Tensor, Tensor, Tensor], chunk: tuple[Tensor, Tensor, Tensor, Tensor]
+    ) -> Tensor:
+        """:meth:`step_paged` of ``step = (tokens (b1), slots, positions)`` and :meth:`extend_paged` of ``chunk =
+        (tokens (b2 c), slots, positions, valid)`` in one forward: the linears run once over both rows' tokens (a
+        small batch's forward costs about its launches, not its rows), the attention apart. Returns the logits
+        ``(b1 + b2, v)``: the step's rows, then each chunk row's after its last valid token."""
+        tokens, slots, positions = step
+        chunk_tokens, chunk_slots, chunk_positions, valid = chunk
+        b1, (b2, c) = tokens.shape[0], chunk_tokens.shape
+        h, kv, d = self.num_heads, self.num_kv, self.head_dim
+        self.cache.begin_step(slots, positions, int(positions.max()) + 1)
+        self.cache.begin_chunk(chunk_slots, chunk_positions, valid)
+        x = F.embedding(torch.cat([tokens, chunk_tokens.flatten()]), self.embed)
+        for i, lw in enumerate(self.layers):
+            qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1))
+            stepped = self.cache.attend(i, qkv[:b1].view(b1, h + 2 * kv, d)).reshape(b1, h * d)
+            chunked = self.cache.attend_chunk(i, qkv[b1:].view(b2, c, h + 2 * kv, d)).reshape(b2 * c, h * d)
+            x = self._mlp(lw.o.add_to(x, torch.cat([stepped, chunked]).to(self.dtype)), lw)
+        last = (valid.sum(-1) - 1).clamp_(min=0)
+        ends = x[b1:].view(b2, c, -1)[torch.arange(b2, device=x.device), last]
+        return self._logits(torch.cat([x[:b1], ends]))
+
+    def _chunk_layers(self, tokens: Tensor, valid: Tensor) -> Tensor:
+        """The layers over ``tokens (b c)``, attending through the cache's prepared chunk; the logits after each
+        row's last valid token."""
+        b, c = tokens.shape
+        h, kv, d = self.num_heads, self.num_kv, self.head_dim
         x = F.embedding(tokens, self.embed).view(b * c, -1)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1)).view(b, c, h + 2 * kv, d)

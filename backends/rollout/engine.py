@@ -22,10 +22,10 @@ import attrs
 import torch
 from torch import Tensor
 
-from backends.rollout.common import SamplingConfig, TurnOutput
+from backends.rollout.common import EndedTurn, SamplingConfig, TurnOutput
 from rlfunc.batch import RolloutBatch
 
-__all__ = ["RolloutEngine", "RolloutEngineSpec", "Session"]
+__all__ = ["RolloutEngine", "RolloutEngineSpec", "Session", "TurnStream"]
 
 
 @runtime_checkable
@@ -41,6 +41,36 @@ class Session(Protocol):
 
     def end(self) -> None:
         """Free what the session holds."""
+        ...
+
+
+@runtime_checkable
+class TurnStream(Protocol):
+    """An optional engine ability: multi-turn rows continued each on its own time. The agent loop
+    (:func:`backends.rollout.agent_loop.run_episodes`) steps it and hands a row its next turn as soon as that row's
+    environment has answered, while other rows are still in theirs; an engine whose ``start_turn_stream`` is missing
+    or returns None gets the turn-by-turn :class:`Session`. A stream changes in place (it is the engine's running
+    state, as a server's), so it is not a value: one caller steps it."""
+
+    @property
+    def busy(self) -> bool:
+        """Some row is in a turn (resumed, or sampling)."""
+        ...
+
+    def resume(self, row: int, forced: Sequence[int], max_new_tokens: int) -> None:
+        """Start ``row``'s next turn: feed ``forced``, then sample up to an EOS or ``max_new_tokens`` tokens."""
+        ...
+
+    def step(self) -> list[EndedTurn]:
+        """One engine iteration over the rows in their turns: the turns that ended in it."""
+        ...
+
+    def close(self, row: int) -> None:
+        """``row``'s trajectory is over: free what it holds."""
+        ...
+
+    def end(self) -> None:
+        """Free what the stream holds."""
         ...
 
 
@@ -101,6 +131,10 @@ def _never(cfg: Any) -> bool:
     return False
 
 
+def _one_set_of_weights(cfg: Any) -> str:
+    return "it samples each response under one set of weights (it cannot take new ones in the middle)"
+
+
 @attrs.frozen
 class RolloutEngineSpec:
     """A rollout engine's registration (:data:`backends.rollout.api.ROLLOUT_ENGINES`)."""
@@ -120,3 +154,7 @@ class RolloutEngineSpec:
     pool_refusal: str | None = None
     #: ``build`` takes ``group=``: the process group of the ranks that build the engine together (None: every rank)
     takes_group: bool = False
+    #: ``(cfg) -> None | str``: None where the engine does partial rollouts (its value has
+    #: ``with_weight_updates(updates)``: generation takes newer weights at chunk boundaries, the batch carries
+    #: ``policy_version (b t)``), else why not
+    partial_rollouts: Callable[[Any], str | None] = _one_set_of_weights

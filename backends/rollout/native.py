@@ -24,6 +24,11 @@ Both draw row ``r``'s ``k``-th token from a uniform keyed by ``(seed, r, k)``
 ``sync_weights`` copies full HF-named tensors into the model's parameters in place, so the decoder
 always reads the newest weights.
 
+Partial rollouts (``with_weight_updates``; continuous batching only): a generation stops every ``chunk_tokens``
+iterations so the caller can copy newer weights in, and its unfinished rows continue under them, their caches
+computed again (:mod:`backends.rollout.scheduler`); the batch then carries ``policy_version (b t)``, the version
+of the weights that sampled each token, whose log-prob ``rollout_logprobs`` is under those weights.
+
 Why it is faster than ``model.generate``: the decode GEMMs dominate a step, and the engine does little
 around them: no per-step mask building or cache concatenation, one fused QKV GEMM, oneDNN prepacked
 weights with fused SiLU / residual add, only last-position logits, inverse-CDF sampling with one uniform
@@ -71,10 +76,11 @@ from backends.rollout.common import (
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.native_session import NativeSession, start_session
+from backends.rollout.native_turns import NativeTurnStream
 from backends.rollout.row_random import row_uniforms
-from backends.rollout.scheduler import BatchingLimits, generate_continuous
+from backends.rollout.scheduler import BatchingLimits, WeightUpdates, generate_continuous
 from backends.rollout.weight_sync import check_sync_tensor
-from rlfunc.batch import RolloutBatch
+from rlfunc.batch import RolloutBatch, validate
 
 __all__ = [
     "SamplingConfig",
@@ -122,6 +128,8 @@ class NativeConfig:
     #: continuous: the KV cache's size in GiB (a request that can never fit is refused, naming it); none: enough for
     #: max_slots rows at their longest
     kv_cache_gib: float | None = attrs.field(default=None, validator=_positive_setting)
+    #: continuous, on CUDA: replay the decode step from CUDA graphs, one per bucket of rows (no launch overhead)
+    cuda_graphs: bool = True
 
     def limits(self) -> BatchingLimits:
         return BatchingLimits(
@@ -129,6 +137,7 @@ class NativeConfig:
             prefill_tokens=self.prefill_tokens,
             block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib,
+            cuda_graphs=self.cuda_graphs,
         )
 
 
@@ -163,6 +172,8 @@ class NativeRollout:
     )
     batching_limits: BatchingLimits = BatchingLimits()  #: slots, prefill budget, block size, cache budget
     weights_version: int = 0
+    #: partial rollouts: where :func:`generate` stops for newer weights and who loads them (None: never stops)
+    weight_updates: WeightUpdates | None = attrs.field(default=None, eq=False, repr=False)
     #: what :func:`generate` keeps between calls (decoder weights, KV caches); shared by evolved copies
     workspace: Workspace = attrs.field(factory=Workspace, eq=False, repr=False)
 
@@ -191,6 +202,16 @@ class NativeRollout:
     ) -> NativeSession:
         return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
 
+    def start_turn_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> NativeTurnStream | None:
+        """With continuous batching, a :class:`~backends.rollout.engine.TurnStream` over ``prompts`` (the arguments
+        of :meth:`start_session`; :mod:`backends.rollout.native_turns`); lock-step batching has none (None)."""
+        if self.batching != "continuous":
+            return None
+        sampling = sampling_options(sampling)
+        return NativeTurnStream(self, prompts, sampling, seed=seed, max_slots=max_slots, limits=self.batching_limits)
+
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> NativeRollout:
         return sync_weights(self, named_tensors, strict=strict)
 
@@ -198,6 +219,15 @@ class NativeRollout:
         self, adapter: Mapping[str, Tensor], *, rank: int, alpha: float, target_modules: Sequence[str], version: int
     ) -> NativeRollout:
         raise ValueError("the native rollout engine receives merged full weights, not LoRA adapters")
+
+    def with_weight_updates(self, updates: WeightUpdates | None) -> NativeRollout:
+        """This engine with :func:`generate` taking newer weights at chunk boundaries (partial rollouts; None: off)."""
+        if updates is not None and self.batching != "continuous":
+            raise ValueError(
+                f"partial rollouts need rollout.native.batching=continuous, got {self.batching}: the lock-step loop "
+                "cannot recompute its rows' caches under new weights"
+            )
+        return attrs.evolve(self, weight_updates=updates)
 
     def release_memory(self) -> NativeRollout:
         return self  # nothing worth freeing: the caches are reused by the next step
@@ -354,9 +384,14 @@ def generate(
         seed = int(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
     seed = sampling.seed if seed is None else seed
     prompt_ids, prompt_mask = left_pad(prompts, rollout.pad_token_id)
+    versions = None
     with torch.inference_mode():
         if rollout.batching == "continuous":
-            tokens, logprobs = generate_continuous(rollout, prompts, sampling, seed, rollout.batching_limits)
+            updates = rollout.weight_updates
+            tokens, logprobs, versions = generate_continuous(
+                rollout, prompts, sampling, seed, rollout.batching_limits, updates
+            )
+            versions = versions if updates is not None else None
         else:
             ids, mask = prompt_ids.to(rollout.device), prompt_mask.to(rollout.device)
             tokens, logprobs = _generate_tokens(rollout, ids, mask, sampling, seed)
@@ -365,7 +400,7 @@ def generate(
     response_ids, response_mask, rollout_logprobs = (
         x.cpu() for x in _responses(rollout, tokens.clone(), logprobs.clone())
     )
-    return assemble_batch(
+    batch = assemble_batch(
         prompt_ids.cpu().clone(),
         prompt_mask.cpu().clone(),
         response_ids,
@@ -374,6 +409,9 @@ def generate(
         n=sampling.n,
         group_ids=group_ids,
     )
+    if versions is None:
+        return batch
+    return validate(batch.replace(policy_version=versions[:, : response_ids.shape[1]].cpu().clone()))
 
 
 def _responses(rollout: NativeRollout, tokens: Tensor, logprobs: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -490,4 +528,7 @@ ENGINE_SPEC = RolloutEngineSpec(
     weight_dtype=lambda cfg: getattr(torch, cfg.dtype),
     engine_type=NativeRollout,
     session_type=NativeSession,
+    partial_rollouts=lambda cfg: None
+    if getattr(cfg, "native", NativeConfig()).batching == "continuous"
+    else "rollout.native.batching=lockstep cannot recompute its rows' caches under new weights: use continuous",
 )

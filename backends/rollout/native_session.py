@@ -19,7 +19,7 @@ from torch import Tensor
 from backends.rollout.common import SamplingConfig, TurnOutput, left_pad, prepare_prompts, sample_tokens
 from backends.rollout.decoder import Decoder
 
-__all__ = ["NativeSession", "start_session", "continue_session", "end_session"]
+__all__ = ["NativeSession", "start_session", "continue_session", "end_session", "session_prompts"]
 
 
 @attrs.define(eq=False)
@@ -76,7 +76,7 @@ class NativeSession:
         end_session(self)
 
 
-def _session_prompts(
+def session_prompts(
     rollout: Any, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, max_slots: int
 ) -> list[list[int]]:
     """The prompts, checked as ``generate`` checks them, with ``max_slots`` in place of ``max_new_tokens``."""
@@ -108,7 +108,7 @@ def start_session(
     forced tokens and weights give the same session. The session allocates its own caches, so ``generate``
     may run on the same rollout between its turns; :func:`end_session` releases them.
     """
-    prompts = _session_prompts(rollout, prompts, sampling, max_slots)
+    prompts = session_prompts(rollout, prompts, sampling, max_slots)
     n, device = sampling.n, rollout.device
     rows = len(prompts) * n
     generator = torch.Generator(device=device)

@@ -126,14 +126,18 @@ class PagedKVCache:
         self.cos, self.sin = rope
         self.device = device
         self.pool = BlockPool(k[0].shape[1] // block_size)
-        #: (slots, blocks a row may hold) int64: each slot's blocks in position order, 0 (the null block) after them
-        self.block_table = torch.zeros(slots, -(-max_len // block_size), dtype=torch.long, device=device)
+        #: (slots + 1, blocks a row may hold) int64: each slot's blocks in position order, 0 (the null block) after
+        #: them; the last row is the spare slot's, never admitted, all null block: the padding rows of a decode step
+        #: at fixed shapes (:mod:`backends.rollout.decode_graphs`) write there, into the null block
+        self.block_table = torch.zeros(slots + 1, -(-max_len // block_size), dtype=torch.long, device=device)
+        self.spare_slot = slots
         self.blocks: list[list[int]] = [[] for _ in range(slots)]  #: the block table's rows, on the host
         self.reserve: list[int] = [0] * slots  #: blocks still promised to each slot
         #: slots that have not yet written into their prompt's shared partial last block
         self.shared_tail: set[int] = set()
         self._prefill: tuple[Tensor, Tensor] | None = None
         self._step: tuple | None = None
+        self._chunk: tuple | None = None
 
     @classmethod
     def allocate(
@@ -178,9 +182,11 @@ class PagedKVCache:
         return pool.view(pool.shape[0], -1, self.block_size * pool.shape[2])
 
     def _gather(self, pool: Tensor, blocks: Tensor) -> Tensor:
-        """``(kv, len(blocks), block_size * head_dim)``: the blocks of each head, one ``index_select`` along dim 0
-        per head (along dim 1 of the whole pool the CPU kernel runs about 3x slower)."""
+        """``(kv, len(blocks), block_size * head_dim)``: the blocks of each head; on a CPU one ``index_select``
+        along dim 0 per head (along dim 1 of the whole pool the CPU kernel runs about 3x slower)."""
         view = self._blocks_view(pool)
+        if pool.device.type != "cpu":  # one indexing kernel, with no host synchronisation (CUDA graphs capture it)
+            return view[:, blocks]
         out = torch.empty((view.shape[0], blocks.shape[0], view.shape[2]), dtype=pool.dtype, device=pool.device)
         for head in range(view.shape[0]):
             torch.index_select(view[head], 0, blocks, out=out[head])
@@ -264,6 +270,20 @@ class PagedKVCache:
         src = mask.flatten().nonzero().squeeze(-1)
         self._prefill = (src, dst)
 
+    def begin_refill(self, slots: Tensor, mask: Tensor) -> None:
+        """The next prefill runs the whole sequences (prompt and tokens so far) of ``slots (b0)``, left-padded
+        ``mask (b0 p)``, whose keys and values go to each slot's own blocks: after new weights every position
+        is computed again. A block the samples of a prompt share is written once (the first slot's values):
+        their prompt tokens are the same."""
+        bs = self.block_size
+        position = (mask.long().cumsum(-1) - 1).clamp_(min=0)
+        dst = (self.block_table[slots[:, None], position // bs] * bs + position % bs)[mask]
+        src = mask.flatten().nonzero().squeeze(-1)
+        dst, order = dst.sort(stable=True)
+        first = torch.ones_like(dst, dtype=torch.bool)
+        first[1:] = dst[1:] != dst[:-1]
+        self._prefill = (src[order][first], dst[first])
+
     def mask_prompts(self, mask: Tensor, copies: int) -> None:
         """Nothing to mask: padding is never written (see :meth:`write_prompt`)."""
         if copies != 1:
@@ -306,3 +326,43 @@ class PagedKVCache:
         q = qk[:, :h].view(b, kv, h // kv, d).transpose(0, 1).to(self.att_dtype)  # (kv b g d)
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
         return torch.matmul(softmax_last(scores), values).transpose(0, 1).contiguous()
+
+    # ---------------------------------------------------------------------------------------------- chunks
+
+    def begin_chunk(self, slots: Tensor, positions: Tensor, valid: Tensor) -> None:
+        """The next :meth:`attend_chunk` calls are for up to ``c`` given tokens per slot of ``slots (b)`` at
+        ``positions (b c)`` (each slot's blocks grown to hold them); ``valid (b c)`` marks the real ones. A token
+        attends to its slot's positions up to its own: what the slot held before the chunk and, causally, the chunk's
+        earlier tokens. Padding tokens write nothing; their queries read finite numbers and their outputs are the
+        caller's to drop."""
+        bs = self.block_size
+        length = int(positions.max()) + 1
+        write = (self.block_table[slots[:, None], positions // bs] * bs + positions % bs)[valid]
+        read = self.block_table[slots, : -(-length // bs)].flatten()
+        offsets = torch.arange(length, device=self.device)
+        bias = torch.zeros(*positions.shape, length, dtype=self.att_dtype, device=self.device)
+        bias.masked_fill_(offsets > positions[..., None], float("-inf"))  # (b c length)
+        cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
+        self._chunk = (cos, sin, bias, write, valid.flatten().nonzero().squeeze(-1), read, length)
+
+    def attend_chunk(self, layer: int, qkv: Tensor) -> Tensor:
+        """RoPE on ``qkv (b c h+2kv d)``, the real tokens' keys and values written to their pool rows, and the
+        attention ``(b c h d)`` of every query over its slot's positions."""
+        cos, sin, bias, write, real, read, length = self._chunk
+        b, c, d = qkv.shape[0], qkv.shape[1], qkv.shape[3]
+        h = self.num_heads
+        kv = (qkv.shape[2] - h) // 2
+        kp, vp = self.k[layer], self.v[layer]
+        qk = apply_rope(qkv[:, :, : h + kv], cos, sin)
+        new_k = qk[:, :, h:].reshape(b * c, kv, d).index_select(0, real)
+        new_v = qkv[:, :, h + kv :].reshape(b * c, kv, d).index_select(0, real)
+        kp.index_copy_(1, write, new_k.transpose(0, 1).to(kp.dtype))
+        vp.index_copy_(1, write, new_v.transpose(0, 1).to(vp.dtype))
+        keys = self._gather(kp, read).view(kv, b, -1, d)[:, :, :length]  # (kv b length d)
+        values = self._gather(vp, read).view(kv, b, -1, d)[:, :, :length]
+        g = h // kv
+        q = qk[:, :, :h].reshape(b, c, kv, g, d).permute(2, 0, 3, 1, 4).reshape(kv, b, g * c, d).to(self.att_dtype)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).view(kv, b, g, c, length)
+        scores.add_(bias[None, :, None])
+        out = torch.matmul(softmax_last(scores).view(kv, b, g * c, length), values)  # (kv b g*c d)
+        return out.view(kv, b, g, c, d).permute(1, 3, 0, 2, 4).reshape(b, c, h, d)

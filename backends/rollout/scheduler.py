@@ -10,11 +10,22 @@ A request is one prompt and its ``n`` samples. Each iteration of :meth:`Continuo
 3. samples one token for every working row (the new rows from their prompt's last logits), with the uniform keyed
    by the row's index in the output and its number of tokens so far (:func:`backends.rollout.row_random.row_uniforms`);
 4. frees the rows that ended (EOS, or ``max_new_tokens`` tokens) and their slots and blocks;
-5. runs one decode step of the rows still running, each at its own position.
+5. runs one decode step of the rows still running, each at its own position (on CUDA replayed from a CUDA graph
+   of the step at fixed shapes: :mod:`backends.rollout.decode_graphs`).
 
 So a short row's slot takes the next request at once instead of idling until the batch's longest row ends, and
 more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
 rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
+
+**Partial rollouts** (``updates``, a :class:`WeightUpdates`): every ``updates.chunk_tokens`` iterations the batcher
+stops at a chunk boundary and hands control to the caller (``updates.at_boundary()``), which may copy newer
+weights into the engine. The unfinished rows then continue under them: their tokens so far stay, and their keys
+and values are computed again from the prompt and those tokens (one prefill of the whole sequence per row, as
+AReaL and SGLang recompute the cache after a weight update), because keys and values of the old weights must not
+be attended by the new ones; the prefill's last logits are the next token's under the new weights. Each token
+records the version of the weights that sampled it (``versions``), and its log-prob is under those weights.
+The uniforms stay keyed by (seed, row, token index), so a row's draws do not depend on where the boundaries fell;
+with unchanged weights at every boundary the tokens are the ones a call without ``updates`` samples.
 
 Rows are numbered as :func:`backends.rollout.native.generate` numbers them (prompt ``i``'s samples are rows
 ``i*n .. i*n+n-1``), so the lock-step loop and this one draw the same uniforms for the same row and token.
@@ -24,18 +35,19 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
 from torch import Tensor
 
 from backends.rollout.common import SamplingConfig, left_pad, sample_tokens
+from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
 from backends.rollout.row_random import row_uniforms
 
-__all__ = ["BatchingLimits", "ContinuousBatcher", "generate_continuous"]
+__all__ = ["BatchingLimits", "ContinuousBatcher", "WeightUpdates", "generate_continuous", "pool_blocks"]
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -55,10 +67,27 @@ class BatchingLimits:
     block_size: int = attrs.field(default=8, validator=_positive)
     #: keys and values of the pool, in GiB; None: enough for ``max_slots`` rows at their longest
     kv_cache_gib: float | None = attrs.field(default=None, validator=_positive)
+    #: on CUDA, replay the decode step from CUDA graphs (:mod:`backends.rollout.decode_graphs`)
+    cuda_graphs: bool = True
 
 
 #: the default number of slots: rows beyond it wait for a free one
 DEFAULT_MAX_SLOTS = 1024
+
+
+class WeightUpdates(Protocol):
+    """The caller's side of a generation that may take new weights at chunk boundaries (partial rollouts)."""
+
+    chunk_tokens: int  #: decode iterations between two boundaries
+
+    def version(self) -> int:
+        """The version of the weights the engine holds now (what the next sampled tokens are stamped with)."""
+        ...
+
+    def at_boundary(self) -> Any | None:
+        """Called at a chunk boundary: copy newer weights into the engine's model (in place, as ``sync_weights``
+        does) and return the engine's new value, or return None to go on with the weights it has."""
+        ...
 
 
 @attrs.define
@@ -80,13 +109,41 @@ class _Working:
             setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
 
 
+def pool_blocks(rollout: Any, limits: BatchingLimits, slots: int, max_len: int) -> int:
+    """Blocks of a paged cache (the null block included) for ``slots`` rows of at most ``max_len`` positions:
+    ``limits.kv_cache_gib`` worth, or, without a budget, every slot at its longest as if no block were shared."""
+    bs = limits.block_size
+    if limits.kv_cache_gib is None:
+        return slots * -(-max_len // bs) + 1
+    cfg = rollout.model.config
+    # the decoder keeps keys and values in fp32 on the CPU, in the weights' dtype elsewhere
+    weight_dtype = rollout.model.get_input_embeddings().weight.dtype
+    return pool_blocks_for_budget(
+        limits.kv_cache_gib,
+        layers=cfg.num_hidden_layers,
+        kv_heads=cfg.num_key_value_heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+        block_size=bs,
+        itemsize=4 if rollout.device.type == "cpu" else weight_dtype.itemsize,
+    )
+
+
 class ContinuousBatcher:
     """One call's scheduler: its requests, slots, paged cache and outputs (see the module docstring)."""
 
     def __init__(
-        self, rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, seed: int, limits: BatchingLimits
+        self,
+        rollout: Any,
+        prompts: list[list[int]],
+        sampling: SamplingConfig,
+        seed: int,
+        limits: BatchingLimits,
+        updates: WeightUpdates | None = None,
     ) -> None:
         self.rollout, self.prompts, self.sampling, self.seed = rollout, prompts, sampling, seed
+        if updates is not None and not (isinstance(updates.chunk_tokens, int) and updates.chunk_tokens > 0):
+            raise ValueError(f"WeightUpdates.chunk_tokens must be a positive int, got {updates.chunk_tokens!r}")
+        self.updates = updates
         device, n, max_new = rollout.device, sampling.n, sampling.max_new_tokens
         self.device, self.n, self.max_new = device, n, max_new
         rows = len(prompts) * n
@@ -98,23 +155,7 @@ class ContinuousBatcher:
             )
         self.max_len = max(map(len, prompts)) + max_new
         bs = limits.block_size
-        cfg = rollout.model.config
-        kv_heads, layers = cfg.num_key_value_heads, cfg.num_hidden_layers
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        # the decoder keeps keys and values in fp32 on the CPU, in the weights' dtype elsewhere
-        itemsize = 4 if device.type == "cpu" else rollout.model.get_input_embeddings().weight.dtype.itemsize
-        if limits.kv_cache_gib is None:
-            # every slot at its longest, as if no block were shared, plus the null block
-            num_blocks = slots * -(-self.max_len // bs) + 1
-        else:
-            num_blocks = pool_blocks_for_budget(
-                limits.kv_cache_gib,
-                layers=layers,
-                kv_heads=kv_heads,
-                head_dim=head_dim,
-                block_size=bs,
-                itemsize=itemsize,
-            )
+        num_blocks = pool_blocks(rollout, limits, slots, self.max_len)
         self.needs = [blocks_for_request(len(p), n, max_new, bs) for p in prompts]
         for i, need in enumerate(self.needs):
             if need > num_blocks - 1:
@@ -122,17 +163,31 @@ class ContinuousBatcher:
         make_cache = functools.partial(
             PagedKVCache.allocate, slots=slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
         )
+        # partial rollouts: the caller may generate (an evaluation) at a boundary, which must not take these caches
         self.decoder = Decoder(
-            rollout.model, slots, self.max_len, rollout.prepack_cpu_weights, rollout.workspace, make_cache=make_cache
+            rollout.model,
+            slots,
+            self.max_len,
+            rollout.prepack_cpu_weights,
+            rollout.workspace,
+            make_cache=make_cache,
+            own_cache=updates is not None,
         )
         self.cache: PagedKVCache = self.decoder.cache
         self.cache.reset()
+        graphed = device.type == "cuda" and limits.cuda_graphs
+        self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, self.max_len) if graphed else None
         self.prefill_tokens = limits.prefill_tokens
         self.waiting = collections.deque(range(len(prompts)))
         self.free_slots = list(range(slots - 1, -1, -1))
         self.eos = torch.tensor(rollout.eos_token_ids, device=device)
         self.tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        self.version = updates.version() if updates is not None else 0  #: of the weights sampling now
+        #: the version of the weights that sampled each token (the start version where none was sampled)
+        self.versions = torch.full((rows, max_new), self.version, dtype=torch.long, device=device)
+        self.weight_loads = 0  #: boundaries at which new weights were taken
+        self.refilled_tokens = 0  #: tokens whose keys and values were computed again under new weights
         self.steps = 0  #: the most tokens any row has sampled
         self.iterations = 0
         self.peak_blocks = 0  #: the most blocks held at once
@@ -143,6 +198,8 @@ class ContinuousBatcher:
         empty = torch.zeros(0, dtype=torch.long, device=self.device)
         work = _Working(empty, empty, empty, empty, torch.zeros(0, self.rollout.vocab_size, device=self.device))
         while self.waiting or work.row.numel():
+            if self.updates is not None and self.iterations and self.iterations % self.updates.chunk_tokens == 0:
+                self._boundary(work)
             admitted = self._admit()
             if admitted:
                 work.extend(self._prefill(admitted))
@@ -162,8 +219,12 @@ class ContinuousBatcher:
                 token = token[keep]
             if work.row.numel():
                 self.cache.grow(work.slot, work.position)
-                length = int(work.position.max()) + 1
-                work.logits = self.decoder.step_paged(token, work.slot, work.position, length).float()
+                if self.graphed_step is not None:
+                    logits = self.graphed_step(token, work.slot, work.position)
+                else:
+                    length = int(work.position.max()) + 1
+                    logits = self.decoder.step_paged(token, work.slot, work.position, length)
+                work.logits = logits.float()  # read before the next step: a graph's logits are overwritten there
                 work.position = work.position + 1
         return self.tokens[:, : self.steps], self.logprobs[:, : self.steps]
 
@@ -207,13 +268,66 @@ class ContinuousBatcher:
         logprob = torch.log_softmax(work.logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         self.tokens[work.row, work.drawn] = token
         self.logprobs[work.row, work.drawn] = logprob
+        self.versions[work.row, work.drawn] = self.version
         work.drawn = work.drawn + 1
         self.steps = max(self.steps, int(work.drawn.max()))
         return token
 
+    def _boundary(self, work: _Working) -> None:
+        """A chunk boundary: the caller may load new weights; if it did, the working rows continue under them."""
+        with torch.inference_mode(False):  # the caller's weight sync and evaluation run as they would outside
+            new = self.updates.at_boundary()
+        if new is None:
+            return
+        if new.model is not self.rollout.model:
+            raise RuntimeError(
+                "WeightUpdates.at_boundary returned an engine over another model: new weights must be copied into "
+                "the model this generation decodes (sync_weights copies them in place)"
+            )
+        self.rollout, self.version = new, self.updates.version()
+        self.weight_loads += 1
+        self.decoder.reload_weights()
+        if self.graphed_step is not None:
+            self.graphed_step.forget()
+        if work.row.numel():
+            work.logits = self._refill(work)
+
+    def _refill(self, work: _Working) -> Tensor:
+        """Prefill each working row's prompt and tokens so far again, into its own blocks, under the weights the
+        model holds now; the next-token logits ``(b v)`` fp32. Rows are prefilled in groups of at most
+        ``prefill_tokens`` tokens (at least one row a group)."""
+        n, device = self.n, self.device
+        rows, drawn = work.row.tolist(), work.drawn.tolist()
+        sequences = [self.prompts[r // n] + self.tokens[r, :d].tolist() for r, d in zip(rows, drawn)]
+        if any(len(q) != int(p) for q, p in zip(sequences, work.position.tolist())):
+            raise RuntimeError("continuous batching: a row's cache does not hold its prompt and sampled tokens")
+        groups, start, tokens = [], 0, 0
+        for i, q in enumerate(sequences):
+            if i > start and tokens + len(q) > self.prefill_tokens:
+                groups.append((start, i))
+                start, tokens = i, 0
+            tokens += len(q)
+        groups.append((start, len(sequences)))
+        logits = []
+        for lo, hi in groups:
+            ids, mask = left_pad(sequences[lo:hi], self.rollout.pad_token_id)
+            ids, mask = ids.to(device), mask.to(device)
+            self.cache.begin_refill(work.slot[lo:hi], mask)
+            logits.append(self.decoder.prefill(ids, mask, copies=1).float())
+        self.refilled_tokens += sum(map(len, sequences))
+        return torch.cat(logits)
+
 
 def generate_continuous(
-    rollout: Any, prompts: list[list[int]], sampling: SamplingConfig, seed: int, limits: BatchingLimits
-) -> tuple[Tensor, Tensor]:
-    """Raw tokens and log-probs ``(rows steps)`` of ``prompts`` (checked) through continuous batching."""
-    return ContinuousBatcher(rollout, prompts, sampling, seed, limits).run()
+    rollout: Any,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    seed: int,
+    limits: BatchingLimits,
+    updates: WeightUpdates | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Raw tokens, log-probs and the version of the weights that sampled each token ``(rows steps)`` of
+    ``prompts`` (checked) through continuous batching."""
+    batcher = ContinuousBatcher(rollout, prompts, sampling, seed, limits, updates)
+    tokens, logprobs = batcher.run()
+    return tokens, logprobs, batcher.versions[:, : batcher.steps]

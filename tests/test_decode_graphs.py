@@ -1,0 +1,130 @@
+"""The continuous-batching decode step at fixed shapes (backends.rollout.decode_graphs): padded to a bucket of rows
+and spanning the whole block table, it must sample what the step at the working rows' own shapes samples, write
+nothing outside the null block for its padding rows, and, on a GPU, replay from CUDA graphs.
+
+One tiny random-init Qwen2 (hidden 64, 2 layers) for the module; the CPU tests take about a second.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+import pytest
+import torch
+
+from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
+from backends.rollout.decode_graphs import PaddedDecodeStep, row_bucket
+from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
+from backends.rollout.scheduler import ContinuousBatcher
+from rlfunc.logits import logprobs_from_logits
+from tests.test_native_engine import TEXTS, TINY
+from tests.test_partial_rollouts import NewWeightsAt
+from tests.test_rollout_native import trainer_logprobs
+
+pytestmark = pytest.mark.native_engine
+
+TINY_MODEL = TinyModelConfig(arch="qwen2", **TINY)  # sharp, position-dependent distributions
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(model dir, HF model, tokenizer, EOS ids: every digit and a-j, so rows end at many lengths)."""
+    path = write_tiny_model(tmp_path_factory.mktemp("qwen2"), TINY_MODEL)
+    model, tok = load_causal_lm(path)
+    eos = [tok.eos_token_id] + [tok.convert_tokens_to_ids(c) for c in "0123456789abcdefghij"]
+    return path, model, tok, eos
+
+
+@pytest.fixture(scope="module")
+def partial_models(setup, tmp_path_factory):
+    """(setup's model dir as the old weights, its HF model, another HF model of that shape, its weights by HF name,
+    tokenizer, EOS ids)."""
+    path, old_model, tok, eos = setup
+    new_model, _ = load_causal_lm(write_tiny_model(tmp_path_factory.mktemp("new"), attrs.evolve(TINY_MODEL, seed=1)))
+    weights = {k: v.clone() for k, v in new_model.state_dict().items()}
+    return path, old_model, new_model, weights, tok, eos
+
+
+def _prompts(tok, count: int) -> list[list[int]]:
+    return [tok.encode(f"{i * 37 % 100}+{i}=" if i % 3 else f"{i}" * (1 + i % 9)) for i in range(count)]
+
+
+def test_row_buckets_are_powers_of_two_up_to_the_slots():
+    assert [row_bucket(b, 64) for b in (1, 2, 3, 4, 5, 9, 33, 64)] == [1, 2, 4, 4, 8, 16, 64, 64]
+    assert row_bucket(7, 6) == 6 and row_bucket(0, 8) == 1
+
+
+def test_the_padded_step_samples_what_the_eager_step_samples(setup):
+    """Rows end at many lengths, so the working rows take many counts that are not powers of two: the padding
+    rows write into the spare slot's null block, every row attends over the whole block table, and still the
+    tokens are the eager step's and the log-probs equal to float rounding; every block comes back."""
+    path, _, tok, eos = setup
+    rollout = build_native_rollout(path, tok, eos_token_ids=eos)
+    prompts = _prompts(tok, 11)
+    sampling = SamplingConfig(n=3, max_new_tokens=20, seed=3)
+    limits = BatchingLimits(max_slots=13, block_size=4)
+    with torch.inference_mode():
+        eager = ContinuousBatcher(rollout, prompts, sampling, 3, limits)
+        want_tokens, want_logprobs = eager.run()
+        padded = ContinuousBatcher(rollout, prompts, sampling, 3, limits)
+        padded.graphed_step = step = PaddedDecodeStep(padded.decoder, padded.cache, padded.max_len)
+        tokens, logprobs = padded.run()
+    assert step.cache.spare_slot == 13 and not padded.cache.block_table[13].any()
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-5)
+    pool = padded.cache.pool
+    assert len(pool.free) == pool.usable and pool.reserved == 0 and not any(pool.refcount)
+
+
+@pytest.mark.gpu
+def test_the_decode_step_replays_from_cuda_graphs_with_the_trainers_logprobs(setup):
+    """On CUDA the continuous engine captures one graph per bucket of rows and replays it: the log-probs of what it
+    samples are the HF model's fp32 forward's, and the samples are the eager step's but where a longer reduction's
+    rounding moves a uniform across a CDF step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path, model, tok, eos = setup
+    rollout = build_native_rollout(path, tok, eos_token_ids=eos, device="cuda")
+    prompts = _prompts(tok, 24)
+    sampling = SamplingConfig(n=4, max_new_tokens=24, seed=5)
+    with torch.inference_mode():
+        batcher = ContinuousBatcher(rollout, prompts, sampling, 5, rollout.batching_limits)
+        batcher.run()
+    graphed = batcher.graphed_step
+    assert graphed is not None and graphed.failed is None, graphed and graphed.failed
+    assert len(graphed.graphs) >= 2  # rows ended, so smaller buckets were captured and replayed
+
+    batch = generate(rollout, prompts, sampling)
+    eager = generate(attrs.evolve(rollout, batching_limits=BatchingLimits(cuda_graphs=False)), prompts, sampling)
+    same = (batch.response_ids == eager.response_ids) | ~(batch.response_mask | eager.response_mask)
+    assert float(same.float().mean()) > 0.95
+    mask = batch.attention_mask
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=mask.long(), position_ids=position_ids).logits
+    p = batch.prompt_ids.shape[1]
+    want = logprobs_from_logits(logits[:, p - 1 : -1], batch.response_ids)
+    gap = (batch.rollout_logprobs - want).abs().masked_fill(~batch.response_mask, 0.0).max()
+    assert float(gap) < 1e-4
+
+
+@pytest.mark.gpu
+def test_new_weights_at_a_boundary_are_replayed_by_new_graphs(partial_models):
+    """Partial rollouts on CUDA: after the boundary's weights the graphs are captured again (a graph replays the
+    weights it captured), so the tokens after it carry the new weights' log-probs and those before the old ones'."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path, old_model, new_model, weights, tok, eos = partial_models
+    rollout = build_native_rollout(path, tok, eos_token_ids=eos, device="cuda")
+    updates = NewWeightsAt(rollout, weights)
+    sampling = SamplingConfig(n=2, max_new_tokens=10, seed=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = generate(rollout.with_weight_updates(updates), [tok.encode(t) for t in TEXTS], sampling)
+    assert not [w for w in caught if "CUDA graphs" in str(w.message)]  # the captures after the boundary worked
+    mask, version = batch.response_mask, batch.policy_version
+    before, after = mask & (version == 0), mask & (version == 1)
+    assert updates.current == 1 and before.any() and after.any()
+    assert (batch.rollout_logprobs - trainer_logprobs(old_model, batch))[before].abs().max() < 1e-4
+    assert (batch.rollout_logprobs - trainer_logprobs(new_model, batch))[after].abs().max() < 1e-4
