@@ -100,9 +100,12 @@ def run_agents(
     pad_token_id: int,
     group_ids: torch.Tensor | None = None,
     id_prefix: str | None = None,
+    served: Any = None,
 ) -> Episodes:
     """``n`` trajectories of each of ``examples`` by ``fn`` against the server at ``url`` (rows in ``generate``'s
-    order); see the module doc. ``token``: the server's trainer token (registers and reads the trajectories)."""
+    order); see the module doc. ``token``: the server's trainer token (registers and reads the trajectories);
+    ``served``: the :class:`~backends.rollout.server.ServedPolicy` when that server runs in this process (the trainer
+    opens and reads back the trajectories without HTTP; the agents still call it at ``url``)."""
     if not examples:
         raise ValueError("run_agents needs at least one example")
     prefix = id_prefix or secrets.token_hex(6)
@@ -123,7 +126,7 @@ def run_agents(
                 return
             outcomes[r].started = time.monotonic()  # before registering: the wait below counts it as running
             try:
-                key = server_client.register_trajectory(url, token, ids[r], deadline_s=deadline_s)
+                key = _open(url, token, ids[r], deadline_s, served)
             except Exception as e:
                 ours.append(e)
                 outcomes[r].failure, outcomes[r].done = "errors", True
@@ -150,7 +153,7 @@ def run_agents(
         attrs.evolve(o) if o.done else attrs.evolve(o, failure="timeouts", error="did not return in time")
         for o in outcomes
     ]
-    records = [_collect(url, token, i, o) for i, o in zip(ids, outcomes)]
+    records = [_collect(url, token, i, o, served) for i, o in zip(ids, outcomes)]
     failed = [(row, o) for row, o in zip(rows, outcomes) if o.failure in ("errors", "timeouts")]
     if failed:
         row, first = failed[0]
@@ -164,15 +167,32 @@ def run_agents(
     return _episodes(rows, records, outcomes, n, pad_token_id, group_ids)
 
 
-def _collect(url: str, token: str, trajectory_id: str, outcome: _Outcome) -> dict[str, Any] | None:
+def _open(url: str, token: str, trajectory_id: str, deadline_s: float, served: Any) -> str:
+    """A trajectory opened on the server; the agent key that identifies it."""
+    if served is None:
+        return server_client.register_trajectory(url, token, trajectory_id, deadline_s=deadline_s)
+    from backends.rollout.server import open_trajectory
+
+    return open_trajectory(served, trajectory_id, deadline_s)["api_key"]
+
+
+def _collect(url: str, token: str, trajectory_id: str, outcome: _Outcome, served: Any = None) -> dict[str, Any] | None:
     """The trajectory's record (None when it was never registered), and the trajectory closed on the server."""
-    try:
-        record = server_client.trajectory_tokens(url, token, trajectory_id)
-    except server_client.ServerError as e:
-        if e.status == 404:
+    if served is not None:
+        from backends.rollout.server import close_trajectory
+
+        record = served.recorder.snapshot(trajectory_id)
+        if record is None:
             return None
-        raise
-    server_client.close_trajectory(url, token, trajectory_id)
+        close_trajectory(served, trajectory_id)
+    else:
+        try:
+            record = server_client.trajectory_tokens(url, token, trajectory_id)
+        except server_client.ServerError as e:
+            if e.status == 404:
+                return None
+            raise
+        server_client.close_trajectory(url, token, trajectory_id)
     if outcome.failure is None:
         if record["broken"] is not None:
             outcome.failure = "prefix_mismatch"
@@ -267,6 +287,7 @@ class AgentRunner:
             pad_token_id=rollout.pad_token_id,
             group_ids=group_ids,
             id_prefix=f"s{seed}-r{self.rounds}",
+            served=policy,
         )
 
     def _serve(self, tokenizer: Any) -> Any:

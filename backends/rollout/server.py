@@ -65,7 +65,7 @@ from backends.rollout.server_weights import WeightPushError, WeightStaging
 from backends.rollout.trajectories import Trajectory, TrajectoryRecorder
 from rlfunc.batch import RolloutBatch
 
-__all__ = ["ServedPolicy", "ServiceError", "ThreadedServer", "build_app", "main"]
+__all__ = ["ServedPolicy", "ServiceError", "ThreadedServer", "build_app", "close_trajectory", "main", "open_trajectory"]
 
 #: how long the server keeps an idle connection open: longer than a client keeps one in its pool (httpx, and so the
 #: openai client, 5 s), or a client may send on a connection the server is closing at that moment and get
@@ -371,18 +371,20 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> An
     )
 
 
-def _register(policy: ServedPolicy, body: RegisterBody) -> dict[str, Any]:
+def open_trajectory(policy: ServedPolicy, trajectory_id: str, deadline_s: float | None) -> dict[str, Any]:
+    """``POST /trajectories``: a new trajectory and the agent key that identifies it."""
     try:
-        policy.recorder.register(body.id, body.deadline_s)
+        policy.recorder.register(trajectory_id, deadline_s)
     except ValueError as e:
         raise ServiceError(409, str(e), param="id") from None
     key = secrets.token_urlsafe(24)
     with policy.lock:
-        policy.agent_keys[key] = body.id
-    return {"id": body.id, "api_key": key}
+        policy.agent_keys[key] = trajectory_id
+    return {"id": trajectory_id, "api_key": key}
 
 
-def _forget(policy: ServedPolicy, trajectory_id: str) -> dict[str, Any]:
+def close_trajectory(policy: ServedPolicy, trajectory_id: str) -> dict[str, Any]:
+    """``DELETE /trajectories/<id>``: the trajectory forgotten, its agent keys refused from now on."""
     if not policy.recorder.forget(trajectory_id):
         raise ServiceError(404, f"no trajectory {trajectory_id!r} on this server")
     with policy.lock:
@@ -525,7 +527,7 @@ def _trajectory_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.post("/trajectories")
     def register(body: RegisterBody, request: Request) -> dict[str, Any]:
         _caller(policy, request)
-        return _register(policy, body)
+        return open_trajectory(policy, body.id, body.deadline_s)
 
     @app.get("/trajectories/{trajectory_id}")
     def trajectory(trajectory_id: str, request: Request) -> dict[str, Any]:
@@ -538,7 +540,7 @@ def _trajectory_routes(app: FastAPI, policy: ServedPolicy) -> None:
     @app.delete("/trajectories/{trajectory_id}")
     def close(trajectory_id: str, request: Request) -> dict[str, Any]:
         _caller(policy, request)
-        return _forget(policy, trajectory_id)
+        return close_trajectory(policy, trajectory_id)
 
 
 def _weight_routes(app: FastAPI, policy: ServedPolicy) -> None:

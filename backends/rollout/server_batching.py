@@ -112,11 +112,15 @@ class EngineBatcher:
     def stats(self) -> dict[str, int]:
         return {"engine/calls": self.calls, "engine/requests": self.requests, "engine/largest_call": self.largest}
 
-    def close(self) -> None:
-        """Refuse new requests; the waiting ones fail, the call under way finishes."""
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Refuse new requests; the waiting ones fail, the call under way finishes, and the worker is joined (a
+        daemon thread left running into the interpreter's exit can abort the process)."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join(timeout_s)
 
     def _work(self) -> None:
         while True:
