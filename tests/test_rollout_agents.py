@@ -3,8 +3,8 @@ samples through a server of the run's in-process engine, and the batch holds exa
 
 What it costs: one tiny in-process engine and an in-process server thread (no extra process) for the module; the
 deadline test waits two seconds for its hung agent; the recipe test (slow) is two GRPO steps on a forked rank
-(about 20 s, most of it the recipe's start-up); the learning run (slow, distributed) 65-130 s on 2 shared cores, half
-of it the SFT stage.
+(about 20 s, most of it the recipe's start-up); the learning run (slow, distributed) about 50 s on 2 quiet cores and up
+to about two minutes under other work, half of it the SFT stage; its longer variant (long) about 4 minutes.
 """
 
 from __future__ import annotations
