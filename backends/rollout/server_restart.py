@@ -9,6 +9,10 @@ pushes the weights of the engine's current version through the same checked push
 unanswered requests again. Their answers are checked as every answer is: each token carries its weight version and
 must be the engine's, so no token of a stale or half-synced server is trained on.
 
+A frozen server is found by the request deadline (``request_timeout_s``), while the other ranks wait in that
+collective: keep the deadline below the process group's (``deadlines.process_group``), or the group's watchdog ends
+the run first.
+
 At most ``rollout.vllm_server.max_restarts`` restarts over the run; a failure after that is an error naming the
 server and the count. A server pointed at (``rollout.vllm_server.urls``) is not restarted: its failure is an error
 that says so. To push the current weights, the first rank keeps the last set it pushed (references to the tensors
