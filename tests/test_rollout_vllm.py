@@ -159,6 +159,22 @@ def test_seed_makes_samples_reproducible(setup):
     assert len({tuple(r) for r in a.response_ids[:4].tolist()}) > 1
 
 
+def test_row_keys_give_each_request_the_samples_of_a_call_of_its_own(setup):
+    """Requests batched into one call (a rollout server's agents) with RowKeys: each samples what it does alone."""
+    from backends.rollout.row_random import RowKeys
+
+    _, _, tok, rollout = setup
+    sampling = SamplingConfig(n=2, max_new_tokens=8)
+    first, second = prompts_of(tok)[:2], prompts_of(tok)[2:3]
+
+    def rows(batch, indices):
+        return [batch.response_ids[r][batch.response_mask[r]].tolist() for r in indices]
+
+    together = generate(rollout, second + first, sampling, seed=RowKeys.of_requests([8, 3], [2, 4]))
+    assert rows(together, [0, 1]) == rows(generate(rollout, second, sampling, seed=8), [0, 1])
+    assert rows(together, [2, 3, 4, 5]) == rows(generate(rollout, first, sampling, seed=3), [0, 1, 2, 3])
+
+
 def test_sampling_options_map_one_to_one(setup):
     _, _, _, rollout = setup
     sampling = VLLMSamplingConfig(n=5, temperature=0.7, top_k=9, top_p=0.8, max_new_tokens=13, seed=4, stop=("=",))
