@@ -77,7 +77,7 @@ from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
 from backends.rollout.native_session import NativeSession, start_session
 from backends.rollout.native_turns import NativeTurnStream
-from backends.rollout.row_random import row_uniforms
+from backends.rollout.row_random import RowKeys, row_uniforms
 from backends.rollout.scheduler import BatchingLimits, WeightUpdates, generate_continuous
 from backends.rollout.weight_sync import check_sync_tensor
 from rlfunc.batch import RolloutBatch, validate
@@ -193,7 +193,7 @@ class NativeRollout:
         sampling: SamplingConfig = SamplingConfig(),
         *,
         group_ids: Tensor | None = None,
-        seed: int | None = None,
+        seed: int | RowKeys | None = None,
     ) -> RolloutBatch:
         return generate(self, prompts, sampling_options(sampling), group_ids=group_ids, seed=seed)
 
@@ -361,7 +361,7 @@ def generate(
     sampling: SamplingConfig = SamplingConfig(),
     *,
     group_ids: Tensor | None = None,
-    seed: int | None = None,
+    seed: int | RowKeys | None = None,
     generator: torch.Generator | None = None,
 ) -> RolloutBatch:
     """Sample ``sampling.n`` responses per prompt; return a validated :class:`rlfunc.RolloutBatch`.
@@ -376,7 +376,8 @@ def generate(
     Randomness: row ``r``'s ``k``-th token inverts its CDF at ``row_uniforms(seed, r, k)``
     (:mod:`backends.rollout.row_random`), ``seed`` defaulting to ``sampling.seed`` (or drawn once from
     ``generator`` if given, which advances it): the same seed and inputs give the same samples, in either batching
-    mode and whichever rows share a step.
+    mode and whichever rows share a step. ``seed`` may be a :class:`~backends.rollout.row_random.RowKeys`: each
+    row then draws as its own request would alone (a server batching several requests into one call).
     """
     prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
     group_ids = check_group_ids(group_ids, len(prompts))
