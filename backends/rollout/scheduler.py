@@ -45,7 +45,7 @@ from backends.rollout.common import SamplingConfig, left_pad, sample_tokens
 from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
-from backends.rollout.row_random import row_uniforms
+from backends.rollout.row_random import RowKeys, row_uniforms
 
 __all__ = ["BatchingLimits", "ContinuousBatcher", "WeightUpdates", "generate_continuous", "pool_blocks"]
 
@@ -136,7 +136,7 @@ class ContinuousBatcher:
         rollout: Any,
         prompts: list[list[int]],
         sampling: SamplingConfig,
-        seed: int,
+        seed: int | RowKeys,
         limits: BatchingLimits,
         updates: WeightUpdates | None = None,
     ) -> None:
@@ -322,7 +322,7 @@ def generate_continuous(
     rollout: Any,
     prompts: list[list[int]],
     sampling: SamplingConfig,
-    seed: int,
+    seed: int | RowKeys,
     limits: BatchingLimits,
     updates: WeightUpdates | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
