@@ -99,8 +99,9 @@ class GraphedDecodeStep(PaddedDecodeStep):
 
     def _capture(self, bucket: int) -> None:
         """Record the bucket's step: one run on a side stream first (libraries set up their per-stream state
-        outside the capture, as PyTorch's CUDA-graph notes ask), then the capture on that stream. Both write the
-        keys and values the eager step just wrote, so the cache is left as it was."""
+        outside the capture, as PyTorch's CUDA-graph notes ask), then the capture on that stream, which records
+        without running. The side-stream run writes the keys and values the eager step just wrote, so the cache is
+        left as it was."""
         device = self.cache.device
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
