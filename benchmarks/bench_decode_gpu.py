@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model  # noqa: E402
-from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.common import SamplingConfig, left_pad  # noqa: E402
 from backends.rollout.native import BatchingLimits, build_native_rollout, generate  # noqa: E402
 
 #: bytes/s of HBM as the vendors state it (GPU name substring -> bandwidth)
@@ -83,12 +83,10 @@ def decode_bytes(model: torch.nn.Module, rows: int, mean_context: float) -> tupl
 
 def hf_generate(model, prompts: list[list[int]], n: int, max_new: int, pad: int, seed: int) -> int:
     torch.manual_seed(seed)
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    ids, mask = left_pad(prompts, pad)
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.long().to(model.device),
         do_sample=True,
         temperature=1.0,
         top_k=0,
@@ -98,7 +96,7 @@ def hf_generate(model, prompts: list[list[int]], n: int, max_new: int, pad: int,
         num_return_sequences=n,
         pad_token_id=pad,
     )
-    return (out.shape[1] - width) * out.shape[0]
+    return (out.shape[1] - ids.shape[1]) * out.shape[0]
 
 
 def _args() -> argparse.Namespace:
