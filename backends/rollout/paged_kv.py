@@ -220,12 +220,12 @@ class PagedKVCache:
         """Make the block of each slot's next position (``positions``) its own: a fresh block at a block
         boundary, a copy of a shared partial block (copy-on-write) where others still hold it."""
         bs = self.block_size
-        check = (positions % bs == 0).nonzero().squeeze(-1).tolist()
-        if self.shared_tail:
-            check = sorted({*check, *(i for i, s in enumerate(slots.tolist()) if s in self.shared_tail)})
-        taken, copies = [], []
+        # the bookkeeping is the host's: one read of the slots and positions, not one per row (each a device sync)
+        slots_h, positions_h = slots.tolist(), positions.tolist()
+        check = [i for i, pos in enumerate(positions_h) if pos % bs == 0 or slots_h[i] in self.shared_tail]
+        taken, copies, table = [], [], []
         for i in check:
-            slot, pos = int(slots[i]), int(positions[i])
+            slot, pos = slots_h[i], positions_h[i]
             if pos % bs and self.pool.refcount[self.blocks[slot][-1]] == 1:
                 self.shared_tail.discard(slot)  # the partial block's last holder writes in place: one of its own
                 self.reserve[slot] -= 1
@@ -241,7 +241,10 @@ class PagedKVCache:
                 self.pool.drop(old)
                 self.blocks[slot][-1] = block
                 copies.append((block, old, pos % bs))
-            self.block_table[slot, pos // bs] = block
+            table.append((slot, pos // bs, block))
+        if table:
+            rows, columns, blocks = (torch.tensor(x, device=self.device) for x in zip(*table))
+            self.block_table[rows, columns] = blocks
         if taken:
             self._zero(taken)
         for block, old, count in copies:
