@@ -66,8 +66,19 @@ class RowKeys:
     #: the seeds as hash words, once (a decode step asks for them every token)
     words: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
 
+    #: (words, rows) as int64 tensors per device, built at the first draw there (a decode step draws every token)
+    _tensors: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
+
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "words", tuple(_seed_word(s) for s in self.seeds))
+
+    def tensors(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """The seeds' hash words and the rows as int64 tensors on ``device``."""
+        if device not in self._tensors:
+            self._tensors[device] = tuple(
+                torch.tensor(x, dtype=torch.long, device=device) for x in (self.words, self.rows)
+            )
+        return self._tensors[device]
 
     @classmethod
     def of_requests(cls, seeds: Sequence[int], row_counts: Sequence[int]) -> RowKeys:
@@ -86,8 +97,8 @@ def row_uniforms(seed: int | RowKeys, rows: Tensor, draws: Tensor | int) -> Tens
     """
     rows = rows.long()
     if isinstance(seed, RowKeys):
-        key = torch.tensor(seed.words, dtype=torch.long, device=rows.device)[rows]
-        rows = torch.tensor(seed.rows, dtype=torch.long, device=rows.device)[rows]
+        words, keyed_rows = seed.tensors(rows.device)
+        key, rows = words[rows], keyed_rows[rows]
     else:
         key = _seed_word(seed)
     draws = torch.as_tensor(draws, dtype=torch.long, device=rows.device)
