@@ -76,6 +76,50 @@ def test_the_padded_step_samples_what_the_eager_step_samples(setup):
     assert len(pool.free) == pool.usable and pool.reserved == 0 and not any(pool.refcount)
 
 
+@pytest.mark.parametrize(
+    "step", ["eager", "padded", pytest.param("graphed", marks=pytest.mark.gpu)], ids=lambda s: f"{s}-step"
+)
+def test_overlapped_steps_sample_what_waiting_steps_sample(setup, step):
+    """What the batcher does on CUDA (run on the CPU too): the next decode step is queued before the sampled tokens
+    are read, so a row that sampled its EOS steps once more. Each run feeds every row one step per token it sampled
+    after its first, plus, when overlapped, one for each row that ended on its EOS before its token limit; every
+    block comes back; and the tokens are those of the batcher that waits for them (on the CPU all of them, the
+    log-probs equal to float rounding; on a GPU a batch of another size may round a product differently, so 95%)."""
+    path, _, tok, eos = setup
+    rollout = build_native_rollout(path, tok, eos_token_ids=eos, device="cuda" if step == "graphed" else "cpu")
+    prompts = _prompts(tok, 11)
+    sampling = SamplingConfig(n=3, max_new_tokens=20, seed=3)
+    limits = BatchingLimits(max_slots=13, block_size=4)
+    ends = torch.tensor(eos)
+    runs = {}
+    for overlap in (False, True):
+        with torch.inference_mode():
+            batcher = ContinuousBatcher(rollout, prompts, sampling, 3, limits)
+            batcher.overlap = overlap
+            if step == "padded":
+                batcher.graphed_step = PaddedDecodeStep(batcher.decoder, batcher.cache, batcher.max_len)
+            assert (batcher.graphed_step is not None) == (step != "eager")
+            fed, grow = [], batcher.cache.grow
+            batcher.cache.grow = lambda slots, positions: fed.append(len(slots)) or grow(slots, positions)
+            tokens, logprobs = batcher.run()
+        pool = batcher.cache.pool
+        assert len(pool.free) == pool.usable and pool.reserved == 0 and not any(pool.refcount), overlap
+        assert sorted(batcher.free_slots) == list(range(13)), overlap
+        tokens, logprobs = tokens.cpu(), logprobs.cpu()
+        is_end = torch.isin(tokens, ends)
+        lengths = torch.where(is_end.any(-1), is_end.float().argmax(-1) + 1, sampling.max_new_tokens)
+        early = int((lengths < sampling.max_new_tokens).sum())
+        assert early > 0 and sum(fed) == int((lengths - 1).sum()) + (early if overlap else 0), overlap
+        runs[overlap] = tokens, logprobs
+    (tokens, logprobs), (want_tokens, want_logprobs) = runs[True], runs[False]
+    if step == "graphed":
+        width = min(tokens.shape[1], want_tokens.shape[1])
+        assert float((tokens[:, :width] == want_tokens[:, :width]).float().mean()) > 0.95
+    else:
+        assert torch.equal(tokens, want_tokens)
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_the_decode_step_replays_from_cuda_graphs_with_the_trainers_logprobs(setup):
     """On CUDA the continuous engine captures one graph per bucket of rows and replays it: the log-probs of what it

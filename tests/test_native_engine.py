@@ -328,6 +328,33 @@ def test_more_prompts_than_slots_all_complete(setup):
     assert bool((ended | full).all())  # every row ended at an EOS or ran to max_new_tokens
 
 
+def test_each_prompt_stops_at_its_own_limit(setup):
+    """Per-prompt limits (a server's requests each carry their own): a row samples what it samples under one shared
+    limit, up to its own limit, and nothing after it; every block comes back; bad limits are refused by name."""
+    _, tok, rollout = setup
+    prompts = _prompts(tok, 10)
+    sampling = SamplingConfig(n=2, max_new_tokens=16, seed=6)
+    limits = [1 + 3 * i % 16 for i in range(len(prompts))]
+    with torch.inference_mode():
+        shared, shared_lp, _ = scheduler.generate_continuous(rollout, prompts, sampling, 6, BatchingLimits())
+        batcher = ContinuousBatcher(rollout, prompts, sampling, 6, BatchingLimits(max_slots=6), max_new_tokens=limits)
+        tokens, logprobs = batcher.run()
+    assert tokens.shape[1] <= max(limits)
+    eos = torch.tensor(rollout.eos_token_ids)
+    for row in range(tokens.shape[0]):
+        limit = limits[row // 2]
+        ended = torch.isin(shared[row, :limit], eos).nonzero()
+        length = int(ended[0]) + 1 if ended.numel() else limit
+        assert torch.equal(tokens[row, :length], shared[row, :length]), row
+        torch.testing.assert_close(logprobs[row, :length], shared_lp[row, :length], rtol=0, atol=1e-5)
+        assert (logprobs[row, length:] == 0).all() and (tokens[row, length:] == tok.pad_token_id).all(), row
+    pool = batcher.cache.pool
+    assert len(pool.free) == pool.usable and pool.reserved == 0
+    for bad, match in (([4] * 9, "10 prompts"), ([4] * 9 + [0], r"max_new_tokens\[9\] is 0")):
+        with pytest.raises(ValueError, match=match):
+            ContinuousBatcher(rollout, prompts, sampling, 6, BatchingLimits(), max_new_tokens=bad)
+
+
 # --------------------------------------------------------------------------------------------------
 # Config: rollout.native.*
 

@@ -19,6 +19,7 @@ import rlfunc as rf
 from backends.loop.algorithm import stamp_policy_version
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
+from backends.rollout.scheduler import ContinuousBatcher
 from tests.test_native_engine import TEXTS, TINY  # sharp, position-dependent distributions
 from tests.test_rollout_native import trainer_logprobs  # an fp32 HF forward over prompt + response
 
@@ -180,6 +181,27 @@ def test_the_corrections_see_the_versions(models):
     # without engine versions the trainer stamps the whole batch with its version, as before
     plain, _ = stamp_policy_version(batch.replace(policy_version=None), 0, current=1)
     assert (plain.policy_version == 0).all()
+
+
+@pytest.mark.parametrize(
+    "limits", [BatchingLimits(), BatchingLimits(max_slots=4, block_size=4)], ids=["all-slots", "few-slots"]
+)
+def test_overlapped_steps_take_the_boundarys_weights_as_waiting_steps_do(models, limits, monkeypatch):
+    """The batcher as it runs on CUDA (the next decode step queued before the sampled tokens are read), on the CPU:
+    a boundary sees the rows the waiting batcher sees, so the tokens, versions and log-probs are the same."""
+    waiting, _ = _partial_batch(models, limits)
+    init = ContinuousBatcher.__init__
+
+    def overlapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.overlap = True
+
+    monkeypatch.setattr(ContinuousBatcher, "__init__", overlapped)
+    batch, updates = _partial_batch(models, limits)
+    assert updates.current == 1
+    assert torch.equal(batch.response_ids, waiting.response_ids)
+    assert torch.equal(batch.policy_version, waiting.policy_version)
+    torch.testing.assert_close(batch.rollout_logprobs, waiting.rollout_logprobs, rtol=0, atol=1e-5)
 
 
 def test_the_lockstep_loop_refuses_partial_rollouts(models):

@@ -105,7 +105,7 @@ class NativeTurnStream:
         self.uniforms = None
         if sampling.temperature > 0.0:
             self.uniforms = torch.rand((rows, max_slots + 1), generator=generator, device=self.device)
-        self.eos = torch.tensor(rollout.eos_token_ids, device=self.device)
+        self.eos_ids = set(rollout.eos_token_ids)
         self.waiting = collections.deque(range(len(self.prompts)))
         self.free_slots = list(range(slots - 1, -1, -1))
         self.slot_of = [-1] * rows  #: each row's cache slot; -1: not admitted yet, or closed
@@ -276,18 +276,20 @@ class NativeTurnStream:
         offsets = torch.arange(width)
         valid = offsets[None] < lengths[:, None]
         positions = start[:, None] + torch.minimum(offsets[None], (lengths - 1)[:, None])
-        slots = torch.tensor([self.slot_of[r] for r, _ in feeding], dtype=torch.long, device=self.device)
-        tokens, valid, positions = tokens.to(self.device), valid.to(self.device), positions.to(self.device)
+        slot_list = [self.slot_of[r] for r, _ in feeding]
         for j in range(width):  # each position's block made the row's own, one position per slot at a time
-            rows = valid[:, j].nonzero().squeeze(-1)
-            self.cache.grow(slots[rows], positions[rows, j])
+            rows = [i for i, (_, pending) in enumerate(feeding) if j < len(pending)]
+            self.cache.grow([slot_list[i] for i in rows], [self.position[feeding[i][0]] + j for i in rows])
+        slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
+        tokens, valid, positions = tokens.to(self.device), valid.to(self.device), positions.to(self.device)
         return tokens, slots, positions, valid
 
     def _step_inputs(self, token: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Tokens, slots and positions of the working rows' decode step, their blocks grown."""
-        slots = torch.tensor([self.slot_of[r] for r in self.work_rows], dtype=torch.long, device=self.device)
-        positions = torch.tensor([self.position[r] for r in self.work_rows], dtype=torch.long, device=self.device)
-        self.cache.grow(slots, positions)
+        slots = [self.slot_of[r] for r in self.work_rows]
+        positions = [self.position[r] for r in self.work_rows]
+        self.cache.grow(slots, positions)  # host lists: its bookkeeping reads nothing from the device
+        slots, positions = torch.tensor([slots, positions], dtype=torch.long, device=self.device)  # one copy
         return token, slots, positions
 
     def _sample(self) -> tuple[list[EndedTurn], Tensor]:
@@ -300,9 +302,11 @@ class NativeTurnStream:
         token = sample_tokens(logits, self.sampling, None, uniform=uniform)
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         self.num_sampled[rows] += 1
-        is_eos = torch.isin(token, self.eos)
+        # one read of the device for the tokens and their log-probs (float64 holds both exactly)
+        sampled, logprobs = torch.stack([token.double(), logprob.double()]).tolist()
         ended, keep = [], []
-        for i, (r, t, lp, eos) in enumerate(zip(self.work_rows, token.tolist(), logprob.tolist(), is_eos.tolist())):
+        for i, (r, t, lp) in enumerate(zip(self.work_rows, map(int, sampled), logprobs)):
+            eos = t in self.eos_ids
             out_tokens, out_logprobs, out_sampled = self.turn[r]
             out_tokens.append(t), out_logprobs.append(lp), out_sampled.append(True)
             self.added[r] += 1

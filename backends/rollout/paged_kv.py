@@ -216,12 +216,13 @@ class PagedKVCache:
         if prompt_len % bs:
             self.shared_tail.update(slots)
 
-    def grow(self, slots: Tensor, positions: Tensor) -> None:
+    def grow(self, slots: Tensor | list[int], positions: Tensor | list[int]) -> None:
         """Make the block of each slot's next position (``positions``) its own: a fresh block at a block
-        boundary, a copy of a shared partial block (copy-on-write) where others still hold it."""
+        boundary, a copy of a shared partial block (copy-on-write) where others still hold it. The bookkeeping is
+        the host's: given device tensors it reads each once (one device sync each; host lists cost none)."""
         bs = self.block_size
-        # the bookkeeping is the host's: one read of the slots and positions, not one per row (each a device sync)
-        slots_h, positions_h = slots.tolist(), positions.tolist()
+        slots_h = slots.tolist() if isinstance(slots, Tensor) else slots
+        positions_h = positions.tolist() if isinstance(positions, Tensor) else positions
         check = [i for i, pos in enumerate(positions_h) if pos % bs == 0 or slots_h[i] in self.shared_tail]
         taken, copies, table = [], [], []
         for i in check:

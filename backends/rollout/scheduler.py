@@ -9,12 +9,20 @@ A request is one prompt and its ``n`` samples. Each iteration of :meth:`Continuo
 2. prefills the admitted prompts together, once per prompt (the samples share its blocks);
 3. samples one token for every working row (the new rows from their prompt's last logits), with the uniform keyed
    by the row's index in the output and its number of tokens so far (:func:`backends.rollout.row_random.row_uniforms`);
-4. frees the rows that ended (EOS, or ``max_new_tokens`` tokens) and their slots and blocks;
+4. frees the rows that ended (EOS, or their request's ``max_new_tokens`` tokens) and their slots and blocks;
 5. runs one decode step of the rows still running, each at its own position (on CUDA replayed from a CUDA graph
    of the step at fixed shapes: :mod:`backends.rollout.decode_graphs`).
 
 So a short row's slot takes the next request at once instead of idling until the batch's longest row ends, and
-more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
+more requests than slots stream through a bounded cache.
+
+The bookkeeping (slots, positions, tokens drawn, blocks) is the host's, in lists: an iteration reads the device once,
+for the tokens it sampled (to see the EOS), and writes it once per tensor it builds. On CUDA (``overlap``) steps 4
+and 5 swap: the decode step of every row below its limit is queued first, the tokens are read while it runs, and a
+row that sampled its EOS has stepped once for nothing (its logits are dropped). The host then never holds the
+device idle between two steps (TensorRT-LLM's overlap scheduler and SGLang's zero-overhead scheduler make the same
+trade: one extra step per finished row); on a CPU, where a step runs as it is called, nothing overlaps and the
+batcher waits for the tokens first. The prefill of new prompts and the decode step of running
 rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
 
 **Partial rollouts** (``updates``, a :class:`WeightUpdates`): every ``updates.chunk_tokens`` iterations the batcher
@@ -92,21 +100,59 @@ class WeightUpdates(Protocol):
 
 @attrs.define
 class _Working:
-    """The running rows, in the order the decode step computes them (tensors of length ``b``)."""
+    """The running rows, in the order the decode step computes them: host lists of length ``b`` (the scheduler's
+    bookkeeping never reads the device) and their next-token logits on the device."""
 
-    slot: Tensor  #: cache slot
-    row: Tensor  #: row of the output batch
-    position: Tensor  #: position of the next token to feed (the tokens the row holds)
-    drawn: Tensor  #: tokens sampled so far
+    slot: list[int]  #: cache slot
+    row: list[int]  #: row of the output batch
+    position: list[int]  #: position of the next token to feed (the tokens the row holds)
+    drawn: list[int]  #: tokens sampled so far
     logits: Tensor  #: (b v) fp32: next-token logits
 
-    def keep(self, index: Tensor) -> None:
-        for name in ("slot", "row", "position", "drawn", "logits"):
-            setattr(self, name, getattr(self, name)[index])
+    def keep(self, index: list[int]) -> None:
+        """Keep rows ``index``, in that order."""
+        for name in ("slot", "row", "position", "drawn"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in index])
+        if len(index) != self.logits.shape[0]:
+            self.logits = self.logits[torch.tensor(index, dtype=torch.long, device=self.logits.device)]
 
     def extend(self, other: _Working) -> None:
-        for name in ("slot", "row", "position", "drawn", "logits"):
-            setattr(self, name, torch.cat([getattr(self, name), getattr(other, name)]))
+        for name in ("slot", "row", "position", "drawn"):
+            getattr(self, name).extend(getattr(other, name))
+        self.logits = torch.cat([self.logits, other.logits])
+
+
+class _TokensOnHost:
+    """A device tensor's copy to the host, started now and waited for by :meth:`values`: on CUDA into pinned
+    memory behind an event, so the host waits for the work queued before the copy and not for what it queues
+    after (the next decode step)."""
+
+    def __init__(self, tokens: Tensor) -> None:
+        self.event = None
+        if tokens.device.type == "cuda":
+            self.host = tokens.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tokens
+
+    def values(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def _prompt_limits(max_new_tokens: list[int] | None, prompts: int, default: int) -> list[int]:
+    """Each prompt's most new tokens: ``max_new_tokens`` (checked) or ``default`` for all."""
+    if max_new_tokens is None:
+        return [default] * prompts
+    if len(max_new_tokens) != prompts:
+        raise ValueError(f"max_new_tokens has {len(max_new_tokens)} limits for {prompts} prompts: give one per prompt")
+    bad = [(i, m) for i, m in enumerate(max_new_tokens) if not isinstance(m, int) or isinstance(m, bool) or m < 1]
+    if bad:
+        raise ValueError(f"max_new_tokens[{bad[0][0]}] is {bad[0][1]!r}: each prompt's limit must be an int >= 1")
+    return list(max_new_tokens)
 
 
 def pool_blocks(rollout: Any, limits: BatchingLimits, slots: int, max_len: int) -> int:
@@ -139,13 +185,17 @@ class ContinuousBatcher:
         seed: int | RowKeys,
         limits: BatchingLimits,
         updates: WeightUpdates | None = None,
+        max_new_tokens: list[int] | None = None,
     ) -> None:
         self.rollout, self.prompts, self.sampling, self.seed = rollout, prompts, sampling, seed
         if updates is not None and not (isinstance(updates.chunk_tokens, int) and updates.chunk_tokens > 0):
             raise ValueError(f"WeightUpdates.chunk_tokens must be a positive int, got {updates.chunk_tokens!r}")
         self.updates = updates
-        device, n, max_new = rollout.device, sampling.n, sampling.max_new_tokens
-        self.device, self.n, self.max_new = device, n, max_new
+        device, n = rollout.device, sampling.n
+        self.device, self.n = device, n
+        #: each prompt's most new tokens per sample (a request's own limit, as a server's requests have)
+        self.max_new = _prompt_limits(max_new_tokens, len(prompts), sampling.max_new_tokens)
+        max_new = max(self.max_new, default=sampling.max_new_tokens)
         rows = len(prompts) * n
         slots = min(rows, limits.max_slots or DEFAULT_MAX_SLOTS)
         if slots < n:
@@ -153,13 +203,14 @@ class ContinuousBatcher:
                 f"rollout.native.max_slots={slots} is fewer than rollout.n={n}: a prompt's samples are admitted "
                 "together, so the slots must hold n rows at least"
             )
-        self.max_len = max(map(len, prompts)) + max_new
+        self.max_len = max((len(p) + m for p, m in zip(prompts, self.max_new)), default=max_new)
         bs = limits.block_size
         num_blocks = pool_blocks(rollout, limits, slots, self.max_len)
-        self.needs = [blocks_for_request(len(p), n, max_new, bs) for p in prompts]
+        self.needs = [blocks_for_request(len(p), n, m, bs) for p, m in zip(prompts, self.max_new)]
         for i, need in enumerate(self.needs):
             if need > num_blocks - 1:
-                raise ValueError(request_too_large(i, len(prompts[i]), n, max_new, need, max(num_blocks - 1, 0), bs))
+                usable = max(num_blocks - 1, 0)
+                raise ValueError(request_too_large(i, len(prompts[i]), n, self.max_new[i], need, usable, bs))
         make_cache = functools.partial(
             PagedKVCache.allocate, slots=slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
         )
@@ -177,10 +228,14 @@ class ContinuousBatcher:
         self.cache.reset()
         graphed = device.type == "cuda" and limits.cuda_graphs
         self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, self.max_len) if graphed else None
+        #: queue each decode step before reading the tokens sampled before it (on CUDA, where the device runs
+        #: behind the host): the rows that just sampled their EOS step once more, for nothing, and in exchange the
+        #: device never waits for the host's bookkeeping between two steps
+        self.overlap = device.type == "cuda"
         self.prefill_tokens = limits.prefill_tokens
         self.waiting = collections.deque(range(len(prompts)))
         self.free_slots = list(range(slots - 1, -1, -1))
-        self.eos = torch.tensor(rollout.eos_token_ids, device=device)
+        self.eos = set(rollout.eos_token_ids)
         self.tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
         self.logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
         self.version = updates.version() if updates is not None else 0  #: of the weights sampling now
@@ -195,38 +250,61 @@ class ContinuousBatcher:
 
     def run(self) -> tuple[Tensor, Tensor]:
         """Raw tokens and log-probs ``(rows steps)``, as the lock-step loop returns them."""
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        work = _Working(empty, empty, empty, empty, torch.zeros(0, self.rollout.vocab_size, device=self.device))
-        while self.waiting or work.row.numel():
+        work = _Working([], [], [], [], torch.zeros(0, self.rollout.vocab_size, device=self.device))
+        while self.waiting or work.row:
             if self.updates is not None and self.iterations and self.iterations % self.updates.chunk_tokens == 0:
                 self._boundary(work)
             admitted = self._admit()
             if admitted:
                 work.extend(self._prefill(admitted))
-            if not work.row.numel():
+            if not work.row:
                 raise RuntimeError("continuous batching: requests wait but none can be admitted (a check was skipped)")
             self.iterations += 1
             self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
-            self.peak_rows = max(self.peak_rows, work.row.numel())
+            self.peak_rows = max(self.peak_rows, len(work.row))
             token = self._sample(work)
-            running = ~(torch.isin(token, self.eos) | (work.drawn >= self.max_new))
-            if not bool(running.all()):
-                for slot in work.slot[~running].tolist():
-                    self.cache.release(slot)
-                    self.free_slots.append(slot)
-                keep = running.nonzero().squeeze(-1)
-                work.keep(keep)
-                token = token[keep]
-            if work.row.numel():
-                self.cache.grow(work.slot, work.position)
-                if self.graphed_step is not None:
-                    logits = self.graphed_step(token, work.slot, work.position)
-                else:
-                    length = int(work.position.max()) + 1
-                    logits = self.decoder.step_paged(token, work.slot, work.position, length)
-                work.logits = logits.float()  # read before the next step: a graph's logits are overwritten there
-                work.position = work.position + 1
+            sampled = _TokensOnHost(token)
+            below_limit = [i for i, (r, d) in enumerate(zip(work.row, work.drawn)) if d < self.max_new[r // self.n]]
+            if self.overlap:
+                # the next step is queued before this step's tokens reach the host: a row that sampled its EOS
+                # steps once more (its logits are dropped), and the device does not wait for the bookkeeping
+                stepped = self._step(work, token, below_limit)
+                tokens = sampled.values()
+                going = [j for j, i in enumerate(below_limit) if tokens[i] not in self.eos]
+                self._release(work, sorted(set(range(len(tokens))) - {below_limit[j] for j in going}))
+                stepped.keep(going)
+            else:
+                tokens = sampled.values()
+                running = [i for i in below_limit if tokens[i] not in self.eos]
+                self._release(work, sorted(set(range(len(tokens))) - set(running)))
+                stepped = self._step(work, token, running)
+            work = stepped
         return self.tokens[:, : self.steps], self.logprobs[:, : self.steps]
+
+    def _release(self, work: _Working, index: list[int]) -> None:
+        """Working rows ``index`` have ended: their slots and blocks are free (a decode step already queued that
+        still writes into them runs before any later use of them: the device runs its work in order)."""
+        for i in index:
+            self.cache.release(work.slot[i])
+            self.free_slots.append(work.slot[i])
+
+    def _step(self, work: _Working, token: Tensor, index: list[int]) -> _Working:
+        """One decode step of working rows ``index``, each fed its entry of ``token (b)``: those rows, one position
+        further, with the step's logits."""
+        slot, row = [work.slot[i] for i in index], [work.row[i] for i in index]
+        position, drawn = [work.position[i] for i in index], [work.drawn[i] for i in index]
+        if not index:
+            return _Working(slot, row, position, drawn, work.logits[:0])
+        if len(index) != len(work.row):
+            token = token[torch.tensor(index, dtype=torch.long, device=self.device)]
+        self.cache.grow(slot, position)
+        slots, positions = torch.tensor([slot, position], dtype=torch.long, device=self.device)  # one copy
+        if self.graphed_step is not None:
+            logits = self.graphed_step(token, slots, positions)
+        else:
+            logits = self.decoder.step_paged(token, slots, positions, max(position) + 1)
+        # read before the next step: a graph's logits are overwritten there
+        return _Working(slot, row, [p + 1 for p in position], drawn, logits.float())
 
     def _admit(self) -> list[tuple[int, list[int]]]:
         """Waiting requests that fit now, each with its slots."""
@@ -241,7 +319,7 @@ class ContinuousBatcher:
                 break
             self.waiting.popleft()
             slots = [self.free_slots.pop() for _ in range(self.n)]
-            self.cache.admit(slots, prompt_len, self.max_new)
+            self.cache.admit(slots, prompt_len, self.max_new[i])
             admitted.append((i, slots))
             tokens += prompt_len
         return admitted
@@ -254,23 +332,24 @@ class ContinuousBatcher:
         ids, mask = ids.to(device), mask.to(device)
         self.cache.begin_prefill(torch.tensor([slots[0] for _, slots in admitted], device=device), mask)
         logits = self.decoder.prefill(ids, mask, copies=1).float().repeat_interleave(n, dim=0)
-        slot = torch.tensor([s for _, slots in admitted for s in slots], dtype=torch.long, device=device)
-        row = torch.tensor([i * n + j for i, _ in admitted for j in range(n)], dtype=torch.long, device=device)
-        position = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device).repeat_interleave(n)
-        return _Working(slot, row, position, torch.zeros_like(row), logits)
+        slot = [s for _, slots in admitted for s in slots]
+        row = [i * n + j for i, _ in admitted for j in range(n)]
+        position = [len(p) for p in prompts for _ in range(n)]
+        return _Working(slot, row, position, [0] * len(row), logits)
 
     def _sample(self, work: _Working) -> Tensor:
         """One token per working row, recorded in the outputs; counts it in ``work.drawn``."""
+        rows, drawn = torch.tensor([work.row, work.drawn], dtype=torch.long, device=self.device)  # one copy
         uniform = None
         if self.sampling.temperature > 0.0:
-            uniform = row_uniforms(self.seed, work.row, work.drawn)[:, None]
+            uniform = row_uniforms(self.seed, rows, drawn)[:, None]
         token = sample_tokens(work.logits, self.sampling, None, uniform=uniform)
         logprob = torch.log_softmax(work.logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-        self.tokens[work.row, work.drawn] = token
-        self.logprobs[work.row, work.drawn] = logprob
-        self.versions[work.row, work.drawn] = self.version
-        work.drawn = work.drawn + 1
-        self.steps = max(self.steps, int(work.drawn.max()))
+        self.tokens[rows, drawn] = token
+        self.logprobs[rows, drawn] = logprob
+        self.versions[rows, drawn] = self.version
+        work.drawn = [d + 1 for d in work.drawn]
+        self.steps = max(self.steps, max(work.drawn))
         return token
 
     def _boundary(self, work: _Working) -> None:
@@ -289,7 +368,7 @@ class ContinuousBatcher:
         self.decoder.reload_weights()
         if self.graphed_step is not None:
             self.graphed_step.forget()
-        if work.row.numel():
+        if work.row:
             work.logits = self._refill(work)
 
     def _refill(self, work: _Working) -> Tensor:
@@ -297,9 +376,8 @@ class ContinuousBatcher:
         model holds now; the next-token logits ``(b v)`` fp32. Rows are prefilled in groups of at most
         ``prefill_tokens`` tokens (at least one row a group)."""
         n, device = self.n, self.device
-        rows, drawn = work.row.tolist(), work.drawn.tolist()
-        sequences = [self.prompts[r // n] + self.tokens[r, :d].tolist() for r, d in zip(rows, drawn)]
-        if any(len(q) != int(p) for q, p in zip(sequences, work.position.tolist())):
+        sequences = [self.prompts[r // n] + self.tokens[r, :d].tolist() for r, d in zip(work.row, work.drawn)]
+        if any(len(q) != p for q, p in zip(sequences, work.position)):
             raise RuntimeError("continuous batching: a row's cache does not hold its prompt and sampled tokens")
         groups, start, tokens = [], 0, 0
         for i, q in enumerate(sequences):
@@ -312,7 +390,7 @@ class ContinuousBatcher:
         for lo, hi in groups:
             ids, mask = left_pad(sequences[lo:hi], self.rollout.pad_token_id)
             ids, mask = ids.to(device), mask.to(device)
-            self.cache.begin_refill(work.slot[lo:hi], mask)
+            self.cache.begin_refill(torch.tensor(work.slot[lo:hi], dtype=torch.long, device=device), mask)
             logits.append(self.decoder.prefill(ids, mask, copies=1).float())
         self.refilled_tokens += sum(map(len, sequences))
         return torch.cat(logits)
@@ -325,9 +403,11 @@ def generate_continuous(
     seed: int | RowKeys,
     limits: BatchingLimits,
     updates: WeightUpdates | None = None,
+    max_new_tokens: list[int] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Raw tokens, log-probs and the version of the weights that sampled each token ``(rows steps)`` of
-    ``prompts`` (checked) through continuous batching."""
-    batcher = ContinuousBatcher(rollout, prompts, sampling, seed, limits, updates)
+    ``prompts`` (checked) through continuous batching; prompt ``i``'s samples stop after ``max_new_tokens[i]``
+    tokens if given (``sampling.max_new_tokens`` else), their tokens past it are padding."""
+    batcher = ContinuousBatcher(rollout, prompts, sampling, seed, limits, updates, max_new_tokens)
     tokens, logprobs = batcher.run()
     return tokens, logprobs, batcher.versions[:, : batcher.steps]
