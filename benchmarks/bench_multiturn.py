@@ -15,12 +15,18 @@ Qwen2, hidden 256, 4 layers, fp32, one torch thread), all rows at once:
 - ``reprefill``: the same conversations, but every turn starts a fresh ``generate`` from the whole
   conversation so far, as an agent loop without a session (or a prefix cache) does;
 - ``single``: the peer without turns, one ``generate`` per row of as many tokens as ``session`` sampled
-  per trajectory on average (EOS only, so it runs to its limit).
+  per trajectory on average (EOS only, so it runs to its limit);
+- ``matched``: the peer without turns at the trajectories' own lengths: one continuous-batching call in which row
+  ``i`` samples, in one turn, as many tokens as trajectory ``i`` of a ``session`` run sampled over all its turns
+  (each row its own limit). With a fixed batch and nothing queued behind it, a batch ends with its longest
+  row, turns or not; ``single``'s rows all end together, so ``stream`` / ``single`` also charges the turns with
+  the spread of the trajectories' lengths, which ``stream`` / ``matched`` does not: that ratio is the cost of the
+  turns themselves (feeding the observations, the environments' calls).
 
 Model tokens per second are printed for each (a token counts when the model sampled it, up to and including
-its turn's EOS), with the ratios of ``stream`` and ``session`` to ``single``. ``--env-ms`` delays the environments
-of ``stream`` and ``session`` (not ``reprefill``'s, which has none). Runs alternate between the modes, so a noisy
-neighbour hits all alike; medians over ``--reps``.
+its turn's EOS), with the ratios of ``stream`` and ``session`` to ``single`` and ``matched``. ``--env-ms`` delays
+the environments of ``stream`` and ``session`` (not ``reprefill``'s, which has none). Runs alternate between the
+modes, so a noisy neighbour hits all alike; medians over ``--reps``.
 
     python benchmarks/bench_multiturn.py                      # 16 prompts x 4 samples, 4 turns
     python benchmarks/bench_multiturn.py --turns 8 --obs-chars 32
@@ -51,6 +57,7 @@ from backends.rollout.agent_loop import run_episodes  # noqa: E402
 from backends.rollout.common import SamplingConfig  # noqa: E402
 from backends.rollout.environments import MultiTurnConfig, Observation, observation_token_ids  # noqa: E402
 from backends.rollout.native import build_native_rollout, generate  # noqa: E402
+from backends.rollout.scheduler import generate_continuous  # noqa: E402
 
 
 class FixedObservation:
@@ -91,7 +98,21 @@ def run_session(rollout, examples, tokenizer, sampling, args, seed: int) -> int:
         seed=seed,
     )
     args.session_tokens.append(model_tokens(episodes.batch) / len(episodes.turns))
+    mask = episodes.batch.loss_mask if episodes.batch.loss_mask is not None else episodes.batch.response_mask
+    args.trajectory_tokens = mask.sum(-1).tolist()
     return model_tokens(episodes.batch)
+
+
+def run_matched(rollout, prompts, args, seed: int) -> int:
+    """One turn per trajectory, row ``i`` limited to trajectory ``i``'s model tokens (one prompt per row)."""
+    limits = [max(1, t) for t in args.trajectory_tokens]
+    rows = [prompts[i // args.n] for i in range(len(limits))]
+    one = SamplingConfig(n=1, temperature=1.0, max_new_tokens=max(limits))
+    with torch.inference_mode():
+        tokens, _, _ = generate_continuous(rollout, rows, one, seed, rollout.batching_limits, max_new_tokens=limits)
+    eos = torch.isin(tokens, torch.tensor(rollout.eos_token_ids))
+    first_eos = torch.where(eos.any(-1), eos.float().argmax(-1) + 1, tokens.shape[1])
+    return int(torch.minimum(first_eos, torch.tensor(limits)).sum())
 
 
 def run_reprefill(rollout, prompts, tokenizer, args, seed: int) -> int:
@@ -160,6 +181,7 @@ def main() -> None:
             "session": lambda seed: run_session(turn_by_turn, examples, tokenizer, sampling, args, seed),
             "reprefill": lambda seed: run_reprefill(rollout, prompts, tokenizer, args, seed),
             "single": lambda seed: run_single(plain, prompts, args, seed),
+            "matched": lambda seed: run_matched(plain, prompts, args, seed),
         }
         rates: dict[str, list[float]] = {name: [] for name in modes}
         for rep in range(args.reps + 1):  # the first round warms up
@@ -173,7 +195,8 @@ def main() -> None:
         f"{args.prompts} prompts x {args.n} samples, <= {args.turns} turns x <= {args.turn_tokens} model tokens, "
         f"{len(observation)}-token observations, {statistics.mean(args.session_tokens):.1f} model tokens per "
         f"trajectory (single: {args.single_tokens}), environments answer in 0-{args.env_ms:g} ms, config B fp32, "
-        f"{args.threads} thread(s), median of {args.reps}"
+        f"{args.threads} thread(s), median of {args.reps}; matched: the {len(args.trajectory_tokens)} trajectory "
+        f"lengths of one session run, {min(args.trajectory_tokens)}-{max(args.trajectory_tokens)} model tokens"
     )
     median = {name: statistics.median(r) for name, r in rates.items()}
     for name, value in median.items():
@@ -181,6 +204,8 @@ def main() -> None:
     print(
         f"  stream / single {median['stream'] / median['single']:.2f}x, "
         f"session / single {median['session'] / median['single']:.2f}x, "
+        f"stream / matched {median['stream'] / median['matched']:.2f}x, "
+        f"session / matched {median['session'] / median['matched']:.2f}x, "
         f"stream / session {median['stream'] / median['session']:.2f}x, "
         f"session / reprefill {median['session'] / median['reprefill']:.2f}x"
     )
