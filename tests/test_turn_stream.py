@@ -15,6 +15,7 @@ from backends.models import CHAT_TOKENS, TinyModelConfig, build_char_tokenizer, 
 from backends.rollout.agent_loop import run_episodes
 from backends.rollout.api import RolloutConfig, build_rollout
 from backends.rollout.common import SamplingConfig
+from backends.rollout.decode_graphs import PaddedDecodeStep
 from backends.rollout.environments import MultiTurnConfig, Observation
 from backends.rollout.native_turns import NativeTurnStream
 from backends.rollout.scheduler import BatchingLimits
@@ -83,6 +84,34 @@ def test_streamed_trajectories_are_the_turn_by_turn_ones(setup, seed, temperatur
     torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
     assert streamed.turns == turn_by_turn.turns and streamed.finished == turn_by_turn.finished
     assert streamed.metrics == turn_by_turn.metrics and max(streamed.turns) == 3
+
+
+def test_the_stream_through_the_padded_step_gives_the_same_trajectories(setup, monkeypatch):
+    """The stream's branch for a decode step replayed from a CUDA graph (the working rows' step at fixed shapes, the
+    resumed rows' tokens in a forward of their own), run on the CPU through the same fixed-shape step: the same
+    trajectories, the log-probs equal to float rounding, and the padded step did run."""
+    tok, _, rollout = setup
+    eager = episodes(rollout, tok, seed=3).batch
+    init, padded = NativeTurnStream.__init__, []
+
+    def with_padded_step(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.graphed_step = PaddedDecodeStep(self.decoder, self.cache, self.max_len)
+        padded.append(self.graphed_step)
+
+    monkeypatch.setattr(NativeTurnStream, "__init__", with_padded_step)
+    original_run, calls = PaddedDecodeStep.run, []
+
+    def counted_run(self, bucket):
+        calls.append(bucket)
+        return original_run(self, bucket)
+
+    monkeypatch.setattr(PaddedDecodeStep, "run", counted_run)
+    streamed = episodes(rollout, tok, seed=3).batch
+    assert padded and calls
+    for name in ("response_ids", "response_mask", "loss_mask", "turn_ids", "token_rewards"):
+        assert torch.equal(getattr(streamed, name), getattr(eager, name)), name
+    torch.testing.assert_close(streamed.rollout_logprobs, eager.rollout_logprobs, rtol=0, atol=1e-5)
 
 
 def test_streamed_logprobs_equal_an_fp32_forward_over_the_conversation(setup):

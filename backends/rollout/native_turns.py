@@ -72,7 +72,7 @@ class NativeTurnStream:
                 "together, so the slots must hold n rows at least"
             )
         bs = limits.block_size
-        max_len = max(map(len, self.prompts)) + max_slots
+        self.max_len = max_len = max(map(len, self.prompts)) + max_slots  #: the positions a row may reach
         num_blocks = pool_blocks(rollout, limits, slots, max_len)
         self.needs = [blocks_for_request(len(p), self.n, max_slots, bs) for p in self.prompts]
         for i, need in enumerate(self.needs):
