@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends.models import TinyModelConfig, load_causal_lm, write_tiny_model
-from backends.rollout.decode_graphs import PaddedDecodeStep, row_bucket
+from backends.rollout.decode_graphs import PaddedDecodeStep, key_bucket, row_bucket
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout, generate
 from backends.rollout.scheduler import ContinuousBatcher
 from tests.test_native_engine import TEXTS, TINY
@@ -54,10 +54,17 @@ def test_row_buckets_are_powers_of_two_up_to_the_slots():
     assert row_bucket(7, 6) == 6 and row_bucket(0, 8) == 1
 
 
+def test_key_buckets_are_powers_of_two_blocks_up_to_the_table():
+    wanted = {1: 8, 8: 8, 9: 16, 17: 32, 33: 64, 100: 128, 256: 256, 257: 512, 513: 520, 520: 520}
+    assert {n: key_bucket(n, 8, 520) for n in wanted} == wanted
+    assert key_bucket(5, 4, 6) == 6
+
+
 def test_the_padded_step_samples_what_the_eager_step_samples(setup):
     """Rows end at many lengths, so the working rows take many counts that are not powers of two: the padding
-    rows write into the spare slot's null block, every row attends over the whole block table, and still the
-    tokens are the eager step's and the log-probs equal to float rounding; every block comes back."""
+    rows write into the spare slot's null block, every row attends over a bucket of keys (several buckets, up to
+    the whole block table), and still the tokens are the eager step's and the log-probs equal to float rounding;
+    every block comes back."""
     path, _, tok, eos = setup
     rollout = build_native_rollout(path, tok, eos_token_ids=eos)
     prompts = _prompts(tok, 11)
@@ -68,7 +75,10 @@ def test_the_padded_step_samples_what_the_eager_step_samples(setup):
         want_tokens, want_logprobs = eager.run()
         padded = ContinuousBatcher(rollout, prompts, sampling, 3, limits)
         padded.graphed_step = step = PaddedDecodeStep(padded.decoder, padded.cache, padded.max_len)
+        keys, step_paged = [], padded.decoder.step_paged
+        padded.decoder.step_paged = lambda *args: keys.append(args[-1]) or step_paged(*args)
         tokens, logprobs = padded.run()
+    assert len(set(keys)) >= 3 and set(keys) <= {4, 8, 16, padded.max_len}, (set(keys), padded.max_len)
     assert step.cache.spare_slot == 13 and not padded.cache.block_table[13].any()
     assert torch.equal(tokens, want_tokens)
     torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-5)

@@ -102,9 +102,9 @@ def test_the_stream_through_the_padded_step_gives_the_same_trajectories(setup, m
     monkeypatch.setattr(NativeTurnStream, "__init__", with_padded_step)
     original_run, calls = PaddedDecodeStep.run, []
 
-    def counted_run(self, bucket):
-        calls.append(bucket)
-        return original_run(self, bucket)
+    def counted_run(self, bucket, keys):
+        calls.append((bucket, keys))
+        return original_run(self, bucket, keys)
 
     monkeypatch.setattr(PaddedDecodeStep, "run", counted_run)
     streamed = episodes(rollout, tok, seed=3).batch

@@ -251,10 +251,11 @@ class NativeTurnStream:
         else:
             parts = []
             if step is not None:
+                length = max(self.position[r] for r in self.work_rows) + 1  # host bookkeeping: no device read
                 if self.graphed_step is not None:
-                    parts.append(self.graphed_step(*step).float())  # read now: a replay overwrites its logits
+                    parts.append(self.graphed_step(*step, length).float())  # read now: a replay overwrites its logits
                 else:
-                    parts.append(self.decoder.step_paged(*step, int(step[2].max()) + 1))
+                    parts.append(self.decoder.step_paged(*step, length))
             if chunk is not None:
                 parts.append(self.decoder.extend_paged(*chunk))
             logits = torch.cat(parts)

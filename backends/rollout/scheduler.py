@@ -300,7 +300,7 @@ class ContinuousBatcher:
         self.cache.grow(slot, position)
         slots, positions = torch.tensor([slot, position], dtype=torch.long, device=self.device)  # one copy
         if self.graphed_step is not None:
-            logits = self.graphed_step(token, slots, positions)
+            logits = self.graphed_step(token, slots, positions, max(position) + 1)
         else:
             logits = self.decoder.step_paged(token, slots, positions, max(position) + 1)
         # read before the next step: a graph's logits are overwritten there
