@@ -18,7 +18,9 @@ copy of 2 GiB: bytes read + written over its time), and the nominal figure of a 
 Tokens/s of each engine are printed as a fraction of ``rows / that time``.
 
 Engines: ``continuous`` (the default engine: continuous batching over the paged cache, its decode step replayed
-from CUDA graphs), ``continuous-eager`` (the same without graphs), ``lockstep`` and ``generate``.
+from CUDA graphs, each step queued before the tokens sampled before it are read), ``continuous-eager`` (the same
+without graphs), ``continuous-waiting`` (graphs, but each step waits for those tokens; not run by default),
+``lockstep`` and ``generate``.
 
 ``--device cpu --tiny`` runs the same code on a tiny model (a check of the script, not a measurement).
 """
@@ -128,6 +130,8 @@ def main() -> None:
         variants = {
             "continuous": dict(batching="continuous"),
             "continuous-eager": dict(batching="continuous", batching_limits=BatchingLimits(cuda_graphs=False)),
+            # graphs, but each step waits for the tokens sampled before it (no overlap of the host's bookkeeping)
+            "continuous-waiting": dict(batching="continuous", batching_limits=BatchingLimits(overlap_steps=False)),
             "lockstep": dict(batching="lockstep"),
         }
         engines = {

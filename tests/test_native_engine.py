@@ -374,11 +374,15 @@ def test_rollout_native_keys_reach_the_engine(setup, tmp_path):
         "rollout.native.max_slots=16",
         "rollout.native.kv_cache_gib=0.5",
         "rollout.native.prefill_tokens=64",
+        "rollout.native.cuda_graphs=false",
+        "rollout.native.overlap_steps=false",
     ]
     cfg = apply_overrides(grpo.Config(), overrides, presets_dir=grpo.PRESETS, renamed=grpo.RENAMED_GRPO)
     rollout = build_rollout(cfg.rollout, path, tok)
     assert rollout.batching == "lockstep"
-    assert rollout.batching_limits == BatchingLimits(max_slots=16, prefill_tokens=64, block_size=4, kv_cache_gib=0.5)
+    assert rollout.batching_limits == BatchingLimits(
+        max_slots=16, prefill_tokens=64, block_size=4, kv_cache_gib=0.5, cuda_graphs=False, overlap_steps=False
+    )
     assert build_rollout(grpo.Config().rollout, path, tok).batching == "continuous"
     for bad, named in (
         ("rollout.native.block_size=0", "rollout.native.block_size must be positive, got 0"),

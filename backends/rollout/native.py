@@ -128,8 +128,12 @@ class NativeConfig:
     #: continuous: the KV cache's size in GiB (a request that can never fit is refused, naming it); none: enough for
     #: max_slots rows at their longest
     kv_cache_gib: float | None = attrs.field(default=None, validator=_positive_setting)
-    #: continuous, on CUDA: replay the decode step from CUDA graphs, one per bucket of rows (no launch overhead)
+    #: continuous, on CUDA: replay the decode step from CUDA graphs, one per bucket of rows and keys (no launch
+    #: overhead)
     cuda_graphs: bool = True
+    #: continuous, on CUDA: queue each decode step before reading the tokens sampled before it, so the host's
+    #: bookkeeping overlaps the GPU's step (a row that sampled its EOS steps once more for nothing)
+    overlap_steps: bool = True
 
     def limits(self) -> BatchingLimits:
         return BatchingLimits(
@@ -138,6 +142,7 @@ class NativeConfig:
             block_size=self.block_size,
             kv_cache_gib=self.kv_cache_gib,
             cuda_graphs=self.cuda_graphs,
+            overlap_steps=self.overlap_steps,
         )
 
 

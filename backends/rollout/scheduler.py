@@ -77,6 +77,8 @@ class BatchingLimits:
     kv_cache_gib: float | None = attrs.field(default=None, validator=_positive)
     #: on CUDA, replay the decode step from CUDA graphs (:mod:`backends.rollout.decode_graphs`)
     cuda_graphs: bool = True
+    #: on CUDA, queue each decode step before reading the tokens sampled before it (see the module docstring)
+    overlap_steps: bool = True
 
 
 #: the default number of slots: rows beyond it wait for a free one
@@ -231,7 +233,7 @@ class ContinuousBatcher:
         #: queue each decode step before reading the tokens sampled before it (on CUDA, where the device runs
         #: behind the host): the rows that just sampled their EOS step once more, for nothing, and in exchange the
         #: device never waits for the host's bookkeeping between two steps
-        self.overlap = device.type == "cuda"
+        self.overlap = device.type == "cuda" and limits.overlap_steps
         self.prefill_tokens = limits.prefill_tokens
         self.waiting = collections.deque(range(len(prompts)))
         self.free_slots = list(range(slots - 1, -1, -1))
