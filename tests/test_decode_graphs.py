@@ -130,6 +130,27 @@ def test_overlapped_steps_sample_what_waiting_steps_sample(setup, step):
         torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=1e-5)
 
 
+def test_the_fused_attention_samples_what_the_matmuls_sample(setup):
+    """The decode attention a GPU runs (one scaled_dot_product_attention, a KV head's query heads as its queries),
+    run on the CPU in the padded step: the tokens of the two batched matmuls, the log-probs equal to float rounding."""
+    path, _, tok, eos = setup
+    rollout = build_native_rollout(path, tok, eos_token_ids=eos)
+    prompts = _prompts(tok, 11)
+    sampling = SamplingConfig(n=3, max_new_tokens=20, seed=3)
+    runs = {}
+    for fused in (False, True):
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fall back to the matmuls
+            batcher = ContinuousBatcher(rollout, prompts, sampling, 3, BatchingLimits(max_slots=13, block_size=4))
+            assert batcher.cache.fused_attention is False  # the CPU default
+            batcher.cache.fused_attention = fused
+            batcher.graphed_step = PaddedDecodeStep(batcher.decoder, batcher.cache, batcher.max_len)
+            runs[fused] = batcher.run()
+        assert batcher.cache.fused_attention is fused
+    assert torch.equal(runs[True][0], runs[False][0])
+    torch.testing.assert_close(runs[True][1], runs[False][1], rtol=0, atol=1e-5)
+
+
 @pytest.mark.gpu
 def test_the_decode_step_replays_from_cuda_graphs_with_the_trainers_logprobs(setup):
     """On CUDA the continuous engine captures one graph per bucket of rows and replays it: the log-probs of what it

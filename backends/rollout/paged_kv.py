@@ -9,8 +9,11 @@ Layout: per layer ``(kv_heads, num_blocks * block_size, head_dim)``, so block ``
 ``[b * block_size, (b + 1) * block_size)`` of each head's matrix: ``block_size * head_dim`` contiguous numbers. A
 slot's block table (``block_table``) lists its blocks in position order; a decode step gathers the working slots'
 blocks whole (one ``index_select`` of contiguous blocks per layer and tensor, which on a CPU runs near memcpy speed,
-where a gather of single tokens' rows ran at a fraction of it) and runs the two batched matmuls of
-:class:`~backends.rollout.kv_cache.KVCache` over them, positions past each slot's own masked. Masked positions must
+where a gather of single tokens' rows ran at a fraction of it) and attends over them, positions past each slot's own
+masked: on a CPU with the two batched matmuls of :class:`~backends.rollout.kv_cache.KVCache` (PyTorch's fused CPU
+attention pays a large overhead per small problem), elsewhere with one fused ``scaled_dot_product_attention`` (one
+kernel where the matmuls, scaling, mask and softmax take six, and no scores written out). The ``g`` query heads
+of a KV head are its ``g`` queries, so grouped-query attention needs no copy of the keys. Masked positions must
 hold finite numbers (a zero weight times NaN is NaN): block 0, the null block that pads every table, is zeroed by
 :meth:`PagedKVCache.reset` and never handed out, and every block is zeroed when it is handed out.
 
@@ -20,9 +23,11 @@ Memory is reserved, not just allocated: a row is admitted only when the pool can
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from backends.rollout.kv_cache import apply_rope, softmax_last
@@ -138,6 +143,8 @@ class PagedKVCache:
         self._prefill: tuple[Tensor, Tensor] | None = None
         self._step: tuple | None = None
         self._chunk: tuple | None = None
+        #: a decode step attends through ``scaled_dot_product_attention`` (off the CPU; see the module docstring)
+        self.fused_attention = device.type != "cpu"
 
     @classmethod
     def allocate(
@@ -328,6 +335,13 @@ class PagedKVCache:
         keys = self._gather(kp, read).view(kv, b, -1, d)[:, :, :length]
         values = self._gather(vp, read).view(kv, b, -1, d)[:, :, :length]
         q = qk[:, :h].view(b, kv, h // kv, d).transpose(0, 1).to(self.att_dtype)  # (kv b g d)
+        if self.fused_attention:
+            try:  # the g query heads of a KV head as its g queries: (kv b g d) over (kv b length d)
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=self.scale)
+                return out.transpose(0, 1).contiguous()
+            except RuntimeError as error:  # no fused kernel takes these inputs on this build: the matmuls, said once
+                self.fused_attention = False
+                warnings.warn(f"paged decode attention runs as matmuls: scaled_dot_product_attention failed: {error}")
         scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(self.scale).add_(bias)
         return torch.matmul(softmax_last(scores), values).transpose(0, 1).contiguous()
 
