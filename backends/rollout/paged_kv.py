@@ -12,10 +12,10 @@ blocks whole (one ``index_select`` of contiguous blocks per layer and tensor, wh
 where a gather of single tokens' rows ran at a fraction of it) and attends over them, positions past each slot's own
 masked: on a CPU with the two batched matmuls of :class:`~backends.rollout.kv_cache.KVCache` (PyTorch's fused CPU
 attention pays a large overhead per small problem), elsewhere with one fused ``scaled_dot_product_attention`` (one
-kernel where the matmuls, scaling, mask and softmax take six, and no scores written out). The ``g`` query heads
-of a KV head are its ``g`` queries, so grouped-query attention needs no copy of the keys. Masked positions must
-hold finite numbers (a zero weight times NaN is NaN): block 0, the null block that pads every table, is zeroed by
-:meth:`PagedKVCache.reset` and never handed out, and every block is zeroed when it is handed out.
+kernel where the two matmuls, the scaling, the mask and the softmax take five, and no scores written out). The ``g``
+query heads of a KV head are its ``g`` queries, so grouped-query attention needs no copy of the keys. Masked
+positions must hold finite numbers (a zero weight times NaN is NaN): block 0, the null block that pads every table,
+is zeroed by :meth:`PagedKVCache.reset` and never handed out, and every block is zeroed when it is handed out.
 
 Memory is reserved, not just allocated: a row is admitted only when the pool can hold its longest possible length
 (:meth:`PagedKVCache.admit`), so a running row never waits for a block and no row is ever preempted.

@@ -14,7 +14,8 @@ A request is one prompt and its ``n`` samples. Each iteration of :meth:`Continuo
    of the step at fixed shapes: :mod:`backends.rollout.decode_graphs`).
 
 So a short row's slot takes the next request at once instead of idling until the batch's longest row ends, and
-more requests than slots stream through a bounded cache.
+more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
+rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
 
 The bookkeeping (slots, positions, tokens drawn, blocks) is the host's, in lists: an iteration reads the device once,
 for the tokens it sampled (to see the EOS), and writes it once per tensor it builds. On CUDA (``overlap``) steps 4
@@ -22,8 +23,7 @@ and 5 swap: the decode step of every row below its limit is queued first, the to
 row that sampled its EOS has stepped once for nothing (its logits are dropped). The host then never holds the
 device idle between two steps (TensorRT-LLM's overlap scheduler and SGLang's zero-overhead scheduler make the same
 trade: one extra step per finished row); on a CPU, where a step runs as it is called, nothing overlaps and the
-batcher waits for the tokens first. The prefill of new prompts and the decode step of running
-rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
+batcher waits for the tokens first.
 
 **Partial rollouts** (``updates``, a :class:`WeightUpdates`): every ``updates.chunk_tokens`` iterations the batcher
 stops at a chunk boundary and hands control to the caller (``updates.at_boundary()``), which may copy newer
