@@ -220,7 +220,7 @@ def sample_tokens(
     logits = logits.float()
     if sampling.temperature == 0.0:
         return logits.argmax(dim=-1)
-    scaled = logits / sampling.temperature
+    scaled = logits if sampling.temperature == 1.0 else logits / sampling.temperature  # (b v): a pass saved at 1
     vocab = scaled.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth = torch.topk(scaled, sampling.top_k, dim=-1).values[:, -1:]

@@ -369,26 +369,26 @@ class Decoder:
         self.cache.begin_chunk(positions, slot)
         return self._chunk_layers(tokens, valid)
 
-    def extend_paged(self, tokens: Tensor, slots: Tensor, positions: Tensor, valid: Tensor) -> Tensor:
+    def extend_paged(self, tokens: Tensor, slots: Tensor, positions: Tensor, valid: Tensor, length: int) -> Tensor:
         """:meth:`extend` over a paged cache: ``tokens (b c)`` of cache slots ``slots (b)`` at ``positions (b c)``
-        (each slot's blocks grown to hold them), ``valid (b c)`` the real ones. Returns the logits ``(b v)`` after
-        each row's last valid token."""
-        self.cache.begin_chunk(slots, positions, valid)
+        (each slot's blocks grown to hold them), ``valid (b c)`` the real ones; ``length`` > every position. Returns
+        the logits ``(b v)`` after each row's last valid token."""
+        self.cache.begin_chunk(slots, positions, valid, length)
         return self._chunk_layers(tokens, valid)
 
     def step_and_extend_paged(
-        self, step: tuple[Tensor, Tensor, Tensor], chunk: tuple[Tensor, Tensor, Tensor, Tensor]
+        self, step: tuple[Tensor, Tensor, Tensor, int], chunk: tuple[Tensor, Tensor, Tensor, Tensor, int]
     ) -> Tensor:
-        """:meth:`step_paged` of ``step = (tokens (b1), slots, positions)`` and :meth:`extend_paged` of ``chunk =
-        (tokens (b2 c), slots, positions, valid)`` in one forward: the linears run once over both rows' tokens (a
-        small batch's forward costs about its launches, not its rows), the attention apart. Returns the logits
-        ``(b1 + b2, v)``: the step's rows, then each chunk row's after its last valid token."""
-        tokens, slots, positions = step
-        chunk_tokens, chunk_slots, chunk_positions, valid = chunk
+        """:meth:`step_paged` of ``step = (tokens (b1), slots, positions, length)`` and :meth:`extend_paged` of
+        ``chunk = (tokens (b2 c), slots, positions, valid, length)`` in one forward: the linears run once over both
+        rows' tokens (a small batch's forward costs about its launches, not its rows), the attention apart. Returns
+        the logits ``(b1 + b2, v)``: the step's rows, then each chunk row's after its last valid token."""
+        tokens, slots, positions, length = step
+        chunk_tokens, chunk_slots, chunk_positions, valid, chunk_length = chunk
         b1, (b2, c) = tokens.shape[0], chunk_tokens.shape
         h, kv, d = self.num_heads, self.num_kv, self.head_dim
-        self.cache.begin_step(slots, positions, int(positions.max()) + 1)
-        self.cache.begin_chunk(chunk_slots, chunk_positions, valid)
+        self.cache.begin_step(slots, positions, length)
+        self.cache.begin_chunk(chunk_slots, chunk_positions, valid, chunk_length)
         x = F.embedding(torch.cat([tokens, chunk_tokens.flatten()]), self.embed)
         for i, lw in enumerate(self.layers):
             qkv = lw.qkv(_rms_norm(x, lw.ln1, lw.eps1))

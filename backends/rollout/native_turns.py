@@ -251,11 +251,10 @@ class NativeTurnStream:
         else:
             parts = []
             if step is not None:
-                length = max(self.position[r] for r in self.work_rows) + 1  # host bookkeeping: no device read
                 if self.graphed_step is not None:
-                    parts.append(self.graphed_step(*step, length).float())  # read now: a replay overwrites its logits
+                    parts.append(self.graphed_step(*step).float())  # read now: a replay overwrites its logits
                 else:
-                    parts.append(self.decoder.step_paged(*step, length))
+                    parts.append(self.decoder.step_paged(*step))
             if chunk is not None:
                 parts.append(self.decoder.extend_paged(*chunk))
             logits = torch.cat(parts)
@@ -266,8 +265,9 @@ class NativeTurnStream:
         self.work_rows += [r for r, _ in feeding]
         self.work_logits = logits.float()
 
-    def _chunk_inputs(self, feeding: list[tuple[int, list[int]]]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Tokens, slots, positions and valid marks ``(b c)`` of the rows' pending tokens, their blocks grown."""
+    def _chunk_inputs(self, feeding: list[tuple[int, list[int]]]) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+        """Tokens, slots, positions and valid marks ``(b c)`` of the rows' pending tokens, their blocks grown, and
+        the keys the chunk attends (its longest row's positions, from the host's bookkeeping: no device read)."""
         width = max(len(p) for _, p in feeding)
         tokens = torch.full((len(feeding), width), self.rollout.pad_token_id, dtype=torch.long)
         for i, (_, pending) in enumerate(feeding):
@@ -283,15 +283,16 @@ class NativeTurnStream:
             self.cache.grow([slot_list[i] for i in rows], [self.position[feeding[i][0]] + j for i in rows])
         slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
         tokens, valid, positions = tokens.to(self.device), valid.to(self.device), positions.to(self.device)
-        return tokens, slots, positions, valid
+        return tokens, slots, positions, valid, max(self.position[r] + len(pending) for r, pending in feeding)
 
-    def _step_inputs(self, token: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Tokens, slots and positions of the working rows' decode step, their blocks grown."""
-        slots = [self.slot_of[r] for r in self.work_rows]
-        positions = [self.position[r] for r in self.work_rows]
-        self.cache.grow(slots, positions)  # host lists: its bookkeeping reads nothing from the device
-        slots, positions = torch.tensor([slots, positions], dtype=torch.long, device=self.device)  # one copy
-        return token, slots, positions
+    def _step_inputs(self, token: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+        """Tokens, slots and positions of the working rows' decode step, their blocks grown, and the keys the step
+        attends (its longest row's positions, from the host's bookkeeping: no device read)."""
+        slot_list = [self.slot_of[r] for r in self.work_rows]
+        position_list = [self.position[r] for r in self.work_rows]
+        self.cache.grow(slot_list, position_list)  # host lists: its bookkeeping reads nothing from the device
+        slots, positions = torch.tensor([slot_list, position_list], dtype=torch.long, device=self.device)  # one copy
+        return token, slots, positions, max(position_list) + 1
 
     def _sample(self) -> tuple[list[EndedTurn], Tensor]:
         """One token for every working row; the turns that ended, and the tokens of the rows still in theirs."""

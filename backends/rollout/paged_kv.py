@@ -347,14 +347,14 @@ class PagedKVCache:
 
     # ---------------------------------------------------------------------------------------------- chunks
 
-    def begin_chunk(self, slots: Tensor, positions: Tensor, valid: Tensor) -> None:
+    def begin_chunk(self, slots: Tensor, positions: Tensor, valid: Tensor, length: int) -> None:
         """The next :meth:`attend_chunk` calls are for up to ``c`` given tokens per slot of ``slots (b)`` at
-        ``positions (b c)`` (each slot's blocks grown to hold them); ``valid (b c)`` marks the real ones. A token
+        ``positions (b c)`` (each slot's blocks grown to hold them); ``valid (b c)`` marks the real ones; ``length``
+        > every position (the keys attended per row: the caller's host bookkeeping knows it). A token
         attends to its slot's positions up to its own: what the slot held before the chunk and, causally, the chunk's
         earlier tokens. Padding tokens write nothing; their queries read finite numbers and their outputs are the
         caller's to drop."""
         bs = self.block_size
-        length = int(positions.max()) + 1
         write = (self.block_table[slots[:, None], positions // bs] * bs + positions % bs)[valid]
         read = self.block_table[slots, : -(-length // bs)].flatten()
         offsets = torch.arange(length, device=self.device)
