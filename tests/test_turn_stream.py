@@ -86,10 +86,12 @@ def test_streamed_trajectories_are_the_turn_by_turn_ones(setup, seed, temperatur
     assert streamed.metrics == turn_by_turn.metrics and max(streamed.turns) == 3
 
 
-def test_the_stream_through_the_padded_step_gives_the_same_trajectories(setup, monkeypatch):
-    """The stream's branch for a decode step replayed from a CUDA graph (the working rows' step at fixed shapes, the
-    resumed rows' tokens in a forward of their own), run on the CPU through the same fixed-shape step: the same
-    trajectories, the log-probs equal to float rounding, and the padded step did run."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["waiting", "overlapped"])
+def test_the_stream_through_the_padded_step_gives_the_same_trajectories(setup, monkeypatch, overlap):
+    """The stream as it runs on CUDA, through the agent loop on the CPU: its branch for a decode step replayed from a
+    CUDA graph (the working rows' step at fixed shapes, the resumed rows' tokens in a forward of their own), with
+    and without each step queued before the sampled tokens are read. The same trajectories, the log-probs equal to
+    float rounding, and the padded step did run."""
     tok, _, rollout = setup
     eager = episodes(rollout, tok, seed=3).batch
     init, padded = NativeTurnStream.__init__, []
@@ -97,6 +99,7 @@ def test_the_stream_through_the_padded_step_gives_the_same_trajectories(setup, m
     def with_padded_step(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.graphed_step = PaddedDecodeStep(self.decoder, self.cache, self.max_len)
+        self.overlap = overlap
         padded.append(self.graphed_step)
 
     monkeypatch.setattr(NativeTurnStream, "__init__", with_padded_step)
@@ -193,6 +196,58 @@ def test_closed_rows_free_their_blocks_and_waiting_prompts_take_their_slots(setu
         stream.end()
     with pytest.raises(RuntimeError, match="the stream has ended"):
         stream.step()
+
+
+def _turns_of(stream: NativeTurnStream, rows: int, forced: list[int], turns: int) -> dict:
+    """:func:`drive`'s loop, keeping every ended turn: ``{(row, turn): (tokens, logprobs, sampled, finished)}``."""
+    out, done = {}, [0] * rows
+    for r in range(rows):
+        stream.resume(r, [], 4)
+    while stream.busy:
+        for turn in stream.step():
+            out[turn.row, done[turn.row]] = (turn.tokens, turn.logprobs, turn.sampled, turn.finished)
+            done[turn.row] += 1
+            if done[turn.row] < turns:
+                stream.resume(turn.row, forced, 4)
+            else:
+                stream.close(turn.row)
+    return out
+
+
+@pytest.mark.parametrize("step", ["eager", "padded"])
+@pytest.mark.parametrize("answer", ["ok", ""], ids=["observation", "no-observation"])
+def test_the_overlapped_stream_gives_the_waiting_streams_turns(setup, step, answer):
+    """The stream as it runs on CUDA (each decode step queued before the sampled tokens are read), on the CPU: a row
+    whose turn ended has fed its last token already and starts its next turn from that step's logits (resumed with
+    no observation, from those logits alone), and a row whose conversation is full (the second engine's turns all
+    run to their limit: 4 + 2 + 4 + 2 + 4 = max_slots) feeds nothing more. The turns are the waiting stream's,
+    every block comes back."""
+    tok, _, rollout = setup
+    prompts = [list(e.prompt_ids) for e in examples(tok, [f"{i}*{i}=" for i in range(6)])]
+    full = attrs.evolve(rollout, eos_token_ids=(tok.eos_token_id,))
+    for engine in (rollout, full):
+        runs = {}
+        for overlap in (False, True):
+            limits = BatchingLimits(max_slots=5, block_size=4)
+            stream = NativeTurnStream(
+                engine, prompts, SamplingConfig(n=2, max_new_tokens=4), seed=1, max_slots=16, limits=limits
+            )
+            stream.overlap = overlap
+            if step == "padded":
+                stream.graphed_step = PaddedDecodeStep(stream.decoder, stream.cache, stream.max_len)
+            try:
+                runs[overlap] = _turns_of(stream, 12, forced=tok.encode(answer) if answer else [], turns=3)
+                pool = stream.cache.pool
+                assert len(pool.free) == pool.usable and pool.reserved == 0, overlap
+            finally:
+                stream.end()
+        if engine is full and answer:
+            assert max(stream.added) == 16  # some conversations filled their slots
+        assert runs[True].keys() == runs[False].keys() and len(runs[True]) == 36
+        for key, (tokens, logprobs, sampled, finished) in runs[False].items():
+            got = runs[True][key]
+            assert (got[0], got[2], got[3]) == (tokens, sampled, finished), key
+            assert max(abs(a - b) for a, b in zip(got[1], logprobs)) < 1e-5, key
 
 
 def test_the_stream_path_and_slots_fewer_than_rows_give_the_same_trajectories(setup):

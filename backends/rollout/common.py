@@ -26,6 +26,7 @@ __all__ = [
     "left_pad",
     "assemble_batch",
     "sample_tokens",
+    "HostCopy",
     "decode_responses",
     "answer_texts",
     "sampling_options",
@@ -240,6 +241,27 @@ def sample_tokens(
     if order is not None:
         choice = order.gather(-1, choice)
     return choice.squeeze(-1)
+
+
+class HostCopy:
+    """A device tensor's values on the host, copied now and waited for by :meth:`values`: on CUDA into pinned memory
+    behind an event, so the host waits for the work queued before the copy and not for what it queues after (the
+    next decode step); elsewhere the tensor itself."""
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.event = None
+        if tensor.device.type == "cuda":
+            self.host = tensor.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensor
+
+    def values(self) -> list:
+        """The tensor's ``tolist()``, once the copy has landed."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 def decode_responses(tokenizer: Any, batch: RolloutBatch, *, skip_special_tokens: bool = True) -> list[str]:

@@ -18,6 +18,12 @@ one iteration at a time (:meth:`NativeTurnStream.step`, as vLLM's ``LLMEngine.st
 4. runs one decode step of the rows still in their turns (on CUDA replayed from a CUDA graph:
    :mod:`backends.rollout.decode_graphs`).
 
+The bookkeeping is the host's; an iteration reads the device once, for the sampled tokens and their log-probs. On
+CUDA (``rollout.native.overlap_steps``) steps 3 and 4 overlap as in :mod:`backends.rollout.scheduler`: the decode
+step of every sampled row is queued before the tokens are read, so a row whose turn just ended has fed its last
+token already (what its next turn would feed first) and keeps that step's logits for its next turn; a row whose
+conversation is full is left out, as it has no next turn.
+
 Randomness: row ``r``'s ``k``-th sampled token of the conversation inverts its CDF at ``uniforms[r, k]``, the
 table the turn-by-turn session draws from the same seed, so both paths sample the same tokens from the same logits,
 whichever rows share an iteration and whenever an environment answered. The logits themselves are computed in other
@@ -34,7 +40,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from backends.rollout.common import EndedTurn, SamplingConfig, left_pad, sample_tokens
+from backends.rollout.common import EndedTurn, HostCopy, SamplingConfig, left_pad, sample_tokens
 from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.native_session import session_prompts
@@ -99,6 +105,8 @@ class NativeTurnStream:
         self.cache.reset()
         graphed = self.device.type == "cuda" and limits.cuda_graphs
         self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, max_len) if graphed else None
+        #: queue each decode step before reading the tokens it feeds (see the module docstring)
+        self.overlap = self.device.type == "cuda" and limits.overlap_steps
         generator = torch.Generator(device=self.device)
         generator.manual_seed(seed)
         # the turn-by-turn session's table (backends.rollout.native_session.start_session): the same draws per row
@@ -184,8 +192,26 @@ class NativeTurnStream:
                 return []
             self.iterations += 1
             self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
-            ended, token = self._sample() if self.work_rows else ([], None)
+            if not self.work_rows:
+                self._forward(None, feeding)
+                return []
+            sampled_rows = list(self.work_rows)
+            token, sampled = self._sample()
+            if not self.overlap:
+                ended, keep = self._end_turns(sampled_rows, sampled.values())
+                if len(keep) < len(sampled_rows):
+                    token = token[torch.tensor(keep, dtype=torch.long, device=self.device)]
+                self._forward(token, feeding)
+                return ended
+            # the step is queued before the tokens reach the host: every row feeds the token it sampled, but a row
+            # whose conversation is full (it has no next turn, and its blocks hold no position for that token)
+            fed = [i for i, r in enumerate(sampled_rows) if self.added[r] < self.max_slots]
+            if len(fed) < len(sampled_rows):
+                index = torch.tensor(fed, dtype=torch.long, device=self.device)
+                self.work_rows = [sampled_rows[i] for i in fed]
+                self.work_logits, token = self.work_logits[index], token[index]
             self._forward(token, feeding)
+            ended, _ = self._end_turns(sampled_rows, sampled.values())
         return ended
 
     # ---------------------------------------------------------------------------------------------- one iteration
@@ -240,8 +266,9 @@ class NativeTurnStream:
         return feeding
 
     def _forward(self, token: Tensor | None, feeding: list[tuple[int, list[int]]]) -> None:
-        """The working rows' decode step (each feeds the token it just sampled) and the resumed rows' tokens, in
-        one forward where the step is not replayed from a CUDA graph; the resumed rows join the working batch."""
+        """The working rows' decode step (each feeds its entry of ``token``, the token it just sampled) and the
+        resumed rows' tokens, in one forward where the step is not replayed from a CUDA graph; the resumed rows join
+        the working batch."""
         if not self.work_rows and not feeding:
             return  # every working row's turn ended, and no row resumed: the next rows come with later answers
         step = self._step_inputs(token) if self.work_rows else None
@@ -294,8 +321,9 @@ class NativeTurnStream:
         slots, positions = torch.tensor([slot_list, position_list], dtype=torch.long, device=self.device)  # one copy
         return token, slots, positions, max(position_list) + 1
 
-    def _sample(self) -> tuple[list[EndedTurn], Tensor]:
-        """One token for every working row; the turns that ended, and the tokens of the rows still in theirs."""
+    def _sample(self) -> tuple[Tensor, HostCopy]:
+        """One token for every working row (each row's count of conversation tokens goes up by one): the tokens on
+        the device, and their copy to the host with their log-probs (float64 holds both exactly: one read)."""
         rows = torch.tensor(self.work_rows, dtype=torch.long, device=self.device)
         logits = self.work_logits
         uniform = None
@@ -304,22 +332,33 @@ class NativeTurnStream:
         token = sample_tokens(logits, self.sampling, None, uniform=uniform)
         logprob = torch.log_softmax(logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
         self.num_sampled[rows] += 1
-        # one read of the device for the tokens and their log-probs (float64 holds both exactly)
-        sampled, logprobs = torch.stack([token.double(), logprob.double()]).tolist()
-        ended, keep = [], []
-        for i, (r, t, lp) in enumerate(zip(self.work_rows, map(int, sampled), logprobs)):
-            eos = t in self.eos_ids
+        for r in self.work_rows:
+            self.added[r] += 1
+        return token, HostCopy(torch.stack([token.double(), logprob.double()]))
+
+    def _end_turns(self, rows: list[int], sampled: list[list[float]]) -> tuple[list[EndedTurn], list[int]]:
+        """Record the tokens and log-probs ``sampled`` of ``rows`` (the rows just sampled, in order) in their turns;
+        the turns that ended (EOS, or the turn's token limit) leave the working batch. Returns them, and the indices
+        of the working rows kept. A row still in the working batch fed its last token in the step after its sample
+        (overlapped), so its next turn starts from that step's logits; the others keep the token to feed it."""
+        tokens, logprobs = sampled
+        working = {r: k for k, r in enumerate(self.work_rows)}
+        ended, gone = [], set()
+        for r, t, lp in zip(rows, map(int, tokens), logprobs):
             out_tokens, out_logprobs, out_sampled = self.turn[r]
             out_tokens.append(t), out_logprobs.append(lp), out_sampled.append(True)
-            self.added[r] += 1
-            if eos or sum(out_sampled) >= self.limit[r]:
-                self.unfed[r] = t
-                del self.turn[r]
-                ended.append(EndedTurn(r, out_tokens, out_logprobs, out_sampled, finished=bool(eos)))
+            eos = t in self.eos_ids
+            if not (eos or sum(out_sampled) >= self.limit[r]):
+                continue
+            if self.overlap and r in working:
+                self.parked[r] = self.work_logits[working[r]]
             else:
-                keep.append(i)
+                self.unfed[r] = t
+            del self.turn[r]
+            gone.add(r)
+            ended.append(EndedTurn(r, out_tokens, out_logprobs, out_sampled, finished=eos))
+        keep = [k for k, r in enumerate(self.work_rows) if r not in gone]
         if len(keep) < len(self.work_rows):
-            index = torch.tensor(keep, dtype=torch.long, device=self.device)
-            self.work_rows = [self.work_rows[i] for i in keep]
-            self.work_logits, token = logits[index], token[index]
-        return ended, token
+            self.work_rows = [self.work_rows[k] for k in keep]
+            self.work_logits = self.work_logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
+        return ended, keep

@@ -49,7 +49,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from backends.rollout.common import SamplingConfig, left_pad, sample_tokens
+from backends.rollout.common import HostCopy, SamplingConfig, left_pad, sample_tokens
 from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
@@ -123,26 +123,6 @@ class _Working:
         for name in ("slot", "row", "position", "drawn"):
             getattr(self, name).extend(getattr(other, name))
         self.logits = torch.cat([self.logits, other.logits])
-
-
-class _TokensOnHost:
-    """A device tensor's copy to the host, started now and waited for by :meth:`values`: on CUDA into pinned
-    memory behind an event, so the host waits for the work queued before the copy and not for what it queues
-    after (the next decode step)."""
-
-    def __init__(self, tokens: Tensor) -> None:
-        self.event = None
-        if tokens.device.type == "cuda":
-            self.host = tokens.to("cpu", non_blocking=True)  # pinned: the copy is queued, not waited for
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = tokens
-
-    def values(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
 
 
 def _prompt_limits(max_new_tokens: list[int] | None, prompts: int, default: int) -> list[int]:
@@ -265,7 +245,7 @@ class ContinuousBatcher:
             self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
             self.peak_rows = max(self.peak_rows, len(work.row))
             token = self._sample(work)
-            sampled = _TokensOnHost(token)
+            sampled = HostCopy(token)
             below_limit = [i for i, (r, d) in enumerate(zip(work.row, work.drawn)) if d < self.max_new[r // self.n]]
             if self.overlap:
                 # the next step is queued before this step's tokens reach the host: a row that sampled its EOS
