@@ -161,20 +161,21 @@ def test_a_row_continues_while_another_waits_for_its_environment(setup):
     assert max(len(env.seen) for env in made[1:]) >= 2 and out.turns[0] >= 1
 
 
-def drive(stream: NativeTurnStream, rows: int, forced: list[int], turns: int) -> list[int]:
+def drive(stream: NativeTurnStream, rows: int, forced: list[int], turns: int) -> dict:
     """The agent loop's part, minimal: every ended turn is answered at once with ``forced`` until ``turns`` turns;
-    returns the turns each row took."""
-    done_turns = [0] * rows
+    returns every ended turn, ``{(row, turn): (tokens, logprobs, sampled, finished)}``."""
+    out, done = {}, [0] * rows
     for r in range(rows):
         stream.resume(r, [], 4)
     while stream.busy:
         for turn in stream.step():
-            done_turns[turn.row] += 1
-            if done_turns[turn.row] < turns:
+            out[turn.row, done[turn.row]] = (turn.tokens, turn.logprobs, turn.sampled, turn.finished)
+            done[turn.row] += 1
+            if done[turn.row] < turns:
                 stream.resume(turn.row, forced, 4)
             else:
                 stream.close(turn.row)
-    return done_turns
+    return out
 
 
 def test_closed_rows_free_their_blocks_and_waiting_prompts_take_their_slots(setup):
@@ -189,29 +190,13 @@ def test_closed_rows_free_their_blocks_and_waiting_prompts_take_their_slots(setu
     try:
         turns = drive(stream, 24, forced=tok.encode("ok"), turns=3)
         pool = stream.cache.pool
-        assert turns == [3] * 24 and not stream.waiting
+        assert sorted(turns) == [(row, turn) for row in range(24) for turn in range(3)] and not stream.waiting
         assert len(pool.free) == pool.usable and pool.reserved == 0 and sorted(stream.free_slots) == [0, 1, 2, 3]
         assert stream.peak_blocks <= pool.usable
     finally:
         stream.end()
     with pytest.raises(RuntimeError, match="the stream has ended"):
         stream.step()
-
-
-def _turns_of(stream: NativeTurnStream, rows: int, forced: list[int], turns: int) -> dict:
-    """:func:`drive`'s loop, keeping every ended turn: ``{(row, turn): (tokens, logprobs, sampled, finished)}``."""
-    out, done = {}, [0] * rows
-    for r in range(rows):
-        stream.resume(r, [], 4)
-    while stream.busy:
-        for turn in stream.step():
-            out[turn.row, done[turn.row]] = (turn.tokens, turn.logprobs, turn.sampled, turn.finished)
-            done[turn.row] += 1
-            if done[turn.row] < turns:
-                stream.resume(turn.row, forced, 4)
-            else:
-                stream.close(turn.row)
-    return out
 
 
 @pytest.mark.parametrize("step", ["eager", "padded"])
@@ -236,7 +221,7 @@ def test_the_overlapped_stream_gives_the_waiting_streams_turns(setup, step, answ
             if step == "padded":
                 stream.graphed_step = PaddedDecodeStep(stream.decoder, stream.cache, stream.max_len)
             try:
-                runs[overlap] = _turns_of(stream, 12, forced=tok.encode(answer) if answer else [], turns=3)
+                runs[overlap] = drive(stream, 12, forced=tok.encode(answer) if answer else [], turns=3)
                 pool = stream.cache.pool
                 assert len(pool.free) == pool.usable and pool.reserved == 0, overlap
             finally:
