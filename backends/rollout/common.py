@@ -27,6 +27,7 @@ __all__ = [
     "assemble_batch",
     "sample_tokens",
     "HostCopy",
+    "on_device",
     "decode_responses",
     "answer_texts",
     "sampling_options",
@@ -241,6 +242,17 @@ def sample_tokens(
     if order is not None:
         choice = order.gather(-1, choice)
     return choice.squeeze(-1)
+
+
+def on_device(values: Sequence[Any] | Tensor, device: torch.device) -> Tensor:
+    """``values`` (a host tensor, or ints, or equal-length lists of ints: int64) on ``device``. On CUDA the copy is
+    queued from pinned memory: a plain copy from the host (``torch.tensor(values, device=...)``, ``.to(device)``)
+    waits for everything queued on the stream first (PyTorch synchronises the stream after a blocking host-to-device
+    copy), which would stall the host behind the decode step it just queued."""
+    host = values if isinstance(values, Tensor) else torch.tensor(values, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class HostCopy:

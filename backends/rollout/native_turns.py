@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from backends.rollout.common import EndedTurn, HostCopy, SamplingConfig, left_pad, sample_tokens
+from backends.rollout.common import EndedTurn, HostCopy, SamplingConfig, left_pad, on_device, sample_tokens
 from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.native_session import session_prompts
@@ -200,14 +200,14 @@ class NativeTurnStream:
             if not self.overlap:
                 ended, keep = self._end_turns(sampled_rows, sampled.values())
                 if len(keep) < len(sampled_rows):
-                    token = token[torch.tensor(keep, dtype=torch.long, device=self.device)]
+                    token = token[on_device(keep, self.device)]
                 self._forward(token, feeding)
                 return ended
             # the step is queued before the tokens reach the host: every row feeds the token it sampled, but a row
             # whose conversation is full (it has no next turn, and its blocks hold no position for that token)
             fed = [i for i, r in enumerate(sampled_rows) if self.added[r] < self.max_slots]
             if len(fed) < len(sampled_rows):
-                index = torch.tensor(fed, dtype=torch.long, device=self.device)
+                index = on_device(fed, self.device)
                 self.work_rows = [sampled_rows[i] for i in fed]
                 self.work_logits, token = self.work_logits[index], token[index]
             self._forward(token, feeding)
@@ -232,8 +232,8 @@ class NativeTurnStream:
             return
         prompts = [self.prompts[i] for i, _ in admitted]
         ids, mask = left_pad(prompts, self.rollout.pad_token_id)
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        self.cache.begin_prefill(torch.tensor([slots[0] for _, slots in admitted], device=self.device), mask)
+        ids, mask = on_device(ids, self.device), on_device(mask, self.device)
+        self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], self.device), mask)
         logits = self.decoder.prefill(ids, mask, copies=1).float()
         for (i, slots), row_logits in zip(admitted, logits):
             for j, slot in enumerate(slots):
@@ -308,8 +308,9 @@ class NativeTurnStream:
         for j in range(width):  # each position's block made the row's own, one position per slot at a time
             rows = [i for i, (_, pending) in enumerate(feeding) if j < len(pending)]
             self.cache.grow([slot_list[i] for i in rows], [self.position[feeding[i][0]] + j for i in rows])
-        slots = torch.tensor(slot_list, dtype=torch.long, device=self.device)
-        tokens, valid, positions = tokens.to(self.device), valid.to(self.device), positions.to(self.device)
+        slots = on_device(slot_list, self.device)
+        tokens, positions, valid = on_device([tokens.tolist(), positions.tolist(), valid.long().tolist()], self.device)
+        valid = valid.bool()
         return tokens, slots, positions, valid, max(self.position[r] + len(pending) for r, pending in feeding)
 
     def _step_inputs(self, token: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -318,13 +319,13 @@ class NativeTurnStream:
         slot_list = [self.slot_of[r] for r in self.work_rows]
         position_list = [self.position[r] for r in self.work_rows]
         self.cache.grow(slot_list, position_list)  # host lists: its bookkeeping reads nothing from the device
-        slots, positions = torch.tensor([slot_list, position_list], dtype=torch.long, device=self.device)  # one copy
+        slots, positions = on_device([slot_list, position_list], self.device)  # one copy
         return token, slots, positions, max(position_list) + 1
 
     def _sample(self) -> tuple[Tensor, HostCopy]:
         """One token for every working row (each row's count of conversation tokens goes up by one): the tokens on
         the device, and their copy to the host with their log-probs (float64 holds both exactly: one read)."""
-        rows = torch.tensor(self.work_rows, dtype=torch.long, device=self.device)
+        rows = on_device(self.work_rows, self.device)
         logits = self.work_logits
         uniform = None
         if self.uniforms is not None:
@@ -360,5 +361,5 @@ class NativeTurnStream:
         keep = [k for k, r in enumerate(self.work_rows) if r not in gone]
         if len(keep) < len(self.work_rows):
             self.work_rows = [self.work_rows[k] for k in keep]
-            self.work_logits = self.work_logits[torch.tensor(keep, dtype=torch.long, device=self.device)]
+            self.work_logits = self.work_logits[on_device(keep, self.device)]
         return ended, keep

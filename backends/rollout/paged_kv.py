@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from backends.rollout.common import on_device
 from backends.rollout.kv_cache import apply_rope, softmax_last
 
 __all__ = ["BlockPool", "PagedKVCache", "blocks_for_request", "pool_blocks_for_budget", "request_too_large"]
@@ -200,7 +201,7 @@ class PagedKVCache:
         return out
 
     def _zero(self, blocks: list[int]) -> None:
-        index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        index = on_device(blocks, self.device)
         for pool in (*self.k, *self.v):
             self._blocks_view(pool).index_fill_(1, index, 0.0)
 
@@ -215,8 +216,8 @@ class PagedKVCache:
         own = -(-(prompt_len + max_new_tokens - 1) // bs) - prompt_len // bs
         # a partial last block is one of its last holder's own blocks, taken already
         self.pool.reserved += n * own - (1 if prompt_len % bs else 0)
-        index = torch.tensor(slots, device=self.device)
-        self.block_table[index, : len(shared)] = torch.tensor(shared, device=self.device)
+        index = on_device(slots, self.device)
+        self.block_table[index, : len(shared)] = on_device(shared, self.device)
         for s in slots:
             self.blocks[s] = list(shared)
             self.reserve[s] = own
@@ -251,7 +252,7 @@ class PagedKVCache:
                 copies.append((block, old, pos % bs))
             table.append((slot, pos // bs, block))
         if table:
-            rows, columns, blocks = (torch.tensor(x, device=self.device) for x in zip(*table))
+            rows, columns, blocks = on_device(list(zip(*table)), self.device)  # one copy
             self.block_table[rows, columns] = blocks
         if taken:
             self._zero(taken)

@@ -49,7 +49,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from backends.rollout.common import HostCopy, SamplingConfig, left_pad, sample_tokens
+from backends.rollout.common import HostCopy, SamplingConfig, left_pad, on_device, sample_tokens
 from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
@@ -117,7 +117,7 @@ class _Working:
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in index])
         if len(index) != self.logits.shape[0]:
-            self.logits = self.logits[torch.tensor(index, dtype=torch.long, device=self.logits.device)]
+            self.logits = self.logits[on_device(index, self.logits.device)]
 
     def extend(self, other: _Working) -> None:
         for name in ("slot", "row", "position", "drawn"):
@@ -278,9 +278,9 @@ class ContinuousBatcher:
         if not index:
             return _Working(slot, row, position, drawn, work.logits[:0])
         if len(index) != len(work.row):
-            token = token[torch.tensor(index, dtype=torch.long, device=self.device)]
+            token = token[on_device(index, self.device)]
         self.cache.grow(slot, position)
-        slots, positions = torch.tensor([slot, position], dtype=torch.long, device=self.device)  # one copy
+        slots, positions = on_device([slot, position], self.device)  # one copy
         if self.graphed_step is not None:
             logits = self.graphed_step(token, slots, positions, max(position) + 1)
         else:
@@ -311,8 +311,8 @@ class ContinuousBatcher:
         n, device = self.n, self.device
         prompts = [self.prompts[i] for i, _ in admitted]
         ids, mask = left_pad(prompts, self.rollout.pad_token_id)
-        ids, mask = ids.to(device), mask.to(device)
-        self.cache.begin_prefill(torch.tensor([slots[0] for _, slots in admitted], device=device), mask)
+        ids, mask = on_device(ids, device), on_device(mask, device)
+        self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], device), mask)
         logits = self.decoder.prefill(ids, mask, copies=1).float().repeat_interleave(n, dim=0)
         slot = [s for _, slots in admitted for s in slots]
         row = [i * n + j for i, _ in admitted for j in range(n)]
@@ -321,7 +321,7 @@ class ContinuousBatcher:
 
     def _sample(self, work: _Working) -> Tensor:
         """One token per working row, recorded in the outputs; counts it in ``work.drawn``."""
-        rows, drawn = torch.tensor([work.row, work.drawn], dtype=torch.long, device=self.device)  # one copy
+        rows, drawn = on_device([work.row, work.drawn], self.device)  # one copy
         uniform = None
         if self.sampling.temperature > 0.0:
             uniform = row_uniforms(self.seed, rows, drawn)[:, None]
@@ -371,8 +371,8 @@ class ContinuousBatcher:
         logits = []
         for lo, hi in groups:
             ids, mask = left_pad(sequences[lo:hi], self.rollout.pad_token_id)
-            ids, mask = ids.to(device), mask.to(device)
-            self.cache.begin_refill(torch.tensor(work.slot[lo:hi], dtype=torch.long, device=device), mask)
+            ids, mask = on_device(ids, device), on_device(mask, device)
+            self.cache.begin_refill(on_device(work.slot[lo:hi], device), mask)
             logits.append(self.decoder.prefill(ids, mask, copies=1).float())
         self.refilled_tokens += sum(map(len, sequences))
         return torch.cat(logits)
