@@ -67,15 +67,17 @@ test-fast: $(TEST_STAMP)
 ## tests, then a short GRPO run with every installed rollout engine in bf16 on every GPU, the native engine's decode
 ## throughput at a real model's shape against `generate` and the bandwidth bound, and the GRPO recipe at that shape.
 ## GPU_PYTHON=python3 uses a Python that already holds CUDA torch and the packages instead of building .venv
-## (a machine with no package index).
+## (a machine with no package index). A failed gpu test does not stop the benchmarks (GPU time is scarce: their
+## numbers are wanted either way); the target still fails at the end.
 GPU_PYTHON ?=
 GPU_PY := $(or $(GPU_PYTHON),$(PY))
 BENCH_DECODE_ARGS ?=
 test-gpu: $(if $(GPU_PYTHON),,$(TEST_STAMP))
-	$(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS)
-	$(GPU_PY) benchmarks/gpu_smoke.py
-	$(GPU_PY) benchmarks/bench_decode_gpu.py $(BENCH_DECODE_ARGS)
-	$(GPU_PY) benchmarks/gpu_real_scale.py --steps 2
+	status=0; $(GPU_PY) -m pytest -m gpu $(PYTEST_ARGS) || status=$$?; \
+	$(GPU_PY) benchmarks/gpu_smoke.py && \
+	$(GPU_PY) benchmarks/bench_decode_gpu.py $(BENCH_DECODE_ARGS) && \
+	$(GPU_PY) benchmarks/gpu_real_scale.py --steps 2 && \
+	exit $$status
 
 ## The formatter and linter (ruff, pinned in the `test` extra; its rules are in pyproject.toml, [tool.ruff]):
 ## fails on a lint finding or on a file that `ruff format` would change. `$(VENV)/bin/ruff format .` formats.

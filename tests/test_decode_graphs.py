@@ -178,6 +178,41 @@ def test_the_decode_step_replays_from_cuda_graphs_with_the_trainers_logprobs(set
 
 
 @pytest.mark.gpu
+def test_decode_iterations_make_no_implicit_device_sync(setup):
+    """No host sync per token: under PyTorch's sync debug mode, a call of 48 new tokens makes no more implicit
+    synchronisations than a call of 16 (admission's prefill makes some; the iterations after it make none: their one
+    read of the sampled tokens waits on an event, and their host-to-device copies are queued from pinned memory).
+    Rows end at many lengths, so the working batch shrinks along the way. Eager steps, so no graph capture (which
+    synchronises) blurs the count."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path, _, tok, eos = setup
+    rollout = build_native_rollout(
+        path, tok, eos_token_ids=eos, device="cuda", batching_limits=BatchingLimits(cuda_graphs=False)
+    )
+    prompts = _prompts(tok, 16)
+
+    def syncs(max_new: int) -> int:
+        sampling = SamplingConfig(n=4, max_new_tokens=max_new, seed=2)
+        generate(rollout, prompts, sampling)  # warm: first-call set-up synchronises
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with torch.inference_mode():
+                    batcher = ContinuousBatcher(rollout, prompts, sampling, 2, rollout.batching_limits)
+                    batcher.run()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert batcher.overlap and batcher.iterations >= max_new // 2
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    short, long = syncs(16), syncs(48)
+    assert long == short, (short, long)
+
+
+@pytest.mark.gpu
 def test_new_weights_at_a_boundary_are_replayed_by_new_graphs(partial_models):
     """Partial rollouts on CUDA: after the boundary's weights the graphs are captured again (a graph replays the
     weights it captured), so the tokens after it carry the new weights' log-probs and those before the old ones'."""
