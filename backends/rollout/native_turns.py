@@ -203,8 +203,8 @@ class NativeTurnStream:
                     token = token[on_device(keep, self.device)]
                 self._forward(token, feeding)
                 return ended
-            # the step is queued before the tokens reach the host: every row feeds the token it sampled, but a row
-            # whose conversation is full (it has no next turn, and its blocks hold no position for that token)
+            # the step is queued before the tokens reach the host: every row feeds the token it sampled, except a
+            # row whose conversation is full (it has no next turn, and its blocks hold no position for that token)
             fed = [i for i, r in enumerate(sampled_rows) if self.added[r] < self.max_slots]
             if len(fed) < len(sampled_rows):
                 index = on_device(fed, self.device)
