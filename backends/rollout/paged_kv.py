@@ -15,7 +15,8 @@ attention pays a large overhead per small problem), elsewhere with one fused ``s
 kernel where the two matmuls, the scaling, the mask and the softmax take five, and no scores written out). The ``g``
 query heads of a KV head are its ``g`` queries, so grouped-query attention needs no copy of the keys. Masked
 positions must hold finite numbers (a zero weight times NaN is NaN): block 0, the null block that pads every table,
-is zeroed by :meth:`PagedKVCache.reset` and never handed out, and every block is zeroed when it is handed out.
+is zeroed by :meth:`PagedKVCache.reset` and never handed out (padding tokens write finite keys and values into it),
+and every block is zeroed when it is handed out.
 
 Memory is reserved, not just allocated: a row is admitted only when the pool can hold its longest possible length
 (:meth:`PagedKVCache.admit`), so a running row never waits for a block and no row is ever preempted.
@@ -353,28 +354,29 @@ class PagedKVCache:
         ``positions (b c)`` (each slot's blocks grown to hold them); ``valid (b c)`` marks the real ones; ``length``
         > every position (the keys attended per row: the caller's host bookkeeping knows it). A token
         attends to its slot's positions up to its own: what the slot held before the chunk and, causally, the chunk's
-        earlier tokens. Padding tokens write nothing; their queries read finite numbers and their outputs are the
-        caller's to drop."""
+        earlier tokens. Padding tokens write into the null block's first row (finite numbers, which only masked
+        positions read: no boolean indexing, whose size the host would have to read back from the device); their
+        queries read finite numbers and their outputs are the caller's to drop."""
         bs = self.block_size
-        write = (self.block_table[slots[:, None], positions // bs] * bs + positions % bs)[valid]
+        write = (self.block_table[slots[:, None], positions // bs] * bs + positions % bs).masked_fill_(~valid, 0)
         read = self.block_table[slots, : -(-length // bs)].flatten()
         offsets = torch.arange(length, device=self.device)
         bias = torch.zeros(*positions.shape, length, dtype=self.att_dtype, device=self.device)
         bias.masked_fill_(offsets > positions[..., None], float("-inf"))  # (b c length)
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
-        self._chunk = (cos, sin, bias, write, valid.flatten().nonzero().squeeze(-1), read, length)
+        self._chunk = (cos, sin, bias, write.flatten(), read, length)
 
     def attend_chunk(self, layer: int, qkv: Tensor) -> Tensor:
-        """RoPE on ``qkv (b c h+2kv d)``, the real tokens' keys and values written to their pool rows, and the
-        attention ``(b c h d)`` of every query over its slot's positions."""
-        cos, sin, bias, write, real, read, length = self._chunk
+        """RoPE on ``qkv (b c h+2kv d)``, the real tokens' keys and values written to their pool rows (the padding
+        tokens' to the null block), and the attention ``(b c h d)`` of every query over its slot's positions."""
+        cos, sin, bias, write, read, length = self._chunk
         b, c, d = qkv.shape[0], qkv.shape[1], qkv.shape[3]
         h = self.num_heads
         kv = (qkv.shape[2] - h) // 2
         kp, vp = self.k[layer], self.v[layer]
         qk = apply_rope(qkv[:, :, : h + kv], cos, sin)
-        new_k = qk[:, :, h:].reshape(b * c, kv, d).index_select(0, real)
-        new_v = qkv[:, :, h + kv :].reshape(b * c, kv, d).index_select(0, real)
+        new_k = qk[:, :, h:].reshape(b * c, kv, d)
+        new_v = qkv[:, :, h + kv :].reshape(b * c, kv, d)
         kp.index_copy_(1, write, new_k.transpose(0, 1).to(kp.dtype))
         vp.index_copy_(1, write, new_v.transpose(0, 1).to(vp.dtype))
         keys = self._gather(kp, read).view(kv, b, -1, d)[:, :, :length]  # (kv b length d)
