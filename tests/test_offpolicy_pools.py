@@ -306,9 +306,11 @@ def _crash_channel(rank: int):
         sender = SampleSender(timeout_s=WAIT_S)
         sender.send_samples({"tokens": torch.zeros(3)}, dst=0, version=0, step=0)
         sender.flush()
+        dist.barrier()  # the first batch was received: a flushed send is only handed to the transport
         os._exit(17)  # dies in the middle of the run, the second batch never sent
     receiver = SampleReceiver(timeout_s=WAIT_S)
     receiver.recv_samples(src=1)
+    dist.barrier()
     start = time.monotonic()
     try:
         receiver.recv_samples(src=1)
