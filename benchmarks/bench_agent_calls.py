@@ -8,10 +8,12 @@ native engine in this process, it times (median of ``--repeats``):
 - ``generate``: the engine's ``generate`` of one chat prompt, one row, ``max_new_tokens=16``, per call;
 - ``openai``: the same through an in-process rollout server (``backends.rollout.server.ThreadedServer``), one
   ``openai`` client reused, calls one after another;
-- ``agents xK``: ``--trajectories`` trajectories of the calculator ReAct agent (``experiments/agents/
+- ``agents xK <batching>``: ``--trajectories`` trajectories of the calculator ReAct agent (``experiments/agents/
   calculator_react.py``: a client per trajectory over one shared connection pool) through ``AgentRunner`` with K
   agents at a time (``--agents``), per model call (registration and the read-back of every trajectory's tokens
-  included), and as model calls (requests) and sampled tokens per second of the whole round.
+  included), and as model calls (requests) and sampled tokens per second of the whole round; once with the server's
+  calls joining the engine's running batch (``stream``) and once gathered into engine calls (``gathered``), each
+  repeat running both on the same seeds, and the ratio stream / gathered.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import attrs  # noqa: E402
 import openai  # noqa: E402
 
 from backends.data import Example, prompt_token_ids  # noqa: E402
@@ -55,6 +58,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=20, help="calls per repeat of generate / openai")
     parser.add_argument("--agents", type=int, nargs="+", default=[1, 8, 32], help="agents at a time (threads)")
+    parser.add_argument(
+        "--batching",
+        nargs="+",
+        default=["stream", "gathered"],
+        choices=["stream", "gathered"],
+        help="how the server runs concurrent calls: a request stream they join, or gathered engine calls",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = build_char_tokenizer(words=calculator.TOKENIZER_WORDS)
@@ -74,12 +84,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         server = ThreadedServer(policy)
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="bench", max_retries=0)
+        agent = "experiments/agents/calculator_react.py:run"
         runners = {
-            k: agent_runner("experiments/agents/calculator_react.py:run", deadline_s=120.0, workers=k)
+            f"agents x{k} {mode}": attrs.evolve(
+                agent_runner(agent, deadline_s=120.0, workers=k), request_streams=mode == "stream"
+            )
             for k in args.agents
+            for mode in args.batching
         }
-        results: dict[str, list[float]] = {"generate": [], "openai": [], **{f"agents x{k}": [] for k in args.agents}}
-        rates: dict[str, list[tuple[float, float]]] = {f"agents x{k}": [] for k in args.agents}
+        results: dict[str, list[float]] = {"generate": [], "openai": [], **{name: [] for name in runners}}
+        rates: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
         try:
             for repeat in range(args.repeats):
                 start = time.perf_counter()
@@ -90,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
                 for i in range(args.calls):
                     client.chat.completions.create(model="policy", messages=examples[0].prompt, seed=i)
                 results["openai"].append((time.perf_counter() - start) / args.calls)
-                for k, runner in runners.items():
+                for name, runner in runners.items():
                     start = time.perf_counter()
                     episodes = runner.sample(
                         engine, examples, tokenizer, SamplingConfig(n=8, max_new_tokens=16), seed=repeat
@@ -98,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
                     wall = time.perf_counter() - start
                     calls = episodes.metrics["agent/calls"] * len(examples) * 8
                     tokens = int(episodes.batch.loss_mask.sum())  # the sampled ones; tool results carry no loss
-                    results[f"agents x{k}"].append(wall / calls)
-                    rates[f"agents x{k}"].append((calls / wall, tokens / wall))
+                    results[name].append(wall / calls)
+                    rates[name].append((calls / wall, tokens / wall))
         finally:
             for runner in runners.values():
                 runner.close()
@@ -107,11 +121,15 @@ def main(argv: list[str] | None = None) -> None:
     base = statistics.median(results["generate"])
     for name, values in results.items():
         median = statistics.median(values)
-        line = f"{name:10s} {median * 1000:7.1f} ms per model call ({median / base:.2f}x generate)"
+        line = f"{name:22s} {median * 1000:7.1f} ms per model call ({median / base:.2f}x generate)"
         if name in rates:
             requests = statistics.median(r for r, _ in rates[name])
             tokens = statistics.median(t for _, t in rates[name])
             line += f"; {requests:6.1f} requests/s, {tokens:7.1f} sampled tokens/s"
+            gathered = name.replace(" stream", " gathered")
+            if name.endswith(" stream") and gathered in rates:
+                ratio = requests / statistics.median(r for r, _ in rates[gathered])
+                line += f" ({ratio:.2f}x gathered)"
         print(line)
 
 

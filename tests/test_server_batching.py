@@ -38,11 +38,12 @@ def engine(tmp_path_factory):
     return build_rollout(RolloutConfig(), model_dir, tokenizer), tokenizer
 
 
-@pytest.fixture(scope="module")
-def served(engine):
+@pytest.fixture(scope="module", params=["stream", "gathered"])
+def served(engine, request):
+    """A server whose worker runs a request stream (continuous batching), or gathered calls (lock-step)."""
     rollout, tokenizer = engine
     policy = ServedPolicy(
-        engine=rollout,
+        engine=rollout if request.param == "stream" else attrs.evolve(rollout, batching="lockstep"),
         tokenizer=tokenizer,
         model_name="tiny",
         trainer_token="trainer-token",
@@ -112,7 +113,7 @@ def _hold_the_engine_until_all_are_queued(server, calls: list[threading.Thread])
 def test_concurrent_calls_share_engine_calls_and_sample_what_they_would_alone(engine, served):
     rollout, tokenizer = engine
     client = openai.OpenAI(base_url=served.url + "/v1", api_key="trainer-token", max_retries=0)
-    caps = [6, 6, 6, 4, 6, 4, 6, 6]  # two sampling options: they never share a call
+    caps = [6, 6, 6, 4, 6, 4, 6, 6]  # two token limits: they never share a gathered call
     replies: dict[int, object] = {}
 
     def call(i: int) -> None:
@@ -123,10 +124,16 @@ def test_concurrent_calls_share_engine_calls_and_sample_what_they_would_alone(en
     threads = [threading.Thread(target=call, args=(i,)) for i in range(8)]
     _hold_the_engine_until_all_are_queued(served, threads)
     stats = {k: v - before[k] for k, v in served.policy.batcher.stats.items() if k != "engine/largest_call"}
-    # the worker's first call took what had come (some calls of one option); what queued behind it shares one call
-    # per option
-    assert stats["engine/requests"] == 8 and stats["engine/calls"] <= 3, stats
-    assert served.policy.batcher.stats["engine/largest_call"] >= 3
+    assert stats["engine/requests"] == 8, stats
+    if served.policy.engine.batching == "continuous":
+        # one stream: a call's token limit is its own, and the calls that came while it ran joined it
+        assert stats["engine/streams"] == 1 and stats["engine/calls"] == 0, stats
+        assert served.policy.batcher.stats["engine/largest_call"] == 8
+    else:
+        # the worker's first call took what had come (some calls of one option); what queued behind it shares one
+        # call per option
+        assert stats["engine/calls"] <= 3 and stats["engine/streams"] == 0, stats
+        assert served.policy.batcher.stats["engine/largest_call"] >= 3
     for i in range(8):
         prompt = prompt_token_ids([{"role": "user", "content": f"{i}+{i}="}], tokenizer)
         alone = rollout.generate([prompt], SamplingConfig(n=1, max_new_tokens=caps[i]), seed=100 + i)

@@ -256,6 +256,8 @@ class AgentRunner:
     deadline_s: float
     workers: int
     chat_template: str | None = None  #: the run's chat template text (None: the tokenizer's)
+    #: the agents' calls join the engine's running batch where it can (else: gathered calls; the server's option)
+    request_streams: bool = True
     server: Any = None  #: the :class:`backends.rollout.server.ThreadedServer`, once started
     rounds: int = 0
 
@@ -302,6 +304,7 @@ class AgentRunner:
                 trainer_token=server_client.new_token(),
                 staging=WeightStaging(expected={}),  # the trainer syncs the engine itself: nothing is pushed here
                 chat_template=self.chat_template,
+                request_streams=self.request_streams,
             )
             self.server = ThreadedServer(policy)
         return self.server

@@ -20,6 +20,7 @@ __all__ = [
     "SamplingConfig",
     "TurnOutput",
     "EndedTurn",
+    "EndedRequest",
     "default_eos_token_ids",
     "prepare_prompts",
     "check_group_ids",
@@ -89,6 +90,17 @@ class EndedTurn:
     logprobs: list[float]  #: raw log-probs of the sampled tokens; 0.0 for forced ones
     sampled: list[bool]  #: True for sampled (model) tokens
     finished: bool  #: the turn ended with an EOS token (False: its token limit cut it)
+
+
+@attrs.frozen
+class EndedRequest:
+    """A sampling request whose every row has ended (what a :class:`backends.rollout.engine.RequestStream` step
+    returns): its rows as ``generate`` orders them, ``(rows t)`` right-padded, ``t`` the longest of them."""
+
+    key: Any  #: the request's key, as it was added
+    response_ids: Tensor  #: sampled tokens up to and including the EOS (or the cut), then padding
+    response_mask: Tensor  #: bool: the row's own tokens
+    logprobs: Tensor  #: fp32 raw log-probs of the sampled tokens, 0 where masked
 
 
 def sampling_options(sampling: SamplingConfig) -> SamplingConfig:

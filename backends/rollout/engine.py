@@ -22,10 +22,10 @@ import attrs
 import torch
 from torch import Tensor
 
-from backends.rollout.common import EndedTurn, SamplingConfig, TurnOutput
+from backends.rollout.common import EndedRequest, EndedTurn, SamplingConfig, TurnOutput
 from rlfunc.batch import RolloutBatch
 
-__all__ = ["RolloutEngine", "RolloutEngineSpec", "Session", "TurnStream"]
+__all__ = ["RequestStream", "RolloutEngine", "RolloutEngineSpec", "Session", "TurnStream"]
 
 
 @runtime_checkable
@@ -67,6 +67,33 @@ class TurnStream(Protocol):
 
     def close(self, row: int) -> None:
         """``row``'s trajectory is over: free what it holds."""
+        ...
+
+    def end(self) -> None:
+        """Free what the stream holds."""
+        ...
+
+
+@runtime_checkable
+class RequestStream(Protocol):
+    """An optional engine ability: sampling requests that join a running batch as they come (a rollout server's
+    agents' calls), each with its own prompts, ``n``, token limit and seed, under one set of sampling options and
+    the weights the engine holds when the stream starts. A server steps it from one thread
+    (:class:`backends.rollout.server_batching.EngineBatcher`); an engine whose ``start_request_stream`` is missing or
+    returns None runs each gathered set of requests as one ``generate``."""
+
+    @property
+    def busy(self) -> bool:
+        """Some request is queued or sampling."""
+        ...
+
+    def add(self, key: Any, prompts: Sequence[Sequence[int]], *, n: int, max_new_tokens: int, seed: int) -> None:
+        """Queue a request (``ValueError`` if it can never run, and nothing queued): :meth:`step` returns it under
+        ``key``, its rows the tokens ``generate`` samples for it alone with ``seed``."""
+        ...
+
+    def step(self) -> list[EndedRequest]:
+        """One engine iteration: the requests whose every row ended in it."""
         ...
 
     def end(self) -> None:

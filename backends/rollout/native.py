@@ -75,6 +75,7 @@ from backends.rollout.common import (
 )
 from backends.rollout.decoder import Decoder, Workspace
 from backends.rollout.engine import RolloutEngineSpec
+from backends.rollout.native_requests import NativeRequestStream
 from backends.rollout.native_session import NativeSession, start_session
 from backends.rollout.native_turns import NativeTurnStream
 from backends.rollout.row_random import RowKeys, row_uniforms
@@ -216,6 +217,13 @@ class NativeRollout:
             return None
         sampling = sampling_options(sampling)
         return NativeTurnStream(self, prompts, sampling, seed=seed, max_slots=max_slots, limits=self.batching_limits)
+
+    def start_request_stream(self, sampling: SamplingConfig, *, max_rows: int) -> NativeRequestStream | None:
+        """With continuous batching (and no partial rollouts), a :class:`~backends.rollout.engine.RequestStream` of
+        ``max_rows`` slots under ``sampling``'s options (:mod:`backends.rollout.native_requests`); else None."""
+        if self.batching != "continuous" or self.weight_updates is not None:
+            return None
+        return NativeRequestStream(self, sampling_options(sampling), max_rows=max_rows)
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> NativeRollout:
         return sync_weights(self, named_tensors, strict=strict)

@@ -23,7 +23,7 @@ import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["RowKeys", "row_uniforms", "fmix32"]
+__all__ = ["RowKeys", "keyed_uniforms", "row_uniforms", "fmix32", "seed_word"]
 
 _MASK32 = 0xFFFFFFFF
 _GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: separates the words of the key
@@ -44,7 +44,7 @@ def fmix32(x: Tensor | int) -> Tensor | int:
     return x ^ (x >> 16)
 
 
-def _seed_word(seed: int) -> int:
+def seed_word(seed: int) -> int:
     """A 32-bit word from any Python int seed (negative and 64-bit seeds included)."""
     seed = int(seed) & ((1 << 64) - 1)
     return fmix32(fmix32((seed & _MASK32) ^ _GOLDEN) ^ (seed >> 32))
@@ -70,7 +70,7 @@ class RowKeys:
     _tensors: dict = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        object.__setattr__(self, "words", tuple(_seed_word(s) for s in self.seeds))
+        object.__setattr__(self, "words", tuple(seed_word(s) for s in self.seeds))
 
     def tensors(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """The seeds' hash words and the rows as int64 tensors on ``device``."""
@@ -98,9 +98,15 @@ def row_uniforms(seed: int | RowKeys, rows: Tensor, draws: Tensor | int) -> Tens
     rows = rows.long()
     if isinstance(seed, RowKeys):
         words, keyed_rows = seed.tensors(rows.device)
-        key, rows = words[rows], keyed_rows[rows]
-    else:
-        key = _seed_word(seed)
+        return keyed_uniforms(words[rows], keyed_rows[rows], draws)
+    return keyed_uniforms(seed_word(seed), rows, draws)
+
+
+def keyed_uniforms(key: Tensor | int, rows: Tensor, draws: Tensor | int) -> Tensor:
+    """float32 uniforms in [0, 1) keyed by ``(key, rows, draws)``, ``key`` a seed's hash word (:func:`seed_word`)
+    per element or one for all: what :func:`row_uniforms` draws, for a caller that keeps each row's key itself (a
+    batch whose rows come and go)."""
+    rows = rows.long()
     draws = torch.as_tensor(draws, dtype=torch.long, device=rows.device)
     h = fmix32((rows & _MASK32) ^ key)
     h = fmix32((h + _GOLDEN) & _MASK32 ^ (draws & _MASK32))

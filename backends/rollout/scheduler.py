@@ -1,6 +1,8 @@
 """Continuous batching for the native engine: a fixed number of slots, requests admitted as rows finish.
 
-A request is one prompt and its ``n`` samples. Each iteration of :meth:`ContinuousBatcher.run`:
+A request is one prompt and its samples (``n``, each with its own draw key and token limit): a call's prompts are
+queued when the batcher is built, and a batch left open (a rollout server's: :mod:`backends.rollout.native_requests`)
+takes more while it runs (:meth:`ContinuousBatcher.submit`). Each iteration (:meth:`ContinuousBatcher.step`):
 
 1. admits waiting requests, in order, while their samples find free slots, the paged cache can promise their
    longest possible length (:func:`backends.rollout.paged_kv.blocks_for_request`) and their prompts fit the
@@ -8,7 +10,8 @@ A request is one prompt and its ``n`` samples. Each iteration of :meth:`Continuo
    length);
 2. prefills the admitted prompts together, once per prompt (the samples share its blocks);
 3. samples one token for every working row (the new rows from their prompt's last logits), with the uniform keyed
-   by the row's index in the output and its number of tokens so far (:func:`backends.rollout.row_random.row_uniforms`);
+   by the row's key (a call's seed and the row's index in it) and its number of tokens so far
+   (:func:`backends.rollout.row_random.keyed_uniforms`);
 4. frees the rows that ended (EOS, or their request's ``max_new_tokens`` tokens) and their slots and blocks;
 5. runs one decode step of the rows still running, each at its own position (on CUDA replayed from a CUDA graph
    of the step at fixed shapes: :mod:`backends.rollout.decode_graphs`).
@@ -17,8 +20,9 @@ So a short row's slot takes the next request at once instead of idling until the
 more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
 rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
 
-The bookkeeping (slots, positions, tokens drawn, blocks) is the host's, in lists: an iteration reads the device once,
-for the tokens it sampled (to see the EOS), and writes it once per tensor it builds. On CUDA (``overlap``) steps 4
+The bookkeeping (slots, positions, tokens drawn, blocks) and the outputs are the host's, in lists: an iteration
+waits for the device once, for the tokens it sampled (to see the EOS) and their log-probs, and writes it once per
+tensor it builds. On CUDA (``overlap``) steps 4
 and 5 swap: the decode step of every row below its limit is queued first, the tokens are read while it runs, and a
 row that sampled its EOS has stepped once for nothing (its logits are dropped). The host then never holds the
 device idle between two steps (TensorRT-LLM's overlap scheduler and SGLang's zero-overhead scheduler make the same
@@ -53,7 +57,7 @@ from backends.rollout.common import HostCopy, SamplingConfig, left_pad, on_devic
 from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
-from backends.rollout.row_random import RowKeys, row_uniforms
+from backends.rollout.row_random import RowKeys, keyed_uniforms, seed_word
 
 __all__ = ["BatchingLimits", "ContinuousBatcher", "WeightUpdates", "generate_continuous", "pool_blocks"]
 
@@ -106,23 +110,61 @@ class _Working:
     bookkeeping never reads the device) and their next-token logits on the device."""
 
     slot: list[int]  #: cache slot
-    row: list[int]  #: row of the output batch
+    row: list[int]  #: row of the output
     position: list[int]  #: position of the next token to feed (the tokens the row holds)
     drawn: list[int]  #: tokens sampled so far
     logits: Tensor  #: (b v) fp32: next-token logits
 
+    def select(self, index: list[int], logits: Tensor) -> _Working:
+        """Rows ``index``, in that order, with ``logits``."""
+        return _Working(*([values[i] for i in index] for values in self._lists()), logits)
+
     def keep(self, index: list[int]) -> None:
         """Keep rows ``index``, in that order."""
-        for name in ("slot", "row", "position", "drawn"):
-            values = getattr(self, name)
-            setattr(self, name, [values[i] for i in index])
         if len(index) != self.logits.shape[0]:
             self.logits = self.logits[on_device(index, self.logits.device)]
+        self.slot, self.row, self.position, self.drawn = ([values[i] for i in index] for values in self._lists())
 
     def extend(self, other: _Working) -> None:
-        for name in ("slot", "row", "position", "drawn"):
-            getattr(self, name).extend(getattr(other, name))
+        for mine, theirs in zip(self._lists(), other._lists()):
+            mine.extend(theirs)
         self.logits = torch.cat([self.logits, other.logits])
+
+    def _lists(self) -> tuple[list[int], ...]:
+        return self.slot, self.row, self.position, self.drawn
+
+
+@attrs.define
+class _Row:
+    """One sample: what it continues, how far, how its draws are keyed, and what it sampled (on the host)."""
+
+    prompt: list[int]
+    limit: int  #: the most tokens it samples
+    key_word: int  #: its uniforms are keyed by (key_word, key_row, token index): :func:`keyed_uniforms`
+    key_row: int
+    tokens: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)  #: of the weights that sampled each token
+
+
+@attrs.frozen
+class _Group:
+    """One prompt's samples: admitted together, they share the prompt's blocks."""
+
+    prompt: list[int]
+    rows: list[int]
+    max_new: int
+    need: int  #: blocks promised at admission (:func:`backends.rollout.paged_kv.blocks_for_request`)
+
+
+def _call_keys(seed: int | RowKeys, rows: range) -> list[tuple[int, int]]:
+    """The draw keys of a call's ``rows`` seeded ``seed``: what :func:`row_uniforms` keys them by."""
+    if isinstance(seed, RowKeys):
+        if rows.stop > len(seed.rows):
+            raise ValueError(f"RowKeys has {len(seed.rows)} rows; the call samples {rows.stop} at least")
+        return [(seed.words[r], seed.rows[r]) for r in rows]
+    word = seed_word(seed)
+    return [(word, r) for r in rows]
 
 
 def _prompt_limits(max_new_tokens: list[int] | None, prompts: int, default: int) -> list[int]:
@@ -157,7 +199,13 @@ def pool_blocks(rollout: Any, limits: BatchingLimits, slots: int, max_len: int) 
 
 
 class ContinuousBatcher:
-    """One call's scheduler: its requests, slots, paged cache and outputs (see the module docstring)."""
+    """A scheduler over one paged cache: its queued prompts, slots and outputs (see the module docstring).
+
+    Built with ``prompts`` (a call's: :meth:`run` samples them all), or with none and ``slots`` and ``max_len`` given,
+    as a batch that stays open (``own_cache``: its cache outlives the engine's other calls): :meth:`submit` queues a
+    prompt's samples at any time, :meth:`step` runs one iteration and names the rows that ended in it, :meth:`pop`
+    hands over and forgets their outputs.
+    """
 
     def __init__(
         self,
@@ -168,43 +216,44 @@ class ContinuousBatcher:
         limits: BatchingLimits,
         updates: WeightUpdates | None = None,
         max_new_tokens: list[int] | None = None,
+        *,
+        slots: int | None = None,
+        max_len: int | None = None,
+        own_cache: bool = False,
     ) -> None:
-        self.rollout, self.prompts, self.sampling, self.seed = rollout, prompts, sampling, seed
+        self.rollout, self.sampling = rollout, sampling
         if updates is not None and not (isinstance(updates.chunk_tokens, int) and updates.chunk_tokens > 0):
             raise ValueError(f"WeightUpdates.chunk_tokens must be a positive int, got {updates.chunk_tokens!r}")
         self.updates = updates
         device, n = rollout.device, sampling.n
-        self.device, self.n = device, n
-        #: each prompt's most new tokens per sample (a request's own limit, as a server's requests have)
-        self.max_new = _prompt_limits(max_new_tokens, len(prompts), sampling.max_new_tokens)
-        max_new = max(self.max_new, default=sampling.max_new_tokens)
+        self.device = device
+        # each prompt's most new tokens per sample (a request's own limit, as a server's requests have)
+        max_new = _prompt_limits(max_new_tokens, len(prompts), sampling.max_new_tokens)
         rows = len(prompts) * n
-        slots = min(rows, limits.max_slots or DEFAULT_MAX_SLOTS)
-        if slots < n:
+        self.slots = slots or min(rows, limits.max_slots or DEFAULT_MAX_SLOTS)
+        if prompts and self.slots < n:
             raise ValueError(
-                f"rollout.native.max_slots={slots} is fewer than rollout.n={n}: a prompt's samples are admitted "
+                f"rollout.native.max_slots={self.slots} is fewer than rollout.n={n}: a prompt's samples are admitted "
                 "together, so the slots must hold n rows at least"
             )
-        self.max_len = max((len(p) + m for p, m in zip(prompts, self.max_new)), default=max_new)
-        bs = limits.block_size
-        num_blocks = pool_blocks(rollout, limits, slots, self.max_len)
-        self.needs = [blocks_for_request(len(p), n, m, bs) for p, m in zip(prompts, self.max_new)]
-        for i, need in enumerate(self.needs):
-            if need > num_blocks - 1:
-                usable = max(num_blocks - 1, 0)
-                raise ValueError(request_too_large(i, len(prompts[i]), n, self.max_new[i], need, usable, bs))
+        self.max_len = max_len or max((len(p) + m for p, m in zip(prompts, max_new)), default=sampling.max_new_tokens)
+        self.block_size = bs = limits.block_size
+        num_blocks = pool_blocks(rollout, limits, self.slots, self.max_len)
+        for i, (prompt, m) in enumerate(zip(prompts, max_new)):  # before any memory is taken
+            self._check_fits(i, len(prompt), n, m, num_blocks - 1)
         make_cache = functools.partial(
-            PagedKVCache.allocate, slots=slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
+            PagedKVCache.allocate, slots=self.slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
         )
-        # partial rollouts: the caller may generate (an evaluation) at a boundary, which must not take these caches
+        # caches of their own where other calls may run on the engine while this batch lives: partial rollouts (the
+        # caller may generate, an evaluation, at a boundary) and a batch left open (``own_cache``)
         self.decoder = Decoder(
             rollout.model,
-            slots,
+            self.slots,
             self.max_len,
             rollout.prepack_cpu_weights,
             rollout.workspace,
             make_cache=make_cache,
-            own_cache=updates is not None,
+            own_cache=own_cache or updates is not None,
         )
         self.cache: PagedKVCache = self.decoder.cache
         self.cache.reset()
@@ -215,53 +264,135 @@ class ContinuousBatcher:
         #: device never waits for the host's bookkeeping between two steps
         self.overlap = device.type == "cuda" and limits.overlap_steps
         self.prefill_tokens = limits.prefill_tokens
-        self.waiting = collections.deque(range(len(prompts)))
-        self.free_slots = list(range(slots - 1, -1, -1))
+        self.waiting: collections.deque[_Group] = collections.deque()
+        self.free_slots = list(range(self.slots - 1, -1, -1))
         self.eos = set(rollout.eos_token_ids)
-        self.tokens = torch.full((rows, max_new), rollout.pad_token_id, dtype=torch.long, device=device)
-        self.logprobs = torch.zeros((rows, max_new), dtype=torch.float32, device=device)
+        self.rows: dict[int, _Row] = {}  #: output row -> its sample, until popped
+        self.next_row = 0
+        self.work = _Working([], [], [], [], torch.zeros(0, rollout.vocab_size, device=device))
         self.version = updates.version() if updates is not None else 0  #: of the weights sampling now
-        #: the version of the weights that sampled each token (the start version where none was sampled)
-        self.versions = torch.full((rows, max_new), self.version, dtype=torch.long, device=device)
+        self.start_version = self.version
         self.weight_loads = 0  #: boundaries at which new weights were taken
         self.refilled_tokens = 0  #: tokens whose keys and values were computed again under new weights
         self.steps = 0  #: the most tokens any row has sampled
         self.iterations = 0
         self.peak_blocks = 0  #: the most blocks held at once
         self.peak_rows = 0  #: the most rows decoded together
+        self.versions: Tensor | None = None  #: after :meth:`run`: the version that sampled each token
+        for i, (prompt, m) in enumerate(zip(prompts, max_new)):
+            self.submit(prompt, m, _call_keys(seed, range(i * n, i * n + n)), index=i)
+
+    @property
+    def busy(self) -> bool:
+        """Some prompt waits or some row is sampling."""
+        return bool(self.waiting or self.work.row)
+
+    def submit(
+        self, prompt: list[int], max_new_tokens: int, keys: list[tuple[int, int]], *, index: int = 0
+    ) -> list[int]:
+        """Queue ``len(keys)`` samples of ``prompt``, each of at most ``max_new_tokens`` tokens, the ``j``-th drawing
+        with ``keys[j]`` (a seed's hash word and a row: :func:`keyed_uniforms`); their output rows. Refuses (naming
+        prompt ``index``) what can never run here."""
+        need = self.check(prompt, max_new_tokens, len(keys), index=index)
+        rows = list(range(self.next_row, self.next_row + len(keys)))
+        self.next_row += len(keys)
+        for row, (word, key_row) in zip(rows, keys):
+            self.rows[row] = _Row(prompt, max_new_tokens, word, key_row)
+        self.waiting.append(_Group(prompt, rows, max_new_tokens, need))
+        return rows
+
+    def check(self, prompt: list[int], max_new_tokens: int, n: int, *, index: int = 0) -> int:
+        """Refuse (naming prompt ``index``) ``n`` samples of ``prompt`` that can never run here; else the KV-cache
+        blocks they need."""
+        if n < 1 or n > self.slots:
+            raise ValueError(
+                f"prompt {index}: n={n} samples, but the batch has {self.slots} slots: a prompt's samples are "
+                "admitted together"
+            )
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise ValueError(
+                f"prompt {index} ({len(prompt)} tokens) with max_new_tokens={max_new_tokens} needs "
+                f"{len(prompt) + max_new_tokens} positions, more than the {self.max_len} this batch holds"
+            )
+        return self._check_fits(index, len(prompt), n, max_new_tokens, self.cache.pool.usable)
+
+    def _check_fits(self, index: int, prompt_len: int, n: int, max_new: int, usable: int) -> int:
+        need = blocks_for_request(prompt_len, n, max_new, self.block_size)
+        if need > usable:
+            raise ValueError(request_too_large(index, prompt_len, n, max_new, need, max(usable, 0), self.block_size))
+        return need
 
     def run(self) -> tuple[Tensor, Tensor]:
-        """Raw tokens and log-probs ``(rows steps)``, as the lock-step loop returns them."""
-        work = _Working([], [], [], [], torch.zeros(0, self.rollout.vocab_size, device=self.device))
-        while self.waiting or work.row:
-            if self.updates is not None and self.iterations and self.iterations % self.updates.chunk_tokens == 0:
-                self._boundary(work)
-            admitted = self._admit()
-            if admitted:
-                work.extend(self._prefill(admitted))
-            if not work.row:
+        """Every queued prompt sampled: raw tokens and log-probs ``(rows steps)`` on the host, as the lock-step loop
+        returns them (tokens past a row's last are padding, log-probs 0); ``self.versions`` alike."""
+        while self.busy:
+            self.step()
+        tokens, logprobs, self.versions = self.outputs(range(self.next_row))
+        return tokens, logprobs
+
+    def outputs(self, rows: Any) -> tuple[Tensor, Tensor, Tensor]:
+        """Tokens, log-probs and versions ``(len(rows) t)`` of output ``rows``, ``t`` the most any of them sampled."""
+        samples = [self.rows[r] for r in rows]
+        width = max((len(s.tokens) for s in samples), default=0)
+
+        def padded(name: str, fill: Any, dtype: torch.dtype) -> Tensor:
+            values = [getattr(s, name) + [fill] * (width - len(s.tokens)) for s in samples]
+            return torch.tensor(values, dtype=dtype).reshape(len(samples), width)
+
+        return (
+            padded("tokens", self.rollout.pad_token_id, torch.long),
+            padded("logprobs", 0.0, torch.float32),
+            padded("versions", self.start_version, torch.long),
+        )
+
+    def pop(self, rows: list[int]) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`outputs` of ``rows``, which ended, forgotten here."""
+        out = self.outputs(rows)
+        for row in rows:
+            del self.rows[row]
+        return out
+
+    def step(self) -> list[int]:
+        """One iteration (admit, prefill, sample, release, decode): the output rows that ended in it."""
+        work = self.work
+        if self.updates is not None and self.iterations and self.iterations % self.updates.chunk_tokens == 0:
+            self._boundary(work)
+        admitted = self._admit()
+        if admitted:
+            work.extend(self._prefill(admitted))
+        if not work.row:
+            if self.waiting:
                 raise RuntimeError("continuous batching: requests wait but none can be admitted (a check was skipped)")
-            self.iterations += 1
-            self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
-            self.peak_rows = max(self.peak_rows, len(work.row))
-            token = self._sample(work)
-            sampled = HostCopy(token)
-            below_limit = [i for i, (r, d) in enumerate(zip(work.row, work.drawn)) if d < self.max_new[r // self.n]]
-            if self.overlap:
-                # the next step is queued before this step's tokens reach the host: a row that sampled its EOS
-                # steps once more (its logits are dropped), and the device does not wait for the bookkeeping
-                stepped = self._step(work, token, below_limit)
-                tokens = sampled.values()
-                going = [j for j, i in enumerate(below_limit) if tokens[i] not in self.eos]
-                self._release(work, sorted(set(range(len(tokens))) - {below_limit[j] for j in going}))
-                stepped.keep(going)
-            else:
-                tokens = sampled.values()
-                running = [i for i in below_limit if tokens[i] not in self.eos]
-                self._release(work, sorted(set(range(len(tokens))) - set(running)))
-                stepped = self._step(work, token, running)
-            work = stepped
-        return self.tokens[:, : self.steps], self.logprobs[:, : self.steps]
+            return []
+        self.iterations += 1
+        self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
+        self.peak_rows = max(self.peak_rows, len(work.row))
+        token, logprob = self._sample(work)
+        sampled, scores = HostCopy(token), HostCopy(logprob)
+        limit = [self.rows[r].limit for r in work.row]
+        below_limit = [i for i, (d, m) in enumerate(zip(work.drawn, limit)) if d < m]
+        if self.overlap:
+            # the next step is queued before this step's tokens reach the host: a row that sampled its EOS
+            # steps once more (its logits are dropped), and the device does not wait for the bookkeeping
+            stepped = self._step(work, token, below_limit)
+            tokens = sampled.values()
+            going = [j for j, i in enumerate(below_limit) if tokens[i] not in self.eos]
+            ended = sorted(set(range(len(tokens))) - {below_limit[j] for j in going})
+            stepped.keep(going)
+        else:
+            tokens = sampled.values()
+            running = [i for i in below_limit if tokens[i] not in self.eos]
+            ended = sorted(set(range(len(tokens))) - set(running))
+            stepped = None
+        for r, t, lp in zip(work.row, tokens, scores.values()):
+            sample = self.rows[r]
+            sample.tokens.append(t)
+            sample.logprobs.append(lp)
+            sample.versions.append(self.version)
+        self.steps = max(self.steps, max(work.drawn))
+        self._release(work, ended)
+        self.work = stepped if stepped is not None else self._step(work, token, running)
+        return [work.row[i] for i in ended]
 
     def _release(self, work: _Working, index: list[int]) -> None:
         """Working rows ``index`` have ended: their slots and blocks are free (a decode step already queued that
@@ -273,66 +404,72 @@ class ContinuousBatcher:
     def _step(self, work: _Working, token: Tensor, index: list[int]) -> _Working:
         """One decode step of working rows ``index``, each fed its entry of ``token (b)``: those rows, one position
         further, with the step's logits."""
-        slot, row = [work.slot[i] for i in index], [work.row[i] for i in index]
-        position, drawn = [work.position[i] for i in index], [work.drawn[i] for i in index]
         if not index:
-            return _Working(slot, row, position, drawn, work.logits[:0])
+            return work.select(index, work.logits[:0])
         if len(index) != len(work.row):
             token = token[on_device(index, self.device)]
-        self.cache.grow(slot, position)
-        slots, positions = on_device([slot, position], self.device)  # one copy
+        stepped = work.select(index, work.logits)
+        self.cache.grow(stepped.slot, stepped.position)
+        slots, positions = on_device([stepped.slot, stepped.position], self.device)  # one copy
+        longest = max(stepped.position) + 1
         if self.graphed_step is not None:
-            logits = self.graphed_step(token, slots, positions, max(position) + 1)
+            logits = self.graphed_step(token, slots, positions, longest)
         else:
-            logits = self.decoder.step_paged(token, slots, positions, max(position) + 1)
+            logits = self.decoder.step_paged(token, slots, positions, longest)
         # read before the next step: a graph's logits are overwritten there
-        return _Working(slot, row, [p + 1 for p in position], drawn, logits.float())
+        stepped.logits = logits.float()
+        stepped.position = [p + 1 for p in stepped.position]
+        return stepped
 
-    def _admit(self) -> list[tuple[int, list[int]]]:
-        """Waiting requests that fit now, each with its slots."""
+    def _admit(self) -> list[tuple[_Group, list[int]]]:
+        """Waiting prompts that fit now, each with its slots."""
         admitted, tokens = [], 0
         pool = self.cache.pool
         while self.waiting:
-            i = self.waiting[0]
-            prompt_len = len(self.prompts[i])
-            if len(self.free_slots) < self.n or self.needs[i] > pool.available:
+            group = self.waiting[0]
+            n, prompt_len = len(group.rows), len(group.prompt)
+            if len(self.free_slots) < n or group.need > pool.available:
                 break
             if admitted and tokens + prompt_len > self.prefill_tokens:
                 break
             self.waiting.popleft()
-            slots = [self.free_slots.pop() for _ in range(self.n)]
-            self.cache.admit(slots, prompt_len, self.max_new[i])
-            admitted.append((i, slots))
+            slots = [self.free_slots.pop() for _ in range(n)]
+            self.cache.admit(slots, prompt_len, group.max_new)
+            admitted.append((group, slots))
             tokens += prompt_len
         return admitted
 
-    def _prefill(self, admitted: list[tuple[int, list[int]]]) -> _Working:
+    def _prefill(self, admitted: list[tuple[_Group, list[int]]]) -> _Working:
         """Prefill the admitted prompts once each; their samples as new working rows."""
-        n, device = self.n, self.device
-        prompts = [self.prompts[i] for i, _ in admitted]
+        device = self.device
+        prompts = [group.prompt for group, _ in admitted]
         ids, mask = left_pad(prompts, self.rollout.pad_token_id)
         ids, mask = on_device(ids, device), on_device(mask, device)
         self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], device), mask)
-        logits = self.decoder.prefill(ids, mask, copies=1).float().repeat_interleave(n, dim=0)
+        logits = self.decoder.prefill(ids, mask, copies=1).float()
+        counts = [len(group.rows) for group, _ in admitted]
+        if len(set(counts)) == 1:
+            logits = logits.repeat_interleave(counts[0], dim=0)
+        else:  # the output size given: the device need not be read for it
+            logits = logits.repeat_interleave(on_device(counts, device), dim=0, output_size=sum(counts))
         slot = [s for _, slots in admitted for s in slots]
-        row = [i * n + j for i, _ in admitted for j in range(n)]
-        position = [len(p) for p in prompts for _ in range(n)]
+        row = [r for group, _ in admitted for r in group.rows]
+        position = [len(group.prompt) for group, _ in admitted for _ in group.rows]
         return _Working(slot, row, position, [0] * len(row), logits)
 
-    def _sample(self, work: _Working) -> Tensor:
-        """One token per working row, recorded in the outputs; counts it in ``work.drawn``."""
-        rows, drawn = on_device([work.row, work.drawn], self.device)  # one copy
+    def _sample(self, work: _Working) -> tuple[Tensor, Tensor]:
+        """One token per working row and its log-prob; counts it in ``work.drawn``."""
         uniform = None
         if self.sampling.temperature > 0.0:
-            uniform = row_uniforms(self.seed, rows, drawn)[:, None]
+            samples = [self.rows[r] for r in work.row]
+            words, rows, drawn = on_device(  # one copy
+                [[s.key_word for s in samples], [s.key_row for s in samples], work.drawn], self.device
+            )
+            uniform = keyed_uniforms(words, rows, drawn)[:, None]
         token = sample_tokens(work.logits, self.sampling, None, uniform=uniform)
         logprob = torch.log_softmax(work.logits, dim=-1).gather(-1, token[:, None]).squeeze(-1)
-        self.tokens[rows, drawn] = token
-        self.logprobs[rows, drawn] = logprob
-        self.versions[rows, drawn] = self.version
         work.drawn = [d + 1 for d in work.drawn]
-        self.steps = max(self.steps, max(work.drawn))
-        return token
+        return token, logprob
 
     def _boundary(self, work: _Working) -> None:
         """A chunk boundary: the caller may load new weights; if it did, the working rows continue under them."""
@@ -357,8 +494,8 @@ class ContinuousBatcher:
         """Prefill each working row's prompt and tokens so far again, into its own blocks, under the weights the
         model holds now; the next-token logits ``(b v)`` fp32. Rows are prefilled in groups of at most
         ``prefill_tokens`` tokens (at least one row a group)."""
-        n, device = self.n, self.device
-        sequences = [self.prompts[r // n] + self.tokens[r, :d].tolist() for r, d in zip(work.row, work.drawn)]
+        device = self.device
+        sequences = [self.rows[r].prompt + self.rows[r].tokens for r in work.row]
         if any(len(q) != p for q, p in zip(sequences, work.position)):
             raise RuntimeError("continuous batching: a row's cache does not hold its prompt and sampled tokens")
         groups, start, tokens = [], 0, 0
@@ -392,4 +529,4 @@ def generate_continuous(
     tokens if given (``sampling.max_new_tokens`` else), their tokens past it are padding."""
     batcher = ContinuousBatcher(rollout, prompts, sampling, seed, limits, updates, max_new_tokens)
     tokens, logprobs = batcher.run()
-    return tokens, logprobs, batcher.versions[:, : batcher.steps]
+    return tokens, logprobs, batcher.versions

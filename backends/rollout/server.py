@@ -21,14 +21,17 @@ variable ``RLFUNC_SERVER_TRAINER_TOKEN``, generated per run by the parent; never
 environment the engine sees) may call everything; an agent's key (``POST /trajectories`` hands one out per
 trajectory) may call ``/v1/*`` only, and only until its trajectory's deadline (the weight, trajectory and admin
 endpoints need the trainer's). Refusals are 401 (no or unknown token) and 403 (a
-known token without the right), with an OpenAI-style JSON error. One engine call runs at a time; concurrent
-agents' calls share engine calls (:mod:`backends.rollout.server_batching`).
+known token without the right), with an OpenAI-style JSON error. Concurrent agents' calls share the engine: they
+join its running batch as they come where it can (the native engine with continuous batching), else wait and run
+together as one call (:mod:`backends.rollout.server_batching`); a weight push or a ``/generate`` lets the running
+rows end and then has the engine to itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import os
 import secrets
@@ -37,7 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import attrs
 from fastapi import FastAPI, Request
@@ -49,9 +52,10 @@ from starlette.exceptions import HTTPException
 from backends.rollout.common import SamplingConfig
 from backends.rollout.row_random import RowKeys
 from backends.rollout.server_auth import TokenRefused, bearer_token, who_calls
-from backends.rollout.server_batching import EngineBatcher, SampledRows
+from backends.rollout.server_batching import EngineBatcher, OpenStream, SampledRows
 from backends.rollout.server_client import TOKEN_ENV
 from backends.rollout.server_openai import (
+    TEMPLATE_OWN_ARGS,
     ChatBody,
     CompletionBody,
     GenerateBody,
@@ -71,26 +75,6 @@ __all__ = ["ServedPolicy", "ServiceError", "ThreadedServer", "build_app", "close
 #: openai client, 5 s), or a client may send on a connection the server is closing at that moment and get
 #: "server disconnected without sending a response" (seen on a loaded 2-core box)
 KEEP_ALIVE_S = 75
-
-#: names ``apply_chat_template`` takes itself: a request's ``chat_template_kwargs`` may not set them
-_TEMPLATE_OWN_ARGS = frozenset(
-    {
-        "conversation",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 
 
 class ServiceError(Exception):
@@ -117,7 +101,10 @@ class ServedPolicy:
     version: int = 0  #: the policy version being served
     recorder: TrajectoryRecorder = attrs.field(factory=TrajectoryRecorder)
     agent_keys: dict[str, str] = attrs.field(factory=dict, repr=False)  #: agent key -> trajectory id
-    max_batch_rows: int = 64  #: rows of one engine call that runs concurrent agents' calls together
+    #: rows of the engine's batch of concurrent agents' calls (a request stream's slots, or a gathered call's rows)
+    max_batch_rows: int = 64
+    #: agents' calls join the engine's running batch where the engine can (a request stream); False: gathered calls
+    request_streams: bool = True
     batcher: EngineBatcher | None = None  #: the engine's worker, built with the app
     draining: bool = False
     in_flight: int = 0
@@ -172,11 +159,44 @@ def _engine_call(
         return policy.engine.generate(prompts, sampling, seed=seed, group_ids=groups), policy.version
 
 
+def _no_new_requests(policy: ServedPolicy) -> Any:
+    """A context in which no agents' request starts (a request stream lets its rows end, then lets the engine go)."""
+    return policy.batcher.paused() if policy.batcher is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _engine_alone(policy: ServedPolicy) -> Iterator[None]:
+    with _no_new_requests(policy), policy.engine_lock:
+        yield
+
+
+def _open_stream(policy: ServedPolicy, sampling: SamplingConfig) -> OpenStream | None:
+    """A request stream on the served engine, which it holds until released; None where the engine has none."""
+    policy.engine_lock.acquire()
+    try:
+        engine, version = policy.engine, policy.version
+        start = getattr(engine, "start_request_stream", None)
+        stream = start(sampling, max_rows=policy.max_batch_rows) if start is not None else None
+    except BaseException:
+        policy.engine_lock.release()
+        raise
+    if stream is None:
+        policy.engine_lock.release()
+        return None
+    return OpenStream(
+        stream,
+        version,
+        current=lambda: policy.engine is engine and policy.version == version,
+        release=policy.engine_lock.release,
+    )
+
+
 def _generate(
     policy: ServedPolicy, prompts: list[list[int]], sampling: SamplingConfig, seed: int, group_ids: Any = None
 ) -> tuple[RolloutBatch, int]:
     try:
-        return _engine_call(policy, prompts, sampling, seed, group_ids)
+        with _no_new_requests(policy):
+            return _engine_call(policy, prompts, sampling, seed, group_ids)
     except (ValueError, TypeError) as e:  # the engines' input checks: the request's fault
         raise ServiceError(400, str(e)) from None
 
@@ -305,7 +325,7 @@ def completions(policy: ServedPolicy, body: CompletionBody, trajectory: Trajecto
 def chat_completions(policy: ServedPolicy, body: ChatBody, trajectory: Trajectory | None) -> dict[str, Any]:
     _check_openai_body(policy, body, trajectory)
     kwargs = dict(body.chat_template_kwargs or {})
-    clash = sorted(_TEMPLATE_OWN_ARGS & set(kwargs))
+    clash = sorted(TEMPLATE_OWN_ARGS & set(kwargs))
     if clash:
         raise ServiceError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
     messages = [m.for_template() for m in body.messages]
@@ -354,7 +374,7 @@ def _commit_weights(policy: ServedPolicy, version: int) -> dict[str, Any]:
     with policy.weights_lock:
         named = policy.staging.commit(version)
         buckets, nbytes = policy.staging.buckets, policy.staging.nbytes
-        with policy.engine_lock:
+        with _engine_alone(policy):
             # the set was checked whole; an engine that still refuses keeps its previous weights (native) or
             # refuses to generate until a sync succeeds (vLLM), and the served version stays
             policy.engine = policy.engine.sync_weights(named, strict=True)
@@ -400,6 +420,7 @@ def build_app(policy: ServedPolicy) -> Any:
         policy.batcher = EngineBatcher(
             lambda prompts, sampling, keys: _engine_call(policy, prompts, sampling, keys),
             max_rows=policy.max_batch_rows,
+            open_stream=(lambda sampling: _open_stream(policy, sampling)) if policy.request_streams else None,
         )
 
     _error_handlers(app)
@@ -618,7 +639,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="a chat call's default max_tokens")
     parser.add_argument("--served-model-name", default=None, help="the name agents pass as model (default: --model)")
     parser.add_argument("--chat-template", default=None, help="a jinja file used instead of the tokenizer's")
-    parser.add_argument("--max-batch-rows", type=int, default=64, help="rows of one engine call of agents' calls")
+    parser.add_argument("--max-batch-rows", type=int, default=64, help="rows the engine runs of agents' calls at once")
+    parser.add_argument(
+        "--gathered-calls",
+        action="store_true",
+        help="run waiting agents' calls as one engine call at a time, not as a stream they join as they come",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -648,6 +674,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
         max_batch_rows=args.max_batch_rows,
+        request_streams=not args.gathered_calls,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,22 +1,32 @@
-"""Concurrent sampling requests share engine calls: one worker runs a rollout server's engine.
+"""Concurrent sampling requests share the engine: one worker runs a rollout server's engine.
 
 An agent's model call is one prompt of one row; a run's agents make dozens of them at once, and an engine call of
 one row costs nearly what a call of thirty-two does on a small model. So every sampling request of a server (the
-OpenAI routes) is queued, and one worker thread takes the oldest waiting request together with every other waiting
-request of the same sampling options (up to ``max_rows`` rows in all), runs them as one ``generate`` and hands each
-request its rows. Gather what waits, run, repeat: while one call runs, the next one fills.
+OpenAI routes) is queued, and one worker thread runs them together, in one of two ways:
+
+- **a request stream**, where the engine has one (``RequestStream``: the native engine with continuous batching):
+  the oldest waiting request opens it, and every waiting request of the same sampling options (temperature, top-p,
+  top-k; ``n``, ``max_tokens`` and seeds may differ) joins it as soon as it comes, into rows that free as others
+  end; each request is answered when its own rows have ended. The stream stops taking requests when one of other
+  options is next in line, when the engine or its weights change, or while the batcher is paused (a weight push,
+  the trainer's own call), and ends once its rows have;
+- **gathered calls** otherwise: the oldest waiting request and every other waiting request of the same sampling
+  options (up to ``max_rows`` rows in all) run as one ``generate``, and each request gets its rows. Gather what
+  waits, run, repeat: while one call runs, the next one fills, and a request that comes during a call waits for
+  the whole call.
 
 Each request's rows are keyed by its own seed (:class:`~backends.rollout.row_random.RowKeys`), so a request samples
-the tokens a call of its own samples, whichever requests share its call; its log-probs agree to float rounding (a
-batch of another shape may round a matrix product differently). A call refused for its inputs (``ValueError`` /
-``TypeError``: a prompt longer than the context, a token outside the vocabulary) is run again request by request,
-so only the request at fault is refused.
+the tokens a call of its own samples, whichever requests share the engine with it; its log-probs agree to float
+rounding (a batch of another shape may round a matrix product differently). A request refused for its inputs
+(``ValueError`` / ``TypeError``: a prompt longer than the context, a token outside the vocabulary) fails alone: a
+stream refuses it when it joins, and a gathered call so refused is run again request by request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import attrs
 from torch import Tensor
@@ -24,10 +34,25 @@ from torch import Tensor
 from backends.rollout.common import SamplingConfig
 from backends.rollout.row_random import RowKeys
 
-__all__ = ["EngineBatcher", "SampledRows"]
+__all__ = ["EngineBatcher", "OpenStream", "SampledRows"]
 
 #: an engine call: (prompts, sampling, row keys) -> (the RolloutBatch, the policy version that sampled it)
 EngineCall = Callable[[list[list[int]], SamplingConfig, RowKeys], tuple[Any, int]]
+
+
+@attrs.frozen
+class OpenStream:
+    """A request stream opened on the engine (:class:`backends.rollout.engine.RequestStream`), with the engine held
+    for it until ``release``."""
+
+    stream: Any  #: the RequestStream
+    version: int  #: the policy version it samples with
+    current: Callable[[], bool]  #: the engine and its weights are still those the stream samples with
+    release: Callable[[], None]  #: let the engine go (after the stream ended)
+
+
+#: opens a request stream for sampling options, or returns None (the engine has none: gathered calls run)
+StreamOpener = Callable[[SamplingConfig], OpenStream | None]
 
 
 @attrs.frozen
@@ -62,18 +87,26 @@ def _same_options(a: SamplingConfig, b: SamplingConfig) -> bool:
     return attrs.evolve(a, seed=0) == attrs.evolve(b, seed=0)
 
 
+def _same_stream_options(a: SamplingConfig, b: SamplingConfig) -> bool:
+    """Requests a stream runs together: a row's own ``n``, token limit and seed are its request's."""
+    return attrs.evolve(a, seed=0, n=1, max_new_tokens=1) == attrs.evolve(b, seed=0, n=1, max_new_tokens=1)
+
+
 class EngineBatcher:
     """The queue of a server's sampling requests and the worker that runs them (see the module doc)."""
 
-    def __init__(self, engine_call: EngineCall, *, max_rows: int = 64) -> None:
+    def __init__(self, engine_call: EngineCall, *, max_rows: int = 64, open_stream: StreamOpener | None = None) -> None:
         if max_rows < 1:
             raise ValueError(f"EngineBatcher: max_rows must be at least 1, got {max_rows}")
-        self.engine_call, self.max_rows = engine_call, max_rows
-        self.calls = 0  #: engine calls run
+        self.engine_call, self.max_rows, self.open_stream = engine_call, max_rows, open_stream
+        self.calls = 0  #: gathered engine calls run
+        self.streams = 0  #: request streams run
         self.requests = 0  #: requests answered by them
-        self.largest = 0  #: the most requests one call answered
+        self.joined = 0  #: requests that joined a stream while its rows were sampling
+        self.largest = 0  #: the most requests one call or one stream answered
         self._waiting: list[_Request] = []
         self._pending = 0
+        self._paused = 0
         self._closed = False
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -110,7 +143,28 @@ class EngineBatcher:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {"engine/calls": self.calls, "engine/requests": self.requests, "engine/largest_call": self.largest}
+        """Counts since start, and ``engine/paused``: holds on new requests in effect (a weight push waiting)."""
+        return {
+            "engine/paused": self._paused,
+            "engine/calls": self.calls,
+            "engine/streams": self.streams,
+            "engine/requests": self.requests,
+            "engine/joined": self.joined,
+            "engine/largest_call": self.largest,
+        }
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """While inside, no request starts (those in the engine finish): the engine is free for whoever takes it
+        next, a weight push or the trainer's own call."""
+        with self._cond:
+            self._paused += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paused -= 1
+                self._cond.notify_all()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Refuse new requests; the waiting ones fail, the call under way finishes, and the worker is joined (a
@@ -125,15 +179,84 @@ class EngineBatcher:
     def _work(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while (not self._waiting or self._paused) and not self._closed:
                     self._cond.wait()
                 if self._closed:
                     for request in self._waiting:
                         request.finish(error=RuntimeError("the rollout server shut down before this request ran"))
                     self._waiting.clear()
                     return
+                head = self._waiting[0]
+            try:
+                opened = self._open(head.sampling)
+            except BaseException as e:  # the engine could not run it: the requests it would have run hear why
+                with self._cond:
+                    taken = self._take()
+                for request in taken:
+                    request.finish(error=e)
+                continue
+            if opened is not None:
+                self._stream(opened, head.sampling)
+                continue
+            with self._cond:
                 taken = self._take()
             self._run(taken)
+
+    def _open(self, sampling: SamplingConfig) -> OpenStream | None:
+        if self.open_stream is None or sampling.n > self.max_rows:
+            return None
+        return self.open_stream(sampling)
+
+    def _stream(self, opened: OpenStream, options: SamplingConfig) -> None:
+        """Run requests of ``options`` through the stream while they come; end it once nothing more joins and its
+        rows have ended."""
+        stream, live, answered = opened.stream, {}, 0
+        try:
+            while True:
+                for request in self._joining(options, opened):
+                    busy = stream.busy
+                    try:
+                        stream.add(
+                            id(request),
+                            request.prompts,
+                            n=request.sampling.n,
+                            max_new_tokens=request.sampling.max_new_tokens,
+                            seed=request.seed,
+                        )
+                    except (ValueError, TypeError) as e:  # this request's inputs
+                        request.finish(error=e)
+                        continue
+                    live[id(request)] = request
+                    self.joined += busy
+                if not stream.busy:
+                    break
+                for ended in stream.step():
+                    rows = SampledRows(ended.response_ids, ended.response_mask, ended.logprobs, opened.version)
+                    live.pop(ended.key).finish(rows)
+                    answered += 1
+        except BaseException as e:  # the engine's own failure: every request in the stream hears of it
+            for request in live.values():
+                request.finish(error=e)
+        finally:
+            stream.end()
+            opened.release()
+        self.streams += 1
+        self.requests += answered
+        self.largest = max(self.largest, answered)
+
+    def _joining(self, options: SamplingConfig, opened: OpenStream) -> list[_Request]:
+        """The waiting requests that join the stream now: the oldest ones, up to the first that cannot (other
+        options, more samples of a prompt than the rows), unless the stream takes no more."""
+        with self._cond:
+            if self._paused or self._closed or not opened.current():
+                return []
+            count = 0
+            for request in self._waiting:
+                if not _same_stream_options(request.sampling, options) or request.sampling.n > self.max_rows:
+                    break
+                count += 1
+            joining, self._waiting = self._waiting[:count], self._waiting[count:]
+            return joining
 
     def _take(self) -> list[_Request]:
         """The oldest waiting request and the others of its sampling options that fit ``max_rows`` (in order)."""

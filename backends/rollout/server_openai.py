@@ -26,6 +26,7 @@ __all__ = [
     "RegisterBody",
     "SampledRow",
     "SamplingBody",
+    "TEMPLATE_OWN_ARGS",
     "WeightsVersionBody",
     "chat_response",
     "completion_response",
@@ -108,6 +109,27 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": "" if content is None else content}
+
+
+#: names ``apply_chat_template`` takes itself: a request's ``chat_template_kwargs`` may not set them
+TEMPLATE_OWN_ARGS = frozenset(
+    {
+        "conversation",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ChatBody(_OpenAISampling):

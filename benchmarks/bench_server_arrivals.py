@@ -1,0 +1,135 @@
+"""Calls that arrive while the engine runs: a rollout server's concurrent calls of long-tailed lengths, joining the
+native engine's running batch (a request stream) against waiting for it and running as gathered engine calls.
+
+    python benchmarks/bench_server_arrivals.py [--clients 16] [--calls 8] [--long-every 4] [--repeats 3]
+
+The model is config B (``TinyModelConfig()``: Qwen2, hidden 256, 4 layers, fp32, random init, so rows rarely
+sample the EOS and run to their ``max_tokens``), served in this process (``ThreadedServer``, native engine with
+continuous batching). ``--clients`` threads each make ``--calls`` completion calls one after another through the
+``openai`` client (one shared client), each call one row of a 12-40 token prompt; every ``--long-every``-th call of
+a client asks for ``--long-tokens`` tokens, the others for ``--short-tokens`` (an agent's quick tool call beside a
+long answer). Both ways run the same calls with the same seeds, alternating, ``--repeats`` times after a warm-up:
+
+- ``stream``: the server's worker runs a request stream; a call joins the running batch at the next iteration and
+  is answered as soon as its own row ends;
+- ``gathered``: the worker runs every waiting call as one ``generate``; a call that arrives during one waits for it
+  to end, and a short call gathered with a long one is answered when the long one ends.
+
+Printed (medians over the repeats): wall time of the round, calls/s, sampled tokens/s, the median and 90th
+percentile latency of short and of long calls, and the ratios stream / gathered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import openai  # noqa: E402
+
+from backends.models import TinyModelConfig, build_char_tokenizer, load_tokenizer, write_tiny_model  # noqa: E402
+from backends.rollout.api import RolloutConfig, build_rollout  # noqa: E402
+from backends.rollout.common import SamplingConfig  # noqa: E402
+from backends.rollout.server import ServedPolicy, ThreadedServer  # noqa: E402
+from backends.rollout.server_weights import WeightStaging  # noqa: E402
+
+
+def _round(url: str, args: argparse.Namespace, vocab: int) -> dict[str, float]:
+    """Every client's calls, concurrently: wall time, tokens, and each call's latency by kind."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    latency: dict[str, list[float]] = {"short": [], "long": []}
+    tokens = [0]
+    lock = threading.Lock()
+
+    def run(c: int) -> None:
+        for i in range(args.calls):
+            long = i % args.long_every == args.long_every - 1
+            prompt = [3 + (c * 31 + i * 7 + j) % (vocab - 3) for j in range(12 + (c * 5 + i * 3) % 29)]
+            start = time.perf_counter()
+            reply = client.completions.create(
+                model="policy",
+                prompt=prompt,
+                max_tokens=args.long_tokens if long else args.short_tokens,
+                seed=c * 1000 + i,
+            )
+            with lock:
+                latency["long" if long else "short"].append(time.perf_counter() - start)
+                tokens[0] += reply.usage.completion_tokens
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in range(args.clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    out = {"wall_s": wall, "calls/s": args.clients * args.calls / wall, "tokens/s": tokens[0] / wall}
+    for kind, values in latency.items():
+        values.sort()
+        out[f"{kind} p50 ms"] = 1000 * values[len(values) // 2]
+        out[f"{kind} p90 ms"] = 1000 * values[int(len(values) * 0.9)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=8, help="calls per client, one after another")
+    parser.add_argument("--long-every", type=int, default=4, help="every k-th call of a client is a long one")
+    parser.add_argument("--short-tokens", type=int, default=8)
+    parser.add_argument("--long-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_tiny_model(Path(tmp) / "model", TinyModelConfig(), build_char_tokenizer())
+        tokenizer = load_tokenizer(model_dir)
+        servers = {}
+        for way in ("stream", "gathered"):
+            policy = ServedPolicy(
+                engine=build_rollout(RolloutConfig(), model_dir, tokenizer),
+                tokenizer=tokenizer,
+                model_name="policy",
+                trainer_token="bench",
+                staging=WeightStaging(expected={}),
+                defaults=SamplingConfig(n=1, max_new_tokens=args.long_tokens),
+                max_batch_rows=args.clients,
+                request_streams=way == "stream",
+            )
+            servers[way] = ThreadedServer(policy)
+        vocab = len(tokenizer)
+        results: dict[str, list[dict[str, float]]] = {way: [] for way in servers}
+        try:
+            for way, server in servers.items():  # warm-up
+                _round(server.url, argparse.Namespace(**{**vars(args), "calls": args.long_every}), vocab)
+            for _ in range(args.repeats):
+                for way, server in servers.items():
+                    results[way].append(_round(server.url, args, vocab))
+            stats = {way: server.policy.batcher.stats for way, server in servers.items()}
+        finally:
+            for server in servers.values():
+                server.stop()
+    medians = {way: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for way, runs in results.items()}
+    print(
+        f"{args.clients} clients x {args.calls} calls, every {args.long_every}th call {args.long_tokens} tokens, the "
+        f"others {args.short_tokens}; median of {args.repeats}"
+    )
+    for key in medians["stream"]:
+        ratio = medians["stream"][key] / medians["gathered"][key]
+        print(
+            f"{key:14s} stream {medians['stream'][key]:9.1f}   gathered {medians['gathered'][key]:9.1f}   {ratio:.2f}x"
+        )
+    for way, counts in stats.items():
+        print(f"{way}: {counts}")
+
+
+if __name__ == "__main__":
+    main()
