@@ -179,11 +179,12 @@ def test_the_decode_step_replays_from_cuda_graphs_with_the_trainers_logprobs(set
 
 @pytest.mark.gpu
 def test_decode_iterations_make_no_implicit_device_sync(setup):
-    """No host sync per token: under PyTorch's sync debug mode, a call of 48 new tokens makes no more implicit
-    synchronisations than a call of 16 (admission's prefill makes some; the iterations after it make none: their one
-    read of the sampled tokens waits on an event, and their host-to-device copies are queued from pinned memory).
-    Rows end at many lengths, so the working batch shrinks along the way. Eager steps, so no graph capture (which
-    synchronises) blurs the count."""
+    """No host sync per token or per admission: under PyTorch's sync debug mode, a call of 48 new tokens makes no more
+    implicit synchronisations than a call of 16, nor does one whose 64 rows stream through 8 slots (a prefill at
+    many iterations): an iteration's one read of the sampled tokens waits on an event, its host-to-device copies
+    are queued from pinned memory, and a prefill finds its prompts' tokens with ``nonzero_static``. Rows end at many
+    lengths, so the working batch shrinks along the way. Eager steps, so no graph capture (which synchronises) blurs
+    the count."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     path, _, tok, eos = setup
@@ -192,8 +193,9 @@ def test_decode_iterations_make_no_implicit_device_sync(setup):
     )
     prompts = _prompts(tok, 16)
 
-    def syncs(max_new: int) -> int:
+    def syncs(max_new: int, slots: int | None = None) -> int:
         sampling = SamplingConfig(n=4, max_new_tokens=max_new, seed=2)
+        limits = attrs.evolve(rollout.batching_limits, max_slots=slots)
         generate(rollout, prompts, sampling)  # warm: first-call set-up synchronises
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
@@ -201,15 +203,15 @@ def test_decode_iterations_make_no_implicit_device_sync(setup):
             torch.cuda.set_sync_debug_mode("warn")
             try:
                 with torch.inference_mode():
-                    batcher = ContinuousBatcher(rollout, prompts, sampling, 2, rollout.batching_limits)
+                    batcher = ContinuousBatcher(rollout, prompts, sampling, 2, limits)
                     batcher.run()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         assert batcher.overlap and batcher.iterations >= max_new // 2
         return sum("synchroniz" in str(w.message) for w in caught)
 
-    short, long = syncs(16), syncs(48)
-    assert long == short, (short, long)
+    short, long, streamed = syncs(16), syncs(48), syncs(48, slots=8)
+    assert long == short == streamed, (short, long, streamed)
 
 
 @pytest.mark.gpu

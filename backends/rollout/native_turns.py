@@ -233,7 +233,8 @@ class NativeTurnStream:
         prompts = [self.prompts[i] for i, _ in admitted]
         ids, mask = left_pad(prompts, self.rollout.pad_token_id)
         ids, mask = on_device(ids, self.device), on_device(mask, self.device)
-        self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], self.device), mask)
+        first_slots = on_device([slots[0] for _, slots in admitted], self.device)
+        self.cache.begin_prefill(first_slots, mask, sum(map(len, prompts)))
         logits = self.decoder.prefill(ids, mask, copies=1).float()
         for (i, slots), row_logits in zip(admitted, logits):
             for j, slot in enumerate(slots):

@@ -274,14 +274,16 @@ class PagedKVCache:
 
     # ---------------------------------------------------------------------------------------------- prefill
 
-    def begin_prefill(self, first_slots: Tensor, mask: Tensor) -> None:
-        """The next prefill runs left-padded prompts ``mask (b0 p)`` whose keys and values go to the blocks of
-        ``first_slots (b0)`` (one slot per prompt: the others share its blocks)."""
+    def begin_prefill(self, first_slots: Tensor, mask: Tensor, tokens: int) -> None:
+        """The next prefill runs left-padded prompts ``mask (b0 p)`` of ``tokens`` real tokens in all, whose keys and
+        values go to the blocks of ``first_slots (b0)`` (one slot per prompt: the others share its blocks). The
+        count is the caller's (host) knowledge: with it the real tokens are found without reading the device
+        (``nonzero_static`` launches kernels only, where ``nonzero`` and boolean indexing wait for a count)."""
         bs = self.block_size
         position = (mask.long().cumsum(-1) - 1).clamp_(min=0)
-        dst = (self.block_table[first_slots[:, None], position // bs] * bs + position % bs)[mask]
-        src = mask.flatten().nonzero().squeeze(-1)
-        self._prefill = (src, dst)
+        dst = self.block_table[first_slots[:, None], position // bs] * bs + position % bs
+        src = torch.nonzero_static(mask.flatten(), size=tokens).squeeze(-1)
+        self._prefill = (src, dst.flatten()[src])
 
     def begin_refill(self, slots: Tensor, mask: Tensor) -> None:
         """The next prefill runs the whole sequences (prompt and tokens so far) of ``slots (b0)``, left-padded

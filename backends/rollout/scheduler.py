@@ -445,7 +445,7 @@ class ContinuousBatcher:
         prompts = [group.prompt for group, _ in admitted]
         ids, mask = left_pad(prompts, self.rollout.pad_token_id)
         ids, mask = on_device(ids, device), on_device(mask, device)
-        self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], device), mask)
+        self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], device), mask, sum(map(len, prompts)))
         logits = self.decoder.prefill(ids, mask, copies=1).float()
         counts = [len(group.rows) for group, _ in admitted]
         if len(set(counts)) == 1:
