@@ -120,26 +120,11 @@ def test_a_request_that_can_never_run_is_refused_alone(setup):
 
 
 @attrs.define
-class Paced:
-    """The served engine, whose request streams stop before their second step until ``go`` is set: the test
-    knows a request is sampling while it sends the next. Records the row count of each request as it ends."""
-
-    engine: object
-    stepping: threading.Event = attrs.field(factory=threading.Event)
-    go: threading.Event = attrs.field(factory=threading.Event)
-    ended_rows: list[int] = attrs.field(factory=list)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def start_request_stream(self, sampling, *, max_rows):
-        return PacedStream(self.engine.start_request_stream(sampling, max_rows=max_rows), self)
-
-
-@attrs.define
 class PacedStream:
+    """A real request stream that stops before its second step until the test lets it go (``pace.go``)."""
+
     stream: object
-    pace: Paced
+    pace: object
     steps: int = 0
 
     @property
@@ -160,6 +145,36 @@ class PacedStream:
 
     def end(self):
         self.stream.end()
+
+
+@attrs.define
+class FailingStream(PacedStream):
+    """A paced stream whose engine fails at its third step."""
+
+    def step(self):
+        if self.steps == 2:
+            raise RuntimeError("the device fell off the bus")
+        return super().step()
+
+
+@attrs.define
+class Paced:
+    """The served engine, whose request streams are ``stream_type`` s: the test knows a request is sampling while
+    it sends the next. Records the row count of each request as it ends, and the streams opened."""
+
+    engine: object
+    stream_type: type = PacedStream
+    stepping: threading.Event = attrs.field(factory=threading.Event)
+    go: threading.Event = attrs.field(factory=threading.Event)
+    ended_rows: list[int] = attrs.field(factory=list)
+    opened: list[PacedStream] = attrs.field(factory=list)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def start_request_stream(self, sampling, *, max_rows):
+        self.opened.append(self.stream_type(self.engine.start_request_stream(sampling, max_rows=max_rows), self))
+        return self.opened[-1]
 
 
 def _wait_for(condition, what: str) -> None:
@@ -247,3 +262,41 @@ def test_a_weight_push_lets_the_running_rows_end_and_serves_what_waits_under_the
         policy.engine.generate([prompts[0]], SamplingConfig(n=2, max_new_tokens=30), seed=5).rollout_logprobs,
         old.rollout_logprobs,
     )
+
+
+def test_an_engine_failure_reaches_every_call_in_the_stream_and_the_server_goes_on(setup):
+    """Never a hang: the calls in a stream whose engine fails hear why, and the next call opens a new stream."""
+    path, tok, _ = setup
+    rollout = build_native_rollout(path, tok)
+    paced = Paced(rollout, stream_type=FailingStream)
+    policy = _policy(paced, tok)
+    build_app(policy)
+    prompts = _prompts(tok, 3)
+    try:
+        errors = {}
+
+        def call(key, prompt):
+            try:
+                policy.batcher.sample([prompt], SamplingConfig(n=1, max_new_tokens=20), 1)
+            except RuntimeError as e:
+                errors[key] = str(e)
+
+        threads = [threading.Thread(target=call, args=(0, prompts[0]))]
+        threads[0].start()
+        assert paced.stepping.wait(30)
+        threads.append(threading.Thread(target=call, args=(1, prompts[1])))
+        threads[1].start()
+        _wait_for(lambda: policy.batcher.pending == 2, "the second call reaches the worker")
+        paced.go.set()
+        for thread in threads:
+            thread.join(60)
+        assert errors == {0: "the device fell off the bus", 1: "the device fell off the bus"}
+        paced.stream_type = PacedStream  # the engine works again
+        rows = policy.batcher.sample([prompts[2]], SamplingConfig(n=1, max_new_tokens=4), 2)
+    finally:
+        policy.batcher.close()
+    _assert_alone(rollout, rows, [prompts[2]], 1, 4, 2)
+    assert policy.batcher.stats["engine/streams"] == 2 and [type(s) for s in paced.opened] == [
+        FailingStream,
+        PacedStream,
+    ]

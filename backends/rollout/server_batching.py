@@ -25,6 +25,7 @@ stream refuses it when it joins, and a gathered call so refused is run again req
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from typing import Any, Callable, Iterator
 
@@ -35,6 +36,8 @@ from backends.rollout.common import SamplingConfig
 from backends.rollout.row_random import RowKeys
 
 __all__ = ["EngineBatcher", "OpenStream", "SampledRows"]
+
+log = logging.getLogger(__name__)
 
 #: an engine call: (prompts, sampling, row keys) -> (the RolloutBatch, the policy version that sampled it)
 EngineCall = Callable[[list[list[int]], SamplingConfig, RowKeys], tuple[Any, int]]
@@ -196,7 +199,10 @@ class EngineBatcher:
                     request.finish(error=e)
                 continue
             if opened is not None:
-                self._stream(opened, head.sampling)
+                try:
+                    self._stream(opened, head.sampling)
+                except Exception:  # its requests were answered; the worker goes on for the next ones
+                    log.exception("a request stream failed as it ended")
                 continue
             with self._cond:
                 taken = self._take()
@@ -211,10 +217,12 @@ class EngineBatcher:
         """Run requests of ``options`` through the stream while they come; end it once nothing more joins and its
         rows have ended."""
         stream, live, answered = opened.stream, {}, 0
+        joining: list[_Request] = []
         try:
             while True:
-                for request in self._joining(options, opened):
-                    busy = stream.busy
+                joining = self._joining(options, opened)
+                while joining:
+                    request, busy = joining[0], stream.busy
                     try:
                         stream.add(
                             id(request),
@@ -225,21 +233,24 @@ class EngineBatcher:
                         )
                     except (ValueError, TypeError) as e:  # this request's inputs
                         request.finish(error=e)
-                        continue
-                    live[id(request)] = request
-                    self.joined += busy
+                    else:
+                        live[id(request)] = request
+                        self.joined += busy
+                    joining.pop(0)
                 if not stream.busy:
                     break
                 for ended in stream.step():
                     rows = SampledRows(ended.response_ids, ended.response_mask, ended.logprobs, opened.version)
                     live.pop(ended.key).finish(rows)
                     answered += 1
-        except BaseException as e:  # the engine's own failure: every request in the stream hears of it
-            for request in live.values():
+        except BaseException as e:  # the engine's own failure: every request it took hears of it
+            for request in [*live.values(), *joining]:
                 request.finish(error=e)
         finally:
-            stream.end()
-            opened.release()
+            try:
+                stream.end()
+            finally:
+                opened.release()
         self.streams += 1
         self.requests += answered
         self.largest = max(self.largest, answered)
