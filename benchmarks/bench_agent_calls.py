@@ -12,8 +12,9 @@ native engine in this process, it times (median of ``--repeats``):
   calculator_react.py``: a client per trajectory over one shared connection pool) through ``AgentRunner`` with K
   agents at a time (``--agents``), per model call (registration and the read-back of every trajectory's tokens
   included), and as model calls (requests) and sampled tokens per second of the whole round; once with the server's
-  calls joining the engine's running batch (``stream``) and once gathered into engine calls (``gathered``), each
-  repeat running both on the same seeds, and the ratio stream / gathered.
+  calls joining the engine's running batch (``stream``), the same without the stream's prefix cache (``uncached``:
+  every call's whole conversation computed again), and gathered into engine calls (``gathered``), each repeat
+  running all on the same seeds, and the ratios to gathered.
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--batching",
         nargs="+",
-        default=["stream", "gathered"],
-        choices=["stream", "gathered"],
-        help="how the server runs concurrent calls: a request stream they join, or gathered engine calls",
+        default=["stream", "uncached", "gathered"],
+        choices=["stream", "uncached", "gathered"],
+        help="how the server runs concurrent calls: a request stream they join (uncached: without its prefix cache), "
+        "or gathered engine calls",
     )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,11 +89,12 @@ def main(argv: list[str] | None = None) -> None:
         agent = "experiments/agents/calculator_react.py:run"
         runners = {
             f"agents x{k} {mode}": attrs.evolve(
-                agent_runner(agent, deadline_s=120.0, workers=k), request_streams=mode == "stream"
+                agent_runner(agent, deadline_s=120.0, workers=k), request_streams=mode != "gathered"
             )
             for k in args.agents
             for mode in args.batching
         }
+        uncached = attrs.evolve(engine, batching_limits=attrs.evolve(engine.batching_limits, prefix_cache=False))
         results: dict[str, list[float]] = {"generate": [], "openai": [], **{name: [] for name in runners}}
         rates: dict[str, list[tuple[float, float]]] = {name: [] for name in runners}
         try:
@@ -107,13 +110,22 @@ def main(argv: list[str] | None = None) -> None:
                 for name, runner in runners.items():
                     start = time.perf_counter()
                     episodes = runner.sample(
-                        engine, examples, tokenizer, SamplingConfig(n=8, max_new_tokens=16), seed=repeat
+                        uncached if name.endswith(" uncached") else engine,
+                        examples,
+                        tokenizer,
+                        SamplingConfig(n=8, max_new_tokens=16),
+                        seed=repeat,
                     )
                     wall = time.perf_counter() - start
                     calls = episodes.metrics["agent/calls"] * len(examples) * 8
                     tokens = int(episodes.batch.loss_mask.sum())  # the sampled ones; tool results carry no loss
                     results[name].append(wall / calls)
                     rates[name].append((calls / wall, tokens / wall))
+            cached = {
+                name: runner.server.policy.batcher.stats["engine/prefix_cached_tokens"]
+                for name, runner in runners.items()
+                if name.endswith(" stream")
+            }
         finally:
             for runner in runners.values():
                 runner.close()
@@ -126,11 +138,13 @@ def main(argv: list[str] | None = None) -> None:
             requests = statistics.median(r for r, _ in rates[name])
             tokens = statistics.median(t for _, t in rates[name])
             line += f"; {requests:6.1f} requests/s, {tokens:7.1f} sampled tokens/s"
-            gathered = name.replace(" stream", " gathered")
-            if name.endswith(" stream") and gathered in rates:
+            gathered = name.rsplit(" ", 1)[0] + " gathered"
+            if not name.endswith(" gathered") and gathered in rates:
                 ratio = requests / statistics.median(r for r, _ in rates[gathered])
                 line += f" ({ratio:.2f}x gathered)"
         print(line)
+    for name, counts in cached.items():
+        print(f"{name}: {counts} prompt tokens read from the prefix cache over the rounds")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,13 @@ def _assert_alone(rollout, rows, prompts, n: int, max_new: int, seed: int) -> No
     _assert_same(rows, rollout.generate(prompts, SamplingConfig(n=n, max_new_tokens=max_new), seed=seed))
 
 
+def _assert_blocks_back(pool) -> None:
+    """Every block is free, or kept by the prefix cache alone (one holder), and nothing is promised."""
+    assert len(pool.free) + len(pool.kept) == pool.usable and pool.reserved == 0
+    assert all(pool.refcount[b] == (1 if b in pool.kept else 0) for b in range(1, pool.num_blocks))
+    assert set(pool.kept) == pool.cached
+
+
 def test_requests_that_join_a_running_batch_sample_what_they_would_alone(setup):
     """Requests of their own n, token limit and seed join at several iterations, more rows than the batch has
     slots; each ends when its rows end (the short ones that came late before the long one that came first), with
@@ -82,8 +89,7 @@ def test_requests_that_join_a_running_batch_sample_what_they_would_alone(setup):
         assert iteration < 500
     assert order[-1] == "long" and order.index("last") < order.index("long"), order
     assert stream.batcher.peak_rows == 8 and not stream.busy and stream.requests == 0
-    pool = stream.batcher.cache.pool
-    assert len(pool.free) == pool.usable and pool.reserved == 0 and not any(pool.refcount)
+    _assert_blocks_back(stream.batcher.cache.pool)
     assert not stream.batcher.rows  # outputs handed over are forgotten
     stream.end()
     for key, (some, n, max_new, seed, _) in requests.items():
@@ -130,6 +136,10 @@ class PacedStream:
     @property
     def busy(self):
         return self.stream.busy
+
+    @property
+    def cached_tokens(self):
+        return self.stream.cached_tokens
 
     def add(self, key, prompts, **kwargs):
         self.stream.add(key, prompts, **kwargs)
@@ -300,3 +310,91 @@ def test_an_engine_failure_reaches_every_call_in_the_stream_and_the_server_goes_
         FailingStream,
         PacedStream,
     ]
+
+
+def _run(stream, key, prompts, n: int, max_new: int, seed: int):
+    """Add one request to an idle stream and step it to its end: the ended request."""
+    stream.add(key, prompts, n=n, max_new_tokens=max_new, seed=seed)
+    ended = []
+    while stream.busy:
+        ended += stream.step()
+    assert [e.key for e in ended] == [key]
+    return ended[0]
+
+
+def test_an_agents_next_call_computes_only_what_follows_its_last(setup):
+    """The prefix cache: a call that sends the conversation again (the last call's prompt and reply, then a tool's
+    answer) reuses the full blocks the last call's row wrote and computes the rest; its samples are those of a call
+    of its own (tokens exactly; log-probs to rounding: cached keys came from decode steps, a fresh call's from one
+    prefill). A call that shares only the first block of a prompt reuses that block alone."""
+    path, tok, _ = setup
+    rollout = build_native_rollout(path, tok, batching_limits=BatchingLimits(block_size=4))
+    stream = rollout.start_request_stream(SamplingConfig(), max_rows=4)
+    first = tok.encode("12+34=") * 3  # 18 tokens
+    reply = _run(stream, "first", [first], 1, 12, 1)
+    said = reply.response_ids[0, : int(reply.response_mask.sum())].tolist()
+    assert len(said) == 12  # no EOS: its row wrote 18 + 11 positions, 7 full blocks
+    assert stream.batcher.cached_tokens == 0
+    follow_up = first + said + tok.encode("=46")
+    again = _run(stream, "again", [follow_up], 2, 6, 2)
+    assert stream.batcher.cached_tokens == 7 * 4
+    alone = rollout.generate([follow_up], SamplingConfig(n=2, max_new_tokens=6), seed=2)
+    lengths = alone.response_mask.sum(-1)
+    assert again.response_mask.sum(-1).tolist() == lengths.tolist()
+    assert torch.equal(again.response_ids[:, : int(lengths.max())], alone.response_ids[:, : int(lengths.max())])
+    torch.testing.assert_close(again.logprobs, alone.rollout_logprobs[:, : again.logprobs.shape[1]], rtol=0, atol=1e-4)
+    other = first[:4] + tok.encode("99+99=99")
+    _run(stream, "other", [other], 1, 3, 3)
+    assert stream.batcher.cached_tokens == 7 * 4 + 4
+    _assert_blocks_back(stream.batcher.cache.pool)
+    stream.end()
+
+
+def test_cached_blocks_give_way_to_new_calls_least_recently_used_first(setup):
+    """A small cache: the blocks kept for earlier calls are taken back (oldest first) when a new call needs them, so
+    the cache never refuses or stalls a call that fits; a call whose prefix was evicted computes it again."""
+    path, tok, _ = setup
+    per_block = 2 * TINY["num_layers"] * TINY["num_kv_heads"] * 32 * 4 * 4
+    limits = BatchingLimits(block_size=4, kv_cache_gib=17 * per_block / 2**30)  # 16 blocks
+    rollout = build_native_rollout(path, tok, batching_limits=limits)
+    stream = rollout.start_request_stream(SamplingConfig(), max_rows=2)
+    prompts = [tok.encode(f"{i}{i}+{i}{i}=") * 2 for i in range(1, 5)]  # 12 tokens each: 3 full blocks
+    for i, prompt in enumerate(prompts):
+        _run(stream, i, [prompt], 1, 9, i)  # writes 20 positions: 5 full blocks kept
+        pool = stream.batcher.cache.pool
+        assert len(pool.kept) <= pool.usable
+        _assert_blocks_back(pool)
+    cached_before = stream.batcher.cached_tokens
+    again = _run(stream, "last again", [prompts[-1]], 1, 4, 9)  # the newest prefix survived
+    assert stream.batcher.cached_tokens == cached_before + 8  # (12 - 1) // 4 = 2 blocks
+    _assert_alone(rollout, again, [prompts[-1]], 1, 4, 9)
+    first_again = _run(stream, "first again", [prompts[0]], 1, 4, 8)  # the oldest was evicted
+    assert stream.batcher.cached_tokens == cached_before + 8
+    _assert_alone(rollout, first_again, [prompts[0]], 1, 4, 8)
+    stream.end()
+
+
+def test_no_block_leaks_over_many_calls_with_shared_prefixes(setup):
+    """Calls that join while others run, share prefixes of several lengths, and evict each other's blocks from a
+    small cache: after them every block is free or kept by the cache alone, and the cache kept reusing blocks."""
+    path, tok, _ = setup
+    per_block = 2 * TINY["num_layers"] * TINY["num_kv_heads"] * 32 * 4 * 4
+    limits = BatchingLimits(block_size=4, kv_cache_gib=41 * per_block / 2**30)  # 40 blocks
+    rollout = build_native_rollout(path, tok, batching_limits=limits)
+    stream = rollout.start_request_stream(SamplingConfig(), max_rows=6)
+    stems = [tok.encode(f"{i}+{i}=") * (1 + i) for i in range(5)]
+    calls, ended = 0, []
+    for iteration in range(400):
+        if calls < 120 and iteration % 2 == 0:
+            stem = stems[calls % 5]
+            stream.add(
+                calls, [stem + tok.encode(str(calls % 7))], n=1 + calls % 2, max_new_tokens=3 + calls % 5, seed=calls
+            )
+            calls += 1
+        ended += stream.step()
+        if calls == 120 and not stream.busy:
+            break
+    assert len(ended) == 120 and not stream.busy
+    assert stream.batcher.cached_tokens > 0
+    _assert_blocks_back(stream.batcher.cache.pool)
+    stream.end()

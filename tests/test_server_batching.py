@@ -99,6 +99,7 @@ def _hold_the_engine_until_all_are_queued(server, calls: list[threading.Thread])
     """Start ``calls`` while the engine is held, and let it go once each has reached the batcher (the worker has
     taken the first of them, perhaps with others that came with it, and waits for the engine)."""
     policy = server.policy
+    policy.batcher.settle()  # the last test's request stream ends now, not after its linger
     with policy.engine_lock:
         for thread in calls:
             thread.start()

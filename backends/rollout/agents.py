@@ -277,20 +277,24 @@ class AgentRunner:
         policy.engine, policy.version, policy.seed = rollout, rollout.weights_version, seed
         policy.defaults = attrs.evolve(sampling, n=1)
         self.rounds += 1
-        return run_agents(
-            self.server.url,
-            policy.trainer_token,
-            examples,
-            self.fn,
-            n=sampling.n,
-            deadline_s=self.deadline_s,
-            workers=self.workers,
-            model=policy.model_name,
-            pad_token_id=rollout.pad_token_id,
-            group_ids=group_ids,
-            id_prefix=f"s{seed}-r{self.rounds}",
-            served=policy,
-        )
+        try:
+            return run_agents(
+                self.server.url,
+                policy.trainer_token,
+                examples,
+                self.fn,
+                n=sampling.n,
+                deadline_s=self.deadline_s,
+                workers=self.workers,
+                model=policy.model_name,
+                pad_token_id=rollout.pad_token_id,
+                group_ids=group_ids,
+                id_prefix=f"s{seed}-r{self.rounds}",
+                served=policy,
+            )
+        finally:
+            # the engine's request stream ends with the round: its cache's memory goes back before the trainer runs
+            policy.batcher.settle()
 
     def _serve(self, tokenizer: Any) -> Any:
         if self.server is None:

@@ -87,6 +87,11 @@ class RequestStream(Protocol):
         """Some request is queued or sampling."""
         ...
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens it did not compute: a prefix cache held their keys and values (0 without one)."""
+        ...
+
     def add(self, key: Any, prompts: Sequence[Sequence[int]], *, n: int, max_new_tokens: int, seed: int) -> None:
         """Queue a request (``ValueError`` if it can never run, and nothing queued): :meth:`step` returns it under
         ``key``, its rows the tokens ``generate`` samples for it alone with ``seed``."""

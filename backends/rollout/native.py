@@ -135,6 +135,10 @@ class NativeConfig:
     #: continuous, on CUDA: queue each decode step before reading the tokens sampled before it, so the host's
     #: bookkeeping overlaps the GPU's step (a row that sampled its EOS steps once more for nothing)
     overlap_steps: bool = True
+    #: continuous, a rollout server's calls: the blocks of a call's ended rows stay cached (least recently used
+    #: evicted first), so a later call that starts with the same tokens (an agent's next turn, which sends the
+    #: conversation again) computes only the tokens after them
+    prefix_cache: bool = True
 
     def limits(self) -> BatchingLimits:
         return BatchingLimits(
@@ -144,6 +148,7 @@ class NativeConfig:
             kv_cache_gib=self.kv_cache_gib,
             cuda_graphs=self.cuda_graphs,
             overlap_steps=self.overlap_steps,
+            prefix_cache=self.prefix_cache,
         )
 
 

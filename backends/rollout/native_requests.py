@@ -52,7 +52,9 @@ class NativeRequestStream:
                 slots=max_rows,
                 max_len=rollout.max_context,
                 own_cache=True,  # the engine's other calls (an evaluation between two rounds of agents) keep theirs
+                prefix_cache=rollout.batching_limits.prefix_cache,
             )
+        self.cached_tokens = 0  #: prompt tokens not computed: the prefix cache held their keys and values
         self._open: dict[Hashable, _Open] = {}
         self._owner: dict[int, Hashable] = {}  #: output row -> its request
 
@@ -90,6 +92,7 @@ class NativeRequestStream:
         their own (prompt by prompt, a prompt's samples together)."""
         with torch.inference_mode():
             ended_rows = self.batcher.step()
+        self.cached_tokens = self.batcher.cached_tokens
         ended = []
         for row in ended_rows:
             key = self._owner.pop(row)

@@ -20,6 +20,13 @@ and every block is zeroed when it is handed out.
 
 Memory is reserved, not just allocated: a row is admitted only when the pool can hold its longest possible length
 (:meth:`PagedKVCache.admit`), so a running row never waits for a block and no row is ever preempted.
+
+**Prefix cache** (a batch left open, a rollout server's): before a row is released its full blocks are remembered
+(:meth:`PagedKVCache.remember`), each keyed by its tokens and the key of the block before it, so a key names a whole
+prefix, and a later prompt that starts with those tokens is admitted with them (:meth:`PagedKVCache.cached_prefix`):
+only the tokens after them are computed. A cached block that no row holds is still counted as available, and is
+taken back, least recently used first, when a new block is needed; so the cache never refuses or stalls a row. vLLM's
+automatic prefix caching and SGLang's radix cache make the same trade.
 """
 
 from __future__ import annotations
@@ -65,7 +72,11 @@ def request_too_large(index: int, prompt_len: int, n: int, max_new: int, need: i
 
 class BlockPool:
     """Which blocks are free, how many holders each block has, and how many free blocks are promised to admitted
-    rows. Host-side bookkeeping; block 0 (the null block) is never handed out."""
+    rows. Host-side bookkeeping; block 0 (the null block) is never handed out.
+
+    A block the prefix cache holds (:meth:`keep`) stays filled after its rows end; while the cache is its only
+    holder it is ``kept``: counted as available, and taken back, oldest first, when no block is free
+    (``on_evict`` tells the cache)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 2:
@@ -74,6 +85,9 @@ class BlockPool:
         self.refcount = [0] * num_blocks
         self.free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
         self.reserved = 0
+        self.cached: set[int] = set()  #: blocks the prefix cache holds
+        self.kept: dict[int, None] = {}  #: cached blocks no row holds, least recently used first
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def usable(self) -> int:
@@ -81,18 +95,36 @@ class BlockPool:
 
     @property
     def available(self) -> int:
-        """Free blocks not promised to an admitted row."""
-        return len(self.free) - self.reserved
+        """Free (or kept) blocks not promised to an admitted row."""
+        return len(self.free) + len(self.kept) - self.reserved
 
     def take(self, holders: int = 1, *, reserved: bool = False) -> int:
-        """A free block with ``holders`` holders; ``reserved``: one promised earlier (the promise is kept)."""
+        """A free block with ``holders`` holders; ``reserved``: one promised earlier (the promise is kept). With
+        no free block, the least recently used kept block is evicted from the prefix cache."""
         if reserved:
             self.reserved -= 1
         elif self.available < 1:
             raise RuntimeError("paged KV cache: no unreserved block left (an admission check was skipped)")
-        block = self.free.pop()
+        if self.free:
+            block = self.free.pop()
+        else:
+            block = next(iter(self.kept))
+            del self.kept[block]
+            self.cached.discard(block)
+            if self.on_evict is not None:
+                self.on_evict(block)
         self.refcount[block] = holders
         return block
+
+    def keep(self, block: int) -> None:
+        """The prefix cache holds ``block`` too (a row still does)."""
+        self.refcount[block] += 1
+        self.cached.add(block)
+
+    def hold(self, block: int, holders: int) -> None:
+        """``holders`` more holders of a cached block (rows whose prompts start with its tokens)."""
+        self.kept.pop(block, None)
+        self.refcount[block] += holders
 
     def drop(self, block: int) -> bool:
         """One holder fewer; True when the block went back to the free list."""
@@ -102,6 +134,8 @@ class BlockPool:
             return True
         if self.refcount[block] < 0:
             raise RuntimeError(f"paged KV cache: block {block} dropped more often than it was held")
+        if self.refcount[block] == 1 and block in self.cached:
+            self.kept[block] = None  # its rows have ended: the cache alone holds it, newest last
         return False
 
 
@@ -147,6 +181,15 @@ class PagedKVCache:
         self._chunk: tuple | None = None
         #: a decode step attends through ``scaled_dot_product_attention`` (off the CPU; see the module docstring)
         self.fused_attention = device.type != "cpu"
+        # the prefix cache (:meth:`remember`, :meth:`cached_prefix`): a full block's entry is keyed by the entry of
+        # the block before it (-1 for a first block) and its tokens, so a key names the whole prefix up to it; entry
+        # ids are never reused, so an entry under an evicted parent can no longer be reached
+        self._entries: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._entry_of: dict[int, int] = {}  # block -> its entry
+        self._block_of: dict[int, int] = {}  # entry -> its block
+        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}  # entry -> its key
+        self._next_entry = 0
+        self.pool.on_evict = self._forget
 
     @classmethod
     def allocate(
@@ -208,12 +251,16 @@ class PagedKVCache:
 
     # ---------------------------------------------------------------------------------------------- blocks
 
-    def admit(self, slots: list[int], prompt_len: int, max_new_tokens: int) -> None:
+    def admit(self, slots: list[int], prompt_len: int, max_new_tokens: int, cached: list[int] = ()) -> None:
         """Give ``slots`` (the samples of one prompt) the prompt's blocks, each held by all of them, and promise
-        each the blocks it may still need. The caller checked :func:`blocks_for_request` against ``available``."""
+        each the blocks it may still need; the first blocks are ``cached`` (:meth:`cached_prefix`), filled already.
+        The caller checked :meth:`admission_need` against ``available``."""
         bs, n = self.block_size, len(slots)
-        shared = [self.pool.take(n) for _ in range(-(-prompt_len // bs))]
-        self._zero(shared)
+        for block in cached:
+            self.pool.hold(block, n)
+        fresh = [self.pool.take(n) for _ in range(-(-prompt_len // bs) - len(cached))]
+        self._zero(fresh)
+        shared = [*cached, *fresh]
         own = -(-(prompt_len + max_new_tokens - 1) // bs) - prompt_len // bs
         # a partial last block is one of its last holder's own blocks, taken already
         self.pool.reserved += n * own - (1 if prompt_len % bs else 0)
@@ -271,6 +318,48 @@ class PagedKVCache:
         self.blocks[slot], self.reserve[slot] = [], 0
         self.shared_tail.discard(slot)
         self.block_table[slot].zero_()
+
+    def admission_need(self, prompt_len: int, n: int, max_new_tokens: int, cached: list[int]) -> int:
+        """The available blocks an admission takes: :func:`blocks_for_request` less the ``cached`` blocks, plus the
+        kept ones among them (held again, they are no longer available)."""
+        need = blocks_for_request(prompt_len, n, max_new_tokens, self.block_size)
+        return need - len(cached) + sum(block in self.pool.kept for block in cached)
+
+    # ---------------------------------------------------------------------------------------------- prefix cache
+
+    def cached_prefix(self, prompt: list[int]) -> list[int]:
+        """The cached blocks holding the longest run of ``prompt``'s first full blocks, leaving at least its last
+        token to compute (its logits are the first sample's)."""
+        bs, parent, blocks = self.block_size, -1, []
+        for start in range(0, (len(prompt) - 1) // bs * bs, bs):
+            entry = self._entries.get((parent, tuple(prompt[start : start + bs])))
+            if entry is None:
+                break
+            blocks.append(self._block_of[entry])
+            parent = entry
+        return blocks
+
+    def remember(self, slot: int, sequence: list[int], written: int) -> None:
+        """Keep ``slot``'s full blocks among its first ``written`` positions (their keys and values are final),
+        whose tokens are ``sequence``'s, for later prompts that start with them; call before :meth:`release`."""
+        bs, parent = self.block_size, -1
+        for j in range(written // bs):
+            key = (parent, tuple(sequence[j * bs : (j + 1) * bs]))
+            entry = self._entries.get(key)
+            if entry is None:
+                block = self.blocks[slot][j]
+                if block in self._entry_of:  # cached under a prefix this row only shares the tokens of
+                    return
+                entry, self._next_entry = self._next_entry, self._next_entry + 1
+                self._entries[key], self._key_of[entry] = entry, key
+                self._entry_of[block], self._block_of[entry] = entry, block
+                self.pool.keep(block)
+            parent = entry
+
+    def _forget(self, block: int) -> None:
+        """An evicted block's entry (the pool takes the block back)."""
+        entry = self._entry_of.pop(block)
+        del self._block_of[entry], self._entries[self._key_of.pop(entry)]
 
     # ---------------------------------------------------------------------------------------------- prefill
 

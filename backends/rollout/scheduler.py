@@ -8,11 +8,14 @@ takes more while it runs (:meth:`ContinuousBatcher.submit`). Each iteration (:me
    longest possible length (:func:`backends.rollout.paged_kv.blocks_for_request`) and their prompts fit the
    iteration's prefill budget (``prefill_tokens``; the first request of an iteration is admitted whatever its
    length);
-2. prefills the admitted prompts together, once per prompt (the samples share its blocks);
+2. prefills the admitted prompts together, once per prompt (the samples share its blocks); with ``prefix_cache``, a
+   prompt whose first blocks are cached feeds only the tokens after them, as one chunk attending over them
+   (:meth:`backends.rollout.paged_kv.PagedKVCache.cached_prefix`);
 3. samples one token for every working row (the new rows from their prompt's last logits), with the uniform keyed
    by the row's key (a call's seed and the row's index in it) and its number of tokens so far
    (:func:`backends.rollout.row_random.keyed_uniforms`);
-4. frees the rows that ended (EOS, or their request's ``max_new_tokens`` tokens) and their slots and blocks;
+4. frees the rows that ended (EOS, or their request's ``max_new_tokens`` tokens) and their slots and blocks (with
+   ``prefix_cache``, their full blocks remembered first);
 5. runs one decode step of the rows still running, each at its own position (on CUDA replayed from a CUDA graph
    of the step at fixed shapes: :mod:`backends.rollout.decode_graphs`).
 
@@ -83,6 +86,8 @@ class BatchingLimits:
     cuda_graphs: bool = True
     #: on CUDA, queue each decode step before reading the tokens sampled before it (see the module docstring)
     overlap_steps: bool = True
+    #: a batch left open (a rollout server's) keeps its ended rows' full blocks for prompts that start with them
+    prefix_cache: bool = True
 
 
 #: the default number of slots: rows beyond it wait for a free one
@@ -220,6 +225,7 @@ class ContinuousBatcher:
         slots: int | None = None,
         max_len: int | None = None,
         own_cache: bool = False,
+        prefix_cache: bool = False,
     ) -> None:
         self.rollout, self.sampling = rollout, sampling
         if updates is not None and not (isinstance(updates.chunk_tokens, int) and updates.chunk_tokens > 0):
@@ -278,6 +284,9 @@ class ContinuousBatcher:
         self.iterations = 0
         self.peak_blocks = 0  #: the most blocks held at once
         self.peak_rows = 0  #: the most rows decoded together
+        #: an ended row's full blocks stay cached for later prompts that start with the same tokens
+        self.prefix_cache = prefix_cache
+        self.cached_tokens = 0  #: prompt tokens not prefilled: their blocks were cached
         self.versions: Tensor | None = None  #: after :meth:`run`: the version that sampled each token
         for i, (prompt, m) in enumerate(zip(prompts, max_new)):
             self.submit(prompt, m, _call_keys(seed, range(i * n, i * n + n)), index=i)
@@ -390,6 +399,10 @@ class ContinuousBatcher:
             sample.logprobs.append(lp)
             sample.versions.append(self.version)
         self.steps = max(self.steps, max(work.drawn))
+        if self.prefix_cache:
+            for i in ended:
+                sample = self.rows[work.row[i]]
+                self.cache.remember(work.slot[i], sample.prompt + sample.tokens, work.position[i])
         self._release(work, ended)
         self.work = stepped if stepped is not None else self._step(work, token, running)
         return [work.row[i] for i in ended]
@@ -421,41 +434,74 @@ class ContinuousBatcher:
         stepped.position = [p + 1 for p in stepped.position]
         return stepped
 
-    def _admit(self) -> list[tuple[_Group, list[int]]]:
-        """Waiting prompts that fit now, each with its slots."""
+    def _admit(self) -> list[tuple[_Group, list[int], list[int]]]:
+        """Waiting prompts that fit now, each with its slots and its cached first blocks."""
         admitted, tokens = [], 0
-        pool = self.cache.pool
+        cache, bs = self.cache, self.block_size
         while self.waiting:
             group = self.waiting[0]
             n, prompt_len = len(group.rows), len(group.prompt)
-            if len(self.free_slots) < n or group.need > pool.available:
+            cached = cache.cached_prefix(group.prompt) if self.prefix_cache else []
+            need = cache.admission_need(prompt_len, n, group.max_new, cached) if cached else group.need
+            if len(self.free_slots) < n or need > cache.pool.available:
                 break
-            if admitted and tokens + prompt_len > self.prefill_tokens:
+            if admitted and tokens + prompt_len - len(cached) * bs > self.prefill_tokens:
                 break
             self.waiting.popleft()
             slots = [self.free_slots.pop() for _ in range(n)]
-            self.cache.admit(slots, prompt_len, group.max_new)
-            admitted.append((group, slots))
-            tokens += prompt_len
+            cache.admit(slots, prompt_len, group.max_new, cached)
+            admitted.append((group, slots, cached))
+            tokens += prompt_len - len(cached) * bs
         return admitted
 
-    def _prefill(self, admitted: list[tuple[_Group, list[int]]]) -> _Working:
-        """Prefill the admitted prompts once each; their samples as new working rows."""
-        device = self.device
-        prompts = [group.prompt for group, _ in admitted]
-        ids, mask = left_pad(prompts, self.rollout.pad_token_id)
-        ids, mask = on_device(ids, device), on_device(mask, device)
-        self.cache.begin_prefill(on_device([slots[0] for _, slots in admitted], device), mask, sum(map(len, prompts)))
-        logits = self.decoder.prefill(ids, mask, copies=1).float()
-        counts = [len(group.rows) for group, _ in admitted]
+    def _prefill(self, admitted: list[tuple[_Group, list[int], list[int]]]) -> _Working:
+        """Compute the admitted prompts' keys and values once each (past their cached blocks); their samples as new
+        working rows."""
+        fresh = [(group, slots) for group, slots, cached in admitted if not cached]
+        resumed = [(group, slots, cached) for group, slots, cached in admitted if cached]
+        parts = []
+        if fresh:
+            prompts = [group.prompt for group, _ in fresh]
+            ids, mask = left_pad(prompts, self.rollout.pad_token_id)
+            ids, mask = on_device(ids, self.device), on_device(mask, self.device)
+            first_slots = on_device([slots[0] for _, slots in fresh], self.device)
+            self.cache.begin_prefill(first_slots, mask, sum(map(len, prompts)))
+            parts.append(self._new_rows(fresh, self.decoder.prefill(ids, mask, copies=1)))
+        if resumed:
+            groups = [(group, slots) for group, slots, _ in resumed]
+            parts.append(self._new_rows(groups, self._extend_cached(resumed)))
+        for part in parts[1:]:
+            parts[0].extend(part)
+        return parts[0]
+
+    def _new_rows(self, groups: list[tuple[_Group, list[int]]], logits: Tensor) -> _Working:
+        """The samples of ``groups`` (prompts and their slots) as working rows, from each prompt's last logits."""
+        counts = [len(group.rows) for group, _ in groups]
+        logits = logits.float()
         if len(set(counts)) == 1:
             logits = logits.repeat_interleave(counts[0], dim=0)
         else:  # the output size given: the device need not be read for it
-            logits = logits.repeat_interleave(on_device(counts, device), dim=0, output_size=sum(counts))
-        slot = [s for _, slots in admitted for s in slots]
-        row = [r for group, _ in admitted for r in group.rows]
-        position = [len(group.prompt) for group, _ in admitted for _ in group.rows]
+            logits = logits.repeat_interleave(on_device(counts, self.device), dim=0, output_size=sum(counts))
+        slot = [s for _, slots in groups for s in slots]
+        row = [r for group, _ in groups for r in group.rows]
+        position = [len(group.prompt) for group, _ in groups for _ in group.rows]
         return _Working(slot, row, position, [0] * len(row), logits)
+
+    def _extend_cached(self, resumed: list[tuple[_Group, list[int], list[int]]]) -> Tensor:
+        """Feed each prompt's tokens past its cached blocks to its first slot, attending over the cached ones (as a
+        turn's observation is fed): the logits after each prompt's last token."""
+        bs = self.block_size
+        rest = [group.prompt[len(cached) * bs :] for group, _, cached in resumed]
+        starts = [len(cached) * bs for _, _, cached in resumed]
+        width = max(map(len, rest))
+        tokens = [r + [self.rollout.pad_token_id] * (width - len(r)) for r in rest]
+        positions = [[start + min(j, len(r) - 1) for j in range(width)] for start, r in zip(starts, rest)]
+        valid = [[int(j < len(r)) for j in range(width)] for r in rest]
+        tokens, positions, valid = on_device([tokens, positions, valid], self.device)  # one copy
+        slots = on_device([slots[0] for _, slots, _ in resumed], self.device)
+        self.cached_tokens += sum(starts)
+        longest = max(len(group.prompt) for group, _, _ in resumed)
+        return self.decoder.extend_paged(tokens, slots, positions, valid.bool(), longest)
 
     def _sample(self, work: _Working) -> tuple[Tensor, Tensor]:
         """One token per working row and its log-prob; counts it in ``work.drawn``."""

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
@@ -105,6 +105,7 @@ class ServedPolicy:
     max_batch_rows: int = 64
     #: agents' calls join the engine's running batch where the engine can (a request stream); False: gathered calls
     request_streams: bool = True
+    stream_linger_s: float = 2.0  #: how long an idle stream (and its prefix cache) waits for an agent's next call
     batcher: EngineBatcher | None = None  #: the engine's worker, built with the app
     draining: bool = False
     in_flight: int = 0
@@ -162,12 +163,6 @@ def _engine_call(
 def _no_new_requests(policy: ServedPolicy) -> Any:
     """A context in which no agents' request starts (a request stream lets its rows end, then lets the engine go)."""
     return policy.batcher.paused() if policy.batcher is not None else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _engine_alone(policy: ServedPolicy) -> Iterator[None]:
-    with _no_new_requests(policy), policy.engine_lock:
-        yield
 
 
 def _open_stream(policy: ServedPolicy, sampling: SamplingConfig) -> OpenStream | None:
@@ -374,7 +369,7 @@ def _commit_weights(policy: ServedPolicy, version: int) -> dict[str, Any]:
     with policy.weights_lock:
         named = policy.staging.commit(version)
         buckets, nbytes = policy.staging.buckets, policy.staging.nbytes
-        with _engine_alone(policy):
+        with _no_new_requests(policy), policy.engine_lock:
             # the set was checked whole; an engine that still refuses keeps its previous weights (native) or
             # refuses to generate until a sync succeeds (vLLM), and the served version stays
             policy.engine = policy.engine.sync_weights(named, strict=True)
@@ -421,6 +416,7 @@ def build_app(policy: ServedPolicy) -> Any:
             lambda prompts, sampling, keys: _engine_call(policy, prompts, sampling, keys),
             max_rows=policy.max_batch_rows,
             open_stream=(lambda sampling: _open_stream(policy, sampling)) if policy.request_streams else None,
+            linger_s=policy.stream_linger_s,
         )
 
     _error_handlers(app)
@@ -645,6 +641,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run waiting agents' calls as one engine call at a time, not as a stream they join as they come",
     )
+    parser.add_argument("--stream-linger-s", type=float, default=2.0, help="an idle stream waits this long for a call")
     parser.add_argument("--log-level", default="warning")
     return parser.parse_args(argv)
 
@@ -675,6 +672,7 @@ def main(argv: list[str] | None = None) -> None:
         chat_template=Path(args.chat_template).read_text() if args.chat_template else None,
         max_batch_rows=args.max_batch_rows,
         request_streams=not args.gathered_calls,
+        stream_linger_s=args.stream_linger_s,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -98,18 +98,33 @@ def _same_stream_options(a: SamplingConfig, b: SamplingConfig) -> bool:
 class EngineBatcher:
     """The queue of a server's sampling requests and the worker that runs them (see the module doc)."""
 
-    def __init__(self, engine_call: EngineCall, *, max_rows: int = 64, open_stream: StreamOpener | None = None) -> None:
+    def __init__(
+        self,
+        engine_call: EngineCall,
+        *,
+        max_rows: int = 64,
+        open_stream: StreamOpener | None = None,
+        linger_s: float = 2.0,
+    ) -> None:
         if max_rows < 1:
             raise ValueError(f"EngineBatcher: max_rows must be at least 1, got {max_rows}")
+        if linger_s < 0:
+            raise ValueError(f"EngineBatcher: linger_s must be at least 0, got {linger_s}")
         self.engine_call, self.max_rows, self.open_stream = engine_call, max_rows, open_stream
+        #: how long a stream whose rows have all ended waits for the next call before it ends (an agent's next turn,
+        #: sent after its tool ran, then finds its conversation in the stream's prefix cache)
+        self.linger_s = linger_s
         self.calls = 0  #: gathered engine calls run
-        self.streams = 0  #: request streams run
+        self.streams = 0  #: request streams opened
         self.requests = 0  #: requests answered by them
         self.joined = 0  #: requests that joined a stream while its rows were sampling
+        self.cached_tokens = 0  #: prompt tokens streams did not compute (their prefix caches held them)
         self.largest = 0  #: the most requests one call or one stream answered
         self._waiting: list[_Request] = []
         self._pending = 0
         self._paused = 0
+        self._settling = 0
+        self._streaming = False
         self._closed = False
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
@@ -129,7 +144,7 @@ class EngineBatcher:
                 self._worker.start()
             self._waiting.append(request)
             self._pending += 1
-            self._cond.notify()
+            self._cond.notify_all()  # the worker, whether it waits for work or lingers in a stream
         request.done.wait()
         with self._cond:
             self._pending -= 1
@@ -153,6 +168,7 @@ class EngineBatcher:
             "engine/streams": self.streams,
             "engine/requests": self.requests,
             "engine/joined": self.joined,
+            "engine/prefix_cached_tokens": self.cached_tokens,
             "engine/largest_call": self.largest,
         }
 
@@ -162,11 +178,25 @@ class EngineBatcher:
         next, a weight push or the trainer's own call."""
         with self._cond:
             self._paused += 1
+            self._cond.notify_all()  # a lingering stream ends now
         try:
             yield
         finally:
             with self._cond:
                 self._paused -= 1
+                self._cond.notify_all()
+
+    def settle(self) -> None:
+        """End the request stream as soon as its rows have ended (no lingering, nothing more joins), and return then:
+        its cache's memory is free for whatever the caller runs next (the trainer, after a round of agents)."""
+        with self._cond:
+            self._settling += 1
+            self._cond.notify_all()
+            try:
+                while self._streaming:
+                    self._cond.wait()
+            finally:
+                self._settling -= 1
                 self._cond.notify_all()
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -218,6 +248,9 @@ class EngineBatcher:
         rows have ended."""
         stream, live, answered = opened.stream, {}, 0
         joining: list[_Request] = []
+        with self._cond:
+            self._streaming = True
+        self.streams += 1
         try:
             while True:
                 joining = self._joining(options, opened)
@@ -238,11 +271,15 @@ class EngineBatcher:
                         self.joined += busy
                     joining.pop(0)
                 if not stream.busy:
+                    if self._linger(options, opened):
+                        continue
                     break
                 for ended in stream.step():
                     rows = SampledRows(ended.response_ids, ended.response_mask, ended.logprobs, opened.version)
                     live.pop(ended.key).finish(rows)
                     answered += 1
+                    self.requests += 1
+                    self.largest = max(self.largest, answered)
         except BaseException as e:  # the engine's own failure: every request it took hears of it
             for request in [*live.values(), *joining]:
                 request.finish(error=e)
@@ -251,23 +288,41 @@ class EngineBatcher:
                 stream.end()
             finally:
                 opened.release()
-        self.streams += 1
-        self.requests += answered
-        self.largest = max(self.largest, answered)
+                with self._cond:
+                    self._streaming = False
+                    self._cond.notify_all()
+        self.cached_tokens += stream.cached_tokens
 
     def _joining(self, options: SamplingConfig, opened: OpenStream) -> list[_Request]:
         """The waiting requests that join the stream now: the oldest ones, up to the first that cannot (other
         options, more samples of a prompt than the rows), unless the stream takes no more."""
         with self._cond:
-            if self._paused or self._closed or not opened.current():
-                return []
-            count = 0
-            for request in self._waiting:
-                if not _same_stream_options(request.sampling, options) or request.sampling.n > self.max_rows:
-                    break
-                count += 1
+            count = self._joinable(options, opened)
             joining, self._waiting = self._waiting[:count], self._waiting[count:]
             return joining
+
+    def _joinable(self, options: SamplingConfig, opened: OpenStream) -> int:
+        """How many of the oldest waiting requests may join the stream (under ``self._cond``)."""
+        if self._paused or self._settling or self._closed or not opened.current():
+            return 0
+        count = 0
+        for request in self._waiting:
+            if not _same_stream_options(request.sampling, options) or request.sampling.n > self.max_rows:
+                break
+            count += 1
+        return count
+
+    def _linger(self, options: SamplingConfig, opened: OpenStream) -> bool:
+        """The stream's rows have all ended: wait up to ``linger_s`` for a request that may join (True), or until the
+        stream should end (False: a request that may not join waits, or the batcher pauses, settles or closes)."""
+
+        def decided() -> bool:
+            stop = self._paused or self._settling or self._closed or not opened.current()
+            return stop or bool(self._waiting)
+
+        with self._cond:
+            self._cond.wait_for(decided, timeout=self.linger_s)
+            return self._joinable(options, opened) > 0
 
     def _take(self) -> list[_Request]:
         """The oldest waiting request and the others of its sampling options that fit ``max_rows`` (in order)."""
