@@ -95,7 +95,8 @@ def test_row_uniforms_match_a_python_reference_and_are_uniform():
 LIMITS = {
     "all-at-once": BatchingLimits(),
     "few-slots-small-blocks": BatchingLimits(max_slots=6, block_size=4),
-    "one-prompt-per-prefill": BatchingLimits(max_slots=9, block_size=2, prefill_tokens=1),
+    "prefill-chunks-of-1": BatchingLimits(max_slots=9, block_size=2, prefill_tokens=1),
+    "prefill-chunks-of-5": BatchingLimits(max_slots=6, block_size=4, prefill_tokens=5),
 }
 
 
@@ -311,6 +312,33 @@ def test_the_default_cache_holds_a_prompts_samples_exactly(setup, text):
     assert usable == 4 * -(-(len(prompt) + 6) // 8)
     assert batcher.peak_blocks <= blocks_for_request(len(prompt), 4, 6, 8) <= usable
     assert batcher.cache.pool.reserved == 0 and len(batcher.cache.pool.free) == usable
+
+
+def test_long_prompts_are_fed_in_chunks_within_the_prefill_budget(setup):
+    """Chunked prefill: no iteration computes more prompt tokens than ``prefill_tokens`` (a prompt longer than that
+    is fed a chunk per iteration while the running rows go on decoding), and every prompt token is computed once
+    (a prompt's samples share its blocks). The samples are the lock-step engine's (the LIMITS cases above)."""
+    _, tok, rollout = setup
+    prompts = _prompts(tok, 12)
+    assert max(map(len, prompts)) > 3 * 6
+    limits = BatchingLimits(max_slots=6, block_size=4, prefill_tokens=6)
+    fed, per_iteration = [], []
+    with torch.inference_mode():
+        batcher = ContinuousBatcher(rollout, prompts, SamplingConfig(n=2, max_new_tokens=8, seed=6), 6, limits)
+        prefill, extend = batcher.decoder.prefill, batcher.decoder.extend_paged
+        batcher.decoder.prefill = lambda ids, mask, copies: fed.append(int(mask.sum())) or prefill(ids, mask, copies)
+
+        def counted_extend(tokens, slots, positions, valid, length):
+            fed.append(int(valid.sum()))
+            return extend(tokens, slots, positions, valid, length)
+
+        batcher.decoder.extend_paged = counted_extend
+        while batcher.busy:
+            fed.clear()
+            batcher.step()
+            per_iteration.append(sum(fed))
+    assert max(per_iteration) == 6 and sum(per_iteration) == sum(map(len, prompts))
+    assert sum(1 for tokens in per_iteration if tokens == 6) >= 3  # the longest prompt took several chunks
 
 
 def test_more_prompts_than_slots_all_complete(setup):

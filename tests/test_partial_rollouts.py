@@ -119,8 +119,13 @@ def test_rows_admitted_after_the_boundary_are_all_new(models):
 
 @pytest.mark.parametrize(
     "limits",
-    [BatchingLimits(), BatchingLimits(max_slots=4, block_size=4), BatchingLimits(max_slots=6, prefill_tokens=8)],
-    ids=["all-slots", "few-slots", "small-refill-groups"],
+    [
+        BatchingLimits(),
+        BatchingLimits(max_slots=4, block_size=4),
+        BatchingLimits(max_slots=6, prefill_tokens=8),
+        BatchingLimits(max_slots=4, block_size=4, prefill_tokens=3),
+    ],
+    ids=["all-slots", "few-slots", "small-refill-groups", "prefill-chunks-of-3"],
 )
 def test_logprobs_before_the_boundary_are_the_old_weights_and_after_it_the_new(models, limits):
     """Each token's behaviour log-prob equals an fp32 HF forward of the weights that sampled it over the prefix.

@@ -5,9 +5,9 @@ queued when the batcher is built, and a batch left open (a rollout server's: :mo
 takes more while it runs (:meth:`ContinuousBatcher.submit`). Each iteration (:meth:`ContinuousBatcher.step`):
 
 1. admits waiting requests, in order, while their samples find free slots, the paged cache can promise their
-   longest possible length (:func:`backends.rollout.paged_kv.blocks_for_request`) and their prompts fit the
-   iteration's prefill budget (``prefill_tokens``; the first request of an iteration is admitted whatever its
-   length);
+   longest possible length (:func:`backends.rollout.paged_kv.blocks_for_request`) and their prompts fit what is
+   left of the iteration's prefill budget (``prefill_tokens``) after the next chunk of a prompt being fed in chunks
+   (below);
 2. prefills the admitted prompts together, once per prompt (the samples share its blocks); with ``prefix_cache``, a
    prompt whose first blocks are cached feeds only the tokens after them, as one chunk attending over them
    (:meth:`backends.rollout.paged_kv.PagedKVCache.cached_prefix`);
@@ -21,7 +21,10 @@ takes more while it runs (:meth:`ContinuousBatcher.submit`). Each iteration (:me
 
 So a short row's slot takes the next request at once instead of idling until the batch's longest row ends, and
 more requests than slots stream through a bounded cache. The prefill of new prompts and the decode step of running
-rows are two forwards of one iteration (not one packed forward), and a prompt is prefilled whole (no chunking).
+rows are two forwards of one iteration (not one packed forward). A prompt longer than ``prefill_tokens`` is fed in
+chunks of at most that many tokens, one per iteration, each attending over the chunks before it (chunked prefill,
+as vLLM and SGLang schedule it): an iteration's prefill work stays bounded, so the running rows keep decoding beside
+a long prompt, and no attention mask grows with the square of the whole prompt.
 
 The bookkeeping (slots, positions, tokens drawn, blocks) and the outputs are the host's, in lists: an iteration
 waits for the device once, for the tokens it sampled (to see the EOS) and their log-probs, and writes it once per
@@ -162,6 +165,16 @@ class _Group:
     need: int  #: blocks promised at admission (:func:`backends.rollout.paged_kv.blocks_for_request`)
 
 
+@attrs.define
+class _Filling:
+    """An admitted prompt too long for one iteration's prefill budget: fed in chunks, one per iteration, until its
+    samples join the working rows."""
+
+    group: _Group
+    slots: list[int]
+    fed: int  #: prompt tokens whose keys and values are in its blocks
+
+
 def _call_keys(seed: int | RowKeys, rows: range) -> list[tuple[int, int]]:
     """The draw keys of a call's ``rows`` seeded ``seed``: what :func:`row_uniforms` keys them by."""
     if isinstance(seed, RowKeys):
@@ -271,6 +284,7 @@ class ContinuousBatcher:
         self.overlap = device.type == "cuda" and limits.overlap_steps
         self.prefill_tokens = limits.prefill_tokens
         self.waiting: collections.deque[_Group] = collections.deque()
+        self.filling: list[_Filling] = []  #: admitted prompts being fed in chunks (at most one at a time)
         self.free_slots = list(range(self.slots - 1, -1, -1))
         self.eos = set(rollout.eos_token_ids)
         self.rows: dict[int, _Row] = {}  #: output row -> its sample, until popped
@@ -288,13 +302,14 @@ class ContinuousBatcher:
         self.prefix_cache = prefix_cache
         self.cached_tokens = 0  #: prompt tokens not prefilled: their blocks were cached
         self.versions: Tensor | None = None  #: after :meth:`run`: the version that sampled each token
+        self.last_boundary = 0  #: the iteration count of the last chunk boundary (an iteration may only fill)
         for i, (prompt, m) in enumerate(zip(prompts, max_new)):
             self.submit(prompt, m, _call_keys(seed, range(i * n, i * n + n)), index=i)
 
     @property
     def busy(self) -> bool:
         """Some prompt waits or some row is sampling."""
-        return bool(self.waiting or self.work.row)
+        return bool(self.waiting or self.work.row or self.filling)
 
     def submit(
         self, prompt: list[int], max_new_tokens: int, keys: list[tuple[int, int]], *, index: int = 0
@@ -364,13 +379,17 @@ class ContinuousBatcher:
     def step(self) -> list[int]:
         """One iteration (admit, prefill, sample, release, decode): the output rows that ended in it."""
         work = self.work
-        if self.updates is not None and self.iterations and self.iterations % self.updates.chunk_tokens == 0:
+        chunk = self.updates.chunk_tokens if self.updates is not None else 0
+        if chunk and self.iterations and self.iterations % chunk == 0 and self.iterations != self.last_boundary:
+            self.last_boundary = self.iterations
             self._boundary(work)
-        admitted = self._admit()
-        if admitted:
-            work.extend(self._prefill(admitted))
+        filled, spent = self._fill(self.prefill_tokens)
+        admitted = self._admit(self.prefill_tokens - spent)
+        for part in (filled, self._prefill(admitted) if admitted else None):
+            if part is not None:
+                work.extend(part)
         if not work.row:
-            if self.waiting:
+            if self.waiting and not self.filling:
                 raise RuntimeError("continuous batching: requests wait but none can be admitted (a check was skipped)")
             return []
         self.iterations += 1
@@ -434,9 +453,11 @@ class ContinuousBatcher:
         stepped.position = [p + 1 for p in stepped.position]
         return stepped
 
-    def _admit(self) -> list[tuple[_Group, list[int], list[int]]]:
-        """Waiting prompts that fit now, each with its slots and its cached first blocks."""
-        admitted, tokens = [], 0
+    def _admit(self, budget: int) -> list[tuple[_Group, list[int], list[int]]]:
+        """Waiting prompts that fit now, each with its slots and its cached first blocks, their tokens to compute
+        within ``budget``. A prompt longer than the whole prefill budget is admitted to be fed in chunks
+        (``self.filling``, one such prompt at a time) and ends the admissions."""
+        admitted = []
         cache, bs = self.cache, self.block_size
         while self.waiting:
             group = self.waiting[0]
@@ -445,14 +466,42 @@ class ContinuousBatcher:
             need = cache.admission_need(prompt_len, n, group.max_new, cached) if cached else group.need
             if len(self.free_slots) < n or need > cache.pool.available:
                 break
-            if admitted and tokens + prompt_len - len(cached) * bs > self.prefill_tokens:
+            rest = prompt_len - len(cached) * bs
+            chunked = rest > self.prefill_tokens
+            if (chunked and self.filling) or (not chunked and rest > budget):
                 break
             self.waiting.popleft()
             slots = [self.free_slots.pop() for _ in range(n)]
             cache.admit(slots, prompt_len, group.max_new, cached)
+            if chunked:
+                self.cached_tokens += len(cached) * bs
+                self.filling.append(_Filling(group, slots, len(cached) * bs))
+                break
             admitted.append((group, slots, cached))
-            tokens += prompt_len - len(cached) * bs
+            budget -= rest
         return admitted
+
+    def _fill(self, budget: int) -> tuple[_Working | None, int]:
+        """Feed the next chunk of each prompt being fed in chunks, within ``budget`` tokens: the samples of those
+        fed whole now (or None), and the tokens fed."""
+        feeds, spent = [], 0
+        for filling in self.filling:
+            take = min(len(filling.group.prompt) - filling.fed, budget - spent)
+            if take <= 0:
+                break
+            feeds.append((filling.group, filling.slots, filling.fed, filling.fed + take))
+            filling.fed += take
+            spent += take
+        if not feeds:
+            return None, 0
+        logits = self._feed(feeds)
+        done = [i for i, (group, _, _, end) in enumerate(feeds) if end == len(group.prompt)]
+        self.filling = [f for f in self.filling if f.fed < len(f.group.prompt)]
+        if not done:
+            return None, spent
+        index = on_device(done, self.device) if len(done) != len(feeds) else None
+        finished = [(feeds[i][0], feeds[i][1]) for i in done]
+        return self._new_rows(finished, logits if index is None else logits[index]), spent
 
     def _prefill(self, admitted: list[tuple[_Group, list[int], list[int]]]) -> _Working:
         """Compute the admitted prompts' keys and values once each (past their cached blocks); their samples as new
@@ -469,7 +518,10 @@ class ContinuousBatcher:
             parts.append(self._new_rows(fresh, self.decoder.prefill(ids, mask, copies=1)))
         if resumed:
             groups = [(group, slots) for group, slots, _ in resumed]
-            parts.append(self._new_rows(groups, self._extend_cached(resumed)))
+            starts = [len(cached) * self.block_size for _, _, cached in resumed]
+            self.cached_tokens += sum(starts)
+            feeds = [(group, slots, start, len(group.prompt)) for (group, slots), start in zip(groups, starts)]
+            parts.append(self._new_rows(groups, self._feed(feeds)))
         for part in parts[1:]:
             parts[0].extend(part)
         return parts[0]
@@ -487,20 +539,18 @@ class ContinuousBatcher:
         position = [len(group.prompt) for group, _ in groups for _ in group.rows]
         return _Working(slot, row, position, [0] * len(row), logits)
 
-    def _extend_cached(self, resumed: list[tuple[_Group, list[int], list[int]]]) -> Tensor:
-        """Feed each prompt's tokens past its cached blocks to its first slot, attending over the cached ones (as a
-        turn's observation is fed): the logits after each prompt's last token."""
-        bs = self.block_size
-        rest = [group.prompt[len(cached) * bs :] for group, _, cached in resumed]
-        starts = [len(cached) * bs for _, _, cached in resumed]
-        width = max(map(len, rest))
-        tokens = [r + [self.rollout.pad_token_id] * (width - len(r)) for r in rest]
-        positions = [[start + min(j, len(r) - 1) for j in range(width)] for start, r in zip(starts, rest)]
-        valid = [[int(j < len(r)) for j in range(width)] for r in rest]
+    def _feed(self, feeds: list[tuple[_Group, list[int], int, int]]) -> Tensor:
+        """Feed each ``(group, slots, start, end)``'s prompt tokens ``[start, end)`` to its first slot, as one chunk
+        attending over the positions before it (cached blocks, or earlier chunks): the logits ``(len(feeds) v)``
+        after each chunk's last token."""
+        chunks = [group.prompt[start:end] for group, _, start, end in feeds]
+        width = max(map(len, chunks))
+        tokens = [c + [self.rollout.pad_token_id] * (width - len(c)) for c in chunks]
+        positions = [[start + min(j, len(c) - 1) for j in range(width)] for (_, _, start, _), c in zip(feeds, chunks)]
+        valid = [[int(j < len(c)) for j in range(width)] for c in chunks]
         tokens, positions, valid = on_device([tokens, positions, valid], self.device)  # one copy
-        slots = on_device([slots[0] for _, slots, _ in resumed], self.device)
-        self.cached_tokens += sum(starts)
-        longest = max(len(group.prompt) for group, _, _ in resumed)
+        slots = on_device([slots[0] for _, slots, _, _ in feeds], self.device)
+        longest = max(end for _, _, _, end in feeds)
         return self.decoder.extend_paged(tokens, slots, positions, valid.bool(), longest)
 
     def _sample(self, work: _Working) -> tuple[Tensor, Tensor]:
@@ -535,6 +585,8 @@ class ContinuousBatcher:
             self.graphed_step.forget()
         if work.row:
             work.logits = self._refill(work)
+        for filling in self.filling:  # the chunks fed so far hold the old weights' keys and values
+            filling.fed = 0
 
     def _refill(self, work: _Working) -> Tensor:
         """Prefill each working row's prompt and tokens so far again, into its own blocks, under the weights the
