@@ -124,7 +124,9 @@ class NativeConfig:
     )
     #: continuous: rows decoded together; none: every row of a call, up to 1024
     max_slots: int | None = attrs.field(default=None, validator=_positive_setting)
-    prefill_tokens: int = attrs.field(default=4096, validator=_positive_setting)  #: prompt tokens one step prefills
+    #: continuous: the most prompt tokens one step computes; a longer prompt is fed in chunks of this many, one per
+    #: step, while the running rows go on decoding (chunked prefill)
+    prefill_tokens: int = attrs.field(default=4096, validator=_positive_setting)
     block_size: int = attrs.field(default=8, validator=_positive_setting)  #: continuous: tokens per KV-cache block
     #: continuous: the KV cache's size in GiB (a request that can never fit is refused, naming it); none: enough for
     #: max_slots rows at their longest

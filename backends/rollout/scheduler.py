@@ -79,7 +79,8 @@ class BatchingLimits:
 
     #: rows decoded together (each a slot); None: every row of the call, up to :data:`DEFAULT_MAX_SLOTS`
     max_slots: int | None = attrs.field(default=None, validator=_positive)
-    prefill_tokens: int = attrs.field(default=4096, validator=_positive)  #: prompt tokens one iteration prefills
+    #: the most prompt tokens one iteration computes (a longer prompt is fed in chunks of this many)
+    prefill_tokens: int = attrs.field(default=4096, validator=_positive)
     #: tokens per KV-cache block: a decode step gathers whole blocks, so the longest row's last block is padding; on
     #: a CPU 8 ran config B's decode faster than 16 or 4 (less padding, blocks still long enough to copy fast)
     block_size: int = attrs.field(default=8, validator=_positive)
