@@ -9,6 +9,10 @@ numbers (prompt ``i``'s sample ``j`` is row ``i*n+j``, as :func:`backends.rollou
 it samples the tokens a call of its own samples, whichever requests run beside it and whenever it joined; its
 log-probs agree to float rounding (a step of another batch size may round a product differently).
 
+With ``rollout.native.prefix_cache`` the stream keeps the full KV-cache blocks of its ended rows: an agent's next
+call, whose prompt is the conversation so far, computes only the tokens after the ones its last call wrote
+(:mod:`backends.rollout.paged_kv`, "Prefix cache").
+
 The stream samples under the weights the engine holds when it starts: whoever changes them (a weight push, the
 trainer's sync) lets the stream run out and ends it first (:class:`backends.rollout.server_batching.EngineBatcher`).
 """
