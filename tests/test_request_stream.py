@@ -19,6 +19,7 @@ import torch
 from backends.models import TinyModelConfig, load_tokenizer, write_tiny_model
 from backends.rollout import server_client
 from backends.rollout.native import BatchingLimits, SamplingConfig, build_native_rollout
+from backends.rollout.native_requests import stream_pool_blocks
 from backends.rollout.server import ServedPolicy, ThreadedServer, build_app
 from backends.rollout.server_weights import WeightStaging, expected_tensors
 from tests.test_native_engine import TINY
@@ -398,3 +399,18 @@ def test_no_block_leaks_over_many_calls_with_shared_prefixes(setup):
     assert stream.batcher.cached_tokens > 0
     _assert_blocks_back(stream.batcher.cache.pool)
     stream.end()
+
+
+def test_a_streams_cache_takes_at_most_half_the_free_device_memory(setup):
+    """Without rollout.native.kv_cache_gib a stream's pool holds every slot at the whole context, but on a device at
+    most half its free memory (a server's default context is the model's, which can be far longer than its calls);
+    a budget, when given, is the budget."""
+    path, tok, _ = setup
+    rollout = build_native_rollout(path, tok, batching_limits=BatchingLimits(block_size=4))
+    per_block = 2 * TINY["num_layers"] * TINY["num_kv_heads"] * 32 * 4 * 4
+    full = 8 * 96 // 4 + 1
+    assert stream_pool_blocks(rollout, 8, 96, None) == full  # on a CPU: no free-memory bound
+    assert stream_pool_blocks(rollout, 8, 96, 2 * 40 * per_block) == 40
+    assert stream_pool_blocks(rollout, 8, 96, 10**12) == full
+    budget = BatchingLimits(block_size=4, kv_cache_gib=30 * per_block / 2**30)
+    assert stream_pool_blocks(attrs.evolve(rollout, batching_limits=budget), 8, 96, 2 * 40 * per_block) == 30

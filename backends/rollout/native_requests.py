@@ -26,9 +26,26 @@ import torch
 
 from backends.rollout.common import EndedRequest, SamplingConfig, prepare_prompts
 from backends.rollout.row_random import seed_word
-from backends.rollout.scheduler import ContinuousBatcher
+from backends.rollout.scheduler import ContinuousBatcher, pool_blocks
 
-__all__ = ["NativeRequestStream"]
+__all__ = ["FREE_MEMORY_SHARE", "NativeRequestStream", "stream_pool_blocks"]
+
+#: without ``rollout.native.kv_cache_gib``, a stream's cache takes at most this share of the device's free memory
+FREE_MEMORY_SHARE = 0.5
+
+
+def stream_pool_blocks(rollout: Any, slots: int, max_len: int, free_bytes: int | None) -> int:
+    """The blocks of a stream's paged cache (null block included): ``rollout.native.kv_cache_gib`` worth if set;
+    else every slot at ``max_len`` positions, but at most :data:`FREE_MEMORY_SHARE` of ``free_bytes`` (the device's
+    free memory, None on a CPU). A call's cache is sized by its own rows; a stream's rows are not known when it
+    opens, and a server's context (the model's, by default) can be long enough that every slot at its longest would
+    not fit beside the weights."""
+    limits = rollout.batching_limits
+    blocks = pool_blocks(rollout, limits, slots, max_len)
+    if limits.kv_cache_gib is not None or free_bytes is None:
+        return blocks
+    share = attrs.evolve(limits, kv_cache_gib=FREE_MEMORY_SHARE * free_bytes / 2**30)
+    return max(2, min(blocks, pool_blocks(rollout, share, slots, max_len)))
 
 
 @attrs.define
@@ -46,6 +63,8 @@ class NativeRequestStream:
         if max_rows < 1:
             raise ValueError(f"a request stream needs at least one row, got max_rows={max_rows}")
         self.rollout, self.sampling = rollout, sampling
+        device = rollout.device
+        free_bytes = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         with torch.inference_mode():
             self.batcher = ContinuousBatcher(
                 rollout,
@@ -55,6 +74,7 @@ class NativeRequestStream:
                 rollout.batching_limits,
                 slots=max_rows,
                 max_len=rollout.max_context,
+                num_blocks=stream_pool_blocks(rollout, max_rows, rollout.max_context, free_bytes),
                 own_cache=True,  # the engine's other calls (an evaluation between two rounds of agents) keep theirs
                 prefix_cache=rollout.batching_limits.prefix_cache,
             )

@@ -220,7 +220,8 @@ def pool_blocks(rollout: Any, limits: BatchingLimits, slots: int, max_len: int) 
 class ContinuousBatcher:
     """A scheduler over one paged cache: its queued prompts, slots and outputs (see the module docstring).
 
-    Built with ``prompts`` (a call's: :meth:`run` samples them all), or with none and ``slots`` and ``max_len`` given,
+    Built with ``prompts`` (a call's: :meth:`run` samples them all), or with none and ``slots``, ``max_len`` and
+    perhaps ``num_blocks`` (the pool's, null block included; :func:`pool_blocks` else) given,
     as a batch that stays open (``own_cache``: its cache outlives the engine's other calls): :meth:`submit` queues a
     prompt's samples at any time, :meth:`step` runs one iteration and names the rows that ended in it, :meth:`pop`
     hands over and forgets their outputs.
@@ -238,6 +239,7 @@ class ContinuousBatcher:
         *,
         slots: int | None = None,
         max_len: int | None = None,
+        num_blocks: int | None = None,
         own_cache: bool = False,
         prefix_cache: bool = False,
     ) -> None:
@@ -258,7 +260,7 @@ class ContinuousBatcher:
             )
         self.max_len = max_len or max((len(p) + m for p, m in zip(prompts, max_new)), default=sampling.max_new_tokens)
         self.block_size = bs = limits.block_size
-        num_blocks = pool_blocks(rollout, limits, self.slots, self.max_len)
+        num_blocks = num_blocks or pool_blocks(rollout, limits, self.slots, self.max_len)
         for i, (prompt, m) in enumerate(zip(prompts, max_new)):  # before any memory is taken
             self._check_fits(i, len(prompt), n, m, num_blocks - 1)
         make_cache = functools.partial(
