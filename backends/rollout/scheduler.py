@@ -259,28 +259,13 @@ class ContinuousBatcher:
                 "together, so the slots must hold n rows at least"
             )
         self.max_len = max_len or max((len(p) + m for p, m in zip(prompts, max_new)), default=sampling.max_new_tokens)
-        self.block_size = bs = limits.block_size
+        self.block_size = limits.block_size
         num_blocks = num_blocks or pool_blocks(rollout, limits, self.slots, self.max_len)
         for i, (prompt, m) in enumerate(zip(prompts, max_new)):  # before any memory is taken
             self._check_fits(i, len(prompt), n, m, num_blocks - 1)
-        make_cache = functools.partial(
-            PagedKVCache.allocate, slots=self.slots, max_len=self.max_len, num_blocks=num_blocks, block_size=bs
-        )
         # caches of their own where other calls may run on the engine while this batch lives: partial rollouts (the
         # caller may generate, an evaluation, at a boundary) and a batch left open (``own_cache``)
-        self.decoder = Decoder(
-            rollout.model,
-            self.slots,
-            self.max_len,
-            rollout.prepack_cpu_weights,
-            rollout.workspace,
-            make_cache=make_cache,
-            own_cache=own_cache or updates is not None,
-        )
-        self.cache: PagedKVCache = self.decoder.cache
-        self.cache.reset()
-        graphed = device.type == "cuda" and limits.cuda_graphs
-        self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, self.max_len) if graphed else None
+        self._open_cache(limits, num_blocks, own_cache=own_cache or updates is not None)
         #: queue each decode step before reading the tokens sampled before it (on CUDA, where the device runs
         #: behind the host): the rows that just sampled their EOS step once more, for nothing, and in exchange the
         #: device never waits for the host's bookkeeping between two steps
@@ -308,6 +293,31 @@ class ContinuousBatcher:
         self.last_boundary = 0  #: the iteration count of the last chunk boundary (an iteration may only fill)
         for i, (prompt, m) in enumerate(zip(prompts, max_new)):
             self.submit(prompt, m, _call_keys(seed, range(i * n, i * n + n)), index=i)
+
+    def _open_cache(self, limits: BatchingLimits, num_blocks: int, *, own_cache: bool) -> None:
+        """The decoder over a paged cache of ``num_blocks`` blocks (the null block included) and, on CUDA, its
+        decode step replayed from CUDA graphs."""
+        make_cache = functools.partial(
+            PagedKVCache.allocate,
+            slots=self.slots,
+            max_len=self.max_len,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+        )
+        rollout = self.rollout
+        self.decoder = Decoder(
+            rollout.model,
+            self.slots,
+            self.max_len,
+            rollout.prepack_cpu_weights,
+            rollout.workspace,
+            make_cache=make_cache,
+            own_cache=own_cache,
+        )
+        self.cache: PagedKVCache = self.decoder.cache
+        self.cache.reset()
+        graphed = self.device.type == "cuda" and limits.cuda_graphs
+        self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, self.max_len) if graphed else None
 
     @property
     def busy(self) -> bool:
