@@ -507,8 +507,10 @@ def test_update_peak_of_the_logits_chunked_and_whole(with_entropy):
     )
     shape = ModelShape.from_hf_config(cfg)
     whole, chunked = call_in_child(_update_peak, None, with_entropy), call_in_child(_update_peak, 64, with_entropy)
-    # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6
-    assert chunked < (0.55 if with_entropy else 0.7) * whole
+    # fp32: the whole path holds 8 / 4 copies, the chunked 4 / 2.6. Without entropy the chunked peak measured
+    # 0.63-0.70 of the whole's over runs of one machine (how much of the freed chunks' memory the allocator
+    # reuses varies), so the bound asks for at least a whole copy of the logits less, not the exact 1.4.
+    assert chunked < (0.55 if with_entropy else 0.75) * whole
     for rows, peak in ((None, whole), (64, chunked)):
         est = estimate(
             shape,
