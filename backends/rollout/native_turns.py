@@ -34,18 +34,16 @@ float rounding only: a token differs only where a uniform falls within that roun
 from __future__ import annotations
 
 import collections
-import functools
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from backends.rollout.common import EndedTurn, HostCopy, SamplingConfig, left_pad, on_device, sample_tokens
-from backends.rollout.decode_graphs import GraphedDecodeStep
 from backends.rollout.decoder import Decoder
 from backends.rollout.native_session import session_prompts
-from backends.rollout.paged_kv import PagedKVCache, blocks_for_request
-from backends.rollout.scheduler import DEFAULT_MAX_SLOTS, BatchingLimits, pool_blocks
+from backends.rollout.paged_kv import blocks_for_request
+from backends.rollout.scheduler import DEFAULT_MAX_SLOTS, BatchingLimits, paged_decoder, pool_blocks
 
 __all__ = ["NativeTurnStream"]
 
@@ -89,22 +87,10 @@ class NativeTurnStream:
                     f"whole cache holds ({max(num_blocks - 1, 0)} blocks): raise rollout.native.kv_cache_gib, or "
                     "lower rollout.n or rollout.multi_turn.max_total_tokens"
                 )
-        make_cache = functools.partial(
-            PagedKVCache.allocate, slots=slots, max_len=max_len, num_blocks=num_blocks, block_size=bs
+        decoder, self.cache, self.graphed_step = paged_decoder(
+            rollout, limits, slots, max_len, num_blocks, own_cache=True
         )
-        self.decoder: Decoder | None = Decoder(
-            rollout.model,
-            slots,
-            max_len,
-            rollout.prepack_cpu_weights,
-            rollout.workspace,
-            make_cache=make_cache,
-            own_cache=True,
-        )
-        self.cache: PagedKVCache = self.decoder.cache
-        self.cache.reset()
-        graphed = self.device.type == "cuda" and limits.cuda_graphs
-        self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, max_len) if graphed else None
+        self.decoder: Decoder | None = decoder
         #: queue each decode step before reading the tokens it feeds (see the module docstring)
         self.overlap = self.device.type == "cuda" and limits.overlap_steps
         generator = torch.Generator(device=self.device)

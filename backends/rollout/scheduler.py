@@ -65,7 +65,14 @@ from backends.rollout.decoder import Decoder
 from backends.rollout.paged_kv import PagedKVCache, blocks_for_request, pool_blocks_for_budget, request_too_large
 from backends.rollout.row_random import RowKeys, keyed_uniforms, seed_word
 
-__all__ = ["BatchingLimits", "ContinuousBatcher", "WeightUpdates", "generate_continuous", "pool_blocks"]
+__all__ = [
+    "BatchingLimits",
+    "ContinuousBatcher",
+    "WeightUpdates",
+    "generate_continuous",
+    "paged_decoder",
+    "pool_blocks",
+]
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -217,6 +224,31 @@ def pool_blocks(rollout: Any, limits: BatchingLimits, slots: int, max_len: int) 
     )
 
 
+def paged_decoder(
+    rollout: Any, limits: BatchingLimits, slots: int, max_len: int, num_blocks: int, *, own_cache: bool
+) -> tuple[Decoder, PagedKVCache, GraphedDecodeStep | None]:
+    """A decoder of ``rollout``'s model over an empty paged cache of ``num_blocks`` blocks (the null block
+    included) for ``slots`` rows of at most ``max_len`` positions, and, on CUDA with ``limits.cuda_graphs``, its
+    decode step replayed from CUDA graphs (None else). ``own_cache``: the cache is this decoder's alone, not the
+    engine's shared one, so it outlives the engine's other calls."""
+    make_cache = functools.partial(
+        PagedKVCache.allocate, slots=slots, max_len=max_len, num_blocks=num_blocks, block_size=limits.block_size
+    )
+    decoder = Decoder(
+        rollout.model,
+        slots,
+        max_len,
+        rollout.prepack_cpu_weights,
+        rollout.workspace,
+        make_cache=make_cache,
+        own_cache=own_cache,
+    )
+    cache: PagedKVCache = decoder.cache
+    cache.reset()
+    graphed = rollout.device.type == "cuda" and limits.cuda_graphs
+    return decoder, cache, GraphedDecodeStep(decoder, cache, max_len) if graphed else None
+
+
 class ContinuousBatcher:
     """A scheduler over one paged cache: its queued prompts, slots and outputs (see the module docstring).
 
@@ -265,7 +297,9 @@ class ContinuousBatcher:
             self._check_fits(i, len(prompt), n, m, num_blocks - 1)
         # caches of their own where other calls may run on the engine while this batch lives: partial rollouts (the
         # caller may generate, an evaluation, at a boundary) and a batch left open (``own_cache``)
-        self._open_cache(limits, num_blocks, own_cache=own_cache or updates is not None)
+        self.decoder, self.cache, self.graphed_step = paged_decoder(
+            rollout, limits, self.slots, self.max_len, num_blocks, own_cache=own_cache or updates is not None
+        )
         #: queue each decode step before reading the tokens sampled before it (on CUDA, where the device runs
         #: behind the host): the rows that just sampled their EOS step once more, for nothing, and in exchange the
         #: device never waits for the host's bookkeeping between two steps
@@ -282,7 +316,6 @@ class ContinuousBatcher:
         self.start_version = self.version
         self.weight_loads = 0  #: boundaries at which new weights were taken
         self.refilled_tokens = 0  #: tokens whose keys and values were computed again under new weights
-        self.steps = 0  #: the most tokens any row has sampled
         self.iterations = 0
         self.peak_blocks = 0  #: the most blocks held at once
         self.peak_rows = 0  #: the most rows decoded together
@@ -293,31 +326,6 @@ class ContinuousBatcher:
         self.last_boundary = 0  #: the iteration count of the last chunk boundary (an iteration may only fill)
         for i, (prompt, m) in enumerate(zip(prompts, max_new)):
             self.submit(prompt, m, _call_keys(seed, range(i * n, i * n + n)), index=i)
-
-    def _open_cache(self, limits: BatchingLimits, num_blocks: int, *, own_cache: bool) -> None:
-        """The decoder over a paged cache of ``num_blocks`` blocks (the null block included) and, on CUDA, its
-        decode step replayed from CUDA graphs."""
-        make_cache = functools.partial(
-            PagedKVCache.allocate,
-            slots=self.slots,
-            max_len=self.max_len,
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-        )
-        rollout = self.rollout
-        self.decoder = Decoder(
-            rollout.model,
-            self.slots,
-            self.max_len,
-            rollout.prepack_cpu_weights,
-            rollout.workspace,
-            make_cache=make_cache,
-            own_cache=own_cache,
-        )
-        self.cache: PagedKVCache = self.decoder.cache
-        self.cache.reset()
-        graphed = self.device.type == "cuda" and limits.cuda_graphs
-        self.graphed_step = GraphedDecodeStep(self.decoder, self.cache, self.max_len) if graphed else None
 
     @property
     def busy(self) -> bool:
@@ -408,10 +416,10 @@ class ContinuousBatcher:
         self.iterations += 1
         self.peak_blocks = max(self.peak_blocks, self.cache.pool.usable - len(self.cache.pool.free))
         self.peak_rows = max(self.peak_rows, len(work.row))
-        token, logprob = self._sample(work)
+        samples = [self.rows[r] for r in work.row]
+        token, logprob = self._sample(work, samples)
         sampled, scores = HostCopy(token), HostCopy(logprob)
-        limit = [self.rows[r].limit for r in work.row]
-        below_limit = [i for i, (d, m) in enumerate(zip(work.drawn, limit)) if d < m]
+        below_limit = [i for i, (d, s) in enumerate(zip(work.drawn, samples)) if d < s.limit]
         if self.overlap:
             # the next step is queued before this step's tokens reach the host: a row that sampled its EOS
             # steps once more (its logits are dropped), and the device does not wait for the bookkeeping
@@ -425,16 +433,13 @@ class ContinuousBatcher:
             running = [i for i in below_limit if tokens[i] not in self.eos]
             ended = sorted(set(range(len(tokens))) - set(running))
             stepped = None
-        for r, t, lp in zip(work.row, tokens, scores.values()):
-            sample = self.rows[r]
+        for sample, t, lp in zip(samples, tokens, scores.values()):
             sample.tokens.append(t)
             sample.logprobs.append(lp)
             sample.versions.append(self.version)
-        self.steps = max(self.steps, max(work.drawn))
         if self.prefix_cache:
             for i in ended:
-                sample = self.rows[work.row[i]]
-                self.cache.remember(work.slot[i], sample.prompt + sample.tokens, work.position[i])
+                self.cache.remember(work.slot[i], samples[i].prompt + samples[i].tokens, work.position[i])
         self._release(work, ended)
         self.work = stepped if stepped is not None else self._step(work, token, running)
         return [work.row[i] for i in ended]
@@ -566,11 +571,10 @@ class ContinuousBatcher:
         longest = max(end for _, _, _, end in feeds)
         return self.decoder.extend_paged(tokens, slots, positions, valid.bool(), longest)
 
-    def _sample(self, work: _Working) -> tuple[Tensor, Tensor]:
-        """One token per working row and its log-prob; counts it in ``work.drawn``."""
+    def _sample(self, work: _Working, samples: list[_Row]) -> tuple[Tensor, Tensor]:
+        """One token per working row (whose samples are ``samples``) and its log-prob; counts it in ``work.drawn``."""
         uniform = None
         if self.sampling.temperature > 0.0:
-            samples = [self.rows[r] for r in work.row]
             words, rows, drawn = on_device(  # one copy
                 [[s.key_word for s in samples], [s.key_row for s in samples], work.drawn], self.device
             )
