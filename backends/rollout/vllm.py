@@ -3,7 +3,8 @@
 Same interface and the same :class:`rlfunc.RolloutBatch` out as :mod:`backends.rollout.native`:
 ``build_vllm_rollout(path) -> VLLMRollout``, ``generate(rollout, prompts, sampling, seed=)``,
 ``sync_weights(rollout, named_tensors)``, ``decode_responses``. Multi-turn sessions over the same engine (each turn
-re-submits a row's token history, which vLLM's prefix cache mostly holds) are in :mod:`backends.rollout.vllm_session`.
+re-submits a row's token history, which vLLM's prefix cache mostly holds) are in :mod:`backends.rollout.vllm_session`;
+a rollout server's calls join the engine's running batch through :mod:`backends.rollout.vllm_stream`.
 
 One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint()`` works):
 
@@ -96,12 +97,14 @@ from backends.rollout.vllm_requests import (
     as_sampling_config,
     build_requests,
     gather_tp_inputs,
+    response_rows,
     run_requests,
     to_sampling_params,
     wake_up,
 )
 from backends.rollout.vllm_session import VLLMSession, start_session
 from backends.rollout.vllm_sleep import SleepState, sleep_engine
+from backends.rollout.vllm_stream import VLLMRequestStream
 from backends.rollout.weight_sync import bucketed_weights, staged_weights, streamed_weights
 from rlfunc.batch import RolloutBatch
 
@@ -223,6 +226,15 @@ class VLLMRollout:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
     ) -> VLLMSession:
         return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
+
+    def start_request_stream(self, sampling: SamplingConfig, *, max_rows: int) -> VLLMRequestStream | None:
+        """A :class:`~backends.rollout.engine.RequestStream` under ``sampling``'s options
+        (:mod:`backends.rollout.vllm_stream`): vLLM's scheduler bounds its running batch itself (``max_num_seqs``,
+        the KV cache), so ``max_rows`` bounds nothing here. None for a tensor-parallel engine, whose ranks must
+        submit each call together."""
+        if self.tp_group is not None:
+            return None
+        return VLLMRequestStream(self, sampling_options(sampling))
 
     def sync_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, strict: bool = True) -> VLLMRollout:
         return sync_weights(self, named_tensors, strict=strict)
@@ -546,24 +558,11 @@ def generate(
         start = sum(len(p) for p in all_prompts[:me])
         outputs = outputs[start : start + len(prompts)]
 
-    num_prompts, n = len(prompts), sampling.n
-    copies = n if sampling.temperature == 0.0 else 1  # greedy: one request per prompt, copied n times
-    rows = [sorted(out.outputs, key=lambda c: c.index) * copies for out in outputs]
-    responses = [c for row in rows for c in row]
-    t = max(len(c.token_ids) for c in responses)
-    b = num_prompts * n
-    response_ids = torch.full((b, t), rollout.pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((b, t), dtype=torch.bool)
-    rollout_logprobs = torch.zeros((b, t), dtype=torch.float32)
-    for i, c in enumerate(responses):
-        ids = list(c.token_ids)
-        response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        response_mask[i, : len(ids)] = True
-        rollout_logprobs[i, : len(ids)] = torch.tensor([lp[tok].logprob for lp, tok in zip(c.logprobs, ids)])
-
+    greedy = sampling.temperature == 0.0  # one request per prompt, copied n times
+    response_ids, response_mask, rollout_logprobs = response_rows(outputs, sampling.n, greedy, rollout.pad_token_id)
     prompt_ids, prompt_mask = left_pad(prompts, rollout.pad_token_id)
     return assemble_batch(
-        prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=n, group_ids=group_ids
+        prompt_ids, prompt_mask, response_ids, response_mask, rollout_logprobs, n=sampling.n, group_ids=group_ids
     )
 
 

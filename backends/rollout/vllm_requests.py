@@ -1,9 +1,9 @@
 """The requests a vLLM engine runs: sampling options as ``vllm.SamplingParams``, one seeded request per prompt,
-a tensor-parallel group's inputs gathered, and ``llm.generate`` on an awake engine.
+a tensor-parallel group's inputs gathered, ``llm.generate`` on an awake engine, and its outputs as rows.
 
-Shared by :mod:`backends.rollout.vllm` (``generate``, ``score_logprobs``) and :mod:`backends.rollout.vllm_session`
-(multi-turn turns); they take the engine's state (:class:`backends.rollout.vllm.VLLMRollout`) as it is, so this
-module sits below both.
+Shared by :mod:`backends.rollout.vllm` (``generate``, ``score_logprobs``), :mod:`backends.rollout.vllm_session`
+(multi-turn turns) and :mod:`backends.rollout.vllm_stream` (a server's requests joining a running batch); they take
+the engine's state (:class:`backends.rollout.vllm.VLLMRollout`) as it is, so this module sits below them all.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 import torch
+from torch import Tensor
 
 from backends.rollout.common import SamplingConfig
 from backends.rollout.row_random import RowKeys
@@ -24,6 +25,8 @@ __all__ = [
     "build_requests",
     "gather_tp_inputs",
     "prompt_seed",
+    "ready_to_sample",
+    "response_rows",
     "run_requests",
     "to_sampling_params",
     "wake_up",
@@ -160,9 +163,9 @@ def build_requests(
     return [{"prompt_token_ids": p} for p in prompts], params
 
 
-def run_requests(rollout: Any, requests: list, params: list) -> list:
-    """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
-    engine is awake; refused while a level-2 sleep has dropped the weights."""
+def ready_to_sample(rollout: Any) -> None:
+    """Refuse to sample after a weight sync that failed part-way or while a level-2 sleep has dropped the weights;
+    else wake what still sleeps (the KV cache after a sync, both pools after a sleep with no sync)."""
     if rollout.sync_failure:
         raise RuntimeError(
             f"the vLLM engine's last weight sync failed part-way ({rollout.sync_failure[0]}): "
@@ -173,5 +176,30 @@ def run_requests(rollout: Any, requests: list, params: list) -> list:
             "the vLLM engine's weights were dropped by a level-2 sleep (release_memory) and not "
             "loaded since: call sync_weights before generating"
         )
-    wake_up(rollout)  # what still sleeps: the KV cache after a sync, both pools after a sleep with no sync
+    wake_up(rollout)
+
+
+def run_requests(rollout: Any, requests: list, params: list) -> list:
+    """``llm.generate`` of ``requests`` (``{"prompt_token_ids": ...}``) with their ``SamplingParams``, once the
+    engine is ready (:func:`ready_to_sample`)."""
+    ready_to_sample(rollout)
     return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)
+
+
+def response_rows(outputs: Sequence[Any], n: int, greedy: bool, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The rows of ``outputs`` (``RequestOutput``s, one per prompt, from :func:`build_requests`' requests) as
+    ``generate`` orders them, ``(rows t)`` right-padded to the longest: sampled tokens, the mask of each row's own
+    tokens, and their fp32 raw log-probs (0 where masked). ``greedy``: each request sampled one row, copied ``n``
+    times."""
+    copies = n if greedy else 1
+    responses = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index) * copies]
+    t = max(len(c.token_ids) for c in responses)
+    response_ids = torch.full((len(responses), t), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(responses), t), dtype=torch.bool)
+    logprobs = torch.zeros((len(responses), t), dtype=torch.float32)
+    for i, c in enumerate(responses):
+        ids = list(c.token_ids)
+        response_ids[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, : len(ids)] = True
+        logprobs[i, : len(ids)] = torch.tensor([lp[tok].logprob for lp, tok in zip(c.logprobs, ids)])
+    return response_ids, response_mask, logprobs
