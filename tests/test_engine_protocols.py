@@ -43,8 +43,8 @@ HOMES = {
 ENGINE_CLASSES = {
     "fsdp": {"FSDPEngine", "TrainState"},
     "megatron": {"MegatronEngine", "MegatronState"},
-    "native": {"NativeRollout", "NativeSession"},
-    "vllm": {"VLLMRollout", "VLLMSession"},
+    "native": {"NativeRollout", "NativeSession", "NativeTurnStream", "NativeRequestStream"},
+    "vllm": {"VLLMRollout", "VLLMSession", "VLLMTurnStream", "VLLMRequestStream"},
 }
 
 
@@ -144,6 +144,44 @@ def _rollout_config(name: str):
         return RolloutConfig(engine=name)
     except ValueError as e:
         pytest.skip(f"rollout.engine={name} is refused here: {e}")
+
+
+@pytest.mark.parametrize(
+    "protocol,module,name",
+    [
+        ("TurnStream", "backends.rollout.native_turns", "NativeTurnStream"),
+        ("TurnStream", "backends.rollout.vllm_turns", "VLLMTurnStream"),
+        ("RequestStream", "backends.rollout.native_requests", "NativeRequestStream"),
+        ("RequestStream", "backends.rollout.vllm_stream", "VLLMRequestStream"),
+    ],
+)
+def test_every_engine_stream_implements_its_protocol(protocol, module, name):
+    """The optional abilities the agent loop and a rollout server look for (start_turn_stream,
+    start_request_stream): each engine's stream has the protocol's methods and properties."""
+    import importlib
+
+    from backends.rollout import engine as protocols
+
+    wanted, cls = getattr(protocols, protocol), getattr(importlib.import_module(module), name)
+    assert not _signature_problems(wanted, cls)
+    properties = [k for k, v in vars(wanted).items() if isinstance(v, property)]
+    assert properties and all(hasattr(cls, k) or k in _instance_attributes(cls) for k in properties), properties
+
+
+def _instance_attributes(cls: type) -> set[str]:
+    """The attributes ``cls.__init__`` assigns on ``self`` (a property of a protocol may be a plain attribute)."""
+    import ast
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.__init__)))
+    return {
+        t.attr
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        for t in (t.elts if isinstance(t, ast.Tuple) else [t])
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
 
 
 def test_the_signature_check_finds_a_wrong_method():

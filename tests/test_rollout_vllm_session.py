@@ -435,3 +435,106 @@ def test_agent_loop_on_vllm_is_token_in_token_out(setup):
         recorded = batch.rollout_logprobs[r][batch.response_mask[r]]
         worst = max(worst, float((torch.tensor(reference) - recorded).abs()[own].max()))
     assert worst < 1e-5, worst
+
+
+# --------------------------------------------------------------------------------------------------
+# The turn stream: rows continued as soon as their environment answered (backends.rollout.vllm_turns)
+
+
+def _episodes(rollout, tok, make, *, seed=5, max_new_tokens=10, workers=8):
+    from backends.data import Example
+    from backends.rollout.agent_loop import run_episodes
+    from backends.rollout.environments import MultiTurnConfig
+
+    examples = [
+        Example(prompt_ids=tuple(p), ground_truth=None, source="s", columns={}, where=f"row {i}")
+        for i, p in enumerate(prompts_of(tok))
+    ]
+    cfg = MultiTurnConfig(max_turns=3, max_total_tokens=200, call_timeout_s=20.0, workers=workers)
+    sampling = SamplingConfig(n=2, max_new_tokens=max_new_tokens)
+    return run_episodes(rollout, examples, tok, sampling, cfg, make, seed=seed)
+
+
+@pytest.mark.parametrize("seed,max_new_tokens", [(5, 10), (7, 40)])
+def test_streamed_trajectories_on_vllm_are_the_turn_by_turn_ones(setup, monkeypatch, seed, max_new_tokens):
+    """The agent loop through the turn stream and through the turn-by-turn session (the stream turned off): the same
+    seed gives the same tokens, masks, turns and rewards (a row's k-th turn has the session's seed for it)."""
+    from backends.rollout.vllm import VLLMRollout
+    from tests.test_multiturn import ScriptedEnv
+
+    _, tok, rollout = setup
+    streamed = _episodes(rollout, tok, lambda e: ScriptedEnv(), seed=seed, max_new_tokens=max_new_tokens)
+    monkeypatch.setattr(VLLMRollout, "start_turn_stream", lambda self, *a, **k: None)
+    turn_by_turn = _episodes(rollout, tok, lambda e: ScriptedEnv(), seed=seed, max_new_tokens=max_new_tokens)
+    a, b = streamed.batch, turn_by_turn.batch
+    for name in ("response_ids", "response_mask", "loss_mask", "turn_ids", "token_rewards", "prompt_ids"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    torch.testing.assert_close(a.rollout_logprobs, b.rollout_logprobs, rtol=0, atol=1e-5)
+    assert streamed.turns == turn_by_turn.turns and streamed.finished == turn_by_turn.finished
+    assert max(streamed.turns) > 1 and not rollout.llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_vllm_row_continues_while_another_waits_for_its_environment(setup):
+    """The first environment called answers only once another row's environment has read that row's second turn:
+    that row sampled a whole turn on the vLLM engine while the first one waited (the turn-by-turn session would wait
+    for the first answer before any second turn, and time out here)."""
+    import threading
+
+    from tests.test_multiturn import ScriptedEnv
+
+    _, tok, rollout = setup
+    released, lock, waiting = threading.Event(), threading.Lock(), []
+
+    @attrs.define
+    class HandOff(ScriptedEnv):
+        def step(self, response):
+            with lock:
+                first = not waiting
+                if first:
+                    waiting.append(self)
+            if first:
+                assert released.wait(15), "no other row reached its second turn while the first one waited"
+            elif len(self.seen) == 1:
+                released.set()  # this row's second turn ended: it continued without the first one
+            return super().step(response)
+
+    envs = []
+
+    def make(example):
+        envs.append(HandOff())
+        return envs[-1]
+
+    _episodes(rollout, tok, make, seed=7, max_new_tokens=40)  # four rows whose environments answer twice or more
+    assert released.is_set() and len(waiting[0].seen) >= 1
+    assert max(len(env.seen) for env in envs if env is not waiting[0]) >= 2
+
+
+def test_vllm_turn_stream_resume_close_and_end(setup):
+    """Refusals name the row and the limit; ending the stream aborts the turns still running, so the engine's next
+    call finds none of them."""
+    _, tok, rollout = setup
+    stream = rollout.start_turn_stream(prompts_of(tok), SamplingConfig(n=1), seed=0, max_slots=8)
+    try:
+        with pytest.raises(ValueError, match=r"row 3 is outside \[0, 3\)"):
+            stream.resume(3, [], 2)
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+            stream.resume(0, [], 0)
+        with pytest.raises(ValueError, match="forced tokens are outside"):
+            stream.resume(0, [10**6], 2)
+        with pytest.raises(ValueError, match="would exceed max_slots=8"):
+            stream.resume(0, [5] * 4, 5)
+        stream.resume(0, [], 2)
+        with pytest.raises(ValueError, match="row 0 is still in its turn"):
+            stream.resume(0, [], 2)
+        with pytest.raises(ValueError, match="row 0 is still in its turn"):
+            stream.close(0)
+        stream.resume(1, [], 6)
+        ended = []
+        while not ended:
+            ended = stream.step()
+        assert {t.row for t in ended} <= {0, 1}
+    finally:
+        stream.end()
+    assert not rollout.llm.llm_engine.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="has ended"):
+        stream.resume(2, [], 2)

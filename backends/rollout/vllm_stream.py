@@ -30,7 +30,7 @@ from typing import Any, Hashable, Sequence
 import attrs
 
 from backends.rollout.common import EndedRequest, SamplingConfig, prepare_prompts
-from backends.rollout.vllm_requests import build_requests, ready_to_sample, response_rows
+from backends.rollout.vllm_requests import add_final_only, build_requests, ready_to_sample, response_rows
 
 __all__ = ["VLLMRequestStream"]
 
@@ -74,8 +74,6 @@ class VLLMRequestStream:
         """Queue ``n`` samples of each of ``prompts``, each of at most ``max_new_tokens`` tokens, seeded by ``seed``;
         :meth:`step` returns them under ``key``. Refuses (``ValueError``, nothing queued) bad prompts: longer than
         the engine's context, tokens outside its vocabulary."""
-        from vllm.sampling_params import RequestOutputKind
-
         if key in self._open:
             raise ValueError(f"request {key!r} is already in the stream")
         rollout = self.rollout
@@ -83,16 +81,7 @@ class VLLMRequestStream:
         prompts = prepare_prompts(prompts, sampling, max_context=rollout.max_context, vocab_size=rollout.vocab_size)
         requests, params = build_requests(prompts, sampling, rollout.eos_token_ids, seed)
         ids = [f"{self.name}-{next(self._ids)}" for _ in requests]
-        added: list[str] = []
-        try:
-            for request_id, request, p in zip(ids, requests, params):
-                p.output_kind = RequestOutputKind.FINAL_ONLY  # one output per request, once its samples have ended
-                self.engine.add_request(request_id, request, p, lora_request=rollout.lora_request)
-                added.append(request_id)
-        except BaseException:
-            if added:  # as vLLM's own LLM does when adding a batch fails part-way
-                self.engine.abort_request(added, internal=False)
-            raise
+        add_final_only(rollout, ids, [r["prompt_token_ids"] for r in requests], params)
         self._open[key] = _Open(sampling, ids)
         self._prompt_of.update((request_id, (key, i)) for i, request_id in enumerate(ids))
 
