@@ -9,7 +9,7 @@ the engine's state (:class:`backends.rollout.vllm.VLLMRollout`) as it is, so thi
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping, Sequence
+from typing import Any, Container, Mapping, Sequence
 
 import attrs
 import torch
@@ -22,6 +22,7 @@ from backends.rollout.vllm_sleep import SLEEP_POOLS, wake_pools
 __all__ = [
     "VLLMSamplingConfig",
     "add_final_only",
+    "finished_outputs",
     "as_sampling_config",
     "build_requests",
     "gather_tp_inputs",
@@ -206,6 +207,26 @@ def add_final_only(
         if added:
             engine.abort_request(added, internal=False)  # by the ids given: every sample of each request
         raise
+
+
+def finished_outputs(engine: Any, ours: Container[str], open_count: int, what: str) -> list[Any]:
+    """One ``LLMEngine.step`` of a caller that adds requests to the engine itself (:func:`add_final_only`): the outputs
+    of the requests it finished, each one of ``ours`` (the caller's open request ids; ``open_count`` of them, its
+    ``what``). Raises where waiting would never end (the engine holds none of them) or another caller's request
+    finished (something else used the engine meanwhile)."""
+    if open_count and not engine.has_unfinished_requests():
+        raise RuntimeError(
+            f"the vLLM engine holds none of the stream's {open_count} {what} (aborted outside the stream?): they "
+            "would never end"
+        )
+    finished = [output for output in engine.step() if output.finished]
+    for output in finished:
+        if output.request_id not in ours:
+            raise RuntimeError(
+                f"the vLLM engine finished request {output.request_id!r}, which is not the stream's: something else "
+                "added requests to the engine while the stream held it"
+            )
+    return finished
 
 
 def response_rows(outputs: Sequence[Any], n: int, greedy: bool, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:

@@ -30,7 +30,13 @@ from typing import Any, Hashable, Sequence
 import attrs
 
 from backends.rollout.common import EndedRequest, SamplingConfig, prepare_prompts
-from backends.rollout.vllm_requests import add_final_only, build_requests, ready_to_sample, response_rows
+from backends.rollout.vllm_requests import (
+    add_final_only,
+    build_requests,
+    finished_outputs,
+    ready_to_sample,
+    response_rows,
+)
 
 __all__ = ["VLLMRequestStream"]
 
@@ -88,20 +94,8 @@ class VLLMRequestStream:
     def step(self) -> list[EndedRequest]:
         """One engine iteration: the requests whose every row ended in it, their rows in the order of a call of their
         own (prompt by prompt, a prompt's samples together)."""
-        if self._open and not self.engine.has_unfinished_requests():
-            raise RuntimeError(
-                f"the vLLM engine holds none of the stream's {len(self._open)} open requests (aborted outside the "
-                "stream?): they would never end"
-            )
         ended = []
-        for output in self.engine.step():
-            if not output.finished:
-                continue
-            if output.request_id not in self._prompt_of:
-                raise RuntimeError(
-                    f"the vLLM engine finished request {output.request_id!r}, which is not the stream's: something "
-                    "else added requests to the engine while the stream held it"
-                )
+        for output in finished_outputs(self.engine, self._prompt_of, len(self._open), "open requests"):
             key, index = self._prompt_of.pop(output.request_id)
             self.cached_tokens += output.num_cached_tokens or 0
             request = self._open[key]

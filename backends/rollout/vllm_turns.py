@@ -26,7 +26,7 @@ from typing import Any, Sequence
 import attrs
 
 from backends.rollout.common import EndedTurn, SamplingConfig
-from backends.rollout.vllm_requests import add_final_only, ready_to_sample, to_sampling_params
+from backends.rollout.vllm_requests import add_final_only, finished_outputs, ready_to_sample, to_sampling_params
 from backends.rollout.vllm_session import start_session, turn_seed
 
 __all__ = ["VLLMTurnStream"]
@@ -106,20 +106,8 @@ class VLLMTurnStream:
 
     def step(self) -> list[EndedTurn]:
         """One engine iteration over the rows in their turns: the turns that ended in it."""
-        if self.running and not self.engine.has_unfinished_requests():
-            raise RuntimeError(
-                f"the vLLM engine holds none of the stream's {len(self.running)} running turns (aborted outside the "
-                "stream?): they would never end"
-            )
         ended = []
-        for output in self.engine.step():
-            if not output.finished:
-                continue
-            if output.request_id not in self.row_of:
-                raise RuntimeError(
-                    f"the vLLM engine finished request {output.request_id!r}, which is not the stream's: something "
-                    "else added requests to the engine while the stream held it"
-                )
+        for output in finished_outputs(self.engine, self.row_of, len(self.running), "running turns"):
             row = self.row_of.pop(output.request_id)
             forced = self.running.pop(row).forced
             completion = output.outputs[0]
