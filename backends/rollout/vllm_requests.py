@@ -2,8 +2,9 @@
 a tensor-parallel group's inputs gathered, ``llm.generate`` on an awake engine, and its outputs as rows.
 
 Shared by :mod:`backends.rollout.vllm` (``generate``, ``score_logprobs``), :mod:`backends.rollout.vllm_session`
-(multi-turn turns) and :mod:`backends.rollout.vllm_stream` (a server's requests joining a running batch); they take
-the engine's state (:class:`backends.rollout.vllm.VLLMRollout`) as it is, so this module sits below them all.
+(multi-turn turns), :mod:`backends.rollout.vllm_turns` (turns joining a running batch) and
+:mod:`backends.rollout.vllm_stream` (a server's requests joining a running batch); they take the engine's state
+(:class:`backends.rollout.vllm.VLLMRollout`) as it is, so this module sits below them all.
 """
 
 from __future__ import annotations
