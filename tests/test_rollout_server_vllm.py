@@ -108,6 +108,7 @@ def test_concurrent_calls_run_in_one_vllm_request_stream_and_sample_what_they_wo
     for thread in threads:
         thread.join(120)
     after = _stats(url, token)
+    assert sorted(replies) == list(range(len(caps)))  # every call was answered
     assert after["engine/requests"] - before["engine/requests"] == len(caps)
     assert after["engine/calls"] == before["engine/calls"] and after["engine/streams"] > before["engine/streams"]
     for i, reply in replies.items():
