@@ -8,7 +8,7 @@ can switch engines without seeing a difference in what it gets back.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
@@ -21,6 +21,7 @@ __all__ = [
     "TurnOutput",
     "EndedTurn",
     "EndedRequest",
+    "checked_turn",
     "default_eos_token_ids",
     "prepare_prompts",
     "check_group_ids",
@@ -90,6 +91,41 @@ class EndedTurn:
     logprobs: list[float]  #: raw log-probs of the sampled tokens; 0.0 for forced ones
     sampled: list[bool]  #: True for sampled (model) tokens
     finished: bool  #: the turn ended with an EOS token (False: its token limit cut it)
+
+
+def checked_turn(
+    who: str,
+    row: int,
+    forced: Sequence[int],
+    max_new_tokens: int,
+    *,
+    closed: Sequence[bool],
+    in_turn: Callable[[int], bool],
+    added: Callable[[int], int],
+    vocab_size: int,
+    max_slots: int,
+) -> list[int]:
+    """``forced`` as token ids, once a :class:`backends.rollout.engine.TurnStream`'s ``resume(row, forced,
+    max_new_tokens)`` is checked: ``closed`` per row, whether a row's turn is under way (``in_turn``), the tokens after
+    its prompt so far (``added``), and the stream's ``max_slots``. ``who`` names the call in the errors."""
+    if not 0 <= row < len(closed):
+        raise ValueError(f"{who}: row {row} is outside [0, {len(closed)})")
+    if closed[row]:
+        raise ValueError(f"{who}: row {row} was closed")
+    if in_turn(row):
+        raise ValueError(f"{who}: row {row} is still in its turn")
+    ids = [int(t) for t in forced]
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        raise ValueError(f"{who}: row {row}'s forced tokens are outside [0, {vocab_size})")
+    if max_new_tokens < 1:
+        raise ValueError(f"{who}: max_new_tokens must be >= 1, got {max_new_tokens}")
+    so_far = added(row)
+    if so_far + len(ids) + max_new_tokens > max_slots:
+        raise ValueError(
+            f"{who}: row {row} has {so_far} tokens after its prompt; {len(ids)} forced and up to {max_new_tokens} "
+            f"sampled tokens more would exceed max_slots={max_slots}"
+        )
+    return ids
 
 
 @attrs.frozen

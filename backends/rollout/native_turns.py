@@ -39,7 +39,15 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from backends.rollout.common import EndedTurn, HostCopy, SamplingConfig, left_pad, on_device, sample_tokens
+from backends.rollout.common import (
+    EndedTurn,
+    HostCopy,
+    SamplingConfig,
+    checked_turn,
+    left_pad,
+    on_device,
+    sample_tokens,
+)
 from backends.rollout.decoder import Decoder
 from backends.rollout.native_session import session_prompts
 from backends.rollout.paged_kv import blocks_for_request
@@ -129,24 +137,17 @@ class NativeTurnStream:
         """Start ``row``'s next turn: feed it ``forced`` (given tokens, never sampled: an observation), then sample up
         to an EOS or ``max_new_tokens`` tokens. Its first turn has no forced tokens."""
         self._check_open()
-        rows = len(self.queue)
-        if not 0 <= row < rows:
-            raise ValueError(f"NativeTurnStream.resume: row {row} is outside [0, {rows})")
-        if self.closed[row]:
-            raise ValueError(f"NativeTurnStream.resume: row {row} was closed")
-        if self.queue[row] is not None or row in self.turn:
-            raise ValueError(f"NativeTurnStream.resume: row {row} is still in its turn")
-        forced = [int(t) for t in forced]
-        vocab = self.rollout.vocab_size
-        if forced and not 0 <= min(forced) <= max(forced) < vocab:
-            raise ValueError(f"NativeTurnStream.resume: row {row}'s forced tokens are outside [0, {vocab})")
-        if max_new_tokens < 1:
-            raise ValueError(f"NativeTurnStream.resume: max_new_tokens must be >= 1, got {max_new_tokens}")
-        if self.added[row] + len(forced) + max_new_tokens > self.max_slots:
-            raise ValueError(
-                f"NativeTurnStream.resume: row {row} has {self.added[row]} tokens after its prompt; {len(forced)} "
-                f"forced and up to {max_new_tokens} sampled tokens more would exceed max_slots={self.max_slots}"
-            )
+        forced = checked_turn(
+            "NativeTurnStream.resume",
+            row,
+            forced,
+            max_new_tokens,
+            closed=self.closed,
+            in_turn=lambda r: self.queue[r] is not None or r in self.turn,
+            added=self.added.__getitem__,
+            vocab_size=self.rollout.vocab_size,
+            max_slots=self.max_slots,
+        )
         self.queue[row], self.limit[row] = forced, max_new_tokens
         self.turn[row] = ([], [], [])
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 import attrs
 
-from backends.rollout.common import EndedTurn, SamplingConfig
+from backends.rollout.common import EndedTurn, SamplingConfig, checked_turn
 from backends.rollout.vllm_requests import add_final_only, finished_outputs, ready_to_sample, to_sampling_params
 from backends.rollout.vllm_session import start_session, turn_seed
 
@@ -61,8 +61,6 @@ class VLLMTurnStream:
         self.running: dict[int, _Turn] = {}  #: row -> its turn under way
         self.row_of: dict[str, int] = {}  #: a running turn's request id -> its row
         self.name = f"turns-{next(_streams)}"
-        self.prompt_tokens = 0  #: token ids the turns submitted as prompts
-        self.cached_tokens = 0  #: of which vLLM found the KV in its prefix cache
         self.ended = False
 
     @property
@@ -75,25 +73,17 @@ class VLLMTurnStream:
         to an EOS or ``max_new_tokens`` tokens. Its first turn has no forced tokens."""
         if self.ended:
             raise RuntimeError("VLLMTurnStream.resume: the stream has ended")
-        rows = len(self.tokens)
-        if not 0 <= row < rows:
-            raise ValueError(f"VLLMTurnStream.resume: row {row} is outside [0, {rows})")
-        if self.closed[row]:
-            raise ValueError(f"VLLMTurnStream.resume: row {row} was closed")
-        if row in self.running:
-            raise ValueError(f"VLLMTurnStream.resume: row {row} is still in its turn")
-        forced = [int(t) for t in forced]
-        vocab = self.rollout.vocab_size
-        if forced and not 0 <= min(forced) <= max(forced) < vocab:
-            raise ValueError(f"VLLMTurnStream.resume: row {row}'s forced tokens are outside [0, {vocab})")
-        if max_new_tokens < 1:
-            raise ValueError(f"VLLMTurnStream.resume: max_new_tokens must be >= 1, got {max_new_tokens}")
-        added = len(self.tokens[row]) - self.prompt_lengths[row]
-        if added + len(forced) + max_new_tokens > self.max_slots:
-            raise ValueError(
-                f"VLLMTurnStream.resume: row {row} has {added} tokens after its prompt; {len(forced)} forced and up "
-                f"to {max_new_tokens} sampled tokens more would exceed max_slots={self.max_slots}"
-            )
+        forced = checked_turn(
+            "VLLMTurnStream.resume",
+            row,
+            forced,
+            max_new_tokens,
+            closed=self.closed,
+            in_turn=self.running.__contains__,
+            added=lambda r: len(self.tokens[r]) - self.prompt_lengths[r],
+            vocab_size=self.rollout.vocab_size,
+            max_slots=self.max_slots,
+        )
         one_turn = attrs.evolve(self.sampling, n=1, max_new_tokens=max_new_tokens)
         params = to_sampling_params(
             one_turn, self.rollout.eos_token_ids, seed=turn_seed(self.seed, row, self.turns[row])
@@ -113,8 +103,6 @@ class VLLMTurnStream:
             completion = output.outputs[0]
             new = list(completion.token_ids)
             self.tokens[row] += forced + new
-            self.prompt_tokens += len(output.prompt_token_ids)
-            self.cached_tokens += int(output.num_cached_tokens or 0)
             ended.append(
                 EndedTurn(
                     row=row,
